@@ -1,0 +1,257 @@
+"""The Python API: `ntio.load(path)` returns an `LLM` that generates, streams, chats and scores text.
+
+    >>> import ntio
+    >>> m = ntio.load()                       # default model, fetched on first use
+    >>> m.generate("The capital of France is", max_new_tokens=8).text
+    >>> for piece in m.stream("Tell me a joke", chat=True): print(piece, end="")
+    >>> m.perplexity(open("README.md").read()).perplexity
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from ntio.config import ModelConfig
+from ntio.engine import Engine, KVCache, ResidentLayers
+from ntio.errors import ContextOverflowError, NtioError
+from ntio.fetch import resolve_model
+from ntio.generation import Sampler, SamplingParams, generate_ids
+from ntio.gguf_file import GGUFFile
+from ntio.tokenizer import Tokenizer
+from ntio.weights import WeightLayout, load_global_weights, load_resident_block
+
+KV_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+@dataclass(frozen=True)
+class Completion:
+    text: str
+    token_ids: list[int]
+    n_prompt_tokens: int
+    n_generated_tokens: int
+    prefill_tok_s: float
+    decode_tok_s: float
+    finish_reason: str  # "stop" (a stop token or string), "length" (max_new_tokens or the context is full)
+
+
+@dataclass(frozen=True)
+class Perplexity:
+    perplexity: float
+    n_tokens: int  # tokens scored (every token of each window but its first)
+    ctx: int
+
+
+class TokenStream:
+    """Iterates over the text of each new token as it is generated; `.completion` is set when it ends."""
+
+    def __init__(self, pieces: Iterator[str]) -> None:
+        self._pieces = pieces
+        self.completion: Completion | None = None
+
+    def __iter__(self) -> Iterator[str]:
+        self.completion = yield from self._pieces
+
+
+class LLM:
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        *,
+        device: str = "cpu",
+        kv_dtype: str = "float32",
+        max_context: int | None = None,
+    ) -> None:
+        if kv_dtype not in KV_DTYPES:
+            raise NtioError(f"--kv-dtype must be one of {', '.join(KV_DTYPES)}, got {kv_dtype!r}")
+        self.path = Path(path)
+        self.file = GGUFFile(self.path)
+        self.config = ModelConfig.from_gguf(self.file)
+        self.tokenizer = Tokenizer.from_gguf(self.file)
+        layout = WeightLayout(self.file, self.config)
+        self.device = torch.device(device)
+        capacity = self.config.context_length if max_context is None else max_context
+        if capacity < 1:
+            raise NtioError(f"--ctx-size must be >= 1, got {capacity}")
+        with torch.inference_mode():
+            globals_ = load_global_weights(layout, self.device)
+            blocks = [load_resident_block(layout, i, self.device) for i in range(self.config.n_layers)]
+        kv = KVCache(self.config, capacity, KV_DTYPES[kv_dtype], self.device)
+        self.engine = Engine(self.config, globals_, ResidentLayers(blocks), kv)
+        self._cached_ids: list[int] = []  # token ids whose K/V are in the cache, for prompt-prefix reuse
+
+    # -- prompts ---------------------------------------------------------------------------------------------
+
+    def encode_prompt(self, prompt: str | Sequence[int], *, chat: bool = False, system: str | None = None) -> list[int]:
+        """Token ids for a prompt: ids pass through; with chat=True text is wrapped in the model's chat template."""
+        if not isinstance(prompt, str):
+            ids = [int(t) for t in prompt]
+            bad = [t for t in ids if not 0 <= t < self.config.vocab_size]
+            if bad:
+                raise NtioError(f"prompt token id {bad[0]} is outside the vocabulary (0..{self.config.vocab_size - 1})")
+            return ids
+        if chat:
+            messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
+            return self.encode_messages(messages)
+        return self.tokenizer.encode(prompt)
+
+    def encode_messages(self, messages: Sequence[dict[str, str]]) -> list[int]:
+        """Token ids of a conversation rendered with the model's chat template, ready for the assistant's turn."""
+        return self.tokenizer.encode(self.tokenizer.render_chat(list(messages)), add_bos=False, special=True)
+
+    # -- generation ------------------------------------------------------------------------------------------
+
+    def stream(
+        self,
+        prompt: str | Sequence[int],
+        max_new_tokens: int = 128,
+        *,
+        chat: bool = False,
+        system: str | None = None,
+        temperature: float = 0.0,
+        top_k: int = 0,
+        top_p: float = 1.0,
+        repetition_penalty: float = 1.0,
+        seed: int | None = None,
+        stop: Sequence[str] = (),
+    ) -> TokenStream:
+        """Generate lazily: iterate for text pieces; the stream's `.completion` holds the result at the end."""
+        params = SamplingParams(temperature, top_k, top_p, repetition_penalty, seed)
+        if max_new_tokens < 1:
+            raise NtioError(f"--max-new-tokens must be >= 1, got {max_new_tokens}")
+        prompt_ids = self.encode_prompt(prompt, chat=chat, system=system)
+        if not prompt_ids:
+            raise NtioError("the prompt is empty (no tokens)")
+        if len(prompt_ids) >= self.engine.kv.capacity:
+            raise ContextOverflowError(
+                f"the prompt has {len(prompt_ids)} tokens but the context holds {self.engine.kv.capacity} "
+                f"(model context_length {self.config.context_length})"
+            )
+        return TokenStream(self._generate(prompt_ids, max_new_tokens, Sampler(params, self.device), tuple(stop)))
+
+    def generate(self, prompt: str | Sequence[int], max_new_tokens: int = 128, **kwargs) -> Completion:
+        """Generate and return the whole completion. Keyword arguments as for `stream`."""
+        stream = self.stream(prompt, max_new_tokens, **kwargs)
+        for _ in stream:
+            pass
+        assert stream.completion is not None
+        return stream.completion
+
+    def _generate(
+        self, prompt_ids: list[int], max_new_tokens: int, sampler: Sampler, stop: tuple[str, ...]
+    ) -> Iterator[str]:
+        # Reuse the longest cached prefix, but always recompute at least the last prompt token for its logits.
+        reuse = _common_prefix(self._cached_ids, prompt_ids, limit=len(prompt_ids) - 1)
+        self._cached_ids = prompt_ids[:reuse]
+        detok = self.tokenizer.stream()
+        stops = StopStrings(stop)
+        text, generated, finish = "", [], "length"
+        t0 = time.perf_counter()
+        t_first = t0
+        for token in generate_ids(self.engine, prompt_ids, max_new_tokens, sampler, self.tokenizer.stop_ids, reuse):
+            if not generated:
+                t_first = time.perf_counter()
+            generated.append(token)
+            if token in self.tokenizer.stop_ids:
+                finish = "stop"
+                break
+            piece, hit = stops.push(detok.push(token))
+            text += piece
+            if piece:
+                yield piece
+            if hit:
+                finish = "stop"
+                break
+        if (rest := stops.flush()):  # text held back for a stop string that never completed
+            text += rest
+            yield rest
+        t_end = time.perf_counter()
+        # Every yielded token but the last went back through forward(): those are the cached positions.
+        self._cached_ids = prompt_ids + generated[:-1]
+        n_decoded = len(generated) - 1
+        return Completion(
+            text=text,
+            token_ids=generated,
+            n_prompt_tokens=len(prompt_ids),
+            n_generated_tokens=len(generated),
+            prefill_tok_s=(len(prompt_ids) - reuse) / max(t_first - t0, 1e-9),
+            decode_tok_s=n_decoded / (t_end - t_first) if n_decoded > 0 else 0.0,
+            finish_reason=finish,
+        )
+
+    # -- scoring ---------------------------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def perplexity(self, text: str, ctx: int = 512) -> Perplexity:
+        """exp(mean NLL) over consecutive non-overlapping windows of `ctx` tokens.
+
+        The text is tokenized as one string without special tokens (BOS only if the model's metadata asks for
+        it); every token of a window except its first is scored, given the tokens before it in that window.
+        """
+        if ctx < 2:
+            raise NtioError(f"--ctx must be >= 2, got {ctx}")
+        if ctx > self.engine.kv.capacity:
+            raise ContextOverflowError(f"--ctx {ctx} exceeds the context of {self.engine.kv.capacity} tokens")
+        ids = torch.tensor(self.tokenizer.encode(text), dtype=torch.int64, device=self.device)
+        if ids.numel() < 2:
+            raise NtioError(f"the text has {ids.numel()} token(s); perplexity needs at least 2")
+        total_nll, count = 0.0, 0
+        for start in range(0, ids.numel(), ctx):
+            window = ids[start : start + ctx]
+            if window.numel() < 2:
+                break
+            logits = self.engine.forward(window, 0, all_logits=True)
+            total_nll += float(F.cross_entropy(logits[:-1].float(), window[1:], reduction="sum"))
+            count += window.numel() - 1
+        self._cached_ids = []
+        return Perplexity(perplexity=math.exp(total_nll / count), n_tokens=count, ctx=ctx)
+
+
+def _common_prefix(a: Sequence[int], b: Sequence[int], limit: int) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if n >= limit or x != y:
+            break
+        n += 1
+    return n
+
+
+class StopStrings:
+    """Cuts generated text at the first stop string, holding back any tail that could still begin one."""
+
+    def __init__(self, stops: tuple[str, ...]) -> None:
+        self.stops = tuple(s for s in stops if s)
+        self.pending = ""
+
+    def push(self, piece: str) -> tuple[str, bool]:
+        """Add new text; return (text safe to emit, whether a stop string was reached)."""
+        self.pending += piece
+        hits = [i for s in self.stops if (i := self.pending.find(s)) != -1]
+        if hits:
+            out, self.pending = self.pending[: min(hits)], ""
+            return out, True
+        keep = max((k for s in self.stops for k in range(1, len(s)) if self.pending.endswith(s[:k])), default=0)
+        out, self.pending = self.pending[: len(self.pending) - keep], self.pending[len(self.pending) - keep :]
+        return out, False
+
+    def flush(self) -> str:
+        out, self.pending = self.pending, ""
+        return out
+
+
+def load(
+    model: str | os.PathLike[str] | None = None,
+    *,
+    device: str = "cpu",
+    kv_dtype: str = "float32",
+    max_context: int | None = None,
+) -> LLM:
+    """Load a GGUF model (the default SmolLM2-135M-Instruct when `model` is None)."""
+    return LLM(resolve_model(model), device=device, kv_dtype=kv_dtype, max_context=max_context)

@@ -1,0 +1,98 @@
+"""Sampling and the token-by-token generation loop.
+
+`SamplingParams` is the user's choice (validated with the option named); `Sampler` turns last-position logits
+into a token id; `generate_ids` runs prefill then decode, yielding each token as soon as it is chosen.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+
+from ntio.engine import Engine
+from ntio.errors import NtioError
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """temperature 0 means greedy; top_k 0 and top_p 1 disable those filters; repetition_penalty 1 disables it."""
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    repetition_penalty: float = 1.0
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        if not self.temperature >= 0:
+            raise NtioError(f"--temperature must be >= 0, got {self.temperature}")
+        if self.top_k < 0:
+            raise NtioError(f"--top-k must be >= 0, got {self.top_k}")
+        if not 0 < self.top_p <= 1:
+            raise NtioError(f"--top-p must be in (0, 1], got {self.top_p}")
+        if not self.repetition_penalty > 0:
+            raise NtioError(f"--repetition-penalty must be > 0, got {self.repetition_penalty}")
+
+
+class Sampler:
+    def __init__(self, params: SamplingParams, device: torch.device | str = "cpu") -> None:
+        self.params = params
+        self.generator = torch.Generator(device=device)
+        if params.seed is not None:
+            self.generator.manual_seed(params.seed)
+        else:
+            self.generator.seed()
+
+    def __call__(self, logits: torch.Tensor, history: torch.Tensor) -> int:
+        """logits: [V] float; history: [n] int64 ids seen so far (prompt and generated) for the penalty."""
+        p = self.params
+        if p.repetition_penalty != 1.0 and history.numel():
+            # CTRL / transformers convention: shrink the logit of every seen token towards "less likely".
+            seen = history.unique()
+            scores = logits[seen]
+            logits = logits.clone()
+            logits[seen] = torch.where(scores > 0, scores / p.repetition_penalty, scores * p.repetition_penalty)
+        if p.temperature == 0:
+            return int(logits.argmax())
+        logits = logits.float() / p.temperature
+        if p.top_k and p.top_k < logits.numel():
+            kth = torch.topk(logits, p.top_k).values[-1]
+            logits = logits.masked_fill(logits < kth, float("-inf"))
+        if p.top_p < 1.0:
+            sorted_logits, order = logits.sort(descending=True)
+            sorted_probs = sorted_logits.softmax(-1)
+            # Drop a token once the mass before it already reaches top_p; the most likely token always stays.
+            drop = (sorted_probs.cumsum(-1) - sorted_probs) >= p.top_p
+            logits = logits.scatter(0, order, sorted_logits.masked_fill(drop, float("-inf")))
+        probs = logits.softmax(-1)
+        return int(torch.multinomial(probs, 1, generator=self.generator))
+
+
+def generate_ids(
+    engine: Engine,
+    prompt_ids: list[int],
+    max_new_tokens: int,
+    sampler: Sampler,
+    stop_ids: frozenset[int],
+    cached_prefix: int = 0,
+) -> Iterator[int]:
+    """Prefill prompt_ids (reusing the first `cached_prefix` positions already in the KV cache), then decode.
+
+    Yields each new token id; stops after a stop id (which is yielded), after max_new_tokens, or when the context
+    is full.
+    """
+    device = engine.globals.token_embd.device
+    history = torch.tensor(prompt_ids, dtype=torch.int64, device=device)
+    logits = engine.forward(history[cached_prefix:], cached_prefix)
+    position = len(prompt_ids)
+    for step in range(max_new_tokens):
+        token = sampler(logits, history)
+        yield token
+        if token in stop_ids or step == max_new_tokens - 1 or position >= engine.kv.capacity:
+            return
+        token_t = torch.tensor([token], dtype=torch.int64, device=device)
+        history = torch.cat((history, token_t))
+        logits = engine.forward(token_t, position)
+        position += 1

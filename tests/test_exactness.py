@@ -1,0 +1,161 @@
+"""ntio against Hugging Face transformers loading the same GGUF on CPU in float32 (the independent oracle).
+
+Covers the real default model (SmolLM2-135M-Instruct Q4_1) and a synthetic model with the tensor types, an
+untied output head and GQA ratios SmolLM2 lacks.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import gguf
+import pytest
+import torch
+
+import ntio
+from ntio.synth import SynthSpec, write_synthetic_gguf
+
+transformers = pytest.importorskip("transformers")
+
+PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):\n    ",
+    "Once upon a time, in a small village by the sea,",
+    "The three primary colors are",
+    "Water boils at a temperature of",
+    "In 1969, the first humans landed on",
+]
+PPL_TEXT = Path(__file__).parent / "data" / "apache-2.0.txt"
+
+
+def hf_model(path: Path):
+    return transformers.AutoModelForCausalLM.from_pretrained(
+        str(path.parent), gguf_file=path.name, dtype=torch.float32
+    ).eval()
+
+
+def rel_l2(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.double() - b.double()).norm() / b.double().norm())
+
+
+@pytest.fixture(scope="module")
+def hf_smollm2(smollm2_path):
+    return hf_model(smollm2_path)
+
+
+@pytest.fixture(scope="module")
+def hf_tokenizer(smollm2_path):
+    return transformers.AutoTokenizer.from_pretrained(str(smollm2_path.parent), gguf_file=smollm2_path.name)
+
+
+@pytest.fixture(scope="module")
+def smollm2(smollm2_path):
+    return ntio.load(smollm2_path, max_context=1024)
+
+
+@torch.inference_mode()
+def test_last_position_logits_match_transformers(smollm2, hf_smollm2):
+    for prompt in PROMPTS:
+        ids = smollm2.encode_prompt(prompt)
+        ours = smollm2.engine.forward(torch.tensor(ids), 0)
+        ref = hf_smollm2(torch.tensor([ids])).logits[0, -1]
+        assert rel_l2(ours, ref) <= 1e-4, prompt
+
+
+@torch.inference_mode()
+def test_all_position_logits_match_in_chunks(smollm2, hf_smollm2):
+    """Prefill split into chunks at explicit positions (T > 1 on a warm cache) equals one full pass."""
+    ids = smollm2.encode_prompt(PROMPTS[2] + " " + PROMPTS[3])
+    ref = hf_smollm2(torch.tensor([ids])).logits[0]
+    a = smollm2.engine.forward(torch.tensor(ids[:5]), 0, all_logits=True)
+    b = smollm2.engine.forward(torch.tensor(ids[5:9]), 5, all_logits=True)
+    c = smollm2.engine.forward(torch.tensor(ids[9:]), 9, all_logits=True)
+    assert rel_l2(torch.cat((a, b, c)), ref) <= 1e-4
+
+
+@torch.inference_mode()
+def test_kv_crop_then_recompute_matches(smollm2, hf_smollm2):
+    ids = smollm2.encode_prompt(PROMPTS[0])
+    smollm2.engine.forward(torch.tensor(ids + [42, 43, 44]), 0)
+    smollm2.engine.kv.crop(len(ids) - 1)
+    ours = smollm2.engine.forward(torch.tensor(ids[-1:]), len(ids) - 1)
+    ref = hf_smollm2(torch.tensor([ids])).logits[0, -1]
+    assert rel_l2(ours, ref) <= 1e-4
+
+
+@torch.inference_mode()
+def test_greedy_64_tokens_identical(smollm2, hf_smollm2):
+    for prompt in (PROMPTS[0], PROMPTS[2]):
+        ids = smollm2.encode_prompt(prompt)
+        out = hf_smollm2.generate(
+            torch.tensor([ids]), max_new_tokens=64, do_sample=False, output_scores=True, return_dict_in_generate=True,
+            eos_token_id=None, pad_token_id=0,
+        )
+        ref_tokens = out.sequences[0, len(ids) :].tolist()
+        # The comparison is only meaningful without near-ties along the reference trajectory.
+        margins = [float(s[0].topk(2).values[0] - s[0].topk(2).values[1]) for s in out.scores]
+        assert min(margins) > 1e-3, f"{prompt!r} has a near-tie; pick another prompt"
+        ours = smollm2.generate(ids, max_new_tokens=64, temperature=0.0)
+        assert ours.token_ids == ref_tokens[: len(ours.token_ids)]
+        assert len(ours.token_ids) == 64 or ours.finish_reason == "stop"
+
+
+def test_perplexity_within_half_percent(smollm2, hf_smollm2, hf_tokenizer):
+    text = PPL_TEXT.read_text()
+    ctx = 512
+    ours = smollm2.perplexity(text, ctx=ctx)
+    # Same convention with the reference: one tokenization, no special tokens, non-overlapping windows,
+    # every token of a window scored but its first.
+    ids = hf_tokenizer(text, add_special_tokens=False).input_ids
+    nll, count = 0.0, 0
+    with torch.inference_mode():
+        for start in range(0, len(ids), ctx):
+            window = ids[start : start + ctx]
+            if len(window) < 2:
+                break
+            logits = hf_smollm2(torch.tensor([window])).logits[0]
+            nll += float(torch.nn.functional.cross_entropy(logits[:-1], torch.tensor(window[1:]), reduction="sum"))
+            count += len(window) - 1
+    ref = float(torch.tensor(nll / count).exp())
+    assert ours.n_tokens == count
+    assert abs(ours.perplexity - ref) / ref <= 0.005
+
+
+def test_chat_answers_paris(smollm2):
+    reply = smollm2.generate("What is the capital of France?", chat=True, max_new_tokens=32)
+    assert "Paris" in reply.text
+
+
+SYNTH_TYPES = {
+    "attn_q": gguf.GGMLQuantizationType.Q4_K,
+    "attn_k": gguf.GGMLQuantizationType.Q5_K,
+    "attn_v": gguf.GGMLQuantizationType.Q6_K,
+    "attn_output": gguf.GGMLQuantizationType.Q5_0,
+    "ffn_gate": gguf.GGMLQuantizationType.Q4_0,
+    "ffn_up": gguf.GGMLQuantizationType.Q5_1,
+    "ffn_down": gguf.GGMLQuantizationType.Q8_0,
+}
+
+
+@pytest.mark.parametrize(
+    "name,spec",
+    [
+        ("mixed-quant", SynthSpec(n_layers=3, d_model=256, d_ff=512, n_heads=8, n_kv_heads=2, part_types=SYNTH_TYPES,
+                                  embd_type=gguf.GGMLQuantizationType.Q6_K,
+                                  output_type=gguf.GGMLQuantizationType.Q4_K, seed=1)),
+        ("float", SynthSpec(n_layers=2, d_model=128, d_ff=256, n_heads=4, n_kv_heads=4,
+                            matrix_type=gguf.GGMLQuantizationType.F16, part_types={
+                                "ffn_down": gguf.GGMLQuantizationType.BF16, "attn_q": gguf.GGMLQuantizationType.F32},
+                            embd_type=gguf.GGMLQuantizationType.F16, output_type=gguf.GGMLQuantizationType.BF16,
+                            seed=2)),
+    ],
+)
+@torch.inference_mode()
+def test_synthetic_model_logits_match_transformers(tmp_path, name, spec):
+    path = write_synthetic_gguf(tmp_path / f"{name}.gguf", spec)
+    ours = ntio.load(path, max_context=64)
+    ref = hf_model(path)
+    ids = torch.randint(0, spec.vocab_size, (17,), generator=torch.Generator().manual_seed(0))
+    got = ours.engine.forward(ids, 0, all_logits=True)
+    want = ref(ids[None]).logits[0]
+    assert rel_l2(got, want) <= 1e-4
