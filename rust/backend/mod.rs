@@ -1,0 +1,212 @@
+//! I/O backends and what they share: opening the file (O_DIRECT or not), probing which backend
+//! works here, the batch being executed, and the per-request bookkeeping of short reads.
+//!
+//! - `io_uring`: O_DIRECT reads through a ring (`uring.rs`), READ_FIXED into registered slots;
+//! - `pread`: O_DIRECT `pread` from a few threads (`pread.rs`), where io_uring is unavailable;
+//! - `buffered`: the same threads without O_DIRECT, where the filesystem refuses it (tmpfs).
+
+pub mod pread;
+pub mod uring;
+
+use std::fs::{File, OpenOptions};
+use std::os::fd::AsRawFd;
+use std::os::unix::fs::OpenOptionsExt;
+use std::path::{Path, PathBuf};
+
+use crate::destination::Destination;
+use crate::error::{Error, Result};
+use crate::extent::{Request, Target};
+use crate::staging::{AlignedBuf, SLOT_ALIGNMENT};
+
+/// Environment variable that forces a backend when the caller does not name one.
+pub const BACKEND_ENV: &str = "NTIO_IO_BACKEND";
+
+/// Alignment assumed for O_DIRECT when the kernel does not report one.
+const DEFAULT_DIRECT_ALIGNMENT: usize = 4096;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Backend {
+    IoUring,
+    Pread,
+    Buffered,
+}
+
+impl Backend {
+    pub const ALL: [Backend; 3] = [Backend::IoUring, Backend::Pread, Backend::Buffered];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Backend::IoUring => "io_uring",
+            Backend::Pread => "pread",
+            Backend::Buffered => "buffered",
+        }
+    }
+
+    pub fn parse(name: &str) -> Result<Self> {
+        Self::ALL.into_iter().find(|b| b.name() == name).ok_or_else(|| {
+            Error::InvalidArgument(format!("unknown I/O backend {name:?} (expected io_uring, pread or buffered)"))
+        })
+    }
+
+    /// The backend named by `NTIO_IO_BACKEND`, if set and not empty.
+    pub fn from_env() -> Result<Option<Self>> {
+        match std::env::var(BACKEND_ENV) {
+            Ok(name) if !name.is_empty() => Self::parse(&name).map(Some),
+            _ => Ok(None),
+        }
+    }
+}
+
+/// The file being read, with what the backends need to know about it.
+pub struct OpenFile {
+    pub file: File,
+    pub path: PathBuf,
+    pub size: u64,
+    /// Offsets, lengths and memory of O_DIRECT reads must be multiples of this; 1 when buffered.
+    pub alignment: usize,
+}
+
+impl OpenFile {
+    fn open(path: &Path, direct: bool) -> Result<Self> {
+        let open_error = |err: std::io::Error| Error::Open { path: path.to_path_buf(), errno: crate::error::errno_of(&err) };
+        let file = OpenOptions::new()
+            .read(true)
+            .custom_flags(if direct { libc::O_DIRECT } else { 0 })
+            .open(path)
+            .map_err(open_error)?;
+        let size = file.metadata().map_err(open_error)?.len();
+        let alignment = if direct { direct_io_alignment(&file) } else { 1 };
+        Ok(Self { file, path: path.to_path_buf(), size, alignment })
+    }
+}
+
+/// The file's O_DIRECT alignment from statx (STATX_DIOALIGN, Linux 6.1+), else 4096.
+fn direct_io_alignment(file: &File) -> usize {
+    // SAFETY: statx is plain old data; all-zero is a valid value.
+    let mut stx: libc::statx = unsafe { std::mem::zeroed() };
+    // SAFETY: the descriptor is open, the empty C string with AT_EMPTY_PATH names that
+    // descriptor, and stx is a writable statx buffer.
+    let rc = unsafe {
+        libc::statx(file.as_raw_fd(), c"".as_ptr(), libc::AT_EMPTY_PATH, libc::STATX_DIOALIGN, &mut stx)
+    };
+    let reported = stx.stx_dio_offset_align.max(stx.stx_dio_mem_align) as usize;
+    if rc == 0 && stx.stx_mask & libc::STATX_DIOALIGN != 0 && reported.is_power_of_two() {
+        reported
+    } else {
+        DEFAULT_DIRECT_ALIGNMENT
+    }
+}
+
+/// Open `path` for the `requested` backend, or for the best one that works here:
+/// io_uring if a ring can be created, else pread; buffered where O_DIRECT is refused.
+/// A requested backend that cannot work is an error, never a silent fallback.
+/// Returns the probe's ring when io_uring is chosen, so it is not created twice.
+pub fn open(path: &Path, requested: Option<Backend>, queue_depth: u32) -> Result<(OpenFile, Backend, Option<uring::Ring>)> {
+    let unavailable = |backend: Backend, reason: String| Error::BackendUnavailable {
+        path: path.to_path_buf(),
+        backend: backend.name(),
+        reason,
+    };
+    if requested == Some(Backend::Buffered) {
+        return Ok((OpenFile::open(path, false)?, Backend::Buffered, None));
+    }
+    let file = match OpenFile::open(path, true) {
+        Err(Error::Open { errno: libc::EINVAL, .. }) => match requested {
+            Some(backend) => return Err(unavailable(backend, "the filesystem refuses O_DIRECT".into())),
+            None => return Ok((OpenFile::open(path, false)?, Backend::Buffered, None)),
+        },
+        opened => opened?,
+    };
+    if requested == Some(Backend::Pread) {
+        return Ok((file, Backend::Pread, None));
+    }
+    match uring::Ring::new(queue_depth) {
+        Ok(ring) => Ok((file, Backend::IoUring, Some(ring))),
+        Err(err) if requested == Some(Backend::IoUring) => {
+            Err(unavailable(Backend::IoUring, format!("cannot create a ring: {err}")))
+        }
+        Err(_) => Ok((file, Backend::Pread, None)),
+    }
+}
+
+/// Planned requests and the destination they fill. Owning the destination ties a slot's
+/// in-flight mark to the batch: it is cleared only when the batch is dropped, after all I/O.
+pub struct Batch {
+    pub requests: Vec<Request>,
+    pub dest: Destination,
+    /// Size of one bounce region: the longest bounce request, 0 when nothing bounces.
+    pub bounce_len: usize,
+}
+
+impl Batch {
+    pub fn new(requests: Vec<Request>, dest: Destination) -> Self {
+        let bounce_len = requests
+            .iter()
+            .filter(|r| matches!(r.target, Target::Bounce { .. }))
+            .map(|r| r.len)
+            .max()
+            .unwrap_or(0);
+        Self { requests, dest, bounce_len }
+    }
+
+    /// `n` bounce regions of `bounce_len` bytes, aligned for O_DIRECT; `None` if nothing bounces.
+    pub fn bounce_regions(&self, n: usize, alignment: usize) -> Result<Option<AlignedBuf>> {
+        if self.bounce_len == 0 {
+            return Ok(None);
+        }
+        AlignedBuf::new(n * self.bounce_len, alignment.max(SLOT_ALIGNMENT)).map(Some)
+    }
+
+    /// Where the next byte of `req` goes after `done` bytes; `region` is its bounce region.
+    pub fn read_ptr(&self, req: &Request, region: *mut u8, done: usize) -> *mut u8 {
+        let base = match req.target {
+            // SAFETY: validate() and plan() keep dest_offset + len within the destination.
+            Target::Direct { dest_offset } => unsafe { self.dest.as_ptr().add(dest_offset) },
+            Target::Bounce { .. } => region,
+        };
+        // SAFETY: done < req.len, and the region or destination range holds req.len bytes.
+        unsafe { base.add(done) }
+    }
+
+    /// Finish a fully read request: copy its wanted bytes out of the bounce region.
+    pub fn complete(&self, req: &Request, region: *const u8) {
+        if let Target::Bounce { skip, dest_offset } = req.target {
+            // SAFETY: the kernel wrote region[..needed]; dest_offset + (needed - skip) lies in the
+            // destination (validated); a bounce region never overlaps the destination.
+            unsafe {
+                std::ptr::copy_nonoverlapping(region.add(skip), self.dest.as_ptr().add(dest_offset), req.needed - skip)
+            }
+        }
+    }
+}
+
+#[derive(Debug, PartialEq, Eq)]
+pub enum Progress {
+    /// The request has all the bytes it needs.
+    Finished,
+    /// Read again from `file_offset + done` (short read, EINTR, EAGAIN).
+    Again,
+}
+
+/// Account for one read of `req` that returned `result` (bytes, or an errno) after `done` bytes.
+pub fn advance(file: &OpenFile, req: &Request, done: &mut usize, result: Result<usize, i32>) -> Result<Progress> {
+    match result {
+        Ok(0) => Err(Error::UnexpectedEof {
+            path: file.path.clone(),
+            offset: req.file_offset,
+            length: req.needed as u64,
+            end_of_file: req.file_offset + *done as u64,
+        }),
+        Ok(n) => {
+            *done += n;
+            Ok(if *done >= req.needed { Progress::Finished } else { Progress::Again })
+        }
+        Err(libc::EINTR | libc::EAGAIN) => Ok(Progress::Again),
+        Err(errno) => Err(Error::Io {
+            path: file.path.clone(),
+            offset: req.file_offset + *done as u64,
+            length: (req.len - *done) as u64,
+            errno,
+        }),
+    }
+}
