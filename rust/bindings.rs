@@ -1,9 +1,286 @@
-//! Python bindings (`ntio._core`). The only module that knows about pyo3.
+//! Python bindings (`ntio._core`). The only module that knows about pyo3: it converts
+//! arguments, releases the GIL around blocking calls and maps `Error` to Python exceptions.
 
+use std::time::Duration;
+
+use pyo3::exceptions::{PyOSError, PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
+
+use crate::backend::Backend;
+use crate::destination::Destination;
+use crate::error::Error;
+use crate::extent::Extent;
+use crate::reader::{Pending, Reader as CoreReader, ReaderOptions};
+use crate::staging::{Slot as CoreSlot, StagingPool as CorePool};
+
+pyo3::create_exception!(ntio._core, ReadError, PyOSError, "A read or open failed: .path, .offset, .length, .errno.");
+pyo3::create_exception!(ntio._core, BufferError, PyValueError, "A destination cannot take the extents (too small, slot not acquired).");
+pyo3::create_exception!(ntio._core, SlotBusyError, PyRuntimeError, "A staging slot is in flight, or no slot is free.");
+pyo3::create_exception!(ntio._core, BackendUnavailableError, PyOSError, "A forced I/O backend cannot work on this file or system.");
+
+impl From<Error> for PyErr {
+    fn from(err: Error) -> PyErr {
+        let message = err.to_string();
+        match err {
+            Error::Open { path, errno } => read_error(message, path, None, None, Some(errno)),
+            Error::Io { path, offset, length, errno } => read_error(message, path, Some(offset), Some(length), Some(errno)),
+            Error::UnexpectedEof { path, offset, length, .. } => read_error(message, path, Some(offset), Some(length), None),
+            Error::DestinationTooSmall { .. } | Error::SlotNotAcquired { .. } => BufferError::new_err(message),
+            Error::SlotBusy { .. } | Error::NoFreeSlot { .. } => SlotBusyError::new_err(message),
+            Error::BackendUnavailable { .. } => BackendUnavailableError::new_err(message),
+            Error::System { errno, .. } => PyOSError::new_err((errno, message)),
+            Error::InvalidArgument(_) => PyValueError::new_err(message),
+        }
+    }
+}
+
+/// A `ReadError` whose message is the one-line description, with its context as attributes.
+fn read_error(message: String, path: std::path::PathBuf, offset: Option<u64>, length: Option<u64>, errno: Option<i32>) -> PyErr {
+    Python::attach(|py| {
+        let err = ReadError::new_err(message);
+        let value = err.value(py);
+        // `strerror` and `filename` stay unset: OSError.__str__ would replace the message.
+        let set = || -> PyResult<()> {
+            value.setattr("path", path.display().to_string())?;
+            value.setattr("offset", offset)?;
+            value.setattr("length", length)?;
+            value.setattr("errno", errno)
+        };
+        if let Err(failure) = set() {
+            return failure;
+        }
+        err
+    })
+}
+
+fn to_extents(list: Vec<(u64, usize, usize)>) -> Vec<Extent> {
+    list.into_iter().map(|(file_offset, length, dest_offset)| Extent { file_offset, length, dest_offset }).collect()
+}
+
+/// Caller-owned memory given by address. The caller (the `ntio.io` facade) keeps its owner alive.
+fn external(address: usize, nbytes: usize) -> PyResult<Destination> {
+    if address == 0 && nbytes > 0 {
+        return Err(BufferError::new_err("destination address is NULL"));
+    }
+    // SAFETY: Python promises `nbytes` writable bytes at `address` for the duration of the
+    // read; `read_into_address` holds the caller's frame, `ReadHandle` holds the owner and
+    // waits for the I/O before letting it go.
+    Ok(unsafe { Destination::external(address as *mut u8, nbytes) })
+}
+
+#[pyclass(frozen, module = "ntio._core")]
+pub struct Reader {
+    inner: CoreReader,
+}
+
+#[pymethods]
+impl Reader {
+    #[new]
+    #[pyo3(signature = (path, backend=None, queue_depth=32, request_size=1 << 20))]
+    fn new(py: Python<'_>, path: std::path::PathBuf, backend: Option<&str>, queue_depth: usize, request_size: usize) -> PyResult<Self> {
+        let backend = backend.map(Backend::parse).transpose()?;
+        let options = ReaderOptions { backend, queue_depth, request_size };
+        Ok(Self { inner: py.detach(|| CoreReader::open(path, options))? })
+    }
+
+    #[getter]
+    fn backend(&self) -> &'static str {
+        self.inner.backend().name()
+    }
+
+    #[getter]
+    fn path(&self) -> String {
+        self.inner.path().display().to_string()
+    }
+
+    #[getter]
+    fn file_size(&self) -> u64 {
+        self.inner.file_size()
+    }
+
+    #[getter]
+    fn alignment(&self) -> usize {
+        self.inner.alignment()
+    }
+
+    #[getter]
+    fn queue_depth(&self) -> usize {
+        self.inner.queue_depth()
+    }
+
+    #[getter]
+    fn request_size(&self) -> usize {
+        self.inner.request_size()
+    }
+
+    /// Read extents `(file_offset, length, dest_offset)` into `slot` and wait.
+    fn read(&self, py: Python<'_>, extents: Vec<(u64, usize, usize)>, slot: &Slot) -> PyResult<()> {
+        let (extents, dest) = (to_extents(extents), Destination::slot(&slot.inner)?);
+        Ok(py.detach(|| self.inner.read(&extents, dest))?)
+    }
+
+    /// Start reading extents into `slot`; returns a handle to poll or wait on.
+    fn submit(&self, extents: Vec<(u64, usize, usize)>, slot: &Slot) -> PyResult<ReadHandle> {
+        let pending = self.inner.submit(&to_extents(extents), Destination::slot(&slot.inner)?)?;
+        Ok(ReadHandle { pending, owner: None })
+    }
+
+    /// Read extents into `nbytes` of caller-owned memory at `address` and wait.
+    fn read_into_address(&self, py: Python<'_>, extents: Vec<(u64, usize, usize)>, address: usize, nbytes: usize) -> PyResult<()> {
+        let (extents, dest) = (to_extents(extents), external(address, nbytes)?);
+        Ok(py.detach(|| self.inner.read(&extents, dest))?)
+    }
+
+    /// Start reading extents into memory at `address`; the handle keeps `owner` alive until
+    /// the read has ended and the handle is gone.
+    #[pyo3(signature = (extents, address, nbytes, owner=None))]
+    fn submit_into_address(&self, extents: Vec<(u64, usize, usize)>, address: usize, nbytes: usize, owner: Option<Py<PyAny>>) -> PyResult<ReadHandle> {
+        let pending = self.inner.submit(&to_extents(extents), external(address, nbytes)?)?;
+        Ok(ReadHandle { pending, owner })
+    }
+
+    fn __repr__(&self) -> String {
+        format!("Reader({:?}, backend={:?}, alignment={})", self.inner.path(), self.inner.backend().name(), self.inner.alignment())
+    }
+}
+
+/// A submitted batch. Dropping it waits (without the GIL) for its I/O before its owner goes.
+#[pyclass(frozen, module = "ntio._core")]
+pub struct ReadHandle {
+    pending: Pending,
+    owner: Option<Py<PyAny>>,
+}
+
+#[pymethods]
+impl ReadHandle {
+    /// True once the batch has finished (successfully or not).
+    fn poll(&self) -> bool {
+        self.pending.poll()
+    }
+
+    /// Wait for the batch; raises its error, if any.
+    fn wait(&self, py: Python<'_>) -> PyResult<()> {
+        Ok(py.detach(|| self.pending.wait())?)
+    }
+
+    /// The object whose memory is being read into (None for slots).
+    #[getter]
+    fn owner(&self, py: Python<'_>) -> Option<Py<PyAny>> {
+        self.owner.as_ref().map(|o| o.clone_ref(py))
+    }
+}
+
+impl Drop for ReadHandle {
+    fn drop(&mut self) {
+        // Fields drop after this: `owner` (the destination's memory) only once I/O has ended.
+        Python::attach(|py| py.detach(|| self.pending.wait().ok()));
+    }
+}
+
+#[pyclass(frozen, module = "ntio._core")]
+pub struct StagingPool {
+    inner: CorePool,
+}
+
+#[pymethods]
+impl StagingPool {
+    #[new]
+    fn new(n_slots: usize, slot_size: usize) -> PyResult<Self> {
+        Ok(Self { inner: CorePool::new(n_slots, slot_size)? })
+    }
+
+    /// Take a free slot. `timeout` in seconds: 0 raises SlotBusyError at once when none is
+    /// free, None waits as long as it takes.
+    #[pyo3(signature = (timeout=0.0))]
+    fn acquire(&self, py: Python<'_>, timeout: Option<f64>) -> PyResult<Slot> {
+        let timeout = timeout
+            .map(|t| Duration::try_from_secs_f64(t).map_err(|_| PyValueError::new_err(format!("bad timeout {t}"))))
+            .transpose()?;
+        Ok(Slot { inner: py.detach(|| self.inner.acquire(timeout))? })
+    }
+
+    fn release(&self, slot: &Slot) -> PyResult<()> {
+        if !slot.inner.pool().same_pool(&self.inner) {
+            return Err(BufferError::new_err(format!("staging slot {} belongs to another pool", slot.inner.index())));
+        }
+        Ok(slot.inner.release()?)
+    }
+
+    #[getter]
+    fn n_slots(&self) -> usize {
+        self.inner.n_slots()
+    }
+
+    #[getter]
+    fn slot_size(&self) -> usize {
+        self.inner.slot_size()
+    }
+
+    #[getter]
+    fn free_count(&self) -> usize {
+        self.inner.free_count()
+    }
+
+    fn __len__(&self) -> usize {
+        self.inner.n_slots()
+    }
+}
+
+/// An acquired staging slot: `size` bytes at `address`, owned by the pool. Released by
+/// `release()` or when the last reference goes (after any read into it has ended).
+#[pyclass(frozen, module = "ntio._core")]
+pub struct Slot {
+    inner: CoreSlot,
+}
+
+#[pymethods]
+impl Slot {
+    #[getter]
+    fn address(&self) -> usize {
+        self.inner.as_ptr() as usize
+    }
+
+    #[getter]
+    fn size(&self) -> usize {
+        self.inner.size()
+    }
+
+    #[getter]
+    fn index(&self) -> usize {
+        self.inner.index()
+    }
+
+    #[getter]
+    fn acquired(&self) -> bool {
+        self.inner.is_acquired()
+    }
+
+    #[getter]
+    fn in_flight(&self) -> bool {
+        self.inner.in_flight()
+    }
+
+    fn release(&self) -> PyResult<()> {
+        Ok(self.inner.release()?)
+    }
+
+    fn __repr__(&self) -> String {
+        format!("Slot(index={}, size={}, acquired={})", self.inner.index(), self.inner.size(), self.inner.is_acquired())
+    }
+}
 
 #[pymodule]
 pub fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    let py = m.py();
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
+    m.add("BACKENDS", Backend::ALL.map(Backend::name).to_vec())?;
+    m.add("ReadError", py.get_type::<ReadError>())?;
+    m.add("BufferError", py.get_type::<BufferError>())?;
+    m.add("SlotBusyError", py.get_type::<SlotBusyError>())?;
+    m.add("BackendUnavailableError", py.get_type::<BackendUnavailableError>())?;
+    m.add_class::<Reader>()?;
+    m.add_class::<ReadHandle>()?;
+    m.add_class::<StagingPool>()?;
+    m.add_class::<Slot>()?;
     Ok(())
 }

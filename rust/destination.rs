@@ -37,7 +37,7 @@ impl Destination {
         }
     }
 
-    pub fn len(&self) -> usize {
+    pub fn capacity(&self) -> usize {
         match self {
             Self::Slot(guard) => guard.size(),
             Self::External { len, .. } => *len,

@@ -113,7 +113,7 @@ impl Reader {
 
 impl Inner {
     fn prepare(&self, extents: &[Extent], dest: Destination) -> Result<Batch> {
-        extent::validate(extents, &self.file.path, self.file.size, dest.len())?;
+        extent::validate(extents, &self.file.path, self.file.size, dest.capacity())?;
         let requests = extent::plan(extents, self.geometry, dest.as_ptr() as usize);
         Ok(Batch::new(requests, dest))
     }

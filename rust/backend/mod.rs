@@ -169,10 +169,14 @@ impl Batch {
     }
 
     /// Finish a fully read request: copy its wanted bytes out of the bounce region.
-    pub fn complete(&self, req: &Request, region: *const u8) {
+    ///
+    /// # Safety
+    /// For a bounce request, `region` must hold the request's first `needed` bytes, read by the
+    /// kernel, and no read may still be writing to it.
+    pub unsafe fn complete(&self, req: &Request, region: *const u8) {
         if let Target::Bounce { skip, dest_offset } = req.target {
-            // SAFETY: the kernel wrote region[..needed]; dest_offset + (needed - skip) lies in the
-            // destination (validated); a bounce region never overlaps the destination.
+            // SAFETY: region[..needed] is initialised (caller); dest_offset + (needed - skip) lies in
+            // the destination (validated); a bounce region never overlaps the destination.
             unsafe {
                 std::ptr::copy_nonoverlapping(region.add(skip), self.dest.as_ptr().add(dest_offset), req.needed - skip)
             }

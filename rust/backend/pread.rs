@@ -31,7 +31,7 @@ pub fn run(file: &OpenFile, batch: &Batch, threads: usize) -> Result<()> {
     thread::scope(|scope| {
         for _ in 1..threads.min(batch.requests.len()) {
             // A thread that cannot be spawned just means fewer workers.
-            let _ = thread::Builder::new().name("ntio-pread".into()).spawn_scoped(scope, &worker);
+            let _ = thread::Builder::new().name("ntio-pread".into()).spawn_scoped(scope, worker);
         }
         worker();
     });
@@ -56,7 +56,8 @@ fn read_one(file: &OpenFile, batch: &Batch, req: &Request, bounce: &mut Option<A
         };
         let result = if n < 0 { Err(std::io::Error::last_os_error().raw_os_error().unwrap_or(libc::EIO)) } else { Ok(n as usize) };
         if advance(file, req, &mut done, result)? == Progress::Finished {
-            batch.complete(req, region);
+            // SAFETY: the request is fully read into `region` (when it bounces), this thread's own.
+            unsafe { batch.complete(req, region) };
             return Ok(());
         }
     }

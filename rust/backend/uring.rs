@@ -111,7 +111,8 @@ pub fn run(ring: &mut Ring, file: &OpenFile, batch: &Batch) -> Result<()> {
                     push(ring, &sqe(index, *entry));
                     continue;
                 }
-                Ok(Progress::Finished) => batch.complete(req, region(index)),
+                // SAFETY: the request's completion is reaped: its bounce region holds its bytes.
+                Ok(Progress::Finished) => unsafe { batch.complete(req, region(index)) },
                 Ok(Progress::Again) => {} // abandoned: the batch has already failed
                 Err(err) => {
                     failure.get_or_insert(err);

@@ -1,0 +1,73 @@
+"""Reading extents from a model file into memory: a small facade over `ntio._core`.
+
+- `open_reader(path, ...)` → `_core.Reader`; backend chosen by `backend=`, else `NTIO_IO_BACKEND`, else a probe
+  (io_uring + O_DIRECT, pread + O_DIRECT, buffered).
+- `slot_array(slot)` → a zero-copy `uint8` numpy view of a staging slot (`torch.from_numpy` for torch); the view
+  keeps the slot object alive.
+- `read_into(reader, extents, dest)` / `submit_into(reader, extents, dest)` read into memory Python owns: a
+  C-contiguous numpy array or CPU torch tensor (pinned or not). `submit_into`'s handle keeps `dest` alive until the
+  read has ended, and dropping the handle waits for the I/O first.
+
+An extent is `(file_offset, length, dest_offset)` in bytes: file bytes `[file_offset, file_offset + length)` go to
+destination bytes `[dest_offset, dest_offset + length)`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from ntio import _core
+
+Extent = tuple[int, int, int]
+
+__all__ = ["Extent", "open_reader", "read_into", "slot_array", "submit_into"]
+
+
+def open_reader(path: Any, backend: str | None = None, queue_depth: int = 32,
+                request_size: int = 1 << 20) -> _core.Reader:
+    return _core.Reader(path, backend=backend, queue_depth=queue_depth, request_size=request_size)
+
+
+class _SlotView:
+    """Numpy's `__array_interface__` for a slot; becomes the array's `.base`, so the array keeps the slot alive."""
+
+    def __init__(self, slot: _core.Slot) -> None:
+        self.slot = slot
+        self.__array_interface__ = {
+            "shape": (slot.size,), "typestr": "|u1", "data": (slot.address, False), "version": 3,
+        }
+
+
+def slot_array(slot: _core.Slot) -> np.ndarray:
+    """A writable zero-copy `uint8` view of the whole slot."""
+    return np.asarray(_SlotView(slot))
+
+
+def _address_of(dest: Any) -> tuple[int, int]:
+    """(address, nbytes) of a C-contiguous, writable numpy array or CPU torch tensor."""
+    if isinstance(dest, np.ndarray):
+        if not (dest.flags.c_contiguous and dest.flags.writeable):
+            raise _core.BufferError("destination array must be C-contiguous and writable")
+        return dest.ctypes.data, dest.nbytes
+    if hasattr(dest, "data_ptr") and hasattr(dest, "is_contiguous"):  # a torch.Tensor, without importing torch
+        if dest.device.type != "cpu":
+            raise _core.BufferError(f"destination tensor must be in host memory, not on {dest.device}")
+        if not dest.is_contiguous():
+            raise _core.BufferError("destination tensor must be contiguous")
+        return dest.data_ptr(), dest.numel() * dest.element_size()
+    raise TypeError(f"destination must be a numpy array or a torch tensor, not {type(dest).__name__}")
+
+
+def read_into(reader: _core.Reader, extents: Sequence[Extent], dest: Any) -> None:
+    """Read `extents` into `dest` (numpy array or CPU/pinned torch tensor, as raw bytes) and wait."""
+    address, nbytes = _address_of(dest)
+    reader.read_into_address(list(extents), address, nbytes)
+
+
+def submit_into(reader: _core.Reader, extents: Sequence[Extent], dest: Any) -> _core.ReadHandle:
+    """Start reading `extents` into `dest`; `handle.wait()` raises any error. The handle keeps `dest` alive."""
+    address, nbytes = _address_of(dest)
+    return reader.submit_into_address(list(extents), address, nbytes, owner=dest)
