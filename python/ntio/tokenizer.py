@@ -1,0 +1,344 @@
+"""The tokenizer a GGUF file describes, built with the Rust `tokenizers` library.
+
+A GGUF carries no tokenizer.json, only llama.cpp's metadata keys. Two kinds are supported:
+
+* `gpt2`: byte-level BPE (SmolLM2, Llama 3, Qwen2, ...). Vocabulary and merges are stored as is; how text is cut
+  into words before BPE is not stored, only a name (`tokenizer.ggml.pre`) for which llama.cpp hard-codes a list
+  of split regexes. `_PRE_TOKENIZER_SPLITS` reproduces that table.
+* `llama`: SentencePiece BPE (Llama 2, TinyLlama, Mistral v0.1). The file stores pieces with scores, not merges;
+  as transformers' GGUF converter does, merges are derived from the scores (a piece made earlier in training has
+  a higher score), and pieces missing from the vocabulary fall back to the `<0xXX>` byte tokens.
+
+Special tokens follow llama.cpp's token types: control (3) and unknown (2) tokens are special, so they are matched
+in text only when asked (`special=True`, for rendered chat prompts) and dropped by `decode(skip_special=True)`;
+user-defined (4) tokens are always matched whole, as llama.cpp does.
+"""
+
+from __future__ import annotations
+
+import sys
+
+from tokenizers import AddedToken, Regex, decoders, normalizers, pre_tokenizers
+from tokenizers import Tokenizer as _RustTokenizer
+from tokenizers.models import BPE
+
+from ntio.chat import ChatTemplate
+from ntio.errors import ModelFormatError, NtioError, UnsupportedModelError
+from ntio.gguf_file import GGUFFile
+
+# llama.cpp's token types (llama_token_type in llama.h).
+_UNKNOWN, _CONTROL, _USER_DEFINED = 2, 3, 4
+
+# The split regexes llama.cpp applies for each `tokenizer.ggml.pre` name (llm_tokenizer_bpe in llama-vocab.cpp).
+# A list is applied in order, each regex cutting every piece left by the one before, with matches and the text
+# between them both kept: exactly `Split(regex, "isolated")` in sequence. Where llama.cpp carries a hand-adapted
+# regex for its own engine (Llama 3, Qwen2, Tekken, GPT-4o), the original from the model's tokenizer.json is used,
+# since oniguruma (used by `tokenizers`) runs it as written.
+_GPT2 = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
+_LLAMA3 = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_QWEN2 = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_TEKKEN = (
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+"
+    r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*"
+    r"|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_GPT4O = (
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+    r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+    r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_BLOOM = r" ?[^(\s|.,!?…。，、।۔،)]+"
+
+_PRE_TOKENIZER_SPLITS: dict[str, tuple[str, ...]] = {
+    # llama.cpp's LLAMA_VOCAB_PRE_TYPE_DEFAULT: punctuation runs first, then GPT-2, then digit runs and triples.
+    "default": (r"[\p{P}\$\+<=>\^~\|]+", _GPT2, r"\p{N}+", r"[0-9][0-9][0-9]"),
+    **dict.fromkeys(
+        ("gpt-2", "phi-2", "mpt", "olmo", "jais", "trillion", "roberta-bpe", "gigachat", "jina-es", "jina-de",
+         "jina-v1-en", "jina-v2-es", "jina-v2-de", "jina-v2-code", "a.x-4.0", "mellum"),
+        (_GPT2,),
+    ),
+    # Digits one at a time, then GPT-2 (SmolLM2's tokenizer.json: Digits(individual_digits) + ByteLevel).
+    **dict.fromkeys(
+        ("smollm", "starcoder", "refact", "command-r", "codeshell", "exaone", "minerva-7b"), (r"\p{N}", _GPT2)
+    ),
+    **dict.fromkeys(
+        ("llama3", "llama-v3", "llama-bpe", "falcon3", "falcon-h1", "pixtral", "midm-2.0", "lfm2", "dbrx",
+         "smaug-bpe", "chatglm-bpe", "glm4"),
+        (_LLAMA3,),
+    ),
+    **dict.fromkeys(("qwen2", "deepseek-r1-qwen", "stablelm2", "megrez", "hunyuan"), (_QWEN2,)),
+    "falcon": (r"[\p{P}\$\+<=>\^~\|`]+", _GPT2, r"[0-9][0-9][0-9]"),
+    "tekken": (_TEKKEN,),
+    **dict.fromkeys(("gpt-4o", "llama4", "minimax-m2"), (_GPT4O,)),
+    **dict.fromkeys(("poro-chat", "bloom", "gpt3-finnish"), (_BLOOM,)),
+    "viking": (_BLOOM, r"\p{N}"),
+}
+
+# llama.cpp sets `ignore_merges` for these (a word that is itself a vocabulary entry is taken whole, as Llama 3's
+# tokenizer.json also asks) and adds BOS by default.
+_LLAMA3_STYLE = frozenset(("llama3", "llama-v3", "llama-bpe", "falcon3", "falcon-h1", "pixtral", "midm-2.0", "lfm2",
+                           "tekken"))
+
+# Control tokens that end a turn, by text: llama.cpp adds these to its end-of-generation set because many files
+# name only one of them (SmolLM2 names <|im_end|> as EOS, but a model may still close with <|endoftext|>).
+_END_OF_TURN_TEXTS = frozenset(
+    ("<|eot_id|>", "<|eom_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>", "<|end_of_text|>",
+     "<EOT>", "<｜end▁of▁sentence｜>")
+)
+
+_warned_pre: set[str] = set()
+
+
+def _warn_once(name: str, message: str) -> None:
+    if name not in _warned_pre:
+        _warned_pre.add(name)
+        print(f"ntio: warning: {message}", file=sys.stderr)
+
+
+def _byte_level_pre_tokenizer(g: GGUFFile) -> tuple[pre_tokenizers.PreTokenizer, bool]:
+    """The split for `tokenizer.ggml.pre`, and whether llama.cpp treats it as Llama-3 style."""
+    name = g.metadata.get("tokenizer.ggml.pre")
+    splits = _PRE_TOKENIZER_SPLITS.get(name) if isinstance(name, str) else None
+    if splits is None:
+        _warn_once(
+            str(name),
+            f"{g.path}: unknown pre-tokenizer {name!r} (tokenizer.ggml.pre); splitting text with the GPT-2 regex, "
+            "so tokens may differ from the model's own tokenizer",
+        )
+        splits = (_GPT2,)
+    steps: list[pre_tokenizers.PreTokenizer] = [pre_tokenizers.Split(Regex(r), behavior="isolated") for r in splits]
+    # The regexes did the splitting; ByteLevel only maps bytes to the printable alphabet the vocabulary is spelled in.
+    steps.append(pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False))
+    return pre_tokenizers.Sequence(steps), name in _LLAMA3_STYLE
+
+
+def _sentencepiece_merges(tokens: list[str], scores: list[float]) -> list[tuple[str, str]]:
+    """Merges implied by SentencePiece scores, in the order transformers' `generate_merges` gives.
+
+    Every way to cut a piece into two pieces that are both in the vocabulary is a merge producing it; merges are
+    ranked by the produced piece's score (highest first), then by the lengths of the left and right parts
+    (longest first). Python's sort is stable, so ties keep vocabulary order, as they do in transformers: the two
+    rank every merge identically.
+    """
+    ids = {t: i for i, t in enumerate(tokens)}
+    merges: list[tuple[str, str, float]] = []
+    for piece, score in zip(tokens, scores):
+        local = [(piece[:k], piece[k:], score) for k in range(1, len(piece)) if piece[:k] in ids and piece[k:] in ids]
+        local.sort(key=lambda m: (ids[m[0]], ids[m[1]]))
+        merges.extend(local)
+    merges.sort(key=lambda m: (m[2], len(m[0]), len(m[1])), reverse=True)
+    return [(left, right) for left, right, _ in merges]
+
+
+class Tokenizer:
+    """Text <-> token ids for one model, plus its special ids and chat template."""
+
+    def __init__(self, backend: _RustTokenizer, *, vocab_size: int, bos_id: int | None, eos_id: int | None,
+                 add_bos: bool, add_eos: bool, stop_ids: frozenset[int], chat_template: str | None,
+                 special_tokens: dict[str, str], source: str) -> None:
+        self._backend = backend
+        self.vocab_size = vocab_size
+        self.bos_id = bos_id
+        self.eos_id = eos_id
+        self.add_bos = add_bos
+        # Exposed, not applied by encode: ntio encodes prompts to continue, and a trailing EOS would end them.
+        self.add_eos = add_eos
+        self.stop_ids = stop_ids
+        self.chat_template = chat_template
+        self._template = (
+            ChatTemplate(chat_template, source=source, special_tokens=special_tokens) if chat_template else None
+        )
+        self._source = source
+
+    @classmethod
+    def from_gguf(cls, g: GGUFFile) -> Tokenizer:
+        md = g.metadata
+        kind = g.require("tokenizer.ggml.model")
+        tokens = list(g.require("tokenizer.ggml.tokens"))
+        n = len(tokens)
+        types = list(md.get("tokenizer.ggml.token_type") or [1] * n)
+        if len(types) != n:
+            raise ModelFormatError(
+                f"{g.path}: tokenizer.ggml.token_type has {len(types)} entries for {n} tokens"
+            )
+        vocab = {t: i for i, t in enumerate(tokens)}
+
+        if kind == "gpt2":
+            backend, llama3_style = cls._byte_level(g, vocab)
+            # llama.cpp adds no BOS to a byte-level vocabulary unless the file or a Llama-3 style pre-tokenizer asks.
+            default_bos = llama3_style
+            default_ids: dict[str, int] = {}
+        elif kind == "llama":
+            backend = cls._sentencepiece(g, tokens, vocab)
+            default_bos = True
+            # llama.cpp's defaults for SentencePiece files that predate these keys (Llama 2's layout).
+            default_ids = {"bos": 1, "eos": 2, "unknown": 0}
+        else:
+            raise UnsupportedModelError(
+                f"{g.path}: tokenizer type {kind!r} (tokenizer.ggml.model) is not supported; "
+                "ntio reads 'gpt2' (byte-level BPE) and 'llama' (SentencePiece) tokenizers"
+            )
+
+        special = [
+            AddedToken(t, special=True, normalized=False)
+            for t, ty in zip(tokens, types)
+            if ty in (_CONTROL, _UNKNOWN)
+        ]
+        user_defined = [AddedToken(t, special=False, normalized=False) for t, ty in zip(tokens, types)
+                        if ty == _USER_DEFINED]
+        backend.add_special_tokens(special)
+        backend.add_tokens(user_defined)
+
+        def special_id(name: str) -> int | None:
+            key = f"tokenizer.ggml.{name}_token_id"
+            value = md.get(key, default_ids.get(name))
+            if value is None:
+                return None
+            if not 0 <= int(value) < n:
+                raise ModelFormatError(f"{g.path}: {key} = {value} is outside the vocabulary (size {n})")
+            return int(value)
+
+        bos_id, eos_id = special_id("bos"), special_id("eos")
+        stop = {i for i in (eos_id, special_id("eot"), special_id("eom")) if i is not None}
+        stop.update(i for i, (t, ty) in enumerate(zip(tokens, types)) if ty == _CONTROL and t in _END_OF_TURN_TEXTS)
+
+        def token_text(token_id: int | None) -> str:
+            return "" if token_id is None else tokens[token_id]
+
+        return cls(
+            backend,
+            vocab_size=n,
+            bos_id=bos_id,
+            eos_id=eos_id,
+            add_bos=bool(md.get("tokenizer.ggml.add_bos_token", default_bos)),
+            add_eos=bool(md.get("tokenizer.ggml.add_eos_token", False)),
+            stop_ids=frozenset(stop),
+            chat_template=md.get("tokenizer.chat_template"),
+            special_tokens={
+                "bos_token": token_text(bos_id),
+                "eos_token": token_text(eos_id),
+                "unk_token": token_text(special_id("unknown")),
+                "pad_token": token_text(special_id("padding")),
+            },
+            source=str(g.path),
+        )
+
+    @staticmethod
+    def _byte_level(g: GGUFFile, vocab: dict[str, int]) -> tuple[_RustTokenizer, bool]:
+        merges = []
+        for i, line in enumerate(g.require("tokenizer.ggml.merges")):
+            pair = line.split(" ")
+            if len(pair) != 2:
+                raise ModelFormatError(f"{g.path}: tokenizer.ggml.merges[{i}] = {line!r} is not two tokens")
+            merges.append((pair[0], pair[1]))
+        pre, llama3_style = _byte_level_pre_tokenizer(g)
+        backend = _RustTokenizer(BPE(vocab=vocab, merges=merges, ignore_merges=llama3_style))
+        backend.pre_tokenizer = pre
+        backend.decoder = decoders.ByteLevel()
+        return backend, llama3_style
+
+    @staticmethod
+    def _sentencepiece(g: GGUFFile, tokens: list[str], vocab: dict[str, int]) -> _RustTokenizer:
+        scores = [float(s) for s in g.require("tokenizer.ggml.scores")]
+        if len(scores) != len(tokens):
+            raise ModelFormatError(
+                f"{g.path}: tokenizer.ggml.scores has {len(scores)} entries for {len(tokens)} tokens"
+            )
+        unk_id = g.metadata.get("tokenizer.ggml.unknown_token_id", 0)
+        backend = _RustTokenizer(
+            BPE(
+                vocab=vocab,
+                merges=_sentencepiece_merges(tokens, scores),
+                unk_token=tokens[unk_id] if 0 <= unk_id < len(tokens) else None,
+                fuse_unk=True,
+                byte_fallback=True,
+            )
+        )
+        # SentencePiece writes spaces as U+2581 and, with add_space_prefix, puts one before the text. It does so even
+        # when the text already starts with a space (" hi" -> "▁▁hi"), and llama.cpp again after every special token.
+        # A normalizer runs on each stretch of text between special tokens and always prepends, which is both;
+        # transformers' GGUF converter uses a Metaspace pre-tokenizer instead, which skips the prefix when the text
+        # already starts with a space and after special tokens (see tests/test_tokenizer.py).
+        add_prefix = bool(g.metadata.get("tokenizer.ggml.add_space_prefix", True))
+        steps = [normalizers.Prepend("▁")] if add_prefix else []
+        backend.normalizer = normalizers.Sequence([*steps, normalizers.Replace(" ", "▁")])
+        decode_steps = [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()]
+        if add_prefix:
+            # Undo the prefix space on the first piece only, as llama.cpp's detokenizer does.
+            decode_steps.append(decoders.Strip(" ", 1, 0))
+        backend.decoder = decoders.Sequence(decode_steps)
+        return backend
+
+    def encode(self, text: str, *, add_bos: bool | None = None, special: bool = False) -> list[int]:
+        """Token ids for `text`.
+
+        add_bos: None follows the model file. special: True matches special-token strings (`<|im_start|>`) in
+        the text, for rendered chat prompts; False reads them as plain characters, for raw text. A prompt that
+        already starts with BOS (a template that writes it) gets no second one.
+        """
+        # encode_special_tokens=True is the `tokenizers` switch for "do not match special tokens in the text". It is
+        # state on the shared backend, so one Tokenizer must not encode from two threads at once.
+        self._backend.encode_special_tokens = not special
+        ids = self._backend.encode(text, add_special_tokens=False).ids
+        if add_bos is None:
+            add_bos = self.add_bos
+        if add_bos and self.bos_id is not None and ids[:1] != [self.bos_id]:
+            ids.insert(0, self.bos_id)
+        return ids
+
+    def decode(self, ids: list[int], *, skip_special: bool = False) -> str:
+        return self._backend.decode(list(ids), skip_special_tokens=skip_special)
+
+    def stream(self, *, skip_special: bool = False) -> TextStream:
+        return TextStream(self, skip_special=skip_special)
+
+    def render_chat(self, messages: list[dict[str, str]], *, add_generation_prompt: bool = True) -> str:
+        if self._template is None:
+            raise NtioError(f"{self._source}: the model has no chat template (tokenizer.chat_template)")
+        return self._template.render(messages, add_generation_prompt=add_generation_prompt)
+
+
+class TextStream:
+    """Incremental detokenizer: `push(token_id)` returns the text that token adds, possibly "".
+
+    Text is never emitted token by token: a token may hold half of a UTF-8 character (byte-level and byte-fallback
+    tokens), and SentencePiece drops the space of only the first piece. So each push decodes a short window
+    starting at the last point where text was released, and releases what the window adds beyond its already
+    released part, holding back while the text ends in U+FFFD (an incomplete character). `finish()` releases
+    what is held (bytes that never formed a character), so that the pushes plus finish equal `decode(all ids)`.
+    """
+
+    def __init__(self, tokenizer: Tokenizer, *, skip_special: bool) -> None:
+        self._tokenizer = tokenizer
+        self._skip_special = skip_special
+        # _ids is the window: its first _read tokens are released and decode to _released (the tail of the text
+        # released so far); the rest are held back.
+        self._ids: list[int] = []
+        self._read = 0
+        self._released = ""
+
+    def push(self, token_id: int) -> str:
+        self._ids.append(token_id)
+        text = self._tokenizer.decode(self._ids, skip_special=self._skip_special)
+        if text.endswith("\ufffd") or len(text) <= len(self._released):
+            return ""
+        return self._release(text)
+
+    def finish(self) -> str:
+        """Whatever is held back at the end of generation (invalid UTF-8 shows as U+FFFD, as decode shows it)."""
+        text = self._tokenizer.decode(self._ids, skip_special=self._skip_special)
+        return self._release(text) if len(text) > len(self._released) else ""
+
+    def _release(self, text: str) -> str:
+        new = text[len(self._released):]
+        # The next window starts at the first unreleased token, so decoding stays short however long the stream.
+        self._ids = self._ids[self._read:]
+        self._released = self._tokenizer.decode(self._ids, skip_special=self._skip_special)
+        self._read = len(self._ids)
+        return new
