@@ -13,19 +13,51 @@ use crate::extent::Extent;
 use crate::reader::{Pending, Reader as CoreReader, ReaderOptions};
 use crate::staging::{Slot as CoreSlot, StagingPool as CorePool};
 
-pyo3::create_exception!(ntio._core, ReadError, PyOSError, "A read or open failed: .path, .offset, .length, .errno.");
-pyo3::create_exception!(ntio._core, BufferError, PyValueError, "A destination cannot take the extents (too small, slot not acquired).");
-pyo3::create_exception!(ntio._core, SlotBusyError, PyRuntimeError, "A staging slot is in flight, or no slot is free.");
-pyo3::create_exception!(ntio._core, BackendUnavailableError, PyOSError, "A forced I/O backend cannot work on this file or system.");
+pyo3::create_exception!(
+    ntio._core,
+    ReadError,
+    PyOSError,
+    "A read or open failed: .path, .offset, .length, .errno."
+);
+pyo3::create_exception!(
+    ntio._core,
+    BufferError,
+    PyValueError,
+    "A destination cannot take the extents (too small, slot not acquired)."
+);
+pyo3::create_exception!(
+    ntio._core,
+    SlotBusyError,
+    PyRuntimeError,
+    "A staging slot is in flight, or no slot is free."
+);
+pyo3::create_exception!(
+    ntio._core,
+    BackendUnavailableError,
+    PyOSError,
+    "A forced I/O backend cannot work on this file or system."
+);
 
 impl From<Error> for PyErr {
     fn from(err: Error) -> PyErr {
         let message = err.to_string();
         match err {
             Error::Open { path, errno } => read_error(message, path, None, None, Some(errno)),
-            Error::Io { path, offset, length, errno } => read_error(message, path, Some(offset), Some(length), Some(errno)),
-            Error::UnexpectedEof { path, offset, length, .. } => read_error(message, path, Some(offset), Some(length), None),
-            Error::DestinationTooSmall { .. } | Error::SlotNotAcquired { .. } => BufferError::new_err(message),
+            Error::Io {
+                path,
+                offset,
+                length,
+                errno,
+            } => read_error(message, path, Some(offset), Some(length), Some(errno)),
+            Error::UnexpectedEof {
+                path,
+                offset,
+                length,
+                ..
+            } => read_error(message, path, Some(offset), Some(length), None),
+            Error::DestinationTooSmall { .. } | Error::SlotNotAcquired { .. } => {
+                BufferError::new_err(message)
+            }
             Error::SlotBusy { .. } | Error::NoFreeSlot { .. } => SlotBusyError::new_err(message),
             Error::BackendUnavailable { .. } => BackendUnavailableError::new_err(message),
             Error::System { errno, .. } => PyOSError::new_err((errno, message)),
@@ -35,7 +67,13 @@ impl From<Error> for PyErr {
 }
 
 /// A `ReadError` whose message is the one-line description, with its context as attributes.
-fn read_error(message: String, path: std::path::PathBuf, offset: Option<u64>, length: Option<u64>, errno: Option<i32>) -> PyErr {
+fn read_error(
+    message: String,
+    path: std::path::PathBuf,
+    offset: Option<u64>,
+    length: Option<u64>,
+    errno: Option<i32>,
+) -> PyErr {
     Python::attach(|py| {
         let err = ReadError::new_err(message);
         let value = err.value(py);
@@ -54,7 +92,13 @@ fn read_error(message: String, path: std::path::PathBuf, offset: Option<u64>, le
 }
 
 fn to_extents(list: Vec<(u64, usize, usize)>) -> Vec<Extent> {
-    list.into_iter().map(|(file_offset, length, dest_offset)| Extent { file_offset, length, dest_offset }).collect()
+    list.into_iter()
+        .map(|(file_offset, length, dest_offset)| Extent {
+            file_offset,
+            length,
+            dest_offset,
+        })
+        .collect()
 }
 
 /// Caller-owned memory given by address. The caller (the `ntio.io` facade) keeps its owner alive.
@@ -77,10 +121,22 @@ pub struct Reader {
 impl Reader {
     #[new]
     #[pyo3(signature = (path, backend=None, queue_depth=32, request_size=1 << 20))]
-    fn new(py: Python<'_>, path: std::path::PathBuf, backend: Option<&str>, queue_depth: usize, request_size: usize) -> PyResult<Self> {
+    fn new(
+        py: Python<'_>,
+        path: std::path::PathBuf,
+        backend: Option<&str>,
+        queue_depth: usize,
+        request_size: usize,
+    ) -> PyResult<Self> {
         let backend = backend.map(Backend::parse).transpose()?;
-        let options = ReaderOptions { backend, queue_depth, request_size };
-        Ok(Self { inner: py.detach(|| CoreReader::open(path, options))? })
+        let options = ReaderOptions {
+            backend,
+            queue_depth,
+            request_size,
+        };
+        Ok(Self {
+            inner: py.detach(|| CoreReader::open(path, options))?,
+        })
     }
 
     #[getter]
@@ -121,12 +177,23 @@ impl Reader {
 
     /// Start reading extents into `slot`; returns a handle to poll or wait on.
     fn submit(&self, extents: Vec<(u64, usize, usize)>, slot: &Slot) -> PyResult<ReadHandle> {
-        let pending = self.inner.submit(&to_extents(extents), Destination::slot(&slot.inner)?)?;
-        Ok(ReadHandle { pending, owner: None })
+        let pending = self
+            .inner
+            .submit(&to_extents(extents), Destination::slot(&slot.inner)?)?;
+        Ok(ReadHandle {
+            pending,
+            owner: None,
+        })
     }
 
     /// Read extents into `nbytes` of caller-owned memory at `address` and wait.
-    fn read_into_address(&self, py: Python<'_>, extents: Vec<(u64, usize, usize)>, address: usize, nbytes: usize) -> PyResult<()> {
+    fn read_into_address(
+        &self,
+        py: Python<'_>,
+        extents: Vec<(u64, usize, usize)>,
+        address: usize,
+        nbytes: usize,
+    ) -> PyResult<()> {
         let (extents, dest) = (to_extents(extents), external(address, nbytes)?);
         Ok(py.detach(|| self.inner.read(&extents, dest))?)
     }
@@ -134,13 +201,26 @@ impl Reader {
     /// Start reading extents into memory at `address`; the handle keeps `owner` alive until
     /// the read has ended and the handle is gone.
     #[pyo3(signature = (extents, address, nbytes, owner=None))]
-    fn submit_into_address(&self, extents: Vec<(u64, usize, usize)>, address: usize, nbytes: usize, owner: Option<Py<PyAny>>) -> PyResult<ReadHandle> {
-        let pending = self.inner.submit(&to_extents(extents), external(address, nbytes)?)?;
+    fn submit_into_address(
+        &self,
+        extents: Vec<(u64, usize, usize)>,
+        address: usize,
+        nbytes: usize,
+        owner: Option<Py<PyAny>>,
+    ) -> PyResult<ReadHandle> {
+        let pending = self
+            .inner
+            .submit(&to_extents(extents), external(address, nbytes)?)?;
         Ok(ReadHandle { pending, owner })
     }
 
     fn __repr__(&self) -> String {
-        format!("Reader({:?}, backend={:?}, alignment={})", self.inner.path(), self.inner.backend().name(), self.inner.alignment())
+        format!(
+            "Reader({:?}, backend={:?}, alignment={})",
+            self.inner.path(),
+            self.inner.backend().name(),
+            self.inner.alignment()
+        )
     }
 }
 
@@ -186,7 +266,9 @@ pub struct StagingPool {
 impl StagingPool {
     #[new]
     fn new(n_slots: usize, slot_size: usize) -> PyResult<Self> {
-        Ok(Self { inner: CorePool::new(n_slots, slot_size)? })
+        Ok(Self {
+            inner: CorePool::new(n_slots, slot_size)?,
+        })
     }
 
     /// Take a free slot. `timeout` in seconds: 0 raises SlotBusyError at once when none is
@@ -194,14 +276,22 @@ impl StagingPool {
     #[pyo3(signature = (timeout=0.0))]
     fn acquire(&self, py: Python<'_>, timeout: Option<f64>) -> PyResult<Slot> {
         let timeout = timeout
-            .map(|t| Duration::try_from_secs_f64(t).map_err(|_| PyValueError::new_err(format!("bad timeout {t}"))))
+            .map(|t| {
+                Duration::try_from_secs_f64(t)
+                    .map_err(|_| PyValueError::new_err(format!("bad timeout {t}")))
+            })
             .transpose()?;
-        Ok(Slot { inner: py.detach(|| self.inner.acquire(timeout))? })
+        Ok(Slot {
+            inner: py.detach(|| self.inner.acquire(timeout))?,
+        })
     }
 
     fn release(&self, slot: &Slot) -> PyResult<()> {
         if !slot.inner.pool().same_pool(&self.inner) {
-            return Err(BufferError::new_err(format!("staging slot {} belongs to another pool", slot.inner.index())));
+            return Err(BufferError::new_err(format!(
+                "staging slot {} belongs to another pool",
+                slot.inner.index()
+            )));
         }
         Ok(slot.inner.release()?)
     }
@@ -265,7 +355,12 @@ impl Slot {
     }
 
     fn __repr__(&self) -> String {
-        format!("Slot(index={}, size={}, acquired={})", self.inner.index(), self.inner.size(), self.inner.is_acquired())
+        format!(
+            "Slot(index={}, size={}, acquired={})",
+            self.inner.index(),
+            self.inner.size(),
+            self.inner.is_acquired()
+        )
     }
 }
 
@@ -277,7 +372,10 @@ pub fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("ReadError", py.get_type::<ReadError>())?;
     m.add("BufferError", py.get_type::<BufferError>())?;
     m.add("SlotBusyError", py.get_type::<SlotBusyError>())?;
-    m.add("BackendUnavailableError", py.get_type::<BackendUnavailableError>())?;
+    m.add(
+        "BackendUnavailableError",
+        py.get_type::<BackendUnavailableError>(),
+    )?;
     m.add_class::<Reader>()?;
     m.add_class::<ReadHandle>()?;
     m.add_class::<StagingPool>()?;

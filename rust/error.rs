@@ -15,18 +15,35 @@ pub enum Error {
     /// A read failed with an errno (EIO, EBADF, EINVAL for a misaligned O_DIRECT read, ...).
     #[error("{}: read of {length} bytes at offset {offset} failed: {}",
             path.display(), io::Error::from_raw_os_error(*errno))]
-    Io { path: PathBuf, offset: u64, length: u64, errno: i32 },
+    Io {
+        path: PathBuf,
+        offset: u64,
+        length: u64,
+        errno: i32,
+    },
 
     /// An extent reaches past the end of the file (checked before reading, and again if a read
     /// returns 0 bytes early because the file shrank). Never zero-filled.
     #[error("{}: read of {length} bytes at offset {offset} hit end of file at {end_of_file}",
             path.display())]
-    UnexpectedEof { path: PathBuf, offset: u64, length: u64, end_of_file: u64 },
+    UnexpectedEof {
+        path: PathBuf,
+        offset: u64,
+        length: u64,
+        end_of_file: u64,
+    },
 
     /// An extent's destination range does not fit in the destination buffer.
-    #[error("destination of {capacity} bytes is too small for extent {index}: \
-             {length} bytes at destination offset {dest_offset}")]
-    DestinationTooSmall { index: usize, dest_offset: u64, length: u64, capacity: u64 },
+    #[error(
+        "destination of {capacity} bytes is too small for extent {index}: \
+             {length} bytes at destination offset {dest_offset}"
+    )]
+    DestinationTooSmall {
+        index: usize,
+        dest_offset: u64,
+        length: u64,
+        capacity: u64,
+    },
 
     /// The slot has a read in flight: it cannot be released or read into again until it completes.
     #[error("staging slot {index} is busy: a read into it is still in flight")]
@@ -42,7 +59,11 @@ pub enum Error {
 
     /// A backend was forced but cannot work here (io_uring blocked, O_DIRECT refused).
     #[error("{}: I/O backend {backend} is unavailable: {reason}", path.display())]
-    BackendUnavailable { path: PathBuf, backend: &'static str, reason: String },
+    BackendUnavailable {
+        path: PathBuf,
+        backend: &'static str,
+        reason: String,
+    },
 
     /// A system resource the reader needs could not be had (ring creation, thread spawn, memory).
     #[error("{what} failed: {}", io::Error::from_raw_os_error(*errno))]

@@ -58,7 +58,10 @@ pub fn validate(extents: &[Extent], path: &Path, file_size: u64, capacity: usize
                 end_of_file: file_size,
             });
         }
-        if e.dest_offset.checked_add(e.length).map_or(true, |end| end > capacity) {
+        if e.dest_offset
+            .checked_add(e.length)
+            .map_or(true, |end| end > capacity)
+        {
             return Err(Error::DestinationTooSmall {
                 index,
                 dest_offset: e.dest_offset as u64,
@@ -121,7 +124,12 @@ pub fn plan(extents: &[Extent], geometry: Geometry, dest_addr: usize) -> Vec<Req
         while offset < body_end {
             let len = (body_end - offset).min(geometry.request_size as u64) as usize;
             let dest_offset = e.dest_offset + (offset - start) as usize;
-            requests.push(Request { file_offset: offset, len, needed: len, target: Target::Direct { dest_offset } });
+            requests.push(Request {
+                file_offset: offset,
+                len,
+                needed: len,
+                target: Target::Direct { dest_offset },
+            });
             offset += len as u64;
         }
         if body_end < end {
@@ -157,10 +165,17 @@ mod tests {
     use super::*;
 
     fn ext(file_offset: u64, length: usize, dest_offset: usize) -> Extent {
-        Extent { file_offset, length, dest_offset }
+        Extent {
+            file_offset,
+            length,
+            dest_offset,
+        }
     }
 
-    const G: Geometry = Geometry { alignment: 4096, request_size: 16384 };
+    const G: Geometry = Geometry {
+        alignment: 4096,
+        request_size: 16384,
+    };
 
     /// Apply a plan to `file` the way a backend does, so tests check bytes, not request shapes.
     fn simulate(requests: &[Request], file: &[u8], dest_len: usize) -> Vec<u8> {
@@ -168,9 +183,14 @@ mod tests {
         for r in requests {
             let start = r.file_offset as usize;
             let got = &file[start..(start + r.len).min(file.len())];
-            assert!(got.len() >= r.needed, "request {r:?} needs bytes past end of file");
+            assert!(
+                got.len() >= r.needed,
+                "request {r:?} needs bytes past end of file"
+            );
             match r.target {
-                Target::Direct { dest_offset } => dest[dest_offset..dest_offset + r.len].copy_from_slice(got),
+                Target::Direct { dest_offset } => {
+                    dest[dest_offset..dest_offset + r.len].copy_from_slice(got)
+                }
                 Target::Bounce { skip, dest_offset } => {
                     let n = r.needed - skip;
                     dest[dest_offset..dest_offset + n].copy_from_slice(&got[skip..r.needed]);
@@ -191,7 +211,12 @@ mod tests {
 
     #[test]
     fn coalesces_file_and_dest_adjacent_extents_in_any_order() {
-        let merged = coalesce(&[ext(100, 50, 1000), ext(0, 100, 900), ext(150, 0, 0), ext(150, 10, 5000)]);
+        let merged = coalesce(&[
+            ext(100, 50, 1000),
+            ext(0, 100, 900),
+            ext(150, 0, 0),
+            ext(150, 10, 5000),
+        ]);
         assert_eq!(merged, vec![ext(0, 150, 900), ext(150, 10, 5000)]);
     }
 
@@ -199,9 +224,19 @@ mod tests {
     fn aligned_extent_is_split_into_direct_requests() {
         let reqs = plan(&[ext(0, 40960, 0)], G, 0);
         assert_eq!(reqs.len(), 3);
-        assert!(reqs.iter().all(|r| matches!(r.target, Target::Direct { .. }) && r.len <= 16384));
+        assert!(reqs
+            .iter()
+            .all(|r| matches!(r.target, Target::Direct { .. }) && r.len <= 16384));
         assert_eq!(reqs.iter().map(|r| r.len).sum::<usize>(), 40960);
-        assert_eq!(reqs[2], Request { file_offset: 32768, len: 8192, needed: 8192, target: Target::Direct { dest_offset: 32768 } });
+        assert_eq!(
+            reqs[2],
+            Request {
+                file_offset: 32768,
+                len: 8192,
+                needed: 8192,
+                target: Target::Direct { dest_offset: 32768 }
+            }
+        );
     }
 
     #[test]
@@ -209,40 +244,97 @@ mod tests {
         // File offset 100 lands at destination offset 100 of an aligned buffer: congruent.
         let reqs = plan(&[ext(100, 20000, 100)], G, 0x10000);
         let head = reqs[0];
-        assert_eq!(head, Request { file_offset: 0, len: 4096, needed: 4096, target: Target::Bounce { skip: 100, dest_offset: 100 } });
+        assert_eq!(
+            head,
+            Request {
+                file_offset: 0,
+                len: 4096,
+                needed: 4096,
+                target: Target::Bounce {
+                    skip: 100,
+                    dest_offset: 100
+                }
+            }
+        );
         let tail = *reqs.last().unwrap();
-        assert_eq!(tail, Request { file_offset: 16384, len: 4096, needed: 20100 - 16384, target: Target::Bounce { skip: 0, dest_offset: 16384 } });
-        assert!(reqs[1..reqs.len() - 1].iter().all(|r| matches!(r.target, Target::Direct { .. })));
+        assert_eq!(
+            tail,
+            Request {
+                file_offset: 16384,
+                len: 4096,
+                needed: 20100 - 16384,
+                target: Target::Bounce {
+                    skip: 0,
+                    dest_offset: 16384
+                }
+            }
+        );
+        assert!(reqs[1..reqs.len() - 1]
+            .iter()
+            .all(|r| matches!(r.target, Target::Direct { .. })));
     }
 
     #[test]
     fn incongruent_extent_bounces_through_aligned_windows() {
         let reqs = plan(&[ext(100, 40000, 0)], G, 0x10000);
-        assert!(reqs.iter().all(|r| matches!(r.target, Target::Bounce { .. })));
-        assert!(reqs.iter().all(|r| r.file_offset % 4096 == 0 && r.len % 4096 == 0 && r.len <= 16384));
+        assert!(reqs
+            .iter()
+            .all(|r| matches!(r.target, Target::Bounce { .. })));
+        assert!(reqs
+            .iter()
+            .all(|r| r.file_offset % 4096 == 0 && r.len % 4096 == 0 && r.len <= 16384));
         assert_eq!(reqs[0].file_offset, 0);
-        assert_eq!(reqs.last().unwrap().file_offset + reqs.last().unwrap().len as u64, align_up(40100, 4096));
+        assert_eq!(
+            reqs.last().unwrap().file_offset + reqs.last().unwrap().len as u64,
+            align_up(40100, 4096)
+        );
     }
 
     #[test]
     fn buffered_geometry_reads_everything_directly() {
-        let g = Geometry { alignment: 1, request_size: 1000 };
+        let g = Geometry {
+            alignment: 1,
+            request_size: 1000,
+        };
         let reqs = plan(&[ext(7, 2500, 3)], g, 0x10001);
         assert_eq!(reqs.len(), 3);
-        assert!(reqs.iter().all(|r| matches!(r.target, Target::Direct { .. })));
+        assert!(reqs
+            .iter()
+            .all(|r| matches!(r.target, Target::Direct { .. })));
     }
 
     #[test]
     fn plans_reproduce_the_file_bytes() {
         let file: Vec<u8> = (0..50_000u32).map(|i| (i * 7 + i / 251) as u8).collect();
-        let extents = [ext(0, 0, 0), ext(1, 1, 0), ext(4095, 2, 10), ext(4096, 8192, 4108), ext(12288, 1, 12300),
-                       ext(30000, 50_000 - 30000, 20000), ext(5000, 25000, 40000)];
-        for g in [G, Geometry { alignment: 512, request_size: 1024 }, Geometry { alignment: 1, request_size: 3 }] {
+        let extents = [
+            ext(0, 0, 0),
+            ext(1, 1, 0),
+            ext(4095, 2, 10),
+            ext(4096, 8192, 4108),
+            ext(12288, 1, 12300),
+            ext(30000, 50_000 - 30000, 20000),
+            ext(5000, 25000, 40000),
+        ];
+        for g in [
+            G,
+            Geometry {
+                alignment: 512,
+                request_size: 1024,
+            },
+            Geometry {
+                alignment: 1,
+                request_size: 3,
+            },
+        ] {
             for dest_addr in [0usize, 4096 * 3, 13] {
                 let dest = simulate(&plan(&extents, g, dest_addr), &file, 70_000);
                 for e in extents {
                     let want = &file[e.file_offset as usize..e.file_offset as usize + e.length];
-                    assert_eq!(&dest[e.dest_offset..e.dest_offset + e.length], want, "{e:?} {g:?} {dest_addr}");
+                    assert_eq!(
+                        &dest[e.dest_offset..e.dest_offset + e.length],
+                        want,
+                        "{e:?} {g:?} {dest_addr}"
+                    );
                 }
             }
         }
@@ -253,9 +345,23 @@ mod tests {
         let p = Path::new("model.gguf");
         assert!(validate(&[ext(0, 100, 0), ext(50, 0, 1 << 40)], p, 100, 100).is_ok());
         let eof = validate(&[ext(123456, 65536, 0)], p, 100000, 1 << 20).unwrap_err();
-        assert_eq!(eof.to_string(), "model.gguf: read of 65536 bytes at offset 123456 hit end of file at 100000");
-        assert!(matches!(validate(&[ext(u64::MAX, 2, 0)], p, 100, 100), Err(Error::UnexpectedEof { .. })));
+        assert_eq!(
+            eof.to_string(),
+            "model.gguf: read of 65536 bytes at offset 123456 hit end of file at 100000"
+        );
+        assert!(matches!(
+            validate(&[ext(u64::MAX, 2, 0)], p, 100, 100),
+            Err(Error::UnexpectedEof { .. })
+        ));
         let small = validate(&[ext(0, 10, 0), ext(0, 10, 95)], p, 100, 100).unwrap_err();
-        assert!(matches!(small, Error::DestinationTooSmall { index: 1, dest_offset: 95, length: 10, capacity: 100 }));
+        assert!(matches!(
+            small,
+            Error::DestinationTooSmall {
+                index: 1,
+                dest_offset: 95,
+                length: 10,
+                capacity: 100
+            }
+        ));
     }
 }

@@ -26,7 +26,11 @@ pub struct ReaderOptions {
 
 impl Default for ReaderOptions {
     fn default() -> Self {
-        Self { backend: None, queue_depth: 32, request_size: 1 << 20 }
+        Self {
+            backend: None,
+            queue_depth: 32,
+            request_size: 1 << 20,
+        }
     }
 }
 
@@ -46,21 +50,40 @@ struct Inner {
 
 impl Reader {
     pub fn open(path: impl AsRef<Path>, options: ReaderOptions) -> Result<Self> {
-        let ReaderOptions { backend, queue_depth, request_size } = options;
+        let ReaderOptions {
+            backend,
+            queue_depth,
+            request_size,
+        } = options;
         if !(1..=MAX_QUEUE_DEPTH).contains(&queue_depth) {
-            return Err(Error::InvalidArgument(format!("queue_depth must be in 1..={MAX_QUEUE_DEPTH}, got {queue_depth}")));
+            return Err(Error::InvalidArgument(format!(
+                "queue_depth must be in 1..={MAX_QUEUE_DEPTH}, got {queue_depth}"
+            )));
         }
         if !(1..=MAX_REQUEST_SIZE).contains(&request_size) {
-            return Err(Error::InvalidArgument(format!("request_size must be in 1..={MAX_REQUEST_SIZE}, got {request_size}")));
+            return Err(Error::InvalidArgument(format!(
+                "request_size must be in 1..={MAX_REQUEST_SIZE}, got {request_size}"
+            )));
         }
         let requested = match backend {
             Some(backend) => Some(backend),
             None => Backend::from_env()?,
         };
         let (file, backend, ring) = backend::open(path.as_ref(), requested, queue_depth as u32)?;
-        let geometry = Geometry { alignment: file.alignment, request_size: request_size.next_multiple_of(file.alignment) };
+        let geometry = Geometry {
+            alignment: file.alignment,
+            request_size: request_size.next_multiple_of(file.alignment),
+        };
         let rings = Mutex::new(ring.into_iter().collect());
-        Ok(Self { inner: Arc::new(Inner { file, backend, geometry, queue_depth, rings }) })
+        Ok(Self {
+            inner: Arc::new(Inner {
+                file,
+                backend,
+                geometry,
+                queue_depth,
+                rings,
+            }),
+        })
     }
 
     pub fn backend(&self) -> Backend {
@@ -106,7 +129,10 @@ impl Reader {
                 drop(batch); // frees the destination (slot) before anyone is told it is done
                 done.finish(result);
             })
-            .map_err(|err| Error::System { what: "spawning a reader thread", errno: crate::error::errno_of(&err) })?;
+            .map_err(|err| Error::System {
+                what: "spawning a reader thread",
+                errno: crate::error::errno_of(&err),
+            })?;
         Ok(Pending { completion })
     }
 }
@@ -127,11 +153,18 @@ impl Inner {
                 let idle = self.rings.lock().unwrap_or_else(|e| e.into_inner()).pop();
                 let mut ring = match idle {
                     Some(ring) => ring,
-                    None => uring::Ring::new(self.queue_depth as u32)
-                        .map_err(|err| Error::System { what: "creating an io_uring", errno: crate::error::errno_of(&err) })?,
+                    None => {
+                        uring::Ring::new(self.queue_depth as u32).map_err(|err| Error::System {
+                            what: "creating an io_uring",
+                            errno: crate::error::errno_of(&err),
+                        })?
+                    }
                 };
                 let result = uring::run(&mut ring, &self.file, batch);
-                self.rings.lock().unwrap_or_else(|e| e.into_inner()).push(ring);
+                self.rings
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .push(ring);
                 result
             }
             Backend::Pread | Backend::Buffered => pread::run(&self.file, batch, self.queue_depth),
@@ -161,17 +194,29 @@ pub struct Pending {
 impl Pending {
     /// Whether the batch has finished (successfully or not).
     pub fn poll(&self) -> bool {
-        self.completion.result.lock().unwrap_or_else(|e| e.into_inner()).is_some()
+        self.completion
+            .result
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .is_some()
     }
 
     /// Wait for the batch; its error, if any (every call returns the same outcome).
     pub fn wait(&self) -> Result<()> {
-        let mut result = self.completion.result.lock().unwrap_or_else(|e| e.into_inner());
+        let mut result = self
+            .completion
+            .result
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
         loop {
             if let Some(outcome) = result.as_ref() {
                 return outcome.clone();
             }
-            result = self.completion.done.wait(result).unwrap_or_else(|e| e.into_inner());
+            result = self
+                .completion
+                .done
+                .wait(result)
+                .unwrap_or_else(|e| e.into_inner());
         }
     }
 }
@@ -199,16 +244,30 @@ mod tests {
                 x as u8
             })
             .collect();
-        let path = std::env::temp_dir().join(format!("ntio-reader-test-{}-{name}", std::process::id()));
+        let path =
+            std::env::temp_dir().join(format!("ntio-reader-test-{}-{name}", std::process::id()));
         std::fs::write(&path, &bytes).unwrap();
         (path, bytes)
     }
 
     fn readers(path: &Path) -> Vec<Reader> {
-        let options = ReaderOptions { request_size: 8192, queue_depth: 4, ..Default::default() };
+        let options = ReaderOptions {
+            request_size: 8192,
+            queue_depth: 4,
+            ..Default::default()
+        };
         Backend::ALL
             .into_iter()
-            .filter_map(|b| Reader::open(path, ReaderOptions { backend: Some(b), ..options }).ok())
+            .filter_map(|b| {
+                Reader::open(
+                    path,
+                    ReaderOptions {
+                        backend: Some(b),
+                        ..options
+                    },
+                )
+                .ok()
+            })
             .collect()
     }
 
@@ -216,17 +275,35 @@ mod tests {
     fn every_backend_reads_unaligned_extents_into_slots_and_external_memory() {
         let (path, bytes) = temp_file("extents", 100_003);
         let extents = [
-            Extent { file_offset: 0, length: 4096, dest_offset: 0 },
-            Extent { file_offset: 5, length: 30_000, dest_offset: 4096 },
-            Extent { file_offset: 70_000, length: 30_003, dest_offset: 40_001 },
-            Extent { file_offset: 99_999, length: 0, dest_offset: 0 },
+            Extent {
+                file_offset: 0,
+                length: 4096,
+                dest_offset: 0,
+            },
+            Extent {
+                file_offset: 5,
+                length: 30_000,
+                dest_offset: 4096,
+            },
+            Extent {
+                file_offset: 70_000,
+                length: 30_003,
+                dest_offset: 40_001,
+            },
+            Extent {
+                file_offset: 99_999,
+                length: 0,
+                dest_offset: 0,
+            },
         ];
         let pool = StagingPool::new(1, 80_000).unwrap();
         let readers = readers(&path);
         assert!(readers.iter().any(|r| r.backend() == Backend::Buffered));
         for reader in readers {
             let slot = pool.acquire(Some(Duration::ZERO)).unwrap();
-            reader.read(&extents, Destination::slot(&slot).unwrap()).unwrap();
+            reader
+                .read(&extents, Destination::slot(&slot).unwrap())
+                .unwrap();
             let mut external = vec![0u8; 80_000];
             // SAFETY: `external` outlives the wait below and is not touched until then.
             let dest = unsafe { Destination::external(external.as_mut_ptr(), external.len()) };
@@ -235,8 +312,18 @@ mod tests {
             let in_slot = unsafe { std::slice::from_raw_parts(slot.as_ptr(), 80_000) };
             for e in extents {
                 let want = &bytes[e.file_offset as usize..e.file_offset as usize + e.length];
-                assert_eq!(&in_slot[e.dest_offset..e.dest_offset + e.length], want, "{:?} {e:?}", reader.backend());
-                assert_eq!(&external[e.dest_offset..e.dest_offset + e.length], want, "{:?} {e:?}", reader.backend());
+                assert_eq!(
+                    &in_slot[e.dest_offset..e.dest_offset + e.length],
+                    want,
+                    "{:?} {e:?}",
+                    reader.backend()
+                );
+                assert_eq!(
+                    &external[e.dest_offset..e.dest_offset + e.length],
+                    want,
+                    "{:?} {e:?}",
+                    reader.backend()
+                );
             }
             slot.release().unwrap();
         }
@@ -249,8 +336,19 @@ mod tests {
         let pool = StagingPool::new(1, 1 << 20).unwrap();
         let slot = pool.acquire(None).unwrap();
         for reader in readers(&path) {
-            let pending = reader.submit(&[Extent { file_offset: 0, length: 1 << 20, dest_offset: 0 }], Destination::slot(&slot).unwrap()).unwrap();
-            assert!(matches!(Destination::slot(&slot), Err(Error::SlotBusy { .. })) || pending.poll());
+            let pending = reader
+                .submit(
+                    &[Extent {
+                        file_offset: 0,
+                        length: 1 << 20,
+                        dest_offset: 0,
+                    }],
+                    Destination::slot(&slot).unwrap(),
+                )
+                .unwrap();
+            assert!(
+                matches!(Destination::slot(&slot), Err(Error::SlotBusy { .. })) || pending.poll()
+            );
             pending.wait().unwrap();
             assert!(pending.poll() && !slot.in_flight());
         }
@@ -259,11 +357,28 @@ mod tests {
 
     #[test]
     fn bad_options_and_missing_files_are_errors() {
-        let missing = Reader::open("/nonexistent/model.gguf", ReaderOptions::default()).err().unwrap();
-        assert!(matches!(missing, Error::Open { errno: libc::ENOENT, .. }), "{missing}");
+        let missing = Reader::open("/nonexistent/model.gguf", ReaderOptions::default())
+            .err()
+            .unwrap();
+        assert!(
+            matches!(
+                missing,
+                Error::Open {
+                    errno: libc::ENOENT,
+                    ..
+                }
+            ),
+            "{missing}"
+        );
         let (path, _) = temp_file("options", 10);
-        let zero_depth = ReaderOptions { queue_depth: 0, ..Default::default() };
-        assert!(matches!(Reader::open(&path, zero_depth), Err(Error::InvalidArgument(_))));
+        let zero_depth = ReaderOptions {
+            queue_depth: 0,
+            ..Default::default()
+        };
+        assert!(matches!(
+            Reader::open(&path, zero_depth),
+            Err(Error::InvalidArgument(_))
+        ));
         std::fs::remove_file(path).unwrap();
     }
 }

@@ -31,7 +31,10 @@ impl AlignedBuf {
             .map_err(|_| Error::InvalidArgument(format!("buffer of {len} bytes is too large")))?;
         // SAFETY: the layout has a non-zero size.
         let ptr = unsafe { alloc::alloc_zeroed(layout) };
-        let ptr = NonNull::new(ptr).ok_or(Error::System { what: "allocating an aligned buffer", errno: libc::ENOMEM })?;
+        let ptr = NonNull::new(ptr).ok_or(Error::System {
+            what: "allocating an aligned buffer",
+            errno: libc::ENOMEM,
+        })?;
         Ok(Self { ptr, layout })
     }
 
@@ -81,7 +84,9 @@ impl StagingPool {
         }
         let slot_size = slot_size.div_ceil(SLOT_ALIGNMENT) * SLOT_ALIGNMENT;
         let total = n_slots.checked_mul(slot_size).ok_or_else(|| {
-            Error::InvalidArgument(format!("staging pool of {n_slots} x {slot_size} bytes is too large"))
+            Error::InvalidArgument(format!(
+                "staging pool of {n_slots} x {slot_size} bytes is too large"
+            ))
         })?;
         Ok(Self {
             inner: Arc::new(PoolInner {
@@ -115,17 +120,29 @@ impl StagingPool {
                 let state = &mut states[index];
                 state.acquired = true;
                 state.generation += 1;
-                return Ok(Slot { pool: self.clone(), index, generation: state.generation });
+                return Ok(Slot {
+                    pool: self.clone(),
+                    index,
+                    generation: state.generation,
+                });
             }
             let n_slots = states.len();
             states = match deadline {
-                None => self.inner.freed.wait(states).unwrap_or_else(|e| e.into_inner()),
+                None => self
+                    .inner
+                    .freed
+                    .wait(states)
+                    .unwrap_or_else(|e| e.into_inner()),
                 Some(deadline) => {
                     let left = deadline.saturating_duration_since(Instant::now());
                     if left.is_zero() {
                         return Err(Error::NoFreeSlot { n_slots });
                     }
-                    self.inner.freed.wait_timeout(states, left).unwrap_or_else(|e| e.into_inner()).0
+                    self.inner
+                        .freed
+                        .wait_timeout(states, left)
+                        .unwrap_or_else(|e| e.into_inner())
+                        .0
                 }
             };
         }
@@ -133,7 +150,9 @@ impl StagingPool {
 
     /// One `(address, length)` pair per slot, in slot order (for io_uring buffer registration).
     pub fn slot_regions(&self) -> Vec<(*mut u8, usize)> {
-        (0..self.n_slots()).map(|i| (self.slot_ptr(i), self.inner.slot_size)).collect()
+        (0..self.n_slots())
+            .map(|i| (self.slot_ptr(i), self.inner.slot_size))
+            .collect()
     }
 
     pub fn same_pool(&self, other: &StagingPool) -> bool {
@@ -211,7 +230,11 @@ impl Slot {
             return Err(Error::SlotBusy { index: self.index });
         }
         state.in_flight = true;
-        Ok(SlotGuard { pool: self.pool.clone(), index: self.index, ptr: self.as_ptr() })
+        Ok(SlotGuard {
+            pool: self.pool.clone(),
+            index: self.index,
+            ptr: self.as_ptr(),
+        })
     }
 
     fn owned(&self, state: &SlotState) -> bool {
@@ -300,8 +323,14 @@ mod tests {
     fn acquire_fails_or_times_out_when_all_slots_are_taken() {
         let pool = StagingPool::new(1, 4096).unwrap();
         let slot = pool.acquire(None).unwrap();
-        assert!(matches!(pool.acquire(Some(Duration::ZERO)), Err(Error::NoFreeSlot { n_slots: 1 })));
-        assert!(matches!(pool.acquire(Some(Duration::from_millis(20))), Err(Error::NoFreeSlot { .. })));
+        assert!(matches!(
+            pool.acquire(Some(Duration::ZERO)),
+            Err(Error::NoFreeSlot { n_slots: 1 })
+        ));
+        assert!(matches!(
+            pool.acquire(Some(Duration::from_millis(20))),
+            Err(Error::NoFreeSlot { .. })
+        ));
         let waiter = {
             let pool = pool.clone();
             std::thread::spawn(move || pool.acquire(None).map(|s| s.index()))
@@ -318,10 +347,16 @@ mod tests {
         let guard = slot.begin_read().unwrap();
         assert!(slot.in_flight());
         assert!(matches!(slot.release(), Err(Error::SlotBusy { index: 0 })));
-        assert!(matches!(slot.begin_read(), Err(Error::SlotBusy { index: 0 })));
+        assert!(matches!(
+            slot.begin_read(),
+            Err(Error::SlotBusy { index: 0 })
+        ));
         drop(guard);
         slot.release().unwrap();
-        assert!(matches!(slot.release(), Err(Error::SlotNotAcquired { index: 0 })));
+        assert!(matches!(
+            slot.release(),
+            Err(Error::SlotNotAcquired { index: 0 })
+        ));
     }
 
     #[test]
@@ -330,7 +365,10 @@ mod tests {
         let old = pool.acquire(None).unwrap();
         old.release().unwrap();
         let new = pool.acquire(None).unwrap();
-        assert!(matches!(old.begin_read(), Err(Error::SlotNotAcquired { .. })));
+        assert!(matches!(
+            old.begin_read(),
+            Err(Error::SlotNotAcquired { .. })
+        ));
         assert!(matches!(old.release(), Err(Error::SlotNotAcquired { .. })));
         drop(old);
         assert!(new.is_acquired());

@@ -43,9 +43,14 @@ impl Backend {
     }
 
     pub fn parse(name: &str) -> Result<Self> {
-        Self::ALL.into_iter().find(|b| b.name() == name).ok_or_else(|| {
-            Error::InvalidArgument(format!("unknown I/O backend {name:?} (expected io_uring, pread or buffered)"))
-        })
+        Self::ALL
+            .into_iter()
+            .find(|b| b.name() == name)
+            .ok_or_else(|| {
+                Error::InvalidArgument(format!(
+                    "unknown I/O backend {name:?} (expected io_uring, pread or buffered)"
+                ))
+            })
     }
 
     /// The backend named by `NTIO_IO_BACKEND`, if set and not empty.
@@ -68,15 +73,27 @@ pub struct OpenFile {
 
 impl OpenFile {
     fn open(path: &Path, direct: bool) -> Result<Self> {
-        let open_error = |err: std::io::Error| Error::Open { path: path.to_path_buf(), errno: crate::error::errno_of(&err) };
+        let open_error = |err: std::io::Error| Error::Open {
+            path: path.to_path_buf(),
+            errno: crate::error::errno_of(&err),
+        };
         let file = OpenOptions::new()
             .read(true)
             .custom_flags(if direct { libc::O_DIRECT } else { 0 })
             .open(path)
             .map_err(open_error)?;
         let size = file.metadata().map_err(open_error)?.len();
-        let alignment = if direct { direct_io_alignment(&file) } else { 1 };
-        Ok(Self { file, path: path.to_path_buf(), size, alignment })
+        let alignment = if direct {
+            direct_io_alignment(&file)
+        } else {
+            1
+        };
+        Ok(Self {
+            file,
+            path: path.to_path_buf(),
+            size,
+            alignment,
+        })
     }
 }
 
@@ -87,7 +104,13 @@ fn direct_io_alignment(file: &File) -> usize {
     // SAFETY: the descriptor is open, the empty C string with AT_EMPTY_PATH names that
     // descriptor, and stx is a writable statx buffer.
     let rc = unsafe {
-        libc::statx(file.as_raw_fd(), c"".as_ptr(), libc::AT_EMPTY_PATH, libc::STATX_DIOALIGN, &mut stx)
+        libc::statx(
+            file.as_raw_fd(),
+            c"".as_ptr(),
+            libc::AT_EMPTY_PATH,
+            libc::STATX_DIOALIGN,
+            &mut stx,
+        )
     };
     let reported = stx.stx_dio_offset_align.max(stx.stx_dio_mem_align) as usize;
     if rc == 0 && stx.stx_mask & libc::STATX_DIOALIGN != 0 && reported.is_power_of_two() {
@@ -101,7 +124,11 @@ fn direct_io_alignment(file: &File) -> usize {
 /// io_uring if a ring can be created, else pread; buffered where O_DIRECT is refused.
 /// A requested backend that cannot work is an error, never a silent fallback.
 /// Returns the probe's ring when io_uring is chosen, so it is not created twice.
-pub fn open(path: &Path, requested: Option<Backend>, queue_depth: u32) -> Result<(OpenFile, Backend, Option<uring::Ring>)> {
+pub fn open(
+    path: &Path,
+    requested: Option<Backend>,
+    queue_depth: u32,
+) -> Result<(OpenFile, Backend, Option<uring::Ring>)> {
     let unavailable = |backend: Backend, reason: String| Error::BackendUnavailable {
         path: path.to_path_buf(),
         backend: backend.name(),
@@ -111,8 +138,16 @@ pub fn open(path: &Path, requested: Option<Backend>, queue_depth: u32) -> Result
         return Ok((OpenFile::open(path, false)?, Backend::Buffered, None));
     }
     let file = match OpenFile::open(path, true) {
-        Err(Error::Open { errno: libc::EINVAL, .. }) => match requested {
-            Some(backend) => return Err(unavailable(backend, "the filesystem refuses O_DIRECT".into())),
+        Err(Error::Open {
+            errno: libc::EINVAL,
+            ..
+        }) => match requested {
+            Some(backend) => {
+                return Err(unavailable(
+                    backend,
+                    "the filesystem refuses O_DIRECT".into(),
+                ))
+            }
             None => return Ok((OpenFile::open(path, false)?, Backend::Buffered, None)),
         },
         opened => opened?,
@@ -122,9 +157,10 @@ pub fn open(path: &Path, requested: Option<Backend>, queue_depth: u32) -> Result
     }
     match uring::Ring::new(queue_depth) {
         Ok(ring) => Ok((file, Backend::IoUring, Some(ring))),
-        Err(err) if requested == Some(Backend::IoUring) => {
-            Err(unavailable(Backend::IoUring, format!("cannot create a ring: {err}")))
-        }
+        Err(err) if requested == Some(Backend::IoUring) => Err(unavailable(
+            Backend::IoUring,
+            format!("cannot create a ring: {err}"),
+        )),
         Err(_) => Ok((file, Backend::Pread, None)),
     }
 }
@@ -146,7 +182,11 @@ impl Batch {
             .map(|r| r.len)
             .max()
             .unwrap_or(0);
-        Self { requests, dest, bounce_len }
+        Self {
+            requests,
+            dest,
+            bounce_len,
+        }
     }
 
     /// `n` bounce regions of `bounce_len` bytes, aligned for O_DIRECT; `None` if nothing bounces.
@@ -178,7 +218,11 @@ impl Batch {
             // SAFETY: region[..needed] is initialised (caller); dest_offset + (needed - skip) lies in
             // the destination (validated); a bounce region never overlaps the destination.
             unsafe {
-                std::ptr::copy_nonoverlapping(region.add(skip), self.dest.as_ptr().add(dest_offset), req.needed - skip)
+                std::ptr::copy_nonoverlapping(
+                    region.add(skip),
+                    self.dest.as_ptr().add(dest_offset),
+                    req.needed - skip,
+                )
             }
         }
     }
@@ -193,7 +237,12 @@ pub enum Progress {
 }
 
 /// Account for one read of `req` that returned `result` (bytes, or an errno) after `done` bytes.
-pub fn advance(file: &OpenFile, req: &Request, done: &mut usize, result: Result<usize, i32>) -> Result<Progress> {
+pub fn advance(
+    file: &OpenFile,
+    req: &Request,
+    done: &mut usize,
+    result: Result<usize, i32>,
+) -> Result<Progress> {
     match result {
         Ok(0) => Err(Error::UnexpectedEof {
             path: file.path.clone(),
@@ -203,7 +252,11 @@ pub fn advance(file: &OpenFile, req: &Request, done: &mut usize, result: Result<
         }),
         Ok(n) => {
             *done += n;
-            Ok(if *done >= req.needed { Progress::Finished } else { Progress::Again })
+            Ok(if *done >= req.needed {
+                Progress::Finished
+            } else {
+                Progress::Again
+            })
         }
         Err(libc::EINTR | libc::EAGAIN) => Ok(Progress::Again),
         Err(errno) => Err(Error::Io {

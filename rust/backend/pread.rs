@@ -22,7 +22,10 @@ pub fn run(file: &OpenFile, batch: &Batch, threads: usize) -> Result<()> {
                 return;
             }
             if let Err(err) = read_one(file, batch, &batch.requests[i], &mut bounce) {
-                failure.lock().unwrap_or_else(|e| e.into_inner()).get_or_insert(err);
+                failure
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .get_or_insert(err);
                 next.store(batch.requests.len(), Ordering::Relaxed); // stop the other workers
                 return;
             }
@@ -31,19 +34,35 @@ pub fn run(file: &OpenFile, batch: &Batch, threads: usize) -> Result<()> {
     thread::scope(|scope| {
         for _ in 1..threads.min(batch.requests.len()) {
             // A thread that cannot be spawned just means fewer workers.
-            let _ = thread::Builder::new().name("ntio-pread".into()).spawn_scoped(scope, worker);
+            let _ = thread::Builder::new()
+                .name("ntio-pread".into())
+                .spawn_scoped(scope, worker);
         }
         worker();
     });
-    failure.into_inner().unwrap_or_else(|e| e.into_inner()).map_or(Ok(()), Err)
+    failure
+        .into_inner()
+        .unwrap_or_else(|e| e.into_inner())
+        .map_or(Ok(()), Err)
 }
 
-fn read_one(file: &OpenFile, batch: &Batch, req: &Request, bounce: &mut Option<AlignedBuf>) -> Result<()> {
+fn read_one(
+    file: &OpenFile,
+    batch: &Batch,
+    req: &Request,
+    bounce: &mut Option<AlignedBuf>,
+) -> Result<()> {
     let region = match req.target {
         Target::Direct { .. } => std::ptr::null_mut(),
         Target::Bounce { .. } => match bounce {
             Some(buf) => buf.as_ptr(),
-            None => bounce.insert(batch.bounce_regions(1, file.alignment)?.expect("a bounce request")).as_ptr(),
+            None => bounce
+                .insert(
+                    batch
+                        .bounce_regions(1, file.alignment)?
+                        .expect("a bounce request"),
+                )
+                .as_ptr(),
         },
     };
     let mut done = 0;
@@ -52,9 +71,20 @@ fn read_one(file: &OpenFile, batch: &Batch, req: &Request, bounce: &mut Option<A
         // SAFETY: ptr is valid for req.len - done bytes (Batch::read_ptr), which nobody else
         // touches while this request is being read.
         let n = unsafe {
-            libc::pread(file.file.as_raw_fd(), ptr.cast(), req.len - done, (req.file_offset + done as u64) as libc::off_t)
+            libc::pread(
+                file.file.as_raw_fd(),
+                ptr.cast(),
+                req.len - done,
+                (req.file_offset + done as u64) as libc::off_t,
+            )
         };
-        let result = if n < 0 { Err(std::io::Error::last_os_error().raw_os_error().unwrap_or(libc::EIO)) } else { Ok(n as usize) };
+        let result = if n < 0 {
+            Err(std::io::Error::last_os_error()
+                .raw_os_error()
+                .unwrap_or(libc::EIO))
+        } else {
+            Ok(n as usize)
+        };
         if advance(file, req, &mut done, result)? == Progress::Finished {
             // SAFETY: the request is fully read into `region` (when it bounces), this thread's own.
             unsafe { batch.complete(req, region) };

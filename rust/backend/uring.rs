@@ -22,7 +22,11 @@ pub struct Ring {
 
 impl Ring {
     pub fn new(depth: u32) -> io::Result<Self> {
-        Ok(Self { ring: IoUring::new(depth)?, depth: depth as usize, registered: None })
+        Ok(Self {
+            ring: IoUring::new(depth)?,
+            depth: depth as usize,
+            registered: None,
+        })
     }
 
     /// Make `pool`'s slots this ring's fixed buffers; false if the kernel refuses
@@ -38,7 +42,10 @@ impl Ring {
         let iovecs: Vec<libc::iovec> = pool
             .slot_regions()
             .into_iter()
-            .map(|(ptr, len)| libc::iovec { iov_base: ptr.cast(), iov_len: len })
+            .map(|(ptr, len)| libc::iovec {
+                iov_base: ptr.cast(),
+                iov_len: len,
+            })
             .collect();
         // SAFETY: the iovecs describe the pool's allocation, which `self.registered` keeps alive
         // until the buffers are unregistered or the ring is dropped.
@@ -76,9 +83,13 @@ pub fn run(ring: &mut Ring, file: &OpenFile, batch: &Batch) -> Result<()> {
         let fd = types::Fd(file.file.as_raw_fd());
         let read = match (req.target, fixed_index) {
             (Target::Direct { .. }, Some(buf_index)) => {
-                opcode::ReadFixed::new(fd, ptr, len, buf_index).offset(req.file_offset + entry.done as u64).build()
+                opcode::ReadFixed::new(fd, ptr, len, buf_index)
+                    .offset(req.file_offset + entry.done as u64)
+                    .build()
             }
-            _ => opcode::Read::new(fd, ptr, len).offset(req.file_offset + entry.done as u64).build(),
+            _ => opcode::Read::new(fd, ptr, len)
+                .offset(req.file_offset + entry.done as u64)
+                .build(),
         };
         read.user_data(index as u64)
     };
@@ -92,7 +103,10 @@ pub fn run(ring: &mut Ring, file: &OpenFile, batch: &Batch) -> Result<()> {
     loop {
         while failure.is_none() && next < batch.requests.len() {
             let Some(index) = free.pop() else { break };
-            entries[index] = Entry { request: next, done: 0 };
+            entries[index] = Entry {
+                request: next,
+                done: 0,
+            };
             push(ring, &sqe(index, entries[index]));
             next += 1;
             in_flight += 1;
@@ -101,7 +115,11 @@ pub fn run(ring: &mut Ring, file: &OpenFile, batch: &Batch) -> Result<()> {
             break;
         }
         submit_and_wait(ring)?;
-        completions.extend(ring.ring.completion().map(|cqe| (cqe.user_data() as usize, cqe.result())));
+        completions.extend(
+            ring.ring
+                .completion()
+                .map(|cqe| (cqe.user_data() as usize, cqe.result())),
+        );
         for (index, res) in completions.drain(..) {
             let entry = &mut entries[index];
             let req = &batch.requests[entry.request];
@@ -138,9 +156,21 @@ fn submit_and_wait(ring: &mut Ring) -> Result<()> {
     loop {
         match ring.ring.submit_and_wait(1) {
             Ok(_) => return Ok(()),
-            Err(err) if matches!(err.raw_os_error(), Some(libc::EINTR | libc::EAGAIN | libc::EBUSY)) => continue,
+            Err(err)
+                if matches!(
+                    err.raw_os_error(),
+                    Some(libc::EINTR | libc::EAGAIN | libc::EBUSY)
+                ) =>
+            {
+                continue
+            }
             // Other errors (EBADF, EFAULT, ENXIO) mean a broken ring, which one we own and keep open is not.
-            Err(err) => return Err(Error::System { what: "io_uring_enter", errno: crate::error::errno_of(&err) }),
+            Err(err) => {
+                return Err(Error::System {
+                    what: "io_uring_enter",
+                    errno: crate::error::errno_of(&err),
+                })
+            }
         }
     }
 }
