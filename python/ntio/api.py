@@ -152,7 +152,7 @@ class LLM:
         self._cached_ids = prompt_ids[:reuse]
         detok = self.tokenizer.stream()
         stops = StopStrings(stop)
-        text, generated, finish = "", [], "length"
+        text, generated, finish, hit = "", [], "length", False
         t0 = time.perf_counter()
         t_first = t0
         for token in generate_ids(self.engine, prompt_ids, max_new_tokens, sampler, self.tokenizer.stop_ids, reuse):
@@ -169,9 +169,12 @@ class LLM:
             if hit:
                 finish = "stop"
                 break
-        if (rest := stops.flush()):  # text held back for a stop string that never completed
-            text += rest
-            yield rest
+        if not hit:
+            # Release what was held back: bytes of an unfinished character, a stop string that never completed.
+            piece, _ = stops.push(detok.finish())
+            if rest := piece + stops.flush():
+                text += rest
+                yield rest
         t_end = time.perf_counter()
         # Every yielded token but the last went back through forward(): those are the cached positions.
         self._cached_ids = prompt_ids + generated[:-1]
