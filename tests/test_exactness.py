@@ -44,11 +44,6 @@ def hf_smollm2(smollm2_path):
 
 
 @pytest.fixture(scope="module")
-def hf_tokenizer(smollm2_path):
-    return transformers.AutoTokenizer.from_pretrained(str(smollm2_path.parent), gguf_file=smollm2_path.name)
-
-
-@pytest.fixture(scope="module")
 def smollm2(smollm2_path):
     return ntio.load(smollm2_path, max_context=1024)
 
@@ -100,13 +95,15 @@ def test_greedy_64_tokens_identical(smollm2, hf_smollm2):
         assert len(ours.token_ids) == 64 or ours.finish_reason == "stop"
 
 
-def test_perplexity_within_half_percent(smollm2, hf_smollm2, hf_tokenizer):
+def test_perplexity_within_half_percent(smollm2, hf_smollm2):
     text = PPL_TEXT.read_text()
     ctx = 512
     ours = smollm2.perplexity(text, ctx=ctx)
-    # Same convention with the reference: one tokenization, no special tokens, non-overlapping windows,
-    # every token of a window scored but its first.
-    ids = hf_tokenizer(text, add_special_tokens=False).input_ids
+    # Same convention with the reference: one tokenization, no special tokens, non-overlapping windows, every
+    # token of a window scored but its first. The reference scores ntio's token ids: transformers' GGUF tokenizer
+    # ignores the `smollm` pre-tokenizer (digits split first, as in SmolLM2's tokenizer.json and llama.cpp), so
+    # on this text it tokenizes runs of spaces before digits differently; tokenization has its own tests.
+    ids = smollm2.tokenizer.encode(text)
     nll, count = 0.0, 0
     with torch.inference_mode():
         for start in range(0, len(ids), ctx):

@@ -2,7 +2,7 @@
 
 Never for quality claims: the weights are noise. Files are written tensor by tensor (memory stays at one tensor,
 so a 70B-shaped layer stack can be written on a small machine), to a temporary name renamed at the end.
-The tokenizer is a minimal byte-level BPE (256 byte symbols, no merges) plus BOS/EOS, padded to vocab_size.
+The tokenizer is a minimal byte-level BPE (256 byte symbols, a few merges) plus BOS/EOS, padded to vocab_size.
 """
 
 from __future__ import annotations
@@ -73,8 +73,21 @@ def _tensor_table(spec: SynthSpec) -> list[tuple[str, tuple[int, ...], gguf.GGML
     return table
 
 
-def _byte_level_vocab(vocab_size: int) -> tuple[list[str], list[int]]:
-    """GPT-2 byte-to-unicode symbols for the 256 bytes, then BOS/EOS, then unused padding tokens."""
+# A few merges so the file carries a real (non-empty) merge list; "Ġ" is the byte-level symbol for a space.
+_MERGES = ["Ġ t", "h e", "i n", "Ġ a", "e r"]
+
+
+@dataclass(frozen=True)
+class _Vocab:
+    tokens: list[str]
+    types: list[int]
+    merges: list[str]
+    bos_id: int
+    eos_id: int
+
+
+def _byte_level_vocab(vocab_size: int) -> _Vocab:
+    """GPT-2 byte-to-unicode symbols for the 256 bytes, a few merged tokens, BOS/EOS, then unused padding."""
     printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
     symbols, extra = {}, 0
     for b in range(256):
@@ -83,13 +96,15 @@ def _byte_level_vocab(vocab_size: int) -> tuple[list[str], list[int]]:
         else:
             symbols[b] = chr(256 + extra)
             extra += 1
-    tokens = [symbols[b] for b in range(256)] + ["<|bos|>", "<|eos|>"]
-    types = [1] * 256 + [3, 3]
+    tokens = [symbols[b] for b in range(256)] + [m.replace(" ", "") for m in _MERGES]
+    bos_id = len(tokens)
+    tokens += ["<|bos|>", "<|eos|>"]
+    types = [1] * (len(tokens) - 2) + [3, 3]
     if vocab_size < len(tokens):
         raise ValueError(f"vocab_size must be at least {len(tokens)}")
     tokens += [f"<|unused_{i}|>" for i in range(vocab_size - len(tokens))]
     types += [5] * (vocab_size - len(types))
-    return tokens, types
+    return _Vocab(tokens, types, list(_MERGES), bos_id, bos_id + 1)
 
 
 def write_synthetic_gguf(path: str | os.PathLike[str], spec: SynthSpec) -> Path:
@@ -110,14 +125,14 @@ def write_synthetic_gguf(path: str | os.PathLike[str], spec: SynthSpec) -> Path:
         w.add_rope_dimension_count(spec.d_model // spec.n_heads)
         w.add_layer_norm_rms_eps(1e-5)
         w.add_vocab_size(spec.vocab_size)
-        tokens, types = _byte_level_vocab(spec.vocab_size)
+        vocab = _byte_level_vocab(spec.vocab_size)
         w.add_tokenizer_model("gpt2")
         w.add_tokenizer_pre("gpt-2")
-        w.add_token_list(tokens)
-        w.add_token_types(types)
-        w.add_token_merges([])
-        w.add_bos_token_id(256)
-        w.add_eos_token_id(257)
+        w.add_token_list(vocab.tokens)
+        w.add_token_types(vocab.types)
+        w.add_token_merges(vocab.merges)
+        w.add_bos_token_id(vocab.bos_id)
+        w.add_eos_token_id(vocab.eos_id)
         w.add_add_bos_token(False)
         for name, shape, qtype in table:
             nbytes = quant.encoded_nbytes(qtype, shape)
