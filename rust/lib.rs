@@ -6,7 +6,8 @@
 //! - `destination`: a slot or caller-owned memory;
 //! - `backend`: io_uring / pread / buffered execution of a batch, chosen by a run-time probe;
 //! - `reader`: the public reader (read now, or submit and wait later);
-//! - `error`: the error type.
+//! - `error`: the error type;
+//! - `store`: the ntio store format and the extent index (layer / tensor / rows → extents).
 
 pub mod backend;
 pub mod destination;
@@ -14,7 +15,10 @@ pub mod error;
 pub mod extent;
 pub mod reader;
 pub mod staging;
+pub mod store;
 
+mod bench_bindings;
 mod bindings;
+mod store_bindings;
 
 pub use bindings::_core;

@@ -4,6 +4,7 @@
 
 use std::path::Path;
 use std::sync::{Arc, Condvar, Mutex};
+use std::time::Duration;
 
 use crate::backend::{self, pread, uring, Backend, Batch, OpenFile};
 use crate::destination::Destination;
@@ -114,6 +115,15 @@ impl Reader {
     pub fn read(&self, extents: &[Extent], dest: Destination) -> Result<()> {
         let batch = self.inner.prepare(extents, dest)?;
         self.inner.execute(&batch)
+    }
+
+    /// `read`, returning each request's latency (first read submitted → completed), in
+    /// completion order: per-request timing for benchmarks, like fio's completion latency.
+    pub fn read_timed(&self, extents: &[Extent], dest: Destination) -> Result<Vec<Duration>> {
+        let batch = self.inner.prepare(extents, dest)?.timed();
+        self.inner.execute(&batch)?;
+        let latencies = batch.latencies.expect("a timed batch");
+        Ok(latencies.into_inner().unwrap_or_else(|e| e.into_inner()))
     }
 
     /// Start reading `extents` into `dest` on a background thread. Bad extents fail here;
@@ -231,7 +241,6 @@ impl Drop for Pending {
 mod tests {
     use super::*;
     use crate::staging::StagingPool;
-    use std::time::Duration;
 
     /// A file of `len` pseudo-random bytes in the system temp dir (disk-backed on Linux CI).
     fn temp_file(name: &str, len: usize) -> (std::path::PathBuf, Vec<u8>) {

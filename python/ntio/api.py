@@ -24,7 +24,7 @@ from ntio.engine import Engine, KVCache, ResidentLayers
 from ntio.errors import ContextOverflowError, NtioError
 from ntio.fetch import resolve_model
 from ntio.generation import Sampler, SamplingParams, generate_ids
-from ntio.gguf_file import GGUFFile
+from ntio.model_file import open_model_file
 from ntio.tokenizer import Tokenizer
 from ntio.weights import WeightLayout, load_global_weights, load_resident_block
 
@@ -72,7 +72,7 @@ class LLM:
         if kv_dtype not in KV_DTYPES:
             raise NtioError(f"--kv-dtype must be one of {', '.join(KV_DTYPES)}, got {kv_dtype!r}")
         self.path = Path(path)
-        self.file = GGUFFile(self.path)
+        self.file = open_model_file(self.path)
         self.config = ModelConfig.from_gguf(self.file)
         self.tokenizer = Tokenizer.from_gguf(self.file)
         layout = WeightLayout(self.file, self.config)

@@ -1,4 +1,4 @@
-"""`ntio` command line: generate, chat, perplexity, info, fetch.
+"""`ntio` command line: generate, chat, perplexity, info, convert, fetch.
 
 User errors (`NtioError`) print one line on stderr and exit 1; click's usage errors exit 2; Ctrl-C exits 130.
 `--json` prints exactly one JSON object on stdout and nothing else there.
@@ -154,10 +154,10 @@ def perplexity(model, ctx_size, kv_dtype, threads, text_file, ctx, as_json) -> N
 def info(model, as_json) -> None:
     """Architecture, tensors, types and bytes per layer of MODEL."""
     from ntio.config import ModelConfig
-    from ntio.gguf_file import GGUFFile
+    from ntio.model_file import open_model_file
     from ntio.weights import WeightLayout
 
-    g = GGUFFile(model)
+    g = open_model_file(model)
     cfg = ModelConfig.from_gguf(g)
     layout = WeightLayout(g, cfg)
     layer_bytes = [layout.block_nbytes(i) for i in range(cfg.n_layers)]
@@ -183,6 +183,25 @@ def info(model, as_json) -> None:
         elif key == "tensor_types":
             value = ", ".join(f"{k}×{n}" for k, n in value.items())
         click.echo(f"{key:24} {value}")
+
+
+@main.command()
+@click.argument("model", type=click.Path(exists=True, dir_okay=False, path_type=Path))
+@click.option("-o", "--output", type=click.Path(dir_okay=False, path_type=Path),
+              help="Store to write (default: MODEL with the suffix .ntio)")
+def convert(model, output) -> None:
+    """Convert the GGUF MODEL into an ntio store (layers contiguous and 4096-aligned, checksummed)."""
+    from rich.console import Console
+    from rich.progress import BarColumn, DownloadColumn, Progress, TimeRemainingColumn, TransferSpeedColumn
+
+    from ntio.store import STORE_SUFFIX, convert as convert_to_store
+
+    output = output or model.with_suffix(STORE_SUFFIX)
+    columns = ("{task.description}", BarColumn(), DownloadColumn(), TransferSpeedColumn(), TimeRemainingColumn())
+    with Progress(*columns, console=Console(stderr=True), transient=True) as bar:
+        task = bar.add_task(f"converting {model.name}", total=None)
+        convert_to_store(model, output, progress=lambda done, total: bar.update(task, completed=done, total=total))
+    click.echo(str(output))
 
 
 @main.command()

@@ -12,6 +12,8 @@ use std::fs::{File, OpenOptions};
 use std::os::fd::AsRawFd;
 use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
 
 use crate::destination::Destination;
 use crate::error::{Error, Result};
@@ -172,6 +174,8 @@ pub struct Batch {
     pub dest: Destination,
     /// Size of one bounce region: the longest bounce request, 0 when nothing bounces.
     pub bounce_len: usize,
+    /// Each request's latency (its first read submitted → its last completed), when timed.
+    pub latencies: Option<Mutex<Vec<Duration>>>,
 }
 
 impl Batch {
@@ -186,6 +190,21 @@ impl Batch {
             requests,
             dest,
             bounce_len,
+            latencies: None,
+        }
+    }
+
+    /// Record each request's latency (for benchmarks: `Reader::read_timed`).
+    pub fn timed(mut self) -> Self {
+        self.latencies = Some(Mutex::new(Vec::with_capacity(self.requests.len())));
+        self
+    }
+
+    /// A request that started at `started` has finished.
+    pub fn record_latency(&self, started: Instant) {
+        if let Some(latencies) = &self.latencies {
+            let elapsed = started.elapsed();
+            latencies.lock().unwrap_or_else(|e| e.into_inner()).push(elapsed);
         }
     }
 

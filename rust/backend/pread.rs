@@ -5,6 +5,7 @@ use std::os::fd::AsRawFd;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Mutex;
 use std::thread;
+use std::time::Instant;
 
 use super::{advance, Batch, OpenFile, Progress};
 use crate::error::{Error, Result};
@@ -65,6 +66,7 @@ fn read_one(
                 .as_ptr(),
         },
     };
+    let started = Instant::now();
     let mut done = 0;
     loop {
         let ptr = batch.read_ptr(req, region, done);
@@ -88,6 +90,7 @@ fn read_one(
         if advance(file, req, &mut done, result)? == Progress::Finished {
             // SAFETY: the request is fully read into `region` (when it bounces), this thread's own.
             unsafe { batch.complete(req, region) };
+            batch.record_latency(started);
             return Ok(());
         }
     }

@@ -4,6 +4,7 @@
 
 use std::io;
 use std::os::fd::AsRawFd;
+use std::time::Instant;
 
 use io_uring::{opcode, squeue, types, IoUring};
 
@@ -57,11 +58,13 @@ impl Ring {
     }
 }
 
-/// In-flight entry `i` reads request `request`, `done` bytes in, into bounce region `i`.
-#[derive(Clone, Copy, Default)]
+/// In-flight entry `i` reads request `request`, `done` bytes in, into bounce region `i`;
+/// its first read was submitted at `started`.
+#[derive(Clone, Copy)]
 struct Entry {
     request: usize,
     done: usize,
+    started: Instant,
 }
 
 pub fn run(ring: &mut Ring, file: &OpenFile, batch: &Batch) -> Result<()> {
@@ -94,7 +97,12 @@ pub fn run(ring: &mut Ring, file: &OpenFile, batch: &Batch) -> Result<()> {
         read.user_data(index as u64)
     };
 
-    let mut entries = vec![Entry::default(); depth];
+    let idle = Entry {
+        request: 0,
+        done: 0,
+        started: Instant::now(),
+    };
+    let mut entries = vec![idle; depth];
     let mut free: Vec<usize> = (0..depth).rev().collect();
     let mut completions: Vec<(usize, i32)> = Vec::with_capacity(depth);
     let mut next = 0;
@@ -106,6 +114,7 @@ pub fn run(ring: &mut Ring, file: &OpenFile, batch: &Batch) -> Result<()> {
             entries[index] = Entry {
                 request: next,
                 done: 0,
+                started: Instant::now(),
             };
             push(ring, &sqe(index, entries[index]));
             next += 1;
@@ -129,8 +138,11 @@ pub fn run(ring: &mut Ring, file: &OpenFile, batch: &Batch) -> Result<()> {
                     push(ring, &sqe(index, *entry));
                     continue;
                 }
-                // SAFETY: the request's completion is reaped: its bounce region holds its bytes.
-                Ok(Progress::Finished) => unsafe { batch.complete(req, region(index)) },
+                Ok(Progress::Finished) => {
+                    // SAFETY: the request's completion is reaped: its bounce region holds its bytes.
+                    unsafe { batch.complete(req, region(index)) };
+                    batch.record_latency(entry.started);
+                }
                 Ok(Progress::Again) => {} // abandoned: the batch has already failed
                 Err(err) => {
                     failure.get_or_insert(err);

@@ -1,0 +1,117 @@
+"""Model files of either format (GGUF, ntio store) and reading their layers, tensors and row ranges as extents.
+
+- `open_model_file(path)` → `GGUFFile | StoreFile`, by magic.
+- `extent_index(model_file)` → the Rust `ExtentIndex`: `layer_extents(model_file, layer)`,
+  `tensor_extent(model_file, name)` and `row_extent(model_file, name, start, stop)` give `(file_offset, length)`.
+  A row of a row-major encoded tensor is `K / block * type_size` bytes, so an FFN neuron group (rows of gate and
+  up) is one extent. For a GGUF the extents are the tensors' own (unaligned: the reader widens them).
+- `read_layer(reader, model_file, layer)` reads a whole layer through a `_core.Reader` into one buffer and returns
+  a zero-copy uint8 view per tensor, verified against the store's checksums.
+"""
+
+from __future__ import annotations
+
+import os
+import weakref
+from pathlib import Path
+
+import numpy as np
+
+from ntio import _core
+from ntio.errors import ModelFormatError
+from ntio.gguf_file import GGUF_MAGIC, GGUFFile
+from ntio.io import read_into
+from ntio.store import STORE_MAGIC, StoreFile, layer_of, tensor_rows, verify_tensor
+
+ModelFile = GGUFFile | StoreFile
+
+# Destination bytes of an extent start at the same offset modulo this as its file bytes, so O_DIRECT reads
+# land straight in the buffer and only the unaligned head and tail of a GGUF extent bounce.
+_DEST_ALIGNMENT = 4096
+
+_gguf_indexes: weakref.WeakKeyDictionary[GGUFFile, _core.ExtentIndex] = weakref.WeakKeyDictionary()
+
+
+def open_model_file(path: str | os.PathLike[str]) -> ModelFile:
+    path = Path(path)
+    try:
+        with open(path, "rb") as f:
+            magic = f.read(len(STORE_MAGIC))
+    except FileNotFoundError:
+        raise ModelFormatError(f"{path}: no such file") from None
+    except IsADirectoryError:
+        raise ModelFormatError(f"{path}: is a directory, not a model file") from None
+    if magic.startswith(GGUF_MAGIC):
+        return GGUFFile(path)
+    if magic == STORE_MAGIC:
+        return StoreFile(path)
+    raise ModelFormatError(f"{path}: not a GGUF file or ntio store (magic {magic!r})")
+
+
+def extent_index(model_file: ModelFile) -> _core.ExtentIndex:
+    """The index of a model file's tensors (a GGUF's is built on first use and cached)."""
+    if isinstance(model_file, StoreFile):
+        return model_file.index
+    index = _gguf_indexes.get(model_file)
+    if index is None:
+        table = [(t.name, t.offset, t.nbytes, tensor_rows(t), layer_of(t.name)) for t in model_file.tensors.values()]
+        index = _gguf_indexes[model_file] = _core.ExtentIndex(model_file.path, table)
+    return index
+
+
+def _lookup(model_file: ModelFile, method: str, *args):
+    try:
+        return getattr(extent_index(model_file), method)(*args)
+    except LookupError as e:
+        raise ModelFormatError(str(e)) from None
+
+
+def layer_extents(model_file: ModelFile, layer: int) -> list[tuple[int, int]]:
+    """(file_offset, length) extents covering every tensor of `layer` (one for a store)."""
+    return _lookup(model_file, "layer_extents", layer)
+
+
+def tensor_extent(model_file: ModelFile, name: str) -> tuple[int, int]:
+    return _lookup(model_file, "tensor_extent", name)
+
+
+def row_extent(model_file: ModelFile, name: str, start: int, stop: int) -> tuple[int, int]:
+    """The extent of rows [start, stop) of tensor `name` (rows in PyTorch order: output features)."""
+    return _lookup(model_file, "row_extent", name, start, stop)
+
+
+def _aligned_empty(nbytes: int) -> np.ndarray:
+    raw = np.empty(nbytes + _DEST_ALIGNMENT, dtype=np.uint8)
+    skip = -raw.ctypes.data % _DEST_ALIGNMENT
+    return raw[skip : skip + nbytes]
+
+
+def _plan_layer(extents: list[tuple[int, int]]) -> tuple[list[tuple[int, int, int]], int]:
+    """Reader extents (file_offset, length, dest_offset) packing `extents` into one buffer, and its size."""
+    planned, end = [], 0
+    for offset, length in extents:
+        dest = end + (offset - end) % _DEST_ALIGNMENT
+        planned.append((offset, length, dest))
+        end = dest + length
+    return planned, end
+
+
+def read_layer(reader: _core.Reader, model_file: ModelFile, layer: int, verify: bool = True) -> dict[str, np.ndarray]:
+    """Read all of `layer` through `reader` (opened on the same file) into one fresh buffer.
+
+    Returns tensor name → uint8 view of its encoded bytes in that buffer; with `verify`, each is checked against the
+    store's checksum (GGUF files record none).
+    """
+    index = extent_index(model_file)
+    planned, size = _plan_layer(layer_extents(model_file, layer))
+    buffer = _aligned_empty(size)
+    read_into(reader, planned, buffer)
+    views = {}
+    for name in index.layer_tensors(layer):
+        offset, nbytes = index.tensor_extent(name)
+        file_start, _, dest = next(p for p in planned if p[0] <= offset < p[0] + p[1])
+        view = buffer[dest + offset - file_start : dest + offset - file_start + nbytes]
+        if verify:
+            verify_tensor(index, name, view)
+        views[name] = view
+    return views

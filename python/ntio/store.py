@@ -1,0 +1,177 @@
+"""The ntio store: a GGUF model re-laid out for streaming, and `convert`, which writes one.
+
+Layout (the Rust core parses it: `rust/store/`):
+
+    [0, 4096)        header page: magic b"NTIOSTOR", format version, manifest offset/length/checksum
+    [4096, ...)      global tensors, then layer 0's tensors, layer 1's, ...; every tensor 4096-aligned,
+                     each layer's tensors back to back, so one layer is one extent
+    [manifest, end)  JSON manifest: all GGUF metadata (tokenizer arrays and chat template included), the tensor
+                     table (name, ggml type, shape, offset, nbytes, rows, layer, xxh3-64 checksum), the layer table
+                     and a reserved "layouts" field for future FFN re-layouts
+
+`StoreFile` offers the interface of `GGUFFile`, with `tensor_bytes` verified against the tensor's checksum.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import gguf
+import numpy as np
+
+from ntio import _core
+from ntio.errors import ModelFormatError, NtioError
+from ntio.gguf_file import GGUFFile, TensorInfo
+
+STORE_MAGIC: bytes = _core.STORE_MAGIC
+STORE_SUFFIX = ".ntio"
+
+# progress(bytes_done, bytes_total)
+Progress = Callable[[int, int], None]
+
+
+def layer_of(name: str) -> int | None:
+    """The transformer block a tensor belongs to (`blk.N.*`), None for globals."""
+    prefix, _, rest = name.partition(".")
+    if prefix != "blk":
+        return None
+    number = rest.partition(".")[0]
+    return int(number) if number.isdigit() else None
+
+
+def tensor_rows(info: TensorInfo) -> int:
+    """Rows of a tensor's row-major encoding: every dimension but the innermost (1 for a vector)."""
+    return int(np.prod(info.shape[:-1], dtype=np.int64)) if len(info.shape) > 1 else 1
+
+
+def checksum(array: np.ndarray) -> int:
+    """xxh3-64 of a C-contiguous array's bytes (computed in Rust, without the GIL)."""
+    return _core.checksum_at(array.ctypes.data, array.nbytes)
+
+
+class StoreFile:
+    """An ntio store, read like a `GGUFFile`. Tensor data stays on disk; `tensor_bytes` maps and verifies it."""
+
+    def __init__(self, path: str | os.PathLike[str], verify: bool = True) -> None:
+        self.path = Path(path)
+        if not self.path.is_file():
+            raise ModelFormatError(f"{self.path}: no such file")
+        try:
+            version, metadata_json, table, index = _core.open_store(self.path)
+        except _core.StoreFormatError as e:
+            raise ModelFormatError(str(e)) from None
+        self.version: int = version
+        self.metadata: dict[str, Any] = json.loads(metadata_json)
+        self.tensors: dict[str, TensorInfo] = {
+            name: TensorInfo(name, gguf.GGMLQuantizationType(ggml_type), tuple(shape), offset, nbytes)
+            for name, ggml_type, shape, offset, nbytes in table
+        }
+        self.index: _core.ExtentIndex = index
+        self.verify = verify
+        self._data = np.memmap(self.path, dtype=np.uint8, mode="r")
+        self._verified: set[str] = set()
+
+    @property
+    def architecture(self) -> str:
+        return str(self.require("general.architecture"))
+
+    def require(self, key: str) -> Any:
+        """A metadata value that must be present."""
+        try:
+            return self.metadata[key]
+        except KeyError:
+            raise ModelFormatError(f"{self.path}: missing metadata key {key!r}") from None
+
+    def tensor(self, name: str) -> TensorInfo:
+        try:
+            return self.tensors[name]
+        except KeyError:
+            raise ModelFormatError(f"{self.path}: missing tensor {name!r}") from None
+
+    def tensor_bytes(self, name: str) -> np.ndarray:
+        """The encoded bytes of one tensor: a read-only uint8 view of the mapped file, checked against its
+        checksum on first access (unless the store was opened with verify=False)."""
+        info = self.tensor(name)
+        data = self._data[info.offset : info.offset + info.nbytes]
+        if self.verify and name not in self._verified:
+            verify_tensor(self.index, name, data)
+            self._verified.add(name)
+        return data
+
+
+def verify_tensor(index: _core.ExtentIndex, name: str, data: np.ndarray) -> None:
+    """Check a tensor's bytes against the checksum its file records (a no-op for a GGUF)."""
+    try:
+        index.verify(name, data.ctypes.data, data.nbytes)
+    except _core.StoreFormatError as e:
+        raise ModelFormatError(str(e)) from None
+
+
+def convert(source: str | os.PathLike[str], target: str | os.PathLike[str], progress: Progress | None = None) -> Path:
+    """Write the GGUF `source` as a store at `target`.
+
+    The store is written to a temporary file in the target's directory and renamed into place at the end: an
+    interrupted or failed conversion leaves no partial file behind.
+    """
+    g = GGUFFile(source)
+    target = Path(target)
+    globals_ = [t for t in g.tensors.values() if layer_of(t.name) is None]
+    n_layers = max((layer_of(name) + 1 for name in g.tensors if layer_of(name) is not None), default=0)
+    layers: list[list[TensorInfo]] = [[] for _ in range(n_layers)]
+    for t in g.tensors.values():
+        if (layer := layer_of(t.name)) is not None:
+            layers[layer].append(t)
+    groups = [globals_, *layers]
+    offsets = _core.plan_store_layout([[t.nbytes for t in group] for group in groups])
+    total = sum(t.nbytes for t in g.tensors.values())
+    try:
+        fd, tmp_name = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
+    except OSError as e:
+        raise NtioError(f"cannot write {target}: {e.strerror}") from None
+    tmp = Path(tmp_name)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            records, done = [], 0
+            for group_index, (group, group_offsets) in enumerate(zip(groups, offsets)):
+                for t, offset in zip(group, group_offsets):
+                    data = g.tensor_bytes(t.name)
+                    f.seek(offset)
+                    f.write(data)
+                    records.append({
+                        "name": t.name, "ggml_type": int(t.qtype), "shape": list(t.shape), "offset": offset,
+                        "nbytes": t.nbytes, "rows": tensor_rows(t), "layer": group_index - 1 if group_index else None,
+                        "checksum": checksum(data),
+                    })
+                    done += t.nbytes
+                    if progress:
+                        progress(done, total)
+            layer_table = []
+            for layer_offsets, group in zip(offsets[1:], layers):
+                end = layer_offsets[-1] + group[-1].nbytes
+                layer_table.append({"offset": layer_offsets[0], "length": end - layer_offsets[0]})
+            manifest = json.dumps({
+                "format_version": _core.STORE_FORMAT_VERSION, "metadata": g.metadata, "tensors": records,
+                "layers": layer_table, "layouts": {},
+            }, allow_nan=False).encode()
+            manifest_offset = -(-f.tell() // _core.STORE_ALIGNMENT) * _core.STORE_ALIGNMENT
+            f.seek(manifest_offset)
+            f.write(manifest)
+            f.seek(0)
+            f.write(_core.store_header(manifest_offset, manifest))
+            f.flush()
+            os.fsync(f.fileno())
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)
+        os.replace(tmp, target)
+    except BaseException as e:
+        tmp.unlink(missing_ok=True)
+        if isinstance(e, OSError):
+            raise NtioError(f"cannot write {target}: {e.strerror or e}") from None
+        raise
+    return target

@@ -1,0 +1,185 @@
+//! The store's manifest: JSON after the data, located by the header.
+//!
+//! ```json
+//! {"format_version": 1,
+//!  "metadata": {...every GGUF metadata key -> value, tokenizer arrays and chat template included...},
+//!  "tensors": [{"name", "ggml_type", "shape" (PyTorch order), "offset" (absolute), "nbytes",
+//!               "rows", "layer" (null for globals), "checksum" (xxh3-64)}, ...],
+//!  "layers": [{"offset", "length"}, ...],   // extent of each layer's tensors
+//!  "layouts": {}}                           // reserved: tensor re-layouts (FFN bundles), empty in v1
+//! ```
+//! `metadata` is kept as raw JSON: Python interprets it; Rust only checks that it is an object.
+
+use std::path::Path;
+
+use serde::{Deserialize, Serialize};
+use serde_json::value::RawValue;
+
+use super::error::{Result, StoreError};
+use super::header::{Header, FORMAT_VERSION, HEADER_SIZE};
+use super::index::{ExtentIndex, TensorSpan, STORE_ALIGNMENT};
+
+#[derive(Debug, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Manifest {
+    pub format_version: u32,
+    pub metadata: Box<RawValue>,
+    pub tensors: Vec<TensorRecord>,
+    pub layers: Vec<LayerRecord>,
+    pub layouts: serde_json::Map<String, serde_json::Value>,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TensorRecord {
+    pub name: String,
+    /// ggml type code (GGMLQuantizationType).
+    pub ggml_type: u32,
+    pub shape: Vec<u64>,
+    pub offset: u64,
+    pub nbytes: u64,
+    pub rows: u64,
+    pub layer: Option<usize>,
+    pub checksum: u64,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct LayerRecord {
+    pub offset: u64,
+    pub length: u64,
+}
+
+impl Manifest {
+    /// Parse and check a manifest against its header: version, every tensor aligned and inside
+    /// the data region, rows consistent with the shape, layer records equal to the index's.
+    pub fn parse(bytes: &[u8], header: &Header, path: &Path) -> Result<(Self, ExtentIndex)> {
+        let bad = |reason: String| StoreError::BadManifest {
+            path: path.to_path_buf(),
+            reason,
+        };
+        let manifest: Manifest =
+            serde_json::from_slice(bytes).map_err(|e| bad(format!("invalid JSON: {e}")))?;
+        if manifest.format_version != header.format_version {
+            return Err(bad(format!(
+                "format_version {} disagrees with the header's {}",
+                manifest.format_version, header.format_version
+            )));
+        }
+        if manifest.format_version > FORMAT_VERSION {
+            return Err(StoreError::UnsupportedVersion {
+                path: path.to_path_buf(),
+                version: manifest.format_version,
+                supported: FORMAT_VERSION,
+            });
+        }
+        if !manifest.metadata.get().trim_start().starts_with('{') {
+            return Err(bad("metadata is not an object".into()));
+        }
+        for t in &manifest.tensors {
+            let rows: u64 = t.shape.iter().rev().skip(1).product();
+            let end = t.offset.checked_add(t.nbytes);
+            if t.offset < HEADER_SIZE as u64
+                || t.offset % STORE_ALIGNMENT != 0
+                || end.map_or(true, |end| end > header.manifest_offset)
+            {
+                return Err(bad(format!(
+                    "tensor {:?} at offset {} ({} bytes) is not an aligned extent of the data region",
+                    t.name, t.offset, t.nbytes
+                )));
+            }
+            if t.shape.is_empty() || t.rows != rows {
+                return Err(bad(format!(
+                    "tensor {:?} has {} rows, but its shape {:?} has {rows}",
+                    t.name, t.rows, t.shape
+                )));
+            }
+        }
+        let index = ExtentIndex::new(path, manifest.tensors.iter().map(TensorRecord::span).collect())?;
+        let indexed: Vec<LayerRecord> = (0..index.n_layers())
+            .map(|layer| match index.layer_extents(layer)?.as_slice() {
+                [(offset, length)] => Ok(LayerRecord {
+                    offset: *offset,
+                    length: *length,
+                }),
+                _ => Err(bad(format!("layer {layer}'s tensors are not contiguous"))),
+            })
+            .collect::<Result<_>>()?;
+        if indexed != manifest.layers {
+            return Err(bad("the layer table disagrees with the tensor table".into()));
+        }
+        Ok((manifest, index))
+    }
+}
+
+impl TensorRecord {
+    fn span(&self) -> TensorSpan {
+        TensorSpan {
+            name: self.name.clone(),
+            offset: self.offset,
+            nbytes: self.nbytes,
+            rows: self.rows,
+            layer: self.layer,
+            checksum: Some(self.checksum),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const HEADER: Header = Header {
+        format_version: 1,
+        manifest_offset: 16384,
+        manifest_length: 1000,
+        manifest_checksum: 0,
+    };
+
+    fn manifest(tensors: &str, layers: &str) -> String {
+        format!(
+            r#"{{"format_version": 1, "metadata": {{"general.architecture": "llama"}},
+                "tensors": [{tensors}], "layers": [{layers}], "layouts": {{}}}}"#
+        )
+    }
+
+    const EMBD: &str = r#"{"name": "token_embd.weight", "ggml_type": 8, "shape": [4, 32], "offset": 4096,
+                           "nbytes": 136, "rows": 4, "layer": null, "checksum": 1}"#;
+    const NORM: &str = r#"{"name": "blk.0.attn_norm.weight", "ggml_type": 0, "shape": [32], "offset": 8192,
+                           "nbytes": 128, "rows": 1, "layer": 0, "checksum": 2}"#;
+
+    #[test]
+    fn parses_a_valid_manifest_into_an_index() {
+        let text = manifest(&format!("{EMBD}, {NORM}"), r#"{"offset": 8192, "length": 128}"#);
+        let (m, index) = Manifest::parse(text.as_bytes(), &HEADER, Path::new("m.ntio")).unwrap();
+        assert_eq!(m.tensors.len(), 2);
+        assert_eq!(index.layer_extents(0).unwrap(), vec![(8192, 128)]);
+        assert_eq!(index.row_extent("token_embd.weight", 1, 3).unwrap(), (4096 + 34, 68));
+    }
+
+    #[test]
+    fn rejects_bad_manifests_with_a_reason() {
+        let p = Path::new("m.ntio");
+        let layer = r#"{"offset": 8192, "length": 128}"#;
+        let cases = [
+            ("not json".to_string(), "invalid JSON"),
+            (manifest(EMBD, ""), ""),
+            (manifest(&format!("{EMBD}, {NORM}"), ""), "layer table disagrees"),
+            (manifest(&EMBD.replace("4096", "4100"), ""), "not an aligned extent"),
+            (manifest(&NORM.replace("8192", "16384"), layer), "not an aligned extent"),
+            (manifest(&EMBD.replace("\"rows\": 4", "\"rows\": 3"), ""), "has 3 rows"),
+            (manifest(EMBD, "").replace("\"layouts\"", "\"extra\": 1, \"layouts\""), "unknown field"),
+            (manifest(EMBD, "").replace("\"format_version\": 1", "\"format_version\": 2"), "disagrees with the header"),
+            (manifest(EMBD, "").replace("{\"general.architecture\": \"llama\"}", "[]"), "not an object"),
+        ];
+        for (text, reason) in cases {
+            match Manifest::parse(text.as_bytes(), &HEADER, p) {
+                Ok(_) => assert!(reason.is_empty(), "accepted: {text}"),
+                Err(err) => assert!(
+                    !reason.is_empty() && err.to_string().contains(reason),
+                    "{err} (wanted {reason:?})"
+                ),
+            }
+        }
+    }
+}

@@ -1,0 +1,172 @@
+//! Python bindings of the store and the extent index (`ntio._core`): `open_store`, `ExtentIndex`,
+//! `store_header`, `plan_store_layout`, `checksum_at`. `ntio.store` is the Python facade.
+//! `register` also registers `bench_bindings`.
+
+use std::path::PathBuf;
+
+use pyo3::exceptions::{PyLookupError, PyOSError, PyValueError};
+use pyo3::prelude::*;
+
+use crate::store::{self, ExtentIndex as CoreIndex, Header, StoreError, TensorSpan};
+
+pyo3::create_exception!(
+    ntio._core,
+    StoreFormatError,
+    PyValueError,
+    "A store is malformed (bad magic, future version, truncated, bad manifest, checksum mismatch)."
+);
+
+impl From<StoreError> for PyErr {
+    fn from(err: StoreError) -> PyErr {
+        let message = err.to_string();
+        match err {
+            StoreError::NotFound { .. } => PyLookupError::new_err(message),
+            StoreError::Io { errno, .. } => PyOSError::new_err((errno, message)),
+            _ => StoreFormatError::new_err(message),
+        }
+    }
+}
+
+/// `nbytes` bytes at `address`, owned by the caller for the duration of the call.
+///
+/// # Safety
+/// `[address, address + nbytes)` must be readable and not written while the slice is used.
+unsafe fn bytes_at<'a>(address: usize, nbytes: usize) -> PyResult<&'a [u8]> {
+    if address == 0 && nbytes > 0 {
+        return Err(PyValueError::new_err("buffer address is NULL"));
+    }
+    if nbytes == 0 {
+        return Ok(&[]);
+    }
+    // SAFETY: the caller's promise above; the facade passes a live numpy array's data pointer.
+    Ok(unsafe { std::slice::from_raw_parts(address as *const u8, nbytes) })
+}
+
+/// Where each layer, tensor and row range of a model file is; built by `open_store` for a store,
+/// or from a GGUF's tensor table by `ExtentIndex(path, tensors)`.
+#[pyclass(frozen, module = "ntio._core")]
+pub struct ExtentIndex {
+    inner: CoreIndex,
+}
+
+#[pymethods]
+impl ExtentIndex {
+    /// `tensors`: (name, offset, nbytes, rows, layer or None) in any order; no checksums.
+    #[new]
+    fn new(path: PathBuf, tensors: Vec<(String, u64, u64, u64, Option<usize>)>) -> PyResult<Self> {
+        let spans = tensors
+            .into_iter()
+            .map(|(name, offset, nbytes, rows, layer)| TensorSpan {
+                name,
+                offset,
+                nbytes,
+                rows,
+                layer,
+                checksum: None,
+            })
+            .collect();
+        Ok(Self {
+            inner: CoreIndex::new(&path, spans)?,
+        })
+    }
+
+    #[getter]
+    fn n_layers(&self) -> usize {
+        self.inner.n_layers()
+    }
+
+    /// Names of the tensors of `layer`, in file order.
+    fn layer_tensors(&self, layer: usize) -> PyResult<Vec<String>> {
+        Ok(self
+            .inner
+            .layer_tensors(layer)?
+            .into_iter()
+            .map(|t| t.name.clone())
+            .collect())
+    }
+
+    /// (file_offset, length) extents covering all of `layer`'s tensors.
+    fn layer_extents(&self, layer: usize) -> PyResult<Vec<(u64, u64)>> {
+        Ok(self.inner.layer_extents(layer)?)
+    }
+
+    fn tensor_extent(&self, name: &str) -> PyResult<(u64, u64)> {
+        Ok(self.inner.tensor_extent(name)?)
+    }
+
+    /// The extent of rows [start, stop) of tensor `name`.
+    fn row_extent(&self, name: &str, start: u64, stop: u64) -> PyResult<(u64, u64)> {
+        Ok(self.inner.row_extent(name, start, stop)?)
+    }
+
+    /// Check the whole encoded tensor `name` at `address` against its checksum (raises
+    /// StoreFormatError naming tensor and offset); a no-op where the file records none.
+    fn verify(&self, py: Python<'_>, name: &str, address: usize, nbytes: usize) -> PyResult<()> {
+        // SAFETY: the facade passes a live array it keeps referenced during this call.
+        let bytes = unsafe { bytes_at(address, nbytes)? };
+        Ok(py.detach(|| self.inner.verify(name, bytes))?)
+    }
+}
+
+/// Open a store: (format_version, metadata JSON, tensor table, index). The tensor table rows are
+/// (name, ggml_type, shape, offset, nbytes).
+#[pyfunction]
+#[allow(clippy::type_complexity)]
+fn open_store(
+    py: Python<'_>,
+    path: PathBuf,
+) -> PyResult<(u32, String, Vec<(String, u32, Vec<u64>, u64, u64)>, ExtentIndex)> {
+    let (manifest, index) = py.detach(|| store::open(&path))?;
+    let tensors = manifest
+        .tensors
+        .into_iter()
+        .map(|t| (t.name, t.ggml_type, t.shape, t.offset, t.nbytes))
+        .collect();
+    Ok((
+        manifest.format_version,
+        manifest.metadata.get().to_owned(),
+        tensors,
+        ExtentIndex { inner: index },
+    ))
+}
+
+/// The 4096-byte header page of a store whose manifest is at `manifest_offset`.
+#[pyfunction]
+fn store_header(manifest_offset: u64, manifest: &[u8]) -> Vec<u8> {
+    Header {
+        format_version: store::FORMAT_VERSION,
+        manifest_offset,
+        manifest_length: manifest.len() as u64,
+        manifest_checksum: store::checksum(manifest),
+    }
+    .encode()
+}
+
+/// Offsets of a new store's tensors: `groups` (globals, layer 0, layer 1, ...) of tensor sizes.
+#[pyfunction]
+fn plan_store_layout(groups: Vec<Vec<u64>>) -> Vec<Vec<u64>> {
+    store::plan_layout(store::HEADER_SIZE as u64, &groups)
+}
+
+/// xxh3-64 of `nbytes` bytes at `address` (GIL released).
+#[pyfunction]
+fn checksum_at(py: Python<'_>, address: usize, nbytes: usize) -> PyResult<u64> {
+    // SAFETY: the facade passes a live array it keeps referenced during this call.
+    let bytes = unsafe { bytes_at(address, nbytes)? };
+    Ok(py.detach(|| store::checksum(bytes)))
+}
+
+pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    let py = m.py();
+    m.add("StoreFormatError", py.get_type::<StoreFormatError>())?;
+    m.add("STORE_MAGIC", pyo3::types::PyBytes::new(py, store::MAGIC))?;
+    m.add("STORE_FORMAT_VERSION", store::FORMAT_VERSION)?;
+    m.add("STORE_ALIGNMENT", store::STORE_ALIGNMENT)?;
+    m.add_class::<ExtentIndex>()?;
+    m.add_function(wrap_pyfunction!(open_store, m)?)?;
+    m.add_function(wrap_pyfunction!(store_header, m)?)?;
+    m.add_function(wrap_pyfunction!(plan_store_layout, m)?)?;
+    m.add_function(wrap_pyfunction!(checksum_at, m)?)?;
+    // The benchmark's timed reads register here too, so `bindings.rs` needs one line for both.
+    crate::bench_bindings::register(m)
+}
