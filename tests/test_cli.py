@@ -23,13 +23,13 @@ def ntio(*args: str, stdin: str | None = None, env: dict | None = None) -> subpr
 
 
 def assert_user_error(proc: subprocess.CompletedProcess, *needles: str) -> None:
-    """Non-zero exit, exactly one line on stderr naming the culprit, no traceback."""
+    """Non-zero exit, one error line on stderr naming the culprit (after any progress lines), no traceback."""
     assert proc.returncode != 0
-    lines = proc.stderr.strip().splitlines()
-    assert len(lines) == 1, proc.stderr
+    errors = [line for line in proc.stderr.splitlines() if "error" in line.lower()]
+    assert len(errors) == 1, proc.stderr
     assert "Traceback" not in proc.stderr
     for needle in needles:
-        assert needle in lines[0], lines[0]
+        assert needle in errors[0], errors[0]
 
 
 @pytest.fixture(scope="module")
