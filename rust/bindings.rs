@@ -381,5 +381,6 @@ pub fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<StagingPool>()?;
     m.add_class::<Slot>()?;
     crate::store_bindings::register(m)?;
+    crate::kernel_bindings::register(m)?;
     Ok(())
 }

@@ -13,12 +13,14 @@ pub mod backend;
 pub mod destination;
 pub mod error;
 pub mod extent;
+pub mod kernels;
 pub mod reader;
 pub mod staging;
 pub mod store;
 
 mod bench_bindings;
 mod bindings;
+mod kernel_bindings;
 mod store_bindings;
 
 pub use bindings::_core;

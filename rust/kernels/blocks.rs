@@ -1,0 +1,279 @@
+//! GGUF block formats: layouts, per-block scales and scalar code decoding.
+//!
+//! Every quantized type is described by a [`Format`]: a block of `BLOCK` elements is `BYTES` bytes holding
+//! integer codes q and per-sub-block scales d (and, for affine types, offsets m), so that the weight is
+//! `d[s] * q + m[s]` with s the sub-block of the element (`SUB` elements each). The kernels walk a block in
+//! groups of 32 elements ([`GROUP`]) and compute `d[s] * Σ q·x + m[s] * Σ x`, with Σ x precomputed per group.
+//!
+//! The dense types (F32, F16, BF16) are [`Dense`]: one element per "block", converted to float32 exactly.
+
+/// Elements per group: the unit the kernels decode codes in (every block is a whole number of groups).
+pub const GROUP: usize = 32;
+/// Most sub-blocks in any block (Q6_K: 16 sub-blocks of 16).
+pub const MAX_SUBS: usize = 16;
+
+/// A block-quantized GGUF type.
+pub trait Format {
+    /// Elements per block.
+    const BLOCK: usize;
+    /// Encoded bytes per block.
+    const BYTES: usize;
+    /// Elements sharing one scale: 32 (one per group) or 16 (two per group, Q6_K).
+    const SUB: usize;
+    /// Whether weights carry an offset m (`d * q + m`); otherwise m is zero and never read.
+    const AFFINE: bool;
+    /// Scales d[s] and offsets m[s] of every sub-block of block `b` (m only if `AFFINE`).
+    fn scales(b: &[u8], d: &mut [f32; MAX_SUBS], m: &mut [f32; MAX_SUBS]);
+    /// Integer codes of group `g` of block `b`, already re-centred for the symmetric types.
+    fn codes(b: &[u8], g: usize, q: &mut [i32; GROUP]);
+}
+
+/// A dense float type: element i of a row is `get(row, i)`.
+pub trait Dense {
+    const BYTES: usize;
+    fn get(row: &[u8], i: usize) -> f32;
+}
+
+/// The little-endian IEEE half at byte `at` of `b`, exactly, as float32 (cheap enough to call per block).
+pub(crate) fn f16_at(b: &[u8], at: usize) -> f32 {
+    let h = u16::from_le_bytes([b[at], b[at + 1]]);
+    let sign = u32::from(h & 0x8000) << 16;
+    let em = u32::from(h & 0x7FFF);
+    let magnitude = if em >= 0x7C00 {
+        em << 13 | 0x7F80_0000 // inf / nan: exponent all ones, payload kept
+    } else if em >= 0x0400 {
+        (em << 13) + (112 << 23) // normal: rebias the exponent from 15 to 127
+    } else {
+        (em as f32 * (1.0 / 16_777_216.0)).to_bits() // subnormal (or zero): mantissa * 2^-24, exact
+    };
+    f32::from_bits(sign | magnitude)
+}
+
+/// Group g of a nibble-packed 16-byte field (Q4_0/Q4_1/Q5_0/Q5_1, one group per block):
+/// element j < 16 is the low nibble of qs[j], element j >= 16 the high nibble of qs[j - 16].
+fn legacy_nibble(qs: &[u8], j: usize) -> i32 {
+    i32::from((qs[j % 16] >> (4 * (j / 16))) & 0x0F)
+}
+
+/// Q8_0 (34 B): d f16, qs 32 x int8.   x = d * q
+pub struct Q8_0;
+impl Format for Q8_0 {
+    const BLOCK: usize = 32;
+    const BYTES: usize = 34;
+    const SUB: usize = 32;
+    const AFFINE: bool = false;
+    fn scales(b: &[u8], d: &mut [f32; MAX_SUBS], _m: &mut [f32; MAX_SUBS]) {
+        d[0] = f16_at(b, 0);
+    }
+    fn codes(b: &[u8], _g: usize, q: &mut [i32; GROUP]) {
+        for (j, q) in q.iter_mut().enumerate() {
+            *q = i32::from(b[2 + j] as i8);
+        }
+    }
+}
+
+/// Q4_0 (18 B): d f16, qs 16 B (nibbles as in `legacy_nibble`).   x = d * (q - 8)
+pub struct Q4_0;
+impl Format for Q4_0 {
+    const BLOCK: usize = 32;
+    const BYTES: usize = 18;
+    const SUB: usize = 32;
+    const AFFINE: bool = false;
+    fn scales(b: &[u8], d: &mut [f32; MAX_SUBS], _m: &mut [f32; MAX_SUBS]) {
+        d[0] = f16_at(b, 0);
+    }
+    fn codes(b: &[u8], _g: usize, q: &mut [i32; GROUP]) {
+        for (j, q) in q.iter_mut().enumerate() {
+            *q = legacy_nibble(&b[2..18], j) - 8;
+        }
+    }
+}
+
+/// Q4_1 (20 B): d f16, m f16, qs 16 B (nibbles as Q4_0).   x = d * q + m
+pub struct Q4_1;
+impl Format for Q4_1 {
+    const BLOCK: usize = 32;
+    const BYTES: usize = 20;
+    const SUB: usize = 32;
+    const AFFINE: bool = true;
+    fn scales(b: &[u8], d: &mut [f32; MAX_SUBS], m: &mut [f32; MAX_SUBS]) {
+        d[0] = f16_at(b, 0);
+        m[0] = f16_at(b, 2);
+    }
+    fn codes(b: &[u8], _g: usize, q: &mut [i32; GROUP]) {
+        for (j, q) in q.iter_mut().enumerate() {
+            *q = legacy_nibble(&b[4..20], j);
+        }
+    }
+}
+
+/// Q5_0/Q5_1 code j: low 4 bits as Q4_0 from qs, bit 4 is bit j of the little-endian u32 qh.
+fn q5_code(qh: &[u8], qs: &[u8], j: usize) -> i32 {
+    let high = u32::from_le_bytes([qh[0], qh[1], qh[2], qh[3]]) >> j & 1;
+    legacy_nibble(qs, j) | (high as i32) << 4
+}
+
+/// Q5_0 (22 B): d f16, qh 4 B, qs 16 B.   x = d * (q - 16)
+pub struct Q5_0;
+impl Format for Q5_0 {
+    const BLOCK: usize = 32;
+    const BYTES: usize = 22;
+    const SUB: usize = 32;
+    const AFFINE: bool = false;
+    fn scales(b: &[u8], d: &mut [f32; MAX_SUBS], _m: &mut [f32; MAX_SUBS]) {
+        d[0] = f16_at(b, 0);
+    }
+    fn codes(b: &[u8], _g: usize, q: &mut [i32; GROUP]) {
+        for (j, q) in q.iter_mut().enumerate() {
+            *q = q5_code(&b[2..6], &b[6..22], j) - 16;
+        }
+    }
+}
+
+/// Q5_1 (24 B): d f16, m f16, qh 4 B, qs 16 B.   x = d * q + m
+pub struct Q5_1;
+impl Format for Q5_1 {
+    const BLOCK: usize = 32;
+    const BYTES: usize = 24;
+    const SUB: usize = 32;
+    const AFFINE: bool = true;
+    fn scales(b: &[u8], d: &mut [f32; MAX_SUBS], m: &mut [f32; MAX_SUBS]) {
+        d[0] = f16_at(b, 0);
+        m[0] = f16_at(b, 2);
+    }
+    fn codes(b: &[u8], _g: usize, q: &mut [i32; GROUP]) {
+        for (j, q) in q.iter_mut().enumerate() {
+            *q = q5_code(&b[4..8], &b[8..24], j);
+        }
+    }
+}
+
+/// Q4_K/Q5_K scales: d f16 at 0, dmin f16 at 2, 12 bytes at 4 holding 8 pairs of 6-bit (sc, mn):
+/// bytes 0-3: sc[0..4] (low 6 bits), bytes 4-7: mn[0..4]; their top 2 bits are bits 4-5 of sc[4..8] / mn[4..8],
+/// whose low 4 bits are the low / high nibbles of bytes 8-11.   d[s] = d * sc[s], m[s] = -(dmin * mn[s])
+/// (both products exact: 11-bit x 6-bit mantissas).
+fn k_scales(b: &[u8], d: &mut [f32; MAX_SUBS], m: &mut [f32; MAX_SUBS]) {
+    let (dd, dmin, s) = (f16_at(b, 0), f16_at(b, 2), &b[4..16]);
+    for j in 0..8 {
+        let (sc, mn) = if j < 4 {
+            (s[j] & 63, s[j + 4] & 63)
+        } else {
+            (
+                (s[j + 4] & 0x0F) | (s[j - 4] >> 6) << 4,
+                (s[j + 4] >> 4) | (s[j] >> 6) << 4,
+            )
+        };
+        d[j] = dd * f32::from(sc);
+        m[j] = -(dmin * f32::from(mn));
+    }
+}
+
+/// Q4_K/Q5_K low 4 bits of group g (sub-block g), from the 128-byte qs: the 32 bytes qs[32(g/2)..] hold
+/// sub-block 2i in their low nibbles and 2i+1 in their high nibbles.
+fn k_nibble(qs: &[u8], g: usize, j: usize) -> i32 {
+    i32::from((qs[32 * (g / 2) + j] >> (4 * (g % 2))) & 0x0F)
+}
+
+/// Q4_K (144 B): d, dmin, scales 12 B (`k_scales`), qs 128 B (`k_nibble`); 8 sub-blocks of 32.
+pub struct Q4K;
+impl Format for Q4K {
+    const BLOCK: usize = 256;
+    const BYTES: usize = 144;
+    const SUB: usize = 32;
+    const AFFINE: bool = true;
+    fn scales(b: &[u8], d: &mut [f32; MAX_SUBS], m: &mut [f32; MAX_SUBS]) {
+        k_scales(b, d, m);
+    }
+    fn codes(b: &[u8], g: usize, q: &mut [i32; GROUP]) {
+        for (j, q) in q.iter_mut().enumerate() {
+            *q = k_nibble(&b[16..144], g, j);
+        }
+    }
+}
+
+/// Q5_K (176 B): d, dmin, scales 12 B (as Q4_K), qh 32 B, qs 128 B (as Q4_K);
+/// bit 4 of element j of sub-block s is bit s of qh[j].
+pub struct Q5K;
+impl Format for Q5K {
+    const BLOCK: usize = 256;
+    const BYTES: usize = 176;
+    const SUB: usize = 32;
+    const AFFINE: bool = true;
+    fn scales(b: &[u8], d: &mut [f32; MAX_SUBS], m: &mut [f32; MAX_SUBS]) {
+        k_scales(b, d, m);
+    }
+    fn codes(b: &[u8], g: usize, q: &mut [i32; GROUP]) {
+        for (j, q) in q.iter_mut().enumerate() {
+            *q = k_nibble(&b[48..176], g, j) | i32::from((b[16 + j] >> g) & 1) << 4;
+        }
+    }
+}
+
+/// Q6_K (210 B): ql 128 B, qh 64 B, scales 16 x int8, d f16 at 208; 16 sub-blocks of 16.
+/// Group g = 4h + t (half h of 128 elements): low 4 bits of element j are nibble t/2 of ql[64h + 32(t%2) + j],
+/// bits 4-5 are (qh[32h + j] >> 2t) & 3.   x = (d * scales[s]) * (q - 32)
+pub struct Q6K;
+impl Format for Q6K {
+    const BLOCK: usize = 256;
+    const BYTES: usize = 210;
+    const SUB: usize = 16;
+    const AFFINE: bool = false;
+    fn scales(b: &[u8], d: &mut [f32; MAX_SUBS], _m: &mut [f32; MAX_SUBS]) {
+        let dd = f16_at(b, 208);
+        for (s, d) in d.iter_mut().enumerate() {
+            *d = dd * f32::from(b[192 + s] as i8);
+        }
+    }
+    fn codes(b: &[u8], g: usize, q: &mut [i32; GROUP]) {
+        let (h, t) = (g / 4, g % 4);
+        for (j, q) in q.iter_mut().enumerate() {
+            let low = (b[64 * h + 32 * (t % 2) + j] >> (4 * (t / 2))) & 0x0F;
+            let high = (b[128 + 32 * h + j] >> (2 * t)) & 3;
+            *q = i32::from(low | high << 4) - 32;
+        }
+    }
+}
+
+/// F32: little-endian float32.
+pub struct F32;
+impl Dense for F32 {
+    const BYTES: usize = 4;
+    fn get(row: &[u8], i: usize) -> f32 {
+        f32::from_le_bytes([row[4 * i], row[4 * i + 1], row[4 * i + 2], row[4 * i + 3]])
+    }
+}
+
+/// F16: IEEE half precision.
+pub struct F16;
+impl Dense for F16 {
+    const BYTES: usize = 2;
+    fn get(row: &[u8], i: usize) -> f32 {
+        f16_at(row, 2 * i)
+    }
+}
+
+/// BF16: the top 16 bits of a float32.
+pub struct BF16;
+impl Dense for BF16 {
+    const BYTES: usize = 2;
+    fn get(row: &[u8], i: usize) -> f32 {
+        f32::from_bits(u32::from(u16::from_le_bytes([row[2 * i], row[2 * i + 1]])) << 16)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn f16_matches_the_half_crate_for_every_value() {
+        for h in 0..=u16::MAX {
+            let ours = f16_at(&h.to_le_bytes(), 0);
+            let theirs = half::f16::from_bits(h).to_f32();
+            assert!(
+                ours.to_bits() == theirs.to_bits() || (ours.is_nan() && theirs.is_nan()),
+                "{h:#06x}"
+            );
+        }
+    }
+}

@@ -1,0 +1,422 @@
+//! `quantized_matmul`: argument checks, kernel selection (AVX2 or scalar) and the thread pool.
+//!
+//! Work is split across threads by output rows only: each output element is computed by one thread in a fixed
+//! order, so results do not depend on the number of threads.
+
+use std::sync::{Arc, RwLock};
+
+use rayon::prelude::*;
+use rayon::ThreadPool;
+
+use super::blocks::{self, Dense, Format, GROUP};
+use super::dot;
+
+/// Most activation rows per call (larger batches are better served by dequantize + dense matmul).
+pub const MAX_T: usize = 16;
+/// Below this many weight bytes per task, splitting across threads costs more than it saves.
+const MIN_TASK_BYTES: usize = 32 << 10;
+/// Tasks per thread, so that uneven thread speeds even out.
+const TASKS_PER_THREAD: usize = 4;
+
+/// One output row for every activation row: `y[t]` for t < `a.t`, from the encoded weight row `row`.
+pub type RowKernel = fn(&Activations, &[u8], &mut [f32; MAX_T]);
+
+/// The activations of a call: x [t, k] row-major, and for affine types Σx of every 32-element group.
+pub struct Activations<'a> {
+    pub x: &'a [f32],
+    /// [t, k / GROUP] group sums (empty for symmetric and dense types).
+    pub sums: Vec<f32>,
+    pub t: usize,
+    pub k: usize,
+}
+
+impl Activations<'_> {
+    /// Elements of group `gi` of activation row `ti`.
+    pub fn group(&self, ti: usize, gi: usize) -> &[f32] {
+        &self.x[ti * self.k + gi * GROUP..][..GROUP]
+    }
+
+    /// Σx over group `gi` of activation row `ti`.
+    pub fn group_sum(&self, ti: usize, gi: usize) -> f32 {
+        self.sums[ti * (self.k / GROUP) + gi]
+    }
+}
+
+/// ggml tensor types the kernels compute with (ids as in the GGUF file).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum QType {
+    F32 = 0,
+    F16 = 1,
+    Q4_0 = 2,
+    Q4_1 = 3,
+    Q5_0 = 6,
+    Q5_1 = 7,
+    Q8_0 = 8,
+    Q4K = 12,
+    Q5K = 13,
+    Q6K = 14,
+    BF16 = 30,
+}
+
+impl QType {
+    pub const ALL: [QType; 11] = [
+        QType::F32,
+        QType::F16,
+        QType::Q4_0,
+        QType::Q4_1,
+        QType::Q5_0,
+        QType::Q5_1,
+        QType::Q8_0,
+        QType::Q4K,
+        QType::Q5K,
+        QType::Q6K,
+        QType::BF16,
+    ];
+
+    /// The type with ggml id `id`, if supported.
+    pub fn from_id(id: u32) -> Option<QType> {
+        QType::ALL.into_iter().find(|q| *q as u32 == id)
+    }
+
+    /// (elements, bytes) per block.
+    pub fn block(self) -> (usize, usize) {
+        fn q<F: Format>() -> (usize, usize) {
+            (F::BLOCK, F::BYTES)
+        }
+        fn d<D: Dense>() -> (usize, usize) {
+            (1, D::BYTES)
+        }
+        match self {
+            QType::F32 => d::<blocks::F32>(),
+            QType::F16 => d::<blocks::F16>(),
+            QType::BF16 => d::<blocks::BF16>(),
+            QType::Q4_0 => q::<blocks::Q4_0>(),
+            QType::Q4_1 => q::<blocks::Q4_1>(),
+            QType::Q5_0 => q::<blocks::Q5_0>(),
+            QType::Q5_1 => q::<blocks::Q5_1>(),
+            QType::Q8_0 => q::<blocks::Q8_0>(),
+            QType::Q4K => q::<blocks::Q4K>(),
+            QType::Q5K => q::<blocks::Q5K>(),
+            QType::Q6K => q::<blocks::Q6K>(),
+        }
+    }
+
+    fn affine(self) -> bool {
+        matches!(self, QType::Q4_1 | QType::Q5_1 | QType::Q4K | QType::Q5K)
+    }
+
+    /// The row kernel: AVX2 if this CPU has it (`simd`), else scalar.
+    fn kernel(self, simd: bool) -> RowKernel {
+        #[cfg(target_arch = "x86_64")]
+        if simd {
+            use super::avx2::{dense, quantized};
+            return match self {
+                QType::F32 => dense::<blocks::F32>(),
+                QType::F16 => dense::<blocks::F16>(),
+                QType::BF16 => dense::<blocks::BF16>(),
+                QType::Q4_0 => quantized::<blocks::Q4_0>(),
+                QType::Q4_1 => quantized::<blocks::Q4_1>(),
+                QType::Q5_0 => quantized::<blocks::Q5_0>(),
+                QType::Q5_1 => quantized::<blocks::Q5_1>(),
+                QType::Q8_0 => quantized::<blocks::Q8_0>(),
+                QType::Q4K => quantized::<blocks::Q4K>(),
+                QType::Q5K => quantized::<blocks::Q5K>(),
+                QType::Q6K => quantized::<blocks::Q6K>(),
+            };
+        }
+        let _ = simd;
+        use dot::{dense_row as dense, quantized_row as quantized};
+        match self {
+            QType::F32 => dense::<blocks::F32>,
+            QType::F16 => dense::<blocks::F16>,
+            QType::BF16 => dense::<blocks::BF16>,
+            QType::Q4_0 => quantized::<blocks::Q4_0>,
+            QType::Q4_1 => quantized::<blocks::Q4_1>,
+            QType::Q5_0 => quantized::<blocks::Q5_0>,
+            QType::Q5_1 => quantized::<blocks::Q5_1>,
+            QType::Q8_0 => quantized::<blocks::Q8_0>,
+            QType::Q4K => quantized::<blocks::Q4K>,
+            QType::Q5K => quantized::<blocks::Q5K>,
+            QType::Q6K => quantized::<blocks::Q6K>,
+        }
+    }
+}
+
+/// Which row kernels run.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Isa {
+    /// AVX2 + FMA where the CPU has them, else scalar.
+    Best,
+    Scalar,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum KernelError {
+    #[error("{0}")]
+    Mismatch(String),
+    #[error("could not start {threads} kernel threads: {reason}")]
+    Threads { threads: usize, reason: String },
+}
+
+fn mismatch(message: String) -> Result<(), KernelError> {
+    Err(KernelError::Mismatch(message))
+}
+
+/// out [t, n] = x [t, k] · Wᵀ, W [n, k] encoded as `qtype` (n rows of k / block blocks), float32 accumulation.
+pub fn quantized_matmul(
+    x: &[f32],
+    w: &[u8],
+    qtype: QType,
+    t: usize,
+    n: usize,
+    k: usize,
+    out: &mut [f32],
+    isa: Isa,
+) -> Result<(), KernelError> {
+    let (block, bytes) = qtype.block();
+    if t == 0 || t > MAX_T {
+        return mismatch(format!(
+            "t = {t} activation rows; the kernels take 1 to {MAX_T}"
+        ));
+    }
+    if k % block != 0 {
+        return mismatch(format!(
+            "k = {k} is not a multiple of the {qtype:?} block size {block}"
+        ));
+    }
+    let row_bytes = k / block * bytes;
+    if w.len() != n * row_bytes {
+        return mismatch(format!(
+            "{qtype:?} weights [{n}, {k}] take {} bytes, got {}",
+            n * row_bytes,
+            w.len()
+        ));
+    }
+    if x.len() != t * k {
+        return mismatch(format!(
+            "x has {} floats, [{t}, {k}] needs {}",
+            x.len(),
+            t * k
+        ));
+    }
+    if out.len() != t * n {
+        return mismatch(format!(
+            "out has {} floats, [{t}, {n}] needs {}",
+            out.len(),
+            t * n
+        ));
+    }
+    if n == 0 {
+        return Ok(());
+    }
+    let sums = if qtype.affine() {
+        x.chunks_exact(GROUP).map(|g| g.iter().sum()).collect()
+    } else {
+        Vec::new()
+    };
+    let a = Activations { x, sums, t, k };
+    let simd = isa == Isa::Best && simd_available();
+    let kernel = qtype.kernel(simd);
+    let out_ptr = OutPtr(out.as_mut_ptr());
+    let rows_fn = |rows: std::ops::Range<usize>| {
+        let mut y = [0f32; MAX_T];
+        for r in rows {
+            kernel(&a, &w[r * row_bytes..][..row_bytes], &mut y);
+            for (ti, &v) in y[..t].iter().enumerate() {
+                // SAFETY: ti < t and r < n, so ti * n + r is inside `out` (t * n floats, checked above); tasks
+                // own disjoint row ranges, so no two threads write the same element; `out` outlives the call.
+                unsafe { *out_ptr.at(ti * n + r) = v };
+            }
+        }
+    };
+    let pool = pool()?;
+    let threads = pool.current_num_threads();
+    let min_rows = MIN_TASK_BYTES.div_ceil(row_bytes.max(1));
+    let rows_per_task = n.div_ceil(threads * TASKS_PER_THREAD).max(min_rows);
+    if threads == 1 || rows_per_task >= n {
+        rows_fn(0..n);
+    } else {
+        let tasks = n.div_ceil(rows_per_task);
+        pool.install(|| {
+            (0..tasks)
+                .into_par_iter()
+                .for_each(|i| rows_fn(i * rows_per_task..((i + 1) * rows_per_task).min(n)))
+        });
+    }
+    Ok(())
+}
+
+fn simd_available() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    return super::avx2::available();
+    #[cfg(not(target_arch = "x86_64"))]
+    false
+}
+
+/// The output base pointer, shared by the tasks of one call (each writes its own elements).
+#[derive(Clone, Copy)]
+struct OutPtr(*mut f32);
+// SAFETY: tasks write disjoint elements (see `quantized_matmul`) and the buffer outlives the pool call.
+unsafe impl Send for OutPtr {}
+// SAFETY: as above.
+unsafe impl Sync for OutPtr {}
+
+impl OutPtr {
+    fn at(self, i: usize) -> *mut f32 {
+        self.0.wrapping_add(i)
+    }
+}
+
+/// The kernel thread pool; `None` until first used or sized by `set_threads`.
+static POOL: RwLock<Option<Arc<ThreadPool>>> = RwLock::new(None);
+
+fn build_pool(threads: usize) -> Result<Arc<ThreadPool>, KernelError> {
+    rayon::ThreadPoolBuilder::new()
+        .num_threads(threads)
+        .thread_name(|i| format!("ntio-kernel-{i}"))
+        .build()
+        .map(Arc::new)
+        .map_err(|e| KernelError::Threads {
+            threads,
+            reason: e.to_string(),
+        })
+}
+
+fn pool() -> Result<Arc<ThreadPool>, KernelError> {
+    if let Some(pool) = POOL.read().unwrap_or_else(|e| e.into_inner()).as_ref() {
+        return Ok(Arc::clone(pool));
+    }
+    let mut slot = POOL.write().unwrap_or_else(|e| e.into_inner());
+    if slot.is_none() {
+        let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
+        *slot = Some(build_pool(threads)?);
+    }
+    Ok(Arc::clone(slot.as_ref().expect("pool just set")))
+}
+
+/// Use `threads` kernel threads from now on (0: one per available CPU). Calls in flight keep their pool.
+pub fn set_threads(threads: usize) -> Result<(), KernelError> {
+    let threads = if threads == 0 {
+        std::thread::available_parallelism().map_or(1, |n| n.get())
+    } else {
+        threads
+    };
+    let pool = build_pool(threads)?;
+    *POOL.write().unwrap_or_else(|e| e.into_inner()) = Some(pool);
+    Ok(())
+}
+
+/// Kernel threads in use.
+pub fn threads() -> usize {
+    pool().map_or(1, |p| p.current_num_threads())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Pseudo-random bytes below 0x3B: every f16/bf16/f32 field they form is finite and moderate.
+    fn bytes(len: usize, seed: u64) -> Vec<u8> {
+        let mut s = seed;
+        (0..len)
+            .map(|_| {
+                s = s
+                    .wrapping_mul(6364136223846793005)
+                    .wrapping_add(1442695040888963407);
+                ((s >> 33) % 0x3B) as u8
+            })
+            .collect()
+    }
+
+    fn run(qtype: QType, t: usize, n: usize, k: usize, isa: Isa) -> Vec<f32> {
+        let (block, size) = qtype.block();
+        let w = bytes(n * k / block * size, 1);
+        let x: Vec<f32> = bytes(t * k, 2)
+            .iter()
+            .map(|&b| f32::from(b) / 29.0 - 1.0)
+            .collect();
+        let mut out = vec![0f32; t * n];
+        quantized_matmul(&x, &w, qtype, t, n, k, &mut out, isa).unwrap();
+        out
+    }
+
+    #[test]
+    fn simd_and_scalar_kernels_agree_for_every_type() {
+        for qtype in QType::ALL {
+            for t in [1, 3, 16] {
+                let (n, k) = (37, 512);
+                let (best, scalar) = (
+                    run(qtype, t, n, k, Isa::Best),
+                    run(qtype, t, n, k, Isa::Scalar),
+                );
+                let norm = scalar.iter().map(|v| v * v).sum::<f32>().sqrt();
+                let diff = best
+                    .iter()
+                    .zip(&scalar)
+                    .map(|(a, b)| (a - b) * (a - b))
+                    .sum::<f32>()
+                    .sqrt();
+                assert!(
+                    norm > 0.0 && diff <= 1e-5 * norm,
+                    "{qtype:?} t={t}: {diff} vs {norm}"
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn results_do_not_depend_on_the_thread_count() {
+        set_threads(1).unwrap();
+        let one = run(QType::Q4_1, 5, 3000, 576, Isa::Best);
+        set_threads(2).unwrap();
+        assert_eq!(one, run(QType::Q4_1, 5, 3000, 576, Isa::Best));
+    }
+
+    #[test]
+    fn mismatched_sizes_are_errors() {
+        let mut out = vec![0f32; 2];
+        let x = vec![0f32; 64];
+        let bad = |r: Result<(), KernelError>| assert!(matches!(r, Err(KernelError::Mismatch(_))));
+        bad(quantized_matmul(
+            &x,
+            &[0; 39],
+            QType::Q4_1,
+            1,
+            2,
+            64,
+            &mut out,
+            Isa::Best,
+        )); // 80 bytes needed
+        bad(quantized_matmul(
+            &x,
+            &[0; 80],
+            QType::Q4_1,
+            1,
+            2,
+            48,
+            &mut out,
+            Isa::Best,
+        )); // k not whole blocks
+        bad(quantized_matmul(
+            &x,
+            &[0; 80],
+            QType::Q4_1,
+            0,
+            2,
+            64,
+            &mut out,
+            Isa::Best,
+        )); // no rows
+        bad(quantized_matmul(
+            &x,
+            &[0; 80],
+            QType::Q4_1,
+            1,
+            2,
+            64,
+            &mut out[..1],
+            Isa::Best,
+        ));
+        assert!(quantized_matmul(&x, &[0; 80], QType::Q4_1, 1, 2, 64, &mut out, Isa::Best).is_ok());
+    }
+}

@@ -1,0 +1,15 @@
+//! CPU matrix-vector kernels over GGUF-encoded weights: out [t, n] = x [t, k] · Wᵀ for small t, reading each
+//! weight block once per call, with float32 activations and float32 accumulation (no activation quantization).
+//!
+//! - `blocks`: block layouts, scale decoding and scalar code decoding per type;
+//! - `dot`: portable scalar row kernels;
+//! - `avx2`: AVX2/FMA row kernels (x86-64, selected at run time);
+//! - `matmul`: the entry point, argument checks, kernel selection and the thread pool.
+
+#[cfg(target_arch = "x86_64")]
+mod avx2;
+mod blocks;
+mod dot;
+mod matmul;
+
+pub use matmul::{quantized_matmul, set_threads, threads, Isa, KernelError, QType, MAX_T};
