@@ -86,3 +86,61 @@ class Slot:
     @property
     def in_flight(self) -> bool: ...
     def release(self) -> None: ...
+
+# CPU kernels (rust/kernel_bindings.rs); use them through ntio.cpu_kernels.
+KERNEL_TYPES: list[int]
+"""ggml type ids `quantized_matmul` supports."""
+KERNEL_MAX_T: int
+"""Most activation rows per `quantized_matmul` call."""
+
+def quantized_matmul(x_address: int, t: int, k: int, w_address: int, w_nbytes: int, qtype: int, n: int,
+                     out_address: int, *, scalar: bool = False) -> None:
+    """out [t, n] = x [t, k] @ W.T, W [n, k] GGUF-encoded as ggml type `qtype` (raw addresses; GIL released).
+
+    ValueError on an unsupported type or sizes that do not match; `scalar=True` forces the portable kernels.
+    """
+def set_kernel_threads(n: int) -> None:
+    """Use `n` kernel threads (0: one per available CPU)."""
+def kernel_threads() -> int: ...
+
+# -- the ntio store and the extent index (`rust/store_bindings.rs`) ------------------------------------------------
+
+STORE_MAGIC: bytes  # b"NTIOSTOR"
+STORE_FORMAT_VERSION: int
+STORE_ALIGNMENT: int  # 4096: every store tensor starts on a multiple
+
+FileExtent = tuple[int, int]
+"""(file_offset, length), in bytes."""
+
+class StoreFormatError(ValueError):
+    """A malformed store: bad magic, future version, truncated, bad manifest, checksum mismatch (names the file,
+    and the tensor and offset where one is at fault)."""
+
+class ExtentIndex:
+    """Layer / tensor / row range → file extents, for a GGUF (built from its tensor table) or a store."""
+
+    def __init__(self, path: str | PathLike[str],
+                 tensors: list[tuple[str, int, int, int, int | None]]) -> None:
+        """tensors: (name, offset, nbytes, rows, layer or None for globals)."""
+    @property
+    def n_layers(self) -> int: ...
+    def layer_tensors(self, layer: int) -> list[str]: ...  # in file order; LookupError if no such layer
+    def layer_extents(self, layer: int) -> list[FileExtent]: ...  # tensors < 4096 B apart share one extent
+    def tensor_extent(self, name: str) -> FileExtent: ...
+    def row_extent(self, name: str, start: int, stop: int) -> FileExtent: ...  # rows [start, stop)
+    def verify(self, name: str, address: int, nbytes: int) -> None:
+        """Check a whole tensor's bytes at `address` against its checksum (StoreFormatError); no-op for a GGUF."""
+
+def open_store(path: str | PathLike[str]) -> tuple[int, str, list[tuple[str, int, list[int], int, int]], ExtentIndex]:
+    """(format_version, metadata JSON, [(name, ggml_type, shape, offset, nbytes)], index); checks header + manifest."""
+def store_header(manifest_offset: int, manifest: bytes) -> bytes: ...  # the 4096-byte header page
+def plan_store_layout(groups: list[list[int]]) -> list[list[int]]:
+    """Offsets for tensor sizes grouped (globals, layer 0, layer 1, ...): 4096-aligned, each group contiguous."""
+def checksum_at(address: int, nbytes: int) -> int: ...  # xxh3-64
+
+# -- benchmarks (`rust/bench_bindings.rs`) -----------------------------------------------------------------------
+
+def timed_read(path: str | PathLike[str], extents: list[Extent], nbytes: int, backend: str | None = None,
+               queue_depth: int = 32, request_size: int = 1 << 20) -> tuple[str, float, list[float]]:
+    """Read extents into a fresh scratch buffer of `nbytes` through a new Reader:
+    (backend, seconds, per-request latencies in µs)."""
