@@ -9,8 +9,8 @@ from __future__ import annotations
 from typing import Protocol
 
 import torch
-import torch.nn.functional as F
 
+from ntio import ops
 from ntio.config import ModelConfig
 from ntio.errors import ContextOverflowError
 from ntio.model import GlobalWeights, LayerWeights, causal_mask, output_logits, rope_tables, transformer_block
@@ -58,6 +58,7 @@ class Engine:
         self.globals = globals_
         self.layers = layers
         self.kv = kv
+        self.device = globals_.output_norm.device
 
     @torch.inference_mode()
     def forward(self, tokens: torch.Tensor, start_pos: int, *, all_logits: bool = False) -> torch.Tensor:
@@ -80,7 +81,7 @@ class Engine:
             raise ValueError(f"start_pos {start_pos} leaves a gap after the {self.kv.length} cached positions")
 
         cfg = self.cfg
-        h = F.embedding(tokens, self.globals.token_embd)  # [T, D]
+        h = ops.embedding(tokens, self.globals.token_embd)  # [T, D]
         rope = rope_tables(self.globals.inv_freq, start_pos, n_tokens)
         mask = causal_mask(start_pos, n_tokens, h.device)
         for layer in range(cfg.n_layers):

@@ -83,7 +83,7 @@ def generate_ids(
     Yields each new token id; stops after a stop id (which is yielded), after max_new_tokens, or when the context
     is full.
     """
-    device = engine.globals.token_embd.device
+    device = engine.device
     history = torch.tensor(prompt_ids, dtype=torch.int64, device=device)
     logits = engine.forward(history[cached_prefix:], cached_prefix)
     position = len(prompt_ids)

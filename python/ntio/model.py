@@ -1,8 +1,8 @@
 """The Llama-family graph as pure functions of (activations, weights, KV cache).
 
 Model code never knows where its weights come from: the engine hands each block its `LayerWeights`, which may be
-resident, or just streamed from disk and dequantized into reusable buffers. All compute is float32 unless the
-caller chose otherwise; KV caches may be fp32/fp16/bf16 and are upcast to the compute dtype for attention.
+resident or just streamed from disk. Matrices stay GGUF-encoded; `ntio.ops` decides how each product runs.
+Compute is float32; KV caches may be fp32/fp16/bf16 and are upcast to float32 for attention.
 
 Shapes: T = new tokens this step, D = d_model, Hq / Hkv = query / KV heads, hd = head_dim, F = d_ff,
 L = cached positions after this step (start_pos + T).
@@ -15,7 +15,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from ntio import ops
 from ntio.config import ModelConfig
+from ntio.ops import EncodedMatrix
 
 # GGUF tensor names of one transformer block, in the order ntio fuses them.
 BLOCK_TENSORS = ("attn_norm", "attn_q", "attn_k", "attn_v", "attn_output", "ffn_norm", "ffn_gate", "ffn_up", "ffn_down")
@@ -27,27 +29,28 @@ def block_tensor_name(layer: int, part: str) -> str:
 
 @dataclass
 class LayerWeights:
-    """Weights of one transformer block, dequantized, on the compute device.
+    """Weights of one transformer block on the compute device: float32 norms, GGUF-encoded matrices.
 
-    Q/K/V and gate/up are fused row-wise so a decode step runs 4 matrix-vector products per block, not 7.
+    Q/K/V and gate/up are row-stacked groups; matrices of one type may be fused into one (ops.concat_rows), so a
+    decode step runs as few as 4 matrix-vector products per block instead of 7.
     Q and K rows are in GGUF order: llama.cpp's converter permutes them for interleaved (GPT-J style) RoPE.
     """
 
-    attn_norm: torch.Tensor  # [D]
-    wqkv: torch.Tensor  # [Hq*hd + 2*Hkv*hd, D]
-    wo: torch.Tensor  # [D, Hq*hd]
-    ffn_norm: torch.Tensor  # [D]
-    w_gate_up: torch.Tensor  # [2F, D]: gate rows then up rows
-    w_down: torch.Tensor  # [D, F]
+    attn_norm: torch.Tensor  # [D] float32
+    wqkv: list[EncodedMatrix]  # rows stack to [Hq*hd + 2*Hkv*hd, D]
+    wo: EncodedMatrix  # [D, Hq*hd]
+    ffn_norm: torch.Tensor  # [D] float32
+    w_gate_up: list[EncodedMatrix]  # rows stack to [2F, D]: gate rows then up rows
+    w_down: EncodedMatrix  # [D, F]
 
 
 @dataclass
 class GlobalWeights:
     """Weights outside the blocks; always resident."""
 
-    token_embd: torch.Tensor  # [V, D]
-    output_norm: torch.Tensor  # [D]
-    output: torch.Tensor  # [V, D]; the same tensor as token_embd when embeddings are tied
+    token_embd: EncodedMatrix  # [V, D]
+    output_norm: torch.Tensor  # [D] float32
+    output: EncodedMatrix  # [V, D]; the same matrix as token_embd when embeddings are tied
     inv_freq: torch.Tensor  # [rope_dim/2] RoPE inverse frequencies, scaling already applied
 
 
@@ -113,7 +116,7 @@ def transformer_block(
     hd = cfg.head_dim
 
     x = rms_norm(h, w.attn_norm, cfg.rms_eps)
-    q, k, v = F.linear(x, w.wqkv).split((cfg.q_width, cfg.kv_width, cfg.kv_width), dim=-1)
+    q, k, v = ops.linear_concat(x, w.wqkv).split((cfg.q_width, cfg.kv_width, cfg.kv_width), dim=-1)
     q = apply_rope(q.view(n_tokens, cfg.n_heads, hd), *rope)
     k = apply_rope(k.view(n_tokens, cfg.n_kv_heads, hd), *rope)
     k_cache[:, start_pos:end] = k.transpose(0, 1)
@@ -123,13 +126,13 @@ def transformer_block(
     attn = F.scaled_dot_product_attention(
         q.transpose(0, 1), keys, values, attn_mask=mask, enable_gqa=cfg.n_heads != cfg.n_kv_heads
     )  # [Hq, T, hd]
-    h = h + F.linear(attn.transpose(0, 1).reshape(n_tokens, cfg.q_width), w.wo)
+    h = h + ops.linear(attn.transpose(0, 1).reshape(n_tokens, cfg.q_width), w.wo)
 
     x = rms_norm(h, w.ffn_norm, cfg.rms_eps)
-    gate, up = F.linear(x, w.w_gate_up).chunk(2, dim=-1)
-    return h + F.linear(F.silu(gate) * up, w.w_down)
+    gate, up = ops.linear_concat(x, w.w_gate_up).chunk(2, dim=-1)
+    return h + ops.linear(F.silu(gate) * up, w.w_down)
 
 
 def output_logits(h: torch.Tensor, g: GlobalWeights, cfg: ModelConfig) -> torch.Tensor:
     """h: [T, D] -> logits [T, V]."""
-    return F.linear(rms_norm(h, g.output_norm, cfg.rms_eps), g.output)
+    return ops.linear(rms_norm(h, g.output_norm, cfg.rms_eps), g.output)

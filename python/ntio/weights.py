@@ -1,8 +1,8 @@
-"""From encoded tensors in a model file to the dequantized `LayerWeights` / `GlobalWeights` the graph takes.
+"""From encoded tensors in a model file to the `LayerWeights` / `GlobalWeights` the graph takes.
 
 `WeightLayout` checks, once at load time, that every tensor the graph needs exists with the right shape and a
-supported type, so a bad file fails before any compute with the tensor named. `dequantize_block` turns one
-block's encoded bytes (wherever they were read into) into `LayerWeights`, writing into reusable buffers when given.
+supported type, so a bad file fails before any compute with the tensor named. `encoded_block` wraps one block's
+encoded bytes (wherever they were read into) as `LayerWeights`; matrices are never dequantized here.
 """
 
 from __future__ import annotations
@@ -12,11 +12,13 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from ntio import quant
+from ntio import ops, quant
 from ntio.config import ModelConfig
 from ntio.errors import ModelFormatError, UnsupportedModelError
-from ntio.gguf_file import GGUFFile, TensorInfo
+from ntio.gguf_file import TensorInfo
 from ntio.model import BLOCK_TENSORS, GlobalWeights, LayerWeights, block_tensor_name, rope_inverse_frequencies
+from ntio.model_file import ModelFile
+from ntio.ops import EncodedMatrix
 
 # Encoded bytes of one tensor as a 1-D uint8 tensor (CPU or device).
 RawTensor = torch.Tensor
@@ -41,7 +43,7 @@ def block_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
 class WeightLayout:
     """The validated tensor table of a Llama-family file: where each block's and global tensor is."""
 
-    def __init__(self, g: GGUFFile, cfg: ModelConfig) -> None:
+    def __init__(self, g: ModelFile, cfg: ModelConfig) -> None:
         self.file = g
         self.cfg = cfg
         shapes = block_shapes(cfg)
@@ -72,71 +74,61 @@ class WeightLayout:
         return sum(info.nbytes for info in self.blocks[layer].values())
 
 
-def dequantize_block(
+def encoded_block(
     cfg: ModelConfig,
     tensors: dict[str, TensorInfo],
     raw: Callable[[str], RawTensor],
-    out: LayerWeights | None = None,
-    device: torch.device | str = "cpu",
+    *,
+    fuse: bool = True,
 ) -> LayerWeights:
-    """Dequantize one block. raw(part) gives the encoded bytes of tensors[part] on the target device.
+    """One block's `LayerWeights`. raw(part) gives the encoded bytes of tensors[part] on the target device.
 
-    With `out`, every weight is written into its buffers (no allocation); otherwise new tensors are made.
+    Norms are decoded to float32 (a few KB); matrices keep their encoding. With `fuse`, same-type q/k/v and
+    gate/up are row-concatenated into single matrices (a copy: right for resident weights, not for streamed ones).
     """
-    if out is None:
-        out = empty_layer_weights(cfg, device)
-    D, F, Q, KV = cfg.d_model, cfg.d_ff, cfg.q_width, cfg.kv_width
-    targets = {
-        "attn_norm": out.attn_norm,
-        "attn_q": out.wqkv[:Q],
-        "attn_k": out.wqkv[Q : Q + KV],
-        "attn_v": out.wqkv[Q + KV :],
-        "attn_output": out.wo,
-        "ffn_norm": out.ffn_norm,
-        "ffn_gate": out.w_gate_up[:F],
-        "ffn_up": out.w_gate_up[F:],
-        "ffn_down": out.w_down,
-    }
-    for part, target in targets.items():
+
+    def matrix(part: str) -> EncodedMatrix:
         info = tensors[part]
-        quant.dequantize(raw(part), info.qtype, info.shape, out=target)
-    return out
+        return EncodedMatrix(raw(part), info.qtype, info.shape)
 
+    def norm(part: str) -> torch.Tensor:
+        info = tensors[part]
+        return quant.dequantize(raw(part), info.qtype, info.shape)
 
-def empty_layer_weights(cfg: ModelConfig, device: torch.device | str) -> LayerWeights:
-    D, F, Q, KV = cfg.d_model, cfg.d_ff, cfg.q_width, cfg.kv_width
-    kw = {"dtype": torch.float32, "device": device}
+    group = ops.concat_rows if fuse else list
     return LayerWeights(
-        attn_norm=torch.empty(D, **kw),
-        wqkv=torch.empty(Q + 2 * KV, D, **kw),
-        wo=torch.empty(D, Q, **kw),
-        ffn_norm=torch.empty(D, **kw),
-        w_gate_up=torch.empty(2 * F, D, **kw),
-        w_down=torch.empty(D, F, **kw),
+        attn_norm=norm("attn_norm"),
+        wqkv=group([matrix("attn_q"), matrix("attn_k"), matrix("attn_v")]),
+        wo=matrix("attn_output"),
+        ffn_norm=norm("ffn_norm"),
+        w_gate_up=group([matrix("ffn_gate"), matrix("ffn_up")]),
+        w_down=matrix("ffn_down"),
     )
 
 
-def mapped_raw(g: GGUFFile, info: TensorInfo, device: torch.device | str = "cpu") -> RawTensor:
+def mapped_raw(file: ModelFile, info: TensorInfo, device: torch.device | str = "cpu") -> RawTensor:
     """Encoded bytes of a tensor copied out of the memory-mapped file (used for resident loading)."""
-    return torch.from_numpy(np.array(g.tensor_bytes(info.name))).to(device)
+    return torch.from_numpy(np.array(file.tensor_bytes(info.name))).to(device)
 
 
 def load_global_weights(layout: WeightLayout, device: torch.device | str = "cpu") -> GlobalWeights:
-    def load(info: TensorInfo) -> torch.Tensor:
+    def matrix(info: TensorInfo) -> EncodedMatrix:
+        return EncodedMatrix(mapped_raw(layout.file, info, device), info.qtype, info.shape)
+
+    def decoded(info: TensorInfo) -> torch.Tensor:
         return quant.dequantize(mapped_raw(layout.file, info, device), info.qtype, info.shape)
 
-    token_embd = load(layout.token_embd)
-    rope_freqs = load(layout.rope_freqs) if layout.rope_freqs is not None else None
+    token_embd = matrix(layout.token_embd)
     return GlobalWeights(
         token_embd=token_embd,
-        output_norm=load(layout.output_norm),
-        output=token_embd if layout.output is None else load(layout.output),
-        inv_freq=rope_inverse_frequencies(layout.cfg, rope_freqs).to(device),
+        output_norm=decoded(layout.output_norm),
+        output=token_embd if layout.output is None else matrix(layout.output),
+        inv_freq=rope_inverse_frequencies(
+            layout.cfg, decoded(layout.rope_freqs) if layout.rope_freqs is not None else None
+        ).to(device),
     )
 
 
 def load_resident_block(layout: WeightLayout, layer: int, device: torch.device | str = "cpu") -> LayerWeights:
     tensors = layout.blocks[layer]
-    return dequantize_block(
-        layout.cfg, tensors, lambda part: mapped_raw(layout.file, tensors[part], device), device=device
-    )
+    return encoded_block(layout.cfg, tensors, lambda part: mapped_raw(layout.file, tensors[part], device))
