@@ -243,6 +243,12 @@ impl ReadHandle {
         Ok(py.detach(|| self.pending.wait())?)
     }
 
+    /// Seconds the batch's I/O took, from its start to its end; None while in flight.
+    #[getter]
+    fn elapsed(&self) -> Option<f64> {
+        self.pending.elapsed().map(|d| d.as_secs_f64())
+    }
+
     /// The object whose memory is being read into (None for slots).
     #[getter]
     fn owner(&self, py: Python<'_>) -> Option<Py<PyAny>> {

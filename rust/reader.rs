@@ -4,7 +4,7 @@
 
 use std::path::Path;
 use std::sync::{Arc, Condvar, Mutex};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use crate::backend::{self, pread, uring, Backend, Batch, OpenFile};
 use crate::destination::Destination;
@@ -135,9 +135,10 @@ impl Reader {
         std::thread::Builder::new()
             .name("ntio-submit".into())
             .spawn(move || {
+                let started = Instant::now();
                 let result = inner.execute(&batch);
                 drop(batch); // frees the destination (slot) before anyone is told it is done
-                done.finish(result);
+                done.finish(result, started.elapsed());
             })
             .map_err(|err| Error::System {
                 what: "spawning a reader thread",
@@ -185,11 +186,14 @@ impl Inner {
 #[derive(Default)]
 struct Completion {
     result: Mutex<Option<Result<()>>>,
+    /// How long the batch's I/O took on its thread; set just before `result`.
+    elapsed: Mutex<Option<Duration>>,
     done: Condvar,
 }
 
 impl Completion {
-    fn finish(&self, result: Result<()>) {
+    fn finish(&self, result: Result<()>, elapsed: Duration) {
+        *self.elapsed.lock().unwrap_or_else(|e| e.into_inner()) = Some(elapsed);
         *self.result.lock().unwrap_or_else(|e| e.into_inner()) = Some(result);
         self.done.notify_all();
     }
@@ -209,6 +213,16 @@ impl Pending {
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .is_some()
+    }
+
+    /// How long the batch's I/O took (its thread's start to its end); None while in flight.
+    /// Callers compare it with how long they were blocked in `wait` to measure overlap.
+    pub fn elapsed(&self) -> Option<Duration> {
+        *self
+            .completion
+            .elapsed
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
     }
 
     /// Wait for the batch; its error, if any (every call returns the same outcome).
