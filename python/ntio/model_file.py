@@ -5,7 +5,8 @@
   `tensor_extent(model_file, name)` and `row_extent(model_file, name, start, stop)` give `(file_offset, length)`.
   A row of a row-major encoded tensor is `K / block * type_size` bytes, so an FFN neuron group (rows of gate and
   up) is one extent. For a GGUF the extents are the tensors' own (unaligned: the reader widens them).
-- `read_layer(reader, model_file, layer)` reads a whole layer through a `_core.Reader` into one buffer and returns
+- `plan_layer_read(model_file, layer)` → reader extents packing a layer into one buffer; `read_layer(reader,
+  model_file, layer)` reads a whole layer through a `_core.Reader` into one buffer and returns
   a zero-copy uint8 view per tensor, verified against the store's checksums.
 """
 
@@ -86,10 +87,10 @@ def _aligned_empty(nbytes: int) -> np.ndarray:
     return raw[skip : skip + nbytes]
 
 
-def _plan_layer(extents: list[tuple[int, int]]) -> tuple[list[tuple[int, int, int]], int]:
-    """Reader extents (file_offset, length, dest_offset) packing `extents` into one buffer, and its size."""
+def plan_layer_read(model_file: ModelFile, layer: int) -> tuple[list[tuple[int, int, int]], int]:
+    """Reader extents (file_offset, length, dest_offset) packing `layer`'s extents into one buffer, and its size."""
     planned, end = [], 0
-    for offset, length in extents:
+    for offset, length in layer_extents(model_file, layer):
         dest = end + (offset - end) % _DEST_ALIGNMENT
         planned.append((offset, length, dest))
         end = dest + length
@@ -103,7 +104,7 @@ def read_layer(reader: _core.Reader, model_file: ModelFile, layer: int, verify: 
     store's checksum (GGUF files record none).
     """
     index = extent_index(model_file)
-    planned, size = _plan_layer(layer_extents(model_file, layer))
+    planned, size = plan_layer_read(model_file, layer)
     buffer = _aligned_empty(size)
     read_into(reader, planned, buffer)
     views = {}

@@ -1,0 +1,179 @@
+"""`ntio-bench`: raw read bandwidth, per-layer load time and sparse-extent bandwidth through ntio's Rust reader.
+
+Every read goes through `_core.timed_read`: the reader's own path (extent planning, io_uring or pread, O_DIRECT)
+with per-request latency taken in Rust, into a scratch buffer. Reads are cold because they are O_DIRECT (no page
+cache), except with `--buffered`, which reads through the page cache and does not drop it ("cold": false).
+Bandwidth `gb_s` is 1e9 bytes per second. `--json` prints exactly one JSON object.
+
+The reader sorts a batch by file offset and merges extents adjacent in both file and destination. `--pattern random`
+places the blocks in shuffled order in the destination, so none merge: every block is its own request, issued in
+ascending file order (the order a sparse layer load uses), not in seek-random order as fio's randread.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+from collections.abc import Sequence
+from pathlib import Path
+
+import click
+import numpy as np
+
+from ntio import _core
+from ntio.errors import NtioError
+
+# Extents land in a scratch buffer of at most this many bytes (wrapping around): the bytes are thrown away.
+SCRATCH_BYTES = 64 << 20
+
+SIZE = click.IntRange(min=1)
+
+
+class _Group(click.Group):
+    def invoke(self, ctx: click.Context):
+        try:
+            return super().invoke(ctx)
+        except (NtioError, OSError, ValueError) as e:
+            click.echo(f"ntio-bench: error: {e}", err=True)
+            raise SystemExit(1) from None
+
+
+@click.group(cls=_Group)
+def main() -> None:
+    """Benchmarks of ntio's reader (O_DIRECT unless --buffered)."""
+
+
+def _backend_option(f):
+    f = click.option("--backend", type=click.Choice(["io_uring", "pread"]),
+                     help="Reader backend (default: the best available); --buffered reads through the page cache")(f)
+    f = click.option("--direct/--buffered", default=True, show_default=True, help="O_DIRECT or page-cache reads")(f)
+    f = click.option("--queue-depth", type=SIZE, default=32, show_default=True, help="Requests in flight")(f)
+    f = click.option("--json", "as_json", is_flag=True, help="Print one JSON object")(f)
+    return f
+
+
+def _backend(direct: bool, backend: str | None) -> str | None:
+    if direct:
+        return backend
+    if backend:
+        raise click.UsageError("--backend names an O_DIRECT backend; --buffered has its own")
+    return "buffered"
+
+
+def _scratch_extents(offsets: Sequence[int], length: int) -> tuple[list[tuple[int, int, int]], int]:
+    """Reader extents for `length` bytes at each offset, packed in the given order into a wrapping scratch buffer
+    (extents adjacent both in the file and in the buffer merge into one request)."""
+    window = max(length, SCRATCH_BYTES // length * length)
+    extents = [(offset, length, i * length % window) for i, offset in enumerate(offsets)]
+    return extents, min(window, len(offsets) * length)
+
+
+def _timed(path: Path, extents, nbytes: int, backend: str | None, queue_depth: int, request_size: int) -> dict:
+    """Read through `_core.timed_read`; bandwidth of the bytes the extents ask for."""
+    name, seconds, latencies = _core.timed_read(path, extents, nbytes, backend=backend, queue_depth=queue_depth,
+                                                request_size=request_size)
+    requested = sum(length for _, length, _ in extents)
+    lat = np.asarray(latencies) if latencies else np.zeros(1)
+    return {
+        "backend": name, "bytes": requested, "seconds": seconds, "gb_s": requested / seconds / 1e9,
+        "requests": len(latencies), "iops": len(latencies) / seconds,
+        "lat_p50_us": float(np.percentile(lat, 50)), "lat_p99_us": float(np.percentile(lat, 99)),
+    }
+
+
+def _emit(result: dict, as_json: bool) -> None:
+    if as_json:
+        click.echo(json.dumps(result))
+        return
+    for key, value in result.items():
+        if isinstance(value, float):
+            value = f"{value:,.3f}"
+        elif isinstance(value, list):
+            value = f"[{len(value)} entries]"
+        click.echo(f"{key:14} {value}")
+
+
+def _span(path: Path, block: int, limit: int | None) -> int:
+    """Bytes of the file to use: whole blocks, at most `limit`."""
+    size = os.path.getsize(path)
+    usable = min(size, limit or size) // block * block
+    if usable == 0:
+        raise NtioError(f"{path}: {size} bytes hold no whole block of {block} bytes")
+    return usable
+
+
+@main.command()
+@click.argument("file", type=click.Path(exists=True, dir_okay=False, path_type=Path))
+@click.option("--block-size", type=SIZE, default=1 << 20, show_default=True, help="Bytes per request")
+@click.option("--pattern", type=click.Choice(["seq", "random"]), default="seq", show_default=True)
+@click.option("--size", "--limit", "limit", type=SIZE, help="Read at most this many bytes of FILE")
+@click.option("--seed", type=int, default=0, show_default=True, help="Seed of --pattern random")
+@_backend_option
+def read(file, block_size, pattern, limit, seed, as_json, queue_depth, direct, backend) -> None:
+    """Read FILE in requests of --block-size with --queue-depth in flight: bandwidth, IOPS, latency."""
+    span = _span(file, block_size, limit)
+    offsets = list(range(0, span, block_size))
+    if pattern == "random":
+        random.Random(seed).shuffle(offsets)
+    extents, scratch = _scratch_extents(offsets, block_size)
+    result = {"command": "read", "file": str(file), "pattern": pattern, "block_size": block_size,
+              "queue_depth": queue_depth, "cold": direct}
+    result |= _timed(file, extents, scratch, _backend(direct, backend), queue_depth, block_size)
+    _emit(result, as_json)
+
+
+@main.command()
+@click.argument("model", type=click.Path(exists=True, dir_okay=False, path_type=Path))
+@click.option("--request-size", type=SIZE, default=1 << 20, show_default=True)
+@_backend_option
+def layers(model, request_size, as_json, queue_depth, direct, backend) -> None:
+    """Load every layer of MODEL (GGUF or ntio store) cold: time and bandwidth per layer."""
+    from ntio.model_file import extent_index, open_model_file, plan_layer_read
+
+    model_file = open_model_file(model)
+    per_layer = []
+    for layer in range(extent_index(model_file).n_layers):
+        extents, size = plan_layer_read(model_file, layer)
+        r = _timed(model, extents, size, _backend(direct, backend), queue_depth, request_size)
+        per_layer.append({"layer": layer, "bytes": r["bytes"], "extents": len(extents), "seconds": r["seconds"],
+                          "gb_s": r["gb_s"], "backend": r["backend"]})
+    total_bytes = sum(p["bytes"] for p in per_layer)
+    total_seconds = sum(p["seconds"] for p in per_layer)
+    _emit({"command": "layers", "file": str(model), "format": type(model_file).__name__, "cold": direct,
+           "queue_depth": queue_depth, "n_layers": len(per_layer), "bytes": total_bytes, "seconds": total_seconds,
+           "gb_s": total_bytes / total_seconds / 1e9 if total_seconds else 0.0,
+           "backend": per_layer[0]["backend"] if per_layer else None, "layers": per_layer}, as_json)
+
+
+@main.command()
+@click.argument("file", type=click.Path(exists=True, dir_okay=False, path_type=Path))
+@click.option("--extent-size", type=SIZE, default=65536, show_default=True)
+@click.option("--fraction", type=click.FloatRange(0, 1, min_open=True), default=0.5, show_default=True,
+              help="Share of the file's extents to read")
+@click.option("--size", "--limit", "limit", type=SIZE, help="Use at most this many bytes of FILE")
+@click.option("--request-size", type=SIZE, default=1 << 20, show_default=True,
+              help="Largest request (adjacent chosen extents merge up to this)")
+@click.option("--seed", type=int, default=0, show_default=True)
+@_backend_option
+def extents(file, extent_size, fraction, limit, request_size, seed, as_json, queue_depth, direct, backend) -> None:
+    """Read a random FRACTION of FILE's --extent-size extents; compare with reading all of it sequentially.
+
+    gb_s counts only the bytes asked for; seq_gb_s is a sequential read of the same span in the same run, and
+    ratio = gb_s / seq_gb_s (1.0: sparse reads cost no more per byte than dense ones).
+    """
+    span = _span(file, extent_size, limit)
+    all_offsets = list(range(0, span, extent_size))
+    chosen = sorted(random.Random(seed).sample(all_offsets, max(1, round(fraction * len(all_offsets)))))
+    kind = _backend(direct, backend)
+    sparse = _timed(file, *_scratch_extents(chosen, extent_size), kind, queue_depth, request_size)
+    dense = _timed(file, *_scratch_extents(all_offsets, extent_size), kind, queue_depth, request_size)
+    _emit({"command": "extents", "file": str(file), "extent_size": extent_size, "fraction": fraction,
+           "queue_depth": queue_depth, "cold": direct, "backend": sparse["backend"], "extents": len(chosen),
+           "bytes": sparse["bytes"], "seconds": sparse["seconds"], "gb_s": sparse["gb_s"],
+           "requests": sparse["requests"], "lat_p50_us": sparse["lat_p50_us"], "lat_p99_us": sparse["lat_p99_us"],
+           "seq_bytes": dense["bytes"], "seq_gb_s": dense["gb_s"], "ratio": sparse["gb_s"] / dense["gb_s"]}, as_json)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,58 @@
+"""`ntio-bench`: each subcommand prints exactly one JSON object with its keys, and counts bytes correctly."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from click.testing import CliRunner
+
+from ntio.bench import main as bench
+from ntio.synth import preset, write_synthetic_gguf
+
+
+def run(*args: str) -> dict:
+    result = CliRunner().invoke(bench, [*args, "--json"])
+    assert result.exit_code == 0, result.output
+    lines = result.stdout.strip().splitlines()
+    assert len(lines) == 1
+    return json.loads(lines[0])
+
+
+@pytest.fixture(scope="module")
+def data_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("bench") / "data.bin"
+    path.write_bytes(bytes(range(256)) * (4 << 12))  # 4 MiB
+    return path
+
+
+@pytest.mark.parametrize("pattern", ["seq", "random"])
+def test_read_reports_bandwidth_iops_and_latency(data_file, pattern):
+    r = run("read", str(data_file), "--block-size", "131072", "--queue-depth", "4", "--pattern", pattern,
+            "--size", str(3 << 20))
+    assert {"gb_s", "iops", "lat_p50_us", "lat_p99_us", "backend", "bytes", "requests"} <= r.keys()
+    assert r["bytes"] == 3 << 20 and r["requests"] == 24  # one request per 128 KiB block
+    assert r["gb_s"] > 0 and r["lat_p99_us"] >= r["lat_p50_us"] > 0
+    assert r["backend"] in ("io_uring", "pread", "buffered")
+
+
+def test_buffered_read_is_not_cold(data_file):
+    r = run("read", str(data_file), "--buffered")
+    assert r["backend"] == "buffered" and r["cold"] is False and r["bytes"] == 4 << 20
+
+
+def test_extents_reads_the_fraction_and_compares_with_sequential(data_file):
+    r = run("extents", str(data_file), "--extent-size", "65536", "--fraction", "0.5")
+    assert r["extents"] == 32 and r["bytes"] == 32 * 65536 and r["seq_bytes"] == 4 << 20
+    assert r["gb_s"] > 0 and r["seq_gb_s"] > 0 and r["ratio"] == pytest.approx(r["gb_s"] / r["seq_gb_s"])
+
+
+def test_layers_of_a_gguf_and_its_store(tmp_path):
+    from ntio.store import convert
+
+    gguf_path = write_synthetic_gguf(tmp_path / "tiny.gguf", preset("tiny"))
+    for path in (gguf_path, convert(gguf_path, tmp_path / "tiny.ntio")):
+        r = run("layers", str(path))
+        assert r["n_layers"] == 2 and len(r["layers"]) == 2
+        assert all(layer["gb_s"] > 0 and layer["seconds"] > 0 for layer in r["layers"])
+        assert r["bytes"] == sum(layer["bytes"] for layer in r["layers"])

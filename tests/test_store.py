@@ -1,0 +1,233 @@
+"""The ntio store and the extent index, checked against independent truths: tensor bytes and metadata read by
+gguf-py's own GGUFReader, dequantization by gguf-py, file bytes read with plain Python file reads."""
+
+from __future__ import annotations
+
+import shutil
+
+import gguf
+import numpy as np
+import pytest
+from click.testing import CliRunner
+
+import ntio
+from ntio import _core
+from ntio.cli import main as cli
+from ntio.errors import ModelFormatError, NtioError
+from ntio.gguf_file import GGUFFile
+from ntio.model_file import layer_extents, open_model_file, read_layer, row_extent, tensor_extent
+from ntio.store import StoreFile, convert
+from ntio.synth import SynthSpec, write_synthetic_gguf
+
+Q = gguf.GGMLQuantizationType
+
+# Between them, every type ntio decodes (norms are F32).
+ALL_TYPES_SPECS = [
+    SynthSpec(n_layers=2, d_model=256, d_ff=512, n_heads=4, n_kv_heads=2, seed=3, part_types={
+        "attn_q": Q.F16, "attn_k": Q.BF16, "attn_v": Q.Q8_0, "attn_output": Q.Q4_0, "ffn_gate": Q.Q4_1,
+        "ffn_up": Q.Q5_0, "ffn_down": Q.Q5_1}, embd_type=Q.Q4_K, output_type=Q.Q5_K),
+    SynthSpec(n_layers=2, d_model=256, d_ff=512, n_heads=4, n_kv_heads=2, seed=4, matrix_type=Q.Q6_K,
+              part_types={"attn_q": Q.F32}),
+]
+
+
+def file_bytes(path, offset: int, length: int) -> np.ndarray:
+    """Bytes of the file, read with plain Python."""
+    with open(path, "rb") as f:
+        f.seek(offset)
+        return np.frombuffer(f.read(length), dtype=np.uint8)
+
+
+def reference_tensors(path) -> dict[str, np.ndarray]:
+    """name -> encoded bytes, as gguf-py's reader sees them."""
+    return {t.name: np.asarray(t.data).reshape(-1).view(np.uint8) for t in gguf.GGUFReader(path).tensors}
+
+
+def reference_dequantized(raw: np.ndarray, qtype: Q, shape: tuple[int, ...]) -> np.ndarray:
+    return gguf.quants.dequantize(np.asarray(raw, dtype=np.uint8), qtype).reshape(shape)
+
+
+@pytest.fixture(scope="module")
+def synthetic(tmp_path_factory) -> list[tuple]:
+    """(gguf path, store path) for each all-types spec."""
+    out = []
+    for i, spec in enumerate(ALL_TYPES_SPECS):
+        d = tmp_path_factory.mktemp(f"synth{i}")
+        g = write_synthetic_gguf(d / "m.gguf", spec)
+        out.append((g, convert(g, d / "m.ntio")))
+    return out
+
+
+@pytest.fixture(scope="module")
+def smollm2_store(smollm2_path, tmp_path_factory):
+    return convert(smollm2_path, tmp_path_factory.mktemp("smol") / "smollm2.ntio")
+
+
+def test_smollm2_store_holds_every_tensor_and_metadata_of_the_gguf(smollm2_path, smollm2_store):
+    store = open_model_file(smollm2_store)
+    assert isinstance(store, StoreFile) and store.version == 1
+    want = reference_tensors(smollm2_path)
+    assert set(store.tensors) == set(want) and len(want) == 272
+    source = GGUFFile(smollm2_path)
+    for name, raw in want.items():
+        info = store.tensor(name)
+        assert info.offset % 4096 == 0
+        assert np.array_equal(store.tensor_bytes(name), raw), name
+        # Identical encoded bytes of the same type and shape: identical dequantized values.
+        assert (info.qtype, info.shape) == (source.tensor(name).qtype, source.tensor(name).shape)
+    reader = gguf.GGUFReader(smollm2_path)
+    for key, field in reader.fields.items():
+        if not key.startswith("GGUF."):
+            value = field.contents()
+            assert store.metadata[key] == (value.item() if isinstance(value, np.generic) else value), key
+    assert len(store.require("tokenizer.ggml.tokens")) == 49152
+    assert "im_start" in store.require("tokenizer.chat_template")
+
+
+def test_smollm2_generates_the_same_tokens_from_store_and_gguf(smollm2_path, smollm2_store):
+    prompt = "The capital of France is"
+    want = ntio.load(smollm2_path, max_context=64).generate(prompt, 16).token_ids
+    got = ntio.load(smollm2_store, max_context=64).generate(prompt, 16).token_ids
+    assert got == want and len(want) > 0
+
+
+@pytest.mark.parametrize("which", range(len(ALL_TYPES_SPECS)))
+def test_every_quant_type_round_trips_bit_exact(synthetic, which):
+    gguf_path, store_path = synthetic[which]
+    store = StoreFile(store_path)
+    want = reference_tensors(gguf_path)
+    types = set()
+    for name, info in GGUFFile(gguf_path).tensors.items():
+        s = store.tensor(name)
+        assert (s.qtype, s.shape, s.nbytes) == (info.qtype, info.shape, info.nbytes)
+        got = reference_dequantized(store.tensor_bytes(name), s.qtype, s.shape)
+        ref = reference_dequantized(want[name], info.qtype, info.shape)
+        assert np.array_equal(got.view(np.uint32), ref.view(np.uint32)), name
+        types.add(s.qtype)
+    assert which or types >= {Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q4_K, Q.Q5_K}
+    assert not which or Q.Q6_K in types
+
+
+@pytest.mark.parametrize("fmt", ["gguf", "store"])
+def test_row_range_extents_hold_the_rows_of_the_dequantized_tensor(synthetic, fmt):
+    gguf_path, store_path = synthetic[0]
+    path = gguf_path if fmt == "gguf" else store_path
+    model_file = open_model_file(path)
+    for part in ("attn_q", "attn_v", "ffn_gate", "ffn_up", "ffn_down"):
+        info = model_file.tensor(f"blk.1.{part}.weight")
+        full = reference_dequantized(file_bytes(path, info.offset, info.nbytes), info.qtype, info.shape)
+        rows = info.shape[0]
+        assert row_extent(model_file, info.name, 5, 5)[1] == 0
+        for start, stop in [(0, 1), (3, 17), (rows // 2, rows)]:
+            offset, length = row_extent(model_file, info.name, start, stop)
+            got = reference_dequantized(file_bytes(path, offset, length), info.qtype, (stop - start, info.shape[1]))
+            assert np.array_equal(got, full[start:stop]), (part, start, stop)
+        assert tensor_extent(model_file, info.name) == (info.offset, info.nbytes)
+    with pytest.raises(ModelFormatError, match="outside tensor"):
+        row_extent(model_file, "blk.0.ffn_up.weight", 0, 10_000)
+
+
+@pytest.mark.parametrize("backend", _core.BACKENDS)
+@pytest.mark.parametrize("fmt", ["gguf", "store"])
+def test_layer_reads_through_every_backend_equal_the_file_bytes(synthetic, fmt, backend):
+    gguf_path, store_path = synthetic[1]
+    path = gguf_path if fmt == "gguf" else store_path
+    model_file = open_model_file(path)
+    try:
+        reader = _core.Reader(path, backend=backend, request_size=8192)
+    except _core.BackendUnavailableError as e:
+        pytest.skip(str(e))
+    extents = layer_extents(model_file, 1)
+    if fmt == "store":
+        assert len(extents) == 1 and extents[0][0] % 4096 == 0
+    for layer in range(2):
+        views = read_layer(reader, model_file, layer)
+        assert sorted(views) == sorted(f"blk.{layer}.{p}.weight" for p in ntio.model.BLOCK_TENSORS)
+        for name, view in views.items():
+            info = model_file.tensor(name)
+            assert np.array_equal(view, file_bytes(path, info.offset, info.nbytes)), (name, backend)
+
+
+def flip_byte(path, offset: int) -> None:
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        byte = f.read(1)
+        f.seek(offset)
+        f.write(bytes([byte[0] ^ 0x40]))
+
+
+def test_flipped_byte_is_a_checksum_error_naming_tensor_and_offset(synthetic, tmp_path):
+    bad = shutil.copy(synthetic[0][1], tmp_path / "bad.ntio")
+    info = StoreFile(bad).tensor("blk.1.ffn_up.weight")
+    flip_byte(bad, info.offset + 100)
+    message = f"checksum mismatch in tensor 'blk.1.ffn_up.weight' (extent at offset {info.offset}, {info.nbytes} bytes)"
+    store = StoreFile(bad)
+    store.tensor_bytes("blk.1.ffn_down.weight")  # others are intact
+    with pytest.raises(ModelFormatError, match=r"bad\.ntio: " + message.replace("(", r"\(").replace(")", r"\)")):
+        store.tensor_bytes("blk.1.ffn_up.weight")
+    with pytest.raises(ModelFormatError, match="blk.1.ffn_up.weight"):
+        read_layer(_core.Reader(bad), store, 1)
+    assert StoreFile(bad, verify=False).tensor_bytes("blk.1.ffn_up.weight").nbytes == info.nbytes
+
+
+def test_truncated_store_names_where_it_ends(synthetic, tmp_path):
+    bad = shutil.copy(synthetic[0][1], tmp_path / "cut.ntio")
+    size = bad.stat().st_size
+    with open(bad, "r+b") as f:
+        f.truncate(size - 10)
+    with pytest.raises(ModelFormatError, match=f"cut.ntio: truncated ntio store: the file ends at offset {size - 10}, "
+                                               f"but its header says {size} bytes"):
+        open_model_file(bad)
+
+
+def test_bad_magic_and_future_version_are_clear_errors(synthetic, tmp_path):
+    junk = tmp_path / "junk.bin"
+    junk.write_bytes(b"PK\x03\x04" + bytes(100))
+    with pytest.raises(ModelFormatError, match=r"junk.bin: not a GGUF file or ntio store \(magic b'PK"):
+        open_model_file(junk)
+    future = shutil.copy(synthetic[0][1], tmp_path / "future.ntio")
+    with open(future, "r+b") as f:
+        f.seek(8)
+        f.write((2).to_bytes(4, "little"))
+    with pytest.raises(ModelFormatError, match="format version 2 is newer than this ntio reads"):
+        open_model_file(future)
+    with pytest.raises(ModelFormatError, match="not an ntio store"):
+        StoreFile(synthetic[0][0])
+
+
+def test_manifest_corruption_is_detected(synthetic, tmp_path):
+    bad = shutil.copy(synthetic[0][1], tmp_path / "manifest.ntio")
+    flip_byte(bad, bad.stat().st_size - 2)
+    with pytest.raises(ModelFormatError, match="checksum mismatch in tensor '<manifest>'"):
+        open_model_file(bad)
+
+
+def test_failed_convert_leaves_no_temp_file(synthetic, tmp_path, monkeypatch):
+    gguf_path = synthetic[0][0]
+    with pytest.raises(NtioError, match="cannot write"):
+        convert(gguf_path, tmp_path / "missing-dir" / "m.ntio")
+    result = CliRunner().invoke(cli, ["convert", str(gguf_path), "-o", str(tmp_path / "missing-dir" / "m.ntio")])
+    assert result.exit_code == 1 and "cannot write" in result.output
+
+    calls = []
+
+    def failing_checksum(array):
+        calls.append(1)
+        if len(calls) == 5:
+            raise RuntimeError("disk on fire")
+        return 0
+
+    monkeypatch.setattr("ntio.store.checksum", failing_checksum)
+    with pytest.raises(RuntimeError, match="disk on fire"):
+        convert(gguf_path, tmp_path / "m.ntio")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_cli_convert_writes_a_store_that_info_reads(synthetic, tmp_path):
+    gguf_path = synthetic[0][0]
+    out = tmp_path / "cli.ntio"
+    result = CliRunner().invoke(cli, ["convert", str(gguf_path), "-o", str(out)])
+    assert result.exit_code == 0, result.output
+    assert out.read_bytes()[:8] == b"NTIOSTOR"
+    info = CliRunner().invoke(cli, ["info", str(out), "--json"])
+    assert info.exit_code == 0 and '"n_layers": 2' in info.output
