@@ -20,13 +20,16 @@ import torch
 import torch.nn.functional as F
 
 from ntio.config import ModelConfig
-from ntio.engine import Engine, KVCache, ResidentLayers
+from ntio.budget import make_plan, memory_needs
+from ntio.engine import Engine, KVCache
 from ntio.errors import ContextOverflowError, NtioError
 from ntio.fetch import resolve_model
 from ntio.generation import Sampler, SamplingParams, generate_ids
 from ntio.model_file import open_model_file
 from ntio.tokenizer import Tokenizer
-from ntio.weights import WeightLayout, load_global_weights, load_resident_block
+from ntio.loader import LayerLoader, ProgressCallback
+from ntio.stats import StreamStats
+from ntio.weights import WeightLayout, load_global_weights
 
 KV_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -61,6 +64,9 @@ class TokenStream:
 
 
 class LLM:
+    """A loaded model. Layers live in tiers (A device / B host RAM / C disk) planned from the memory budgets, or
+    forced with `tiers` ("A", "B", "C", or e.g. "A:0-9,C:10-29"); `stats` reports what streaming cost."""
+
     def __init__(
         self,
         path: str | os.PathLike[str],
@@ -68,6 +74,13 @@ class LLM:
         device: str = "cpu",
         kv_dtype: str = "float32",
         max_context: int | None = None,
+        tiers: str = "auto",
+        gpu_memory_budget: str | int | None = None,
+        ram_budget: str | int | None = None,
+        layer_group_size: int = 1,
+        sync: bool = False,
+        io_backend: str | None = None,
+        on_progress: ProgressCallback | None = None,
     ) -> None:
         if kv_dtype not in KV_DTYPES:
             raise NtioError(f"--kv-dtype must be one of {', '.join(KV_DTYPES)}, got {kv_dtype!r}")
@@ -80,12 +93,26 @@ class LLM:
         capacity = self.config.context_length if max_context is None else max_context
         if capacity < 1:
             raise NtioError(f"--ctx-size must be >= 1, got {capacity}")
+        if layer_group_size < 1:
+            raise NtioError(f"--layer-group-size must be >= 1, got {layer_group_size}")
+        needs = memory_needs(layout, capacity, KV_DTYPES[kv_dtype], layer_group_size)
+        self.plan = make_plan(needs, cuda=self.device.type == "cuda", tiers=tiers,
+                              gpu_memory_budget=gpu_memory_budget, ram_budget=ram_budget)
         with torch.inference_mode():
-            globals_ = load_global_weights(layout, self.device)
-            blocks = [load_resident_block(layout, i, self.device) for i in range(self.config.n_layers)]
+            self.loader = LayerLoader(layout, self.plan, self.device, group_size=layer_group_size, prefetch=not sync,
+                                      backend=io_backend, on_progress=on_progress)
+            globals_ = load_global_weights(layout, self.loader.read_tensor, self.device)
         kv = KVCache(self.config, capacity, KV_DTYPES[kv_dtype], self.device)
-        self.engine = Engine(self.config, globals_, ResidentLayers(blocks), kv)
+        self.engine = Engine(self.config, globals_, self.loader, kv)
         self._cached_ids: list[int] = []  # token ids whose K/V are in the cache, for prompt-prefix reuse
+
+    @property
+    def stats(self) -> StreamStats:
+        return self.loader.stats
+
+    def close(self) -> None:
+        """Drain in-flight reads and release staging memory (also done when the object is collected)."""
+        self.loader.close()
 
     # -- prompts ---------------------------------------------------------------------------------------------
 
@@ -249,12 +276,10 @@ class StopStrings:
         return out
 
 
-def load(
-    model: str | os.PathLike[str] | None = None,
-    *,
-    device: str = "cpu",
-    kv_dtype: str = "float32",
-    max_context: int | None = None,
-) -> LLM:
-    """Load a GGUF model (the default SmolLM2-135M-Instruct when `model` is None)."""
-    return LLM(resolve_model(model), device=device, kv_dtype=kv_dtype, max_context=max_context)
+def load(model: str | os.PathLike[str] | None = None, **options) -> LLM:
+    """Load a GGUF model or ntio store (the default SmolLM2-135M-Instruct when `model` is None).
+
+    Options as for `LLM`: device, kv_dtype, max_context, tiers, gpu_memory_budget, ram_budget, layer_group_size,
+    sync, io_backend, on_progress.
+    """
+    return LLM(resolve_model(model), **options)

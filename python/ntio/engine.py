@@ -16,20 +16,18 @@ from ntio.errors import ContextOverflowError
 from ntio.model import GlobalWeights, LayerWeights, causal_mask, output_logits, rope_tables, transformer_block
 
 
+# Longer inputs run as several forward passes of at most this many tokens, which bounds activation memory.
+PREFILL_CHUNK = 512
+
+
 class LayerSource(Protocol):
-    """Supplies each block's weights, ready to compute, in layer order."""
+    """Supplies each block's weights, ready to compute, in layer order (ntio.loader.LayerLoader)."""
+
+    def begin_forward(self, n_tokens: int) -> None: ...
 
     def block(self, layer: int) -> LayerWeights: ...
 
-
-class ResidentLayers:
-    """Every block dequantized once and kept on the compute device."""
-
-    def __init__(self, blocks: list[LayerWeights]) -> None:
-        self._blocks = blocks
-
-    def block(self, layer: int) -> LayerWeights:
-        return self._blocks[layer]
+    def end_forward(self) -> None: ...
 
 
 class KVCache:
@@ -79,14 +77,24 @@ class Engine:
         self.kv.crop(min(start_pos, self.kv.length))
         if start_pos != self.kv.length:
             raise ValueError(f"start_pos {start_pos} leaves a gap after the {self.kv.length} cached positions")
+        if n_tokens > PREFILL_CHUNK:
+            chunks = [
+                self.forward(tokens[i : i + PREFILL_CHUNK], start_pos + i, all_logits=all_logits)
+                for i in range(0, n_tokens, PREFILL_CHUNK)
+            ]
+            return torch.cat(chunks) if all_logits else chunks[-1]
 
         cfg = self.cfg
         h = ops.embedding(tokens, self.globals.token_embd)  # [T, D]
         rope = rope_tables(self.globals.inv_freq, start_pos, n_tokens)
         mask = causal_mask(start_pos, n_tokens, h.device)
-        for layer in range(cfg.n_layers):
-            w = self.layers.block(layer)
-            h = transformer_block(h, w, self.kv.k[layer], self.kv.v[layer], start_pos, rope, mask, cfg)
+        self.layers.begin_forward(n_tokens)
+        try:
+            for layer in range(cfg.n_layers):
+                w = self.layers.block(layer)
+                h = transformer_block(h, w, self.kv.k[layer], self.kv.v[layer], start_pos, rope, mask, cfg)
+        finally:
+            self.layers.end_forward()
         self.kv.length = end
         if not all_logits:
             return output_logits(h[-1:], self.globals, cfg)[0]

@@ -32,31 +32,45 @@ class EncodedMatrix:
         return self.raw.numel() // self.shape[0]
 
 
-def concat_rows(matrices: list[EncodedMatrix]) -> list[EncodedMatrix]:
-    """Fuse consecutive matrices of one type into one (their rows concatenated); keep the rest apart.
+def fuse_adjacent(matrices: list[EncodedMatrix]) -> list[EncodedMatrix]:
+    """Merge consecutive matrices of one type whose bytes are adjacent in one buffer into one matrix (a view).
 
-    Row-major block encodings concatenate row-wise, so q/k/v or gate/up of one type become a single product.
+    Row-major block encodings concatenate row-wise, so q/k/v or gate/up stored back to back run as one product.
+    Only adjacency decides, never a copy, so a layer gets the same products wherever its buffer lives.
     """
     fused: list[EncodedMatrix] = []
     for m in matrices:
-        if fused and fused[-1].qtype == m.qtype and fused[-1].shape[1] == m.shape[1]:
-            last = fused.pop()
-            m = EncodedMatrix(torch.cat((last.raw, m.raw)), m.qtype, (last.shape[0] + m.shape[0], m.shape[1]))
-        fused.append(m)
+        last = fused[-1] if fused else None
+        if (
+            last is not None
+            and last.qtype == m.qtype
+            and last.shape[1] == m.shape[1]
+            and last.raw.device == m.raw.device
+            and last.raw.untyped_storage().data_ptr() == m.raw.untyped_storage().data_ptr()
+            and last.raw.storage_offset() + last.raw.numel() == m.raw.storage_offset()
+        ):
+            span = last.raw.as_strided((last.raw.numel() + m.raw.numel(),), (1,))
+            fused[-1] = EncodedMatrix(span, m.qtype, (last.shape[0] + m.shape[0], m.shape[1]))
+        else:
+            fused.append(m)
     return fused
 
 
-# Dequantization scratch, reused across calls (keyed by device and size) so steady state allocates nothing.
+# Dequantized weights for a dense product never take more than this: big matrices go in row chunks.
+SCRATCH_BYTES = 64 << 20
+# Scratch buffers, reused across calls (keyed by device and size) so steady state allocates nothing.
 _scratch: dict[tuple[torch.device, int], torch.Tensor] = {}
 
 
-def _dequantized(w: EncodedMatrix) -> torch.Tensor:
-    n, k = w.shape
-    key = (w.raw.device, n * k)
+def _dequantized_rows(w: EncodedMatrix, start: int, stop: int) -> torch.Tensor:
+    """Rows [start, stop) of w as float32 [stop - start, K] in a reused scratch buffer."""
+    k = w.shape[1]
+    key = (w.raw.device, (stop - start) * k)
     buf = _scratch.get(key)
     if buf is None:
-        buf = _scratch[key] = torch.empty(n * k, dtype=torch.float32, device=w.raw.device)
-    return quant.dequantize(w.raw, w.qtype, w.shape, out=buf.view(n, k))
+        buf = _scratch[key] = torch.empty(key[1], dtype=torch.float32, device=w.raw.device)
+    raw = w.raw[start * w.row_nbytes : stop * w.row_nbytes]
+    return quant.dequantize(raw, w.qtype, (stop - start, k), out=buf.view(stop - start, k))
 
 
 def uses_cpu_kernel(x: torch.Tensor, w: EncodedMatrix) -> bool:
@@ -67,7 +81,15 @@ def linear(x: torch.Tensor, w: EncodedMatrix) -> torch.Tensor:
     """x: [T, K] float32 -> x @ Wᵀ: [T, N]."""
     if uses_cpu_kernel(x, w):
         return cpu_kernels.quantized_linear(x.contiguous(), w.raw, w.qtype, w.shape)
-    return F.linear(x, _dequantized(w))
+    n, k = w.shape
+    rows = max(1, SCRATCH_BYTES // (4 * k))
+    if rows >= n:
+        return F.linear(x, _dequantized_rows(w, 0, n))
+    out = torch.empty((x.shape[0], n), dtype=torch.float32, device=x.device)
+    for start in range(0, n, rows):
+        stop = min(start + rows, n)
+        out[:, start:stop] = F.linear(x, _dequantized_rows(w, start, stop))
+    return out
 
 
 def linear_concat(x: torch.Tensor, ws: list[EncodedMatrix]) -> torch.Tensor:

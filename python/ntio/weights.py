@@ -9,7 +9,6 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-import numpy as np
 import torch
 
 from ntio import ops, quant
@@ -78,13 +77,11 @@ def encoded_block(
     cfg: ModelConfig,
     tensors: dict[str, TensorInfo],
     raw: Callable[[str], RawTensor],
-    *,
-    fuse: bool = True,
 ) -> LayerWeights:
     """One block's `LayerWeights`. raw(part) gives the encoded bytes of tensors[part] on the target device.
 
-    Norms are decoded to float32 (a few KB); matrices keep their encoding. With `fuse`, same-type q/k/v and
-    gate/up are row-concatenated into single matrices (a copy: right for resident weights, not for streamed ones).
+    Norms are decoded to float32 (a few KB); matrices keep their encoding, as views of the bytes given. q/k/v and
+    gate/up that are adjacent and of one type in that buffer are fused into single products (ops.fuse_adjacent).
     """
 
     def matrix(part: str) -> EncodedMatrix:
@@ -95,28 +92,26 @@ def encoded_block(
         info = tensors[part]
         return quant.dequantize(raw(part), info.qtype, info.shape)
 
-    group = ops.concat_rows if fuse else list
     return LayerWeights(
         attn_norm=norm("attn_norm"),
-        wqkv=group([matrix("attn_q"), matrix("attn_k"), matrix("attn_v")]),
+        wqkv=ops.fuse_adjacent([matrix("attn_q"), matrix("attn_k"), matrix("attn_v")]),
         wo=matrix("attn_output"),
         ffn_norm=norm("ffn_norm"),
-        w_gate_up=group([matrix("ffn_gate"), matrix("ffn_up")]),
+        w_gate_up=ops.fuse_adjacent([matrix("ffn_gate"), matrix("ffn_up")]),
         w_down=matrix("ffn_down"),
     )
 
 
-def mapped_raw(file: ModelFile, info: TensorInfo, device: torch.device | str = "cpu") -> RawTensor:
-    """Encoded bytes of a tensor copied out of the memory-mapped file (used for resident loading)."""
-    return torch.from_numpy(np.array(file.tensor_bytes(info.name))).to(device)
+def load_global_weights(
+    layout: WeightLayout, read: Callable[[TensorInfo], RawTensor], device: torch.device | str = "cpu"
+) -> GlobalWeights:
+    """The always-resident weights; read(info) gives a tensor's encoded bytes in host memory."""
 
-
-def load_global_weights(layout: WeightLayout, device: torch.device | str = "cpu") -> GlobalWeights:
     def matrix(info: TensorInfo) -> EncodedMatrix:
-        return EncodedMatrix(mapped_raw(layout.file, info, device), info.qtype, info.shape)
+        return EncodedMatrix(read(info).to(device), info.qtype, info.shape)
 
     def decoded(info: TensorInfo) -> torch.Tensor:
-        return quant.dequantize(mapped_raw(layout.file, info, device), info.qtype, info.shape)
+        return quant.dequantize(read(info).to(device), info.qtype, info.shape)
 
     token_embd = matrix(layout.token_embd)
     return GlobalWeights(
@@ -127,8 +122,3 @@ def load_global_weights(layout: WeightLayout, device: torch.device | str = "cpu"
             layout.cfg, decoded(layout.rope_freqs) if layout.rope_freqs is not None else None
         ).to(device),
     )
-
-
-def load_resident_block(layout: WeightLayout, layer: int, device: torch.device | str = "cpu") -> LayerWeights:
-    tensors = layout.blocks[layer]
-    return encoded_block(layout.cfg, tensors, lambda part: mapped_raw(layout.file, tensors[part], device))

@@ -1,0 +1,305 @@
+"""The layer loader: each block's weights from its tier, streaming the non-resident ones group by group.
+
+Tier A blocks are read once at start-up onto the compute device; tier B blocks once into host RAM (pinned when
+CUDA). Tier C blocks are read from disk at every use through the Rust reader, a *group* of `group_size`
+consecutive layers at a time, into one of two staging slots (double buffering): while group g computes, the next
+streamed group is already being read into the other slot (`prefetch`). On CPU the graph computes straight from
+the slot's bytes (no copy, no dequantization for decode); on CUDA each group's B and C bytes are copied to a device
+buffer on a copy stream, and the compute stream waits on that copy's event.
+
+Every block, whatever its tier, is built from the same kind of buffer (one layer packed by `plan_layer_read`), so
+all tiers run the same ops on the same bytes: streamed and resident results are bit-identical.
+
+Interface (SPEC-006 §4.2): load_group / evict_group / prefetch_async / sync, num_groups, layers_per_group; and
+`block(layer)` for the engine. Reads that fail (file truncated or gone) raise ModelFormatError naming file and offset.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from ntio import _core
+from ntio.errors import ModelFormatError, NtioError
+from ntio.gguf_file import TensorInfo
+from ntio.io import read_into, slot_array
+from ntio.model import LayerWeights
+from ntio.model_file import plan_layer_read
+from ntio.stats import ForwardStats, StreamStats
+from ntio.tiers import TierPlan
+from ntio.weights import WeightLayout, encoded_block
+
+_ALIGN = 4096  # staging offsets keep each layer's file alignment, so O_DIRECT lands in place
+
+# Callback for progress: (what, done, total), e.g. ("load", 3, 30) while resident layers load.
+ProgressCallback = Callable[[str, int, int], None]
+
+
+@dataclass
+class _LayerRead:
+    """How one layer is read: reader extents into a packed layer buffer, and where each tensor lands in it."""
+
+    extents: list[tuple[int, int, int]]  # (file_offset, length, dest_offset within the layer buffer)
+    nbytes: int
+    tensor_offsets: dict[str, int]  # block part -> offset of its bytes in the layer buffer
+
+
+@dataclass
+class _Group:
+    layers: list[int]
+    streamed: list[int]  # layers of this group that are not resident on the device (B on CUDA, C)
+    offsets: dict[int, int]  # streamed layer -> offset of its packed buffer in the group's staging slot
+    nbytes: int
+
+
+def _plan_layer(layout: WeightLayout, layer: int) -> _LayerRead:
+    extents, nbytes = plan_layer_read(layout.file, layer)
+    offsets = {}
+    for part, info in layout.blocks[layer].items():
+        file_start, _, dest = next(e for e in extents if e[0] <= info.offset < e[0] + e[1])
+        offsets[part] = dest + info.offset - file_start
+    return _LayerRead(extents, nbytes, offsets)
+
+
+class LayerLoader:
+    def __init__(
+        self,
+        layout: WeightLayout,
+        plan: TierPlan,
+        device: torch.device,
+        *,
+        group_size: int = 1,
+        prefetch: bool = True,
+        backend: str | None = None,
+        on_progress: ProgressCallback | None = None,
+    ) -> None:
+        cfg = layout.cfg
+        if group_size < 1:
+            raise NtioError(f"--layer-group-size must be >= 1, got {group_size}")
+        if len(plan.tiers) != cfg.n_layers:
+            raise NtioError(f"the tier plan has {len(plan.tiers)} layers, the model {cfg.n_layers}")
+        self.layout, self.plan, self.device = layout, plan, device
+        self.cuda = device.type == "cuda"
+        self.prefetch = prefetch
+        self.on_progress = on_progress
+        self.stats = StreamStats(layers_per_tier=plan.counts)
+        self._forward: ForwardStats | None = None
+        try:
+            self.reader = _core.Reader(layout.file.path, backend=backend)
+        except OSError as e:
+            raise ModelFormatError(str(e)) from None
+        self._reads = [_plan_layer(layout, i) for i in range(cfg.n_layers)]
+
+        # Resident tiers, read once: A onto the device; B into host RAM (pinned on CUDA; on CPU B is just RAM).
+        self._resident: dict[int, LayerWeights] = {}
+        self._host: dict[int, torch.Tensor] = {}  # tier B layer buffers on CUDA
+        resident = [i for i, t in enumerate(plan.tiers) if t == "A" or (t == "B" and not self.cuda)]
+        host_only = [i for i, t in enumerate(plan.tiers) if t == "B" and self.cuda]
+        for n, layer in enumerate(resident + host_only, 1):
+            buf = self._read_now(self._reads[layer].extents, self._reads[layer].nbytes)
+            if layer in host_only:
+                self._host[layer] = buf.pin_memory()
+            else:
+                self._resident[layer] = self._weights(layer, buf.to(device))
+            self._progress("load", n, len(resident) + len(host_only))
+
+        # Streamed groups and their double buffer.
+        self.groups: list[_Group] = []
+        for start in range(0, cfg.n_layers, group_size):
+            layers = list(range(start, min(start + group_size, cfg.n_layers)))
+            streamed = [i for i in layers if i not in self._resident]
+            offsets, end = {}, 0
+            for layer in streamed:
+                offsets[layer] = end
+                end += -(-self._reads[layer].nbytes // _ALIGN) * _ALIGN
+            self.groups.append(_Group(layers, streamed, offsets, end))
+        self._group_of = [g for g, grp in enumerate(self.groups) for _ in grp.layers]
+        self._streamed_groups = [g for g, grp in enumerate(self.groups) if grp.streamed]
+        slot_size = max((grp.nbytes for grp in self.groups), default=0)
+        self._pool = _core.StagingPool(2, slot_size) if self._streamed_groups else None
+        self._slots = [self._pool.acquire(), self._pool.acquire()] if self._pool else []
+        self._slot_bytes = [torch.from_numpy(slot_array(s)) for s in self._slots]
+        self._device_bytes: list[torch.Tensor] = []
+        if self.cuda and self._slots:
+            for t in self._slot_bytes:  # pin the Rust-owned slots so H2D copies run at full speed
+                torch.cuda.cudart().cudaHostRegister(t.data_ptr(), t.numel(), 0)
+            self._device_bytes = [torch.empty(slot_size, dtype=torch.uint8, device=device) for _ in range(2)]
+            self._copy_stream = torch.cuda.Stream(device)
+            self._copied = [torch.cuda.Event() for _ in range(2)]  # H2D of the slot's group done
+            self._computed = [torch.cuda.Event() for _ in range(2)]  # compute on the slot's device bytes done
+        self._current: tuple[int, int] | None = None  # (group, staging index) being computed
+        self._pending: dict[int, tuple[int, _core.ReadHandle]] = {}  # group -> (staging index, read) for its next use
+        self._blocks: dict[int, LayerWeights] = {}  # streamed layers of the current group
+
+    # -- SPEC-006 interface ----------------------------------------------------------------------------------
+
+    @property
+    def num_groups(self) -> int:
+        return len(self.groups)
+
+    @property
+    def layers_per_group(self) -> int:
+        return len(self.groups[0].layers)
+
+    def prefetch_async(self, group: int) -> None:
+        """Start reading `group`'s streamed layers for its next use, into the slot the current group does not use."""
+        if not self.groups[group].streamed or group in self._pending:
+            return
+        busy = {i for i, _ in self._pending.values()} | ({self._current[1]} if self._current else set())
+        index = min(set(range(2)) - busy)  # one current group and at most one pending read: a slot is free
+        self._pending[group] = (index, self._submit(group, index))
+
+    def sync(self) -> None:
+        """Wait for every pending read (their groups stay ready for their next use)."""
+        for _, handle in self._pending.values():
+            self._wait(handle)
+
+    def load_group(self, group: int) -> list[LayerWeights]:
+        """Make `group` the current group (using its prefetched read, else reading it now); return its blocks."""
+        if self._current is not None:
+            self.evict_group(self._current[0])
+        grp = self.groups[group]
+        if grp.streamed:
+            if group not in self._pending:
+                self.prefetch_async(group)
+            index, handle = self._pending.pop(group)
+            self._finish_read(group, index, handle)
+            self._current = (group, index)
+        return [self._resident.get(layer) or self._blocks[layer] for layer in grp.layers]
+
+    def evict_group(self, group: int) -> None:
+        """Drop `group`'s streamed blocks; its staging slot may be overwritten from now on."""
+        if self._current is None or self._current[0] != group:
+            return
+        if self.cuda:
+            self._computed[self._current[1]].record()  # later H2D copies into these device bytes wait for this
+        for layer in self.groups[group].streamed:
+            self._blocks.pop(layer, None)
+        self._current = None
+
+    # -- LayerSource (the engine's side) ---------------------------------------------------------------------
+
+    def begin_forward(self, n_tokens: int) -> None:
+        self._forward = self.stats.begin(n_tokens)
+        self._forward_start = time.perf_counter()
+
+    def end_forward(self) -> None:
+        """Tier C is read at every use: the next forward reads its groups again (already prefetched, if async)."""
+        if self._current is not None:
+            self.evict_group(self._current[0])
+        if self._forward is not None:
+            self._forward.wall_s = time.perf_counter() - self._forward_start
+            self._forward = None
+
+    def block(self, layer: int) -> LayerWeights:
+        resident = self._resident.get(layer)
+        if resident is not None:
+            return resident
+        group = self._group_of[layer]
+        if self._current is None or self._current[0] != group:
+            self.load_group(group)
+            if self.cuda:
+                torch.cuda.current_stream(self.device).wait_event(self._copied[self._current[1]])
+            if self.prefetch:
+                later = [g for g in self._streamed_groups if g > group] or self._streamed_groups  # wraps to next forward
+                self.prefetch_async(later[0])
+        return self._blocks[layer]
+
+    def close(self) -> None:
+        """Drain in-flight reads (also after Ctrl-C) and give the staging slots back."""
+        for _, handle in self._pending.values():
+            try:
+                handle.wait()
+            except OSError:
+                pass
+        self._pending.clear()
+        self._blocks.clear()
+        self._current = None
+        if self.cuda:
+            for t in self._slot_bytes:
+                torch.cuda.cudart().cudaHostUnregister(t.data_ptr())
+        for slot in self._slots:
+            slot.release()
+        self._slots, self._slot_bytes = [], []
+
+    # -- internals -------------------------------------------------------------------------------------------
+
+    def _submit(self, group: int, index: int) -> _core.ReadHandle:
+        grp = self.groups[group]
+        extents = []
+        for layer in grp.streamed:
+            if layer in self._host:
+                continue  # tier B on CUDA: already in pinned host memory
+            base = grp.offsets[layer]
+            extents += [(off, length, base + dest) for off, length, dest in self._reads[layer].extents]
+        if self.cuda:
+            self._copied[index].synchronize()  # the slot's previous H2D copy must be done before it is overwritten
+        try:
+            return self.reader.submit(extents, self._slots[index])
+        except OSError as e:
+            raise ModelFormatError(str(e)) from None
+
+    def _wait(self, handle: _core.ReadHandle) -> None:
+        try:
+            handle.wait()
+        except OSError as e:  # truncated or vanished file: name it, never compute on partial bytes
+            raise ModelFormatError(str(e)) from None
+
+    def _finish_read(self, group: int, index: int, handle: _core.ReadHandle) -> None:
+        t0 = time.perf_counter()
+        self._wait(handle)
+        grp = self.groups[group]
+        if self._forward is not None:
+            self._forward.io_wait_s += time.perf_counter() - t0
+            self._forward.io_busy_s += handle.elapsed or 0.0
+            self._forward.bytes_read += sum(self._reads[i].nbytes for i in grp.streamed if i not in self._host)
+        source = self._to_device(group, index) if self.cuda else self._slot_bytes[index]
+        for layer in grp.streamed:
+            base = grp.offsets[layer]
+            self._blocks[layer] = self._weights(layer, source[base : base + self._reads[layer].nbytes])
+    def _to_device(self, group: int, index: int) -> torch.Tensor:
+        """Copy the group's streamed bytes (C from the slot, B from pinned RAM) to the device on the copy stream."""
+        grp, dst = self.groups[group], self._device_bytes[index]
+        with torch.cuda.stream(self._copy_stream):
+            self._copy_stream.wait_event(self._computed[index])  # compute on the old bytes must be finished
+            for layer in grp.streamed:
+                base, n = grp.offsets[layer], self._reads[layer].nbytes
+                src = self._host[layer] if layer in self._host else self._slot_bytes[index][base : base + n]
+                dst[base : base + n].copy_(src, non_blocking=True)
+            self._copied[index].record(self._copy_stream)
+        if self._forward is not None:
+            self._forward.bytes_h2d += sum(self._reads[layer].nbytes for layer in grp.streamed)
+        return dst
+
+    def read_tensor(self, info: TensorInfo) -> torch.Tensor:
+        """One tensor's encoded bytes, read now into host memory (for the always-resident globals)."""
+        head = info.offset % _ALIGN  # keep the file's alignment in memory so O_DIRECT reads land in place
+        return self._read_now([(info.offset, info.nbytes, head)], head + info.nbytes)[head:]
+
+    def _read_now(self, extents: list[tuple[int, int, int]], nbytes: int) -> torch.Tensor:
+        buf = np.empty(nbytes + _ALIGN, dtype=np.uint8)
+        buf = buf[-buf.ctypes.data % _ALIGN :][:nbytes]
+        try:
+            read_into(self.reader, extents, buf)
+        except OSError as e:
+            raise ModelFormatError(str(e)) from None
+        return torch.from_numpy(buf)
+
+    def _weights(self, layer: int, buf: torch.Tensor) -> LayerWeights:
+        """LayerWeights viewing one packed layer buffer (host or device)."""
+        read, tensors = self._reads[layer], self.layout.blocks[layer]
+
+        def raw(part: str) -> torch.Tensor:
+            start = read.tensor_offsets[part]
+            return buf[start : start + tensors[part].nbytes]
+
+        return encoded_block(self.layout.cfg, tensors, raw)
+
+    def _progress(self, what: str, done: int, total: int) -> None:
+        if self.on_progress is not None:
+            self.on_progress(what, done, total)
+
