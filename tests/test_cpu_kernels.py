@@ -67,6 +67,17 @@ def test_gguf_py_quantized_blocks(qtype: T) -> None:
     check(raw, qtype, shape, 3, rng)
 
 
+@pytest.mark.parametrize("qtype", [T.Q4_1, T.Q4_0, T.Q8_0, T.Q5_0, T.Q5_1, T.Q4_K, T.Q5_K, T.Q6_K],
+                         ids=lambda q: q.name)
+def test_every_batch_size_on_an_odd_row_count(qtype: T) -> None:
+    # every activation-row tiling of the SIMD kernels (t = 1..16), with an odd number of output rows
+    rng = np.random.default_rng([int(qtype), 99])
+    shape = (331, 512)
+    raw = quant.random_quantized(qtype, shape, rng)
+    for t in range(1, 17):
+        check(raw, qtype, shape, t, rng)
+
+
 def test_threads_do_not_change_results() -> None:
     rng = np.random.default_rng(3)
     shape = (1536, 576)

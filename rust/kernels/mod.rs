@@ -4,10 +4,13 @@
 //! - `blocks`: block layouts, scale decoding and scalar code decoding per type;
 //! - `dot`: portable scalar row kernels;
 //! - `avx2`: AVX2/FMA row kernels (x86-64, selected at run time);
+//! - `avx512`: AVX-512 row kernels for the block-quantized types (x86-64, selected at run time);
 //! - `matmul`: the entry point, argument checks, kernel selection and the thread pool.
 
 #[cfg(target_arch = "x86_64")]
 mod avx2;
+#[cfg(target_arch = "x86_64")]
+mod avx512;
 mod blocks;
 mod dot;
 mod matmul;
