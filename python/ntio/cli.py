@@ -30,8 +30,24 @@ class _Group(click.Group):
             sys.exit(130)
 
 
+_MODEL_OPTIONS = ("model", "ctx_size", "kv_dtype", "threads", "device", "tiers", "gpu_memory_budget", "ram_budget",
+                  "layer_group_size", "sync", "io_backend")
+
+
 def _model_options(f):
-    f = click.option("--threads", type=click.IntRange(min=1), help="CPU threads for compute (default: torch's)")(f)
+    """Options shared by every command that loads a model; the command passes them on with `_load(**opts)`."""
+    f = click.option("--io-backend", type=click.Choice(["io_uring", "pread", "buffered"]),
+                     help="Force the disk reader's backend (default: probe; env NTIO_IO_BACKEND)")(f)
+    f = click.option("--sync", is_flag=True, help="Read streamed layers when needed instead of prefetching them")(f)
+    f = click.option("--layer-group-size", type=click.IntRange(min=1), default=1, show_default=True,
+                     help="Layers read per streamed group (double-buffered)")(f)
+    f = click.option("--ram-budget", help="Host memory for the model, e.g. 512MB, 4GiB (default: 90%% of available)")(f)
+    f = click.option("--gpu-memory-budget", help="Device memory for the model (default: 90%% of free)")(f)
+    f = click.option("--tiers", default="auto", show_default=True,
+                     help="Where layers live: auto (from budgets), A (device), B (host RAM), C (disk, read every "
+                          "use), or per layer, e.g. A:0-9,C:10-29")(f)
+    f = click.option("--device", default="cpu", show_default=True, help="Compute device: cpu, cuda, cuda:1, ...")(f)
+    f = click.option("--threads", type=click.IntRange(min=1), help="CPU threads for compute (default: all)")(f)
     f = click.option("--kv-dtype", type=click.Choice(["float32", "float16", "bfloat16"]), default="float32",
                      show_default=True, help="KV cache dtype")(f)
     f = click.option("--ctx-size", type=click.IntRange(min=1), help="KV cache capacity in tokens (default: the model's context length)")(f)
@@ -39,14 +55,26 @@ def _model_options(f):
     return f
 
 
-def _load(model, ctx_size, kv_dtype, threads):
+def _load(model, ctx_size, kv_dtype, threads, device, tiers, gpu_memory_budget, ram_budget, layer_group_size, sync,
+          io_backend):
     import torch
 
+    from ntio import cpu_kernels
     from ntio.api import load
 
     if threads:
         torch.set_num_threads(threads)
-    return load(model, kv_dtype=kv_dtype, max_context=ctx_size)
+        cpu_kernels.set_threads(threads)
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise NtioError(f"--device {device}: CUDA is not available here")
+    return load(model, device=device, kv_dtype=kv_dtype, max_context=ctx_size, tiers=tiers,
+                gpu_memory_budget=gpu_memory_budget, ram_budget=ram_budget, layer_group_size=layer_group_size,
+                sync=sync, io_backend=io_backend)
+
+
+def _split(opts: dict) -> dict:
+    """Pop the model-loading options out of a command's keyword arguments."""
+    return {k: opts.pop(k) for k in _MODEL_OPTIONS}
 
 
 def _sampling_options(f):
@@ -72,27 +100,35 @@ def main() -> None:
 @click.option("--chat", is_flag=True, help="Wrap the prompt in the model's chat template")
 @click.option("--system", help="System message (with --chat)")
 @_sampling_options
-@click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of streaming text")
-def generate(model, ctx_size, kv_dtype, threads, prompt, max_new_tokens, chat, system, temperature, top_k, top_p,
-             repetition_penalty, seed, stop, as_json) -> None:
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object (with a stats object) instead of text")
+@click.option("--stats", "show_stats", is_flag=True, help="Print streaming statistics on stderr")
+def generate(prompt, max_new_tokens, chat, system, temperature, top_k, top_p, repetition_penalty, seed, stop, as_json,
+             show_stats, **opts) -> None:
     """Generate a continuation of PROMPT."""
-    m = _load(model, ctx_size, kv_dtype, threads)
+    m = _load(**_split(opts))
     stream = m.stream(prompt, max_new_tokens, chat=chat, system=system, temperature=temperature, top_k=top_k,
                       top_p=top_p, repetition_penalty=repetition_penalty, seed=seed, stop=stop)
     for piece in stream:
         if not as_json:
             click.echo(piece, nl=False)
     c = stream.completion
+    stats = m.stats.summary()
+    m.close()
     if as_json:
         click.echo(json.dumps({
             "model": str(m.path), "text": c.text, "token_ids": c.token_ids, "n_prompt_tokens": c.n_prompt_tokens,
             "n_generated_tokens": c.n_generated_tokens, "prefill_tok_s": round(c.prefill_tok_s, 3),
             "decode_tok_s": round(c.decode_tok_s, 3), "finish_reason": c.finish_reason,
+            "tiers": m.plan.describe(), "stats": stats,
         }))
-    else:
-        click.echo()
-        click.echo(f"[{c.n_prompt_tokens} prompt tokens at {c.prefill_tok_s:.1f} tok/s, {c.n_generated_tokens} "
-                   f"generated at {c.decode_tok_s:.1f} tok/s, {c.finish_reason}]", err=True)
+        return
+    click.echo()
+    click.echo(f"[{c.n_prompt_tokens} prompt tokens at {c.prefill_tok_s:.1f} tok/s, {c.n_generated_tokens} "
+               f"generated at {c.decode_tok_s:.1f} tok/s, {c.finish_reason}]", err=True)
+    if show_stats:
+        click.echo(f"[tiers {m.plan.describe()}; read {stats['bytes_read_per_token'] / 1e6:.1f} MB/token at "
+                   f"{stats['disk_gb_s']:.2f} GB/s; blocked on I/O {stats['io_wait_s']:.3f} s, computing "
+                   f"{stats['compute_s']:.3f} s; overlap {stats['overlap_ratio']:.0%}]", err=True)
 
 
 @main.command()
@@ -100,10 +136,9 @@ def generate(model, ctx_size, kv_dtype, threads, prompt, max_new_tokens, chat, s
 @click.option("--system", help="System message")
 @click.option("-n", "--max-new-tokens", type=click.IntRange(min=1), default=512, show_default=True)
 @_sampling_options
-def chat(model, ctx_size, kv_dtype, threads, system, max_new_tokens, temperature, top_k, top_p, repetition_penalty,
-         seed, stop) -> None:
+def chat(system, max_new_tokens, temperature, top_k, top_p, repetition_penalty, seed, stop, **opts) -> None:
     """Chat interactively; replies stream as they are generated. /reset clears the history, /exit quits."""
-    m = _load(model, ctx_size, kv_dtype, threads)
+    m = _load(**_split(opts))
     messages = [{"role": "system", "content": system}] if system else []
     interactive = sys.stdin.isatty()
     while True:
@@ -133,13 +168,15 @@ def chat(model, ctx_size, kv_dtype, threads, system, max_new_tokens, temperature
               help="Text file to score")
 @click.option("--ctx", type=click.IntRange(min=2), default=512, show_default=True, help="Window length in tokens")
 @click.option("--json", "as_json", is_flag=True)
-def perplexity(model, ctx_size, kv_dtype, threads, text_file, ctx, as_json) -> None:
+def perplexity(text_file, ctx, as_json, **opts) -> None:
     """Perplexity of FILE: non-overlapping windows of --ctx tokens, each token scored but a window's first."""
     try:
         text = text_file.read_text(encoding="utf-8")
     except UnicodeDecodeError as e:
         raise NtioError(f"{text_file}: not UTF-8 text ({e.reason} at byte {e.start})") from None
-    m = _load(model, ctx_size or ctx, kv_dtype, threads)
+    opts = _split(opts)
+    opts["ctx_size"] = opts["ctx_size"] or ctx  # the KV cache only ever holds one window
+    m = _load(**opts)
     r = m.perplexity(text, ctx=ctx)
     if as_json:
         click.echo(json.dumps({"model": str(m.path), "file": str(text_file), "perplexity": r.perplexity,
@@ -210,6 +247,28 @@ def fetch() -> None:
     from ntio.fetch import fetch_default_model
 
     click.echo(str(fetch_default_model()))
+
+
+@main.command()
+@click.argument("preset", type=click.Choice(["tiny", "1b", "8b", "70b"]))
+@click.option("-o", "--output", required=True, type=click.Path(dir_okay=False, path_type=Path))
+@click.option("--layers", type=click.IntRange(min=1), help="Keep only this many layers (e.g. a few 70B-shaped ones)")
+@click.option("--type", "matrix_type", type=click.Choice(["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K",
+                                                          "F16", "BF16"]), default="Q4_K", show_default=True,
+              help="Type of the block matrices")
+@click.option("--seed", type=int, default=0, show_default=True)
+def synth(preset, output, layers, matrix_type, seed) -> None:
+    """Write a random-weight Llama-shaped GGUF (for I/O and scale benchmarks; never for quality claims)."""
+    import gguf
+
+    from ntio.synth import preset as synth_preset
+    from ntio.synth import write_synthetic_gguf
+
+    overrides = {"matrix_type": gguf.GGMLQuantizationType[matrix_type], "seed": seed}
+    if layers:
+        overrides["n_layers"] = layers
+    path = write_synthetic_gguf(output, synth_preset(preset, **overrides))
+    click.echo(f"{path} ({path.stat().st_size / 1e9:.2f} GB)")
 
 
 if __name__ == "__main__":

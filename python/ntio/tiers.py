@@ -113,18 +113,15 @@ def plan_tiers(
     all_resident = reserved_device + sum(layer_bytes)
     if all_resident <= device_budget and (not cuda or reserved_ram <= ram_budget):
         return TierPlan(["A"] * len(layer_bytes), device_budget, ram_budget, reserved_device, reserved_ram)
-    device_free = device_budget - reserved_device - (staging_bytes if cuda else 0)
+    device_free = device_budget - reserved_device - staging_bytes if cuda else 0
     ram_free = ram_budget - reserved_ram - staging_bytes
-    if device_free < 0 or ram_free < 0:
-        where, budget, need = (
-            ("--gpu-memory-budget", device_budget, reserved_device + staging_bytes)
-            if device_free < 0
-            else ("--ram-budget", ram_budget, reserved_ram + staging_bytes)
-        )
-        raise NtioError(
-            f"{where} {format_size(budget)} is too small: streaming this model needs at least {format_size(need)} "
-            f"(always-resident weights, KV cache, activations and two staging buffers)"
-        )
+    for option, budget, free in (("--gpu-memory-budget", device_budget, device_free), ("--ram-budget", ram_budget, ram_free)):
+        if free < 0 and (cuda or option == "--ram-budget"):
+            raise NtioError(
+                f"{option} {format_size(budget)} is too small: streaming this model needs at least "
+                f"{format_size(budget - free)} (always-resident weights, KV cache, activations and two staging "
+                f"buffers; a smaller --ctx-size shrinks the KV cache)"
+            )
     tiers = []
     for nbytes in layer_bytes:
         if cuda and nbytes <= device_free:
