@@ -2,10 +2,10 @@
 
 Not a test. Installs fio with apt-get if it is missing, creates a test file of random bytes on the root disk
 (`--file`, default /var/tmp/ntio-fio-test.bin; not tmpfs), then runs, for each (block size, queue depth) case,
-fio (`--ioengine=io_uring --direct=1 --rw=read`) and `ntio-bench read` alternately for `--rounds` rounds, and
-prints one JSON object: per-round GB/s (1e9 B/s) of each, and the median ratio ntio / fio per case. Reads are cold
-because both use O_DIRECT (no page cache). Last, `ntio-bench extents`: random 64 KiB extents of half the file,
-bandwidth on the bytes asked for divided by the sequential bandwidth of the same run.
+fio (`--ioengine=io_uring --direct=1 --rw=read`) and `ntio-bench read` alternately (A B, B A, ...) for `--rounds`
+rounds, and prints one JSON object: per-round GB/s (1e9 B/s) of each, and the median ratio ntio / fio per case.
+Reads are cold because both use O_DIRECT (no page cache). Last, `ntio-bench extents`: random 64 KiB extents of
+half the file, bandwidth on the bytes asked for divided by the sequential bandwidth of the same run.
 
     python benches/fio_compare.py [--file PATH] [--size-gib 1] [--rounds 3]
 """
@@ -69,10 +69,16 @@ def main() -> None:
     report = {"file": str(args.file), "bytes": size, "fio": fio_version, "rounds": args.rounds, "cases": []}
     for block, depth in CASES:
         rounds = []
-        for _ in range(args.rounds):
-            fio = fio_gb_s(args.file, size, block, depth)
-            ntio = ntio_bench("read", str(args.file), "--block-size", str(block), "--queue-depth", str(depth),
-                              "--size", str(size))
+        for i in range(args.rounds):
+            # A B B A ...: neither tool always runs right after the other.
+            runs = {
+                "fio": lambda: fio_gb_s(args.file, size, block, depth),
+                "ntio": lambda: ntio_bench("read", str(args.file), "--block-size", str(block), "--queue-depth",
+                                           str(depth), "--size", str(size)),
+            }
+            order = ["fio", "ntio"] if i % 2 == 0 else ["ntio", "fio"]
+            got = {name: runs[name]() for name in order}
+            fio, ntio = got["fio"], got["ntio"]
             rounds.append({"fio_gb_s": fio["gb_s"], "ntio_gb_s": ntio["gb_s"], "ratio": ntio["gb_s"] / fio["gb_s"],
                            "fio_lat_p50_us": fio["lat_p50_us"], "ntio_lat_p50_us": ntio["lat_p50_us"],
                            "fio_lat_p99_us": fio["lat_p99_us"], "ntio_lat_p99_us": ntio["lat_p99_us"]})

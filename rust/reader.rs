@@ -354,6 +354,27 @@ mod tests {
     }
 
     #[test]
+    fn timed_reads_report_one_latency_per_request() {
+        let (path, bytes) = temp_file("timed", 100_000);
+        for reader in readers(&path) {
+            let mut dest = vec![0u8; 100_000];
+            // SAFETY: `dest` outlives the read, which has completed when read_timed returns.
+            let external = unsafe { Destination::external(dest.as_mut_ptr(), dest.len()) };
+            let extent = Extent {
+                file_offset: 0,
+                length: 100_000,
+                dest_offset: 0,
+            };
+            let latencies = reader.read_timed(&[extent], external).unwrap();
+            // 8192-byte requests: 13 (the last one bounces its unaligned tail, or is short when buffered).
+            assert_eq!(latencies.len(), 13, "{:?}", reader.backend());
+            assert!(latencies.iter().all(|d| !d.is_zero()));
+            assert_eq!(dest, bytes);
+        }
+        std::fs::remove_file(path).unwrap();
+    }
+
+    #[test]
     fn slot_stays_busy_until_a_submitted_read_is_waited() {
         let (path, _) = temp_file("busy", 1 << 20);
         let pool = StagingPool::new(1, 1 << 20).unwrap();
