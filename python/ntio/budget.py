@@ -3,7 +3,8 @@
 Budgets cover what ntio allocates for the model: always-resident weights (token embedding, output head, norms),
 the KV cache, activations (bounded: prefill runs in chunks of `engine.PREFILL_CHUNK` tokens and dequantized
 products in row chunks of `ops.SCRATCH_BYTES`), two staging buffers when anything streams, and the tier A/B
-layers. The Python interpreter and its libraries (about 0.5 GB with torch) come on top.
+layers. The Python interpreter and its libraries (about 0.5 GB with torch), the parsed metadata and the tokenizer
+(about 30 MB for a 49k-token vocabulary) come on top.
 """
 
 from __future__ import annotations

@@ -100,7 +100,9 @@ class GGUFFile:
         except (ValueError, IndexError, OverflowError, UnicodeDecodeError) as e:
             # The header itself is cut short or corrupt: numpy fails on a short read or a bad length.
             raise ModelFormatError(f"{self.path}: corrupt or truncated GGUF header ({e})") from None
-        self._reader = reader
+        # Keep the values and the file mapping, not the reader: it holds a numpy array for every part of every
+        # field (~150 MB of small objects for a 49k-token vocabulary).
+        self._data = reader.data
         self.version: int = int(reader.fields["GGUF.version"].parts[0][0])
         self.data_offset: int = int(reader.data_offset)
         self.alignment: int = int(reader.alignment)
@@ -137,4 +139,4 @@ class GGUFFile:
     def tensor_bytes(self, name: str) -> np.ndarray:
         """The encoded bytes of one tensor as a read-only uint8 view of the memory-mapped file."""
         info = self.tensor(name)
-        return self._reader.data[info.offset : info.offset + info.nbytes]
+        return self._data[info.offset : info.offset + info.nbytes]
