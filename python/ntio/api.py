@@ -79,6 +79,7 @@ class LLM:
         ram_budget: str | int | None = None,
         layer_group_size: int = 1,
         sync: bool = False,
+        prefetch_depth: int = 2,
         io_backend: str | None = None,
         on_progress: ProgressCallback | None = None,
     ) -> None:
@@ -95,11 +96,12 @@ class LLM:
             raise NtioError(f"--ctx-size must be >= 1, got {capacity}")
         if layer_group_size < 1:
             raise NtioError(f"--layer-group-size must be >= 1, got {layer_group_size}")
-        needs = memory_needs(layout, capacity, KV_DTYPES[kv_dtype], layer_group_size)
+        depth = 0 if sync else prefetch_depth
+        needs = memory_needs(layout, capacity, KV_DTYPES[kv_dtype], layer_group_size, staging_slots=depth + 1)
         self.plan = make_plan(needs, cuda=self.device.type == "cuda", tiers=tiers,
                               gpu_memory_budget=gpu_memory_budget, ram_budget=ram_budget)
         with torch.inference_mode():
-            self.loader = LayerLoader(layout, self.plan, self.device, group_size=layer_group_size, prefetch=not sync,
+            self.loader = LayerLoader(layout, self.plan, self.device, group_size=layer_group_size, prefetch_depth=depth,
                                       backend=io_backend, on_progress=on_progress)
             globals_ = load_global_weights(layout, self.loader.read_tensor, self.device)
         kv = KVCache(self.config, capacity, KV_DTYPES[kv_dtype], self.device)
@@ -280,6 +282,6 @@ def load(model: str | os.PathLike[str] | None = None, **options) -> LLM:
     """Load a GGUF model or ntio store (the default SmolLM2-135M-Instruct when `model` is None).
 
     Options as for `LLM`: device, kv_dtype, max_context, tiers, gpu_memory_budget, ram_budget, layer_group_size,
-    sync, io_backend, on_progress.
+    sync, prefetch_depth, io_backend, on_progress.
     """
     return LLM(resolve_model(model), **options)

@@ -177,3 +177,51 @@ def extents(file, extent_size, fraction, limit, request_size, seed, as_json, que
 
 if __name__ == "__main__":
     main()
+
+
+@main.command()
+@click.argument("model", type=click.Path(exists=True, dir_okay=False, path_type=Path))
+@click.option("--tiers", "tier_specs", multiple=True, default=("A", "C"), show_default=True,
+              help="Tier mixes to compare (repeatable): auto, A, B, C or a per-layer spec such as A:0-9,C:10-29")
+@click.option("--tokens", type=click.IntRange(min=1), default=16, show_default=True, help="Decode steps per mix")
+@click.option("--ctx-size", type=click.IntRange(min=32), default=256, show_default=True)
+@click.option("--ram-budget", help="RAM budget for --tiers auto (e.g. 1GB)")
+@click.option("--layer-group-size", type=click.IntRange(min=1), default=1, show_default=True)
+@click.option("--sync", is_flag=True, help="No prefetch: read each group when it is needed")
+@click.option("--io-backend", type=click.Choice(_core.BACKENDS))
+@click.option("--json", "as_json", is_flag=True)
+def stream(model, tier_specs, tokens, ctx_size, ram_budget, layer_group_size, sync, io_backend, as_json) -> None:
+    """Decode MODEL greedily under each tier mix: tok/s, bytes read per token, achieved GB/s, overlap ratio."""
+    import time
+
+    import torch
+
+    import ntio
+
+    runs = []
+    for spec in tier_specs:
+        m = ntio.load(model, max_context=ctx_size, tiers=spec, ram_budget=ram_budget,
+                      layer_group_size=layer_group_size, sync=sync, io_backend=io_backend)
+        try:
+            ids = m.tokenizer.encode("Once upon a time") or [0]
+            logits = m.engine.forward(torch.tensor(ids), 0)
+            m.stats.reset()
+            start = time.perf_counter()
+            for step in range(tokens):  # fixed step count: no stop tokens
+                token = torch.tensor([int(logits.argmax())])
+                logits = m.engine.forward(token, len(ids) + step)
+            elapsed = time.perf_counter() - start
+            s = m.stats.summary()
+            runs.append({"tiers": m.plan.describe(), "decode_tok_s": tokens / elapsed,
+                         **{k: s[k] for k in ("bytes_read_per_token", "disk_gb_s", "overlap_ratio", "io_wait_s",
+                                              "compute_s", "layers_per_tier")}})
+        finally:
+            m.close()
+    result = {"benchmark": "stream", "model": str(model), "tokens": tokens, "layer_group_size": layer_group_size,
+              "sync": sync, "runs": runs}
+    if as_json:
+        click.echo(json.dumps(result))
+    else:
+        for r in runs:
+            click.echo(f"{r['tiers']:>24}  {r['decode_tok_s']:7.2f} tok/s  {r['bytes_read_per_token'] / 1e6:8.1f} MB/token"
+                       f"  {r['disk_gb_s']:5.2f} GB/s  overlap {r['overlap_ratio']:.0%}")

@@ -2,7 +2,7 @@
 
 Budgets cover what ntio allocates for the model: always-resident weights (token embedding, output head, norms),
 the KV cache, activations (bounded: prefill runs in chunks of `engine.PREFILL_CHUNK` tokens and dequantized
-products in row chunks of `ops.SCRATCH_BYTES`), two staging buffers when anything streams, and the tier A/B
+products in row chunks of `ops.SCRATCH_BYTES`), the staging slots when anything streams, and the tier A/B
 layers. The Python interpreter and its libraries (about 0.5 GB with torch), the parsed metadata and the tokenizer
 (about 30 MB for a 49k-token vocabulary) come on top.
 """
@@ -29,21 +29,24 @@ class MemoryNeeds:
     activations: int
     layers: list[int]  # bytes of each packed block buffer
     group_size: int
+    staging_slots: int  # the group being computed + the groups read ahead
 
     def staging(self, tiers: list[str] | None = None) -> int:
-        """Two slots, each the largest group of streamed layers (every layer, if tiers is None)."""
+        """The staging slots, each the largest group of streamed layers (every layer, if tiers is None)."""
         largest = 0
         for start in range(0, len(self.layers), self.group_size):
             group = range(start, min(start + self.group_size, len(self.layers)))
             largest = max(largest, sum(_aligned(self.layers[i]) for i in group if tiers is None or tiers[i] != "A"))
-        return 2 * largest
+        return self.staging_slots * largest
 
 
 def _aligned(n: int) -> int:
     return -(-n // _ALIGN) * _ALIGN
 
 
-def memory_needs(layout: WeightLayout, capacity: int, kv_dtype: torch.dtype, group_size: int) -> MemoryNeeds:
+def memory_needs(
+    layout: WeightLayout, capacity: int, kv_dtype: torch.dtype, group_size: int, staging_slots: int
+) -> MemoryNeeds:
     cfg: ModelConfig = layout.cfg
     globals_ = layout.token_embd.nbytes + layout.output_norm.n_elements * 4
     if layout.output is not None:
@@ -53,7 +56,7 @@ def memory_needs(layout: WeightLayout, capacity: int, kv_dtype: torch.dtype, gro
     per_token = 3 * cfg.d_model + cfg.q_width + 2 * cfg.kv_width + 2 * cfg.d_ff + cfg.vocab_size
     activations = ops.SCRATCH_BYTES + 4 * tokens * per_token
     layers = [layout.block_nbytes(i) + len(layout.blocks[i]) * _ALIGN for i in range(cfg.n_layers)]
-    return MemoryNeeds(globals_, kv, activations, layers, group_size)
+    return MemoryNeeds(globals_, kv, activations, layers, group_size, staging_slots)
 
 
 def make_plan(

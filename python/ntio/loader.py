@@ -2,8 +2,8 @@
 
 Tier A blocks are read once at start-up onto the compute device; tier B blocks once into host RAM (pinned when
 CUDA). Tier C blocks are read from disk at every use through the Rust reader, a *group* of `group_size`
-consecutive layers at a time, into one of two staging slots (double buffering): while group g computes, the next
-streamed group is already being read into the other slot (`prefetch`). On CPU the graph computes straight from
+consecutive layers at a time, into staging slots: while group g computes, the next `prefetch_depth` streamed
+groups are already being read into the other slots (depth 1 is double buffering; 0 reads each group when needed). On CPU the graph computes straight from
 the slot's bytes (no copy, no dequantization for decode); on CUDA each group's B and C bytes are copied to a device
 buffer on a copy stream, and the compute stream waits on that copy's event.
 
@@ -73,7 +73,8 @@ class LayerLoader:
         device: torch.device,
         *,
         group_size: int = 1,
-        prefetch: bool = True,
+        prefetch_depth: int = 2,
+        request_size: int = 256 << 10,
         backend: str | None = None,
         on_progress: ProgressCallback | None = None,
     ) -> None:
@@ -84,12 +85,14 @@ class LayerLoader:
             raise NtioError(f"the tier plan has {len(plan.tiers)} layers, the model {cfg.n_layers}")
         self.layout, self.plan, self.device = layout, plan, device
         self.cuda = device.type == "cuda"
-        self.prefetch = prefetch
+        if prefetch_depth < 0:
+            raise NtioError(f"prefetch depth must be >= 0, got {prefetch_depth}")
+        self.prefetch_depth = prefetch_depth
         self.on_progress = on_progress
         self.stats = StreamStats(layers_per_tier=plan.counts)
         self._forward: ForwardStats | None = None
         try:
-            self.reader = _core.Reader(layout.file.path, backend=backend)
+            self.reader = _core.Reader(layout.file.path, backend=backend, request_size=request_size)
         except OSError as e:
             raise ModelFormatError(str(e)) from None
         self._reads = [_plan_layer(layout, i) for i in range(cfg.n_layers)]
@@ -120,19 +123,23 @@ class LayerLoader:
         self._group_of = [g for g, grp in enumerate(self.groups) for _ in grp.layers]
         self._streamed_groups = [g for g, grp in enumerate(self.groups) if grp.streamed]
         slot_size = max((grp.nbytes for grp in self.groups), default=0)
-        self._pool = _core.StagingPool(2, slot_size) if self._streamed_groups else None
-        self._slots = [self._pool.acquire(), self._pool.acquire()] if self._pool else []
+        # One slot for the group being computed and one per group being read ahead.
+        n_slots = prefetch_depth + 1 if self._streamed_groups else 0
+        self._pool = _core.StagingPool(n_slots, slot_size) if n_slots else None
+        self._slots = [self._pool.acquire() for _ in range(n_slots)]
         self._slot_bytes = [torch.from_numpy(slot_array(s)) for s in self._slots]
         self._device_bytes: list[torch.Tensor] = []
         if self.cuda and self._slots:
             for t in self._slot_bytes:  # pin the Rust-owned slots so H2D copies run at full speed
                 torch.cuda.cudart().cudaHostRegister(t.data_ptr(), t.numel(), 0)
-            self._device_bytes = [torch.empty(slot_size, dtype=torch.uint8, device=device) for _ in range(2)]
+            self._device_bytes = [torch.empty(slot_size, dtype=torch.uint8, device=device) for _ in self._slots]
             self._copy_stream = torch.cuda.Stream(device)
-            self._copied = [torch.cuda.Event() for _ in range(2)]  # H2D of the slot's group done
-            self._computed = [torch.cuda.Event() for _ in range(2)]  # compute on the slot's device bytes done
+            self._copied = [torch.cuda.Event() for _ in self._slots]  # H2D of the slot's group done
+            self._computed = [torch.cuda.Event() for _ in self._slots]  # compute on the slot's device bytes done
         self._current: tuple[int, int] | None = None  # (group, staging index) being computed
-        self._pending: dict[int, tuple[int, _core.ReadHandle]] = {}  # group -> (staging index, read) for its next use
+        # group -> (staging index, read, submit time) for the group's next use
+        self._pending: dict[int, tuple[int, _core.ReadHandle, float]] = {}
+        self._busy_until = 0.0  # end of the reads counted so far: reads overlap, so busy time is their union
         self._blocks: dict[int, LayerWeights] = {}  # streamed layers of the current group
 
     # -- SPEC-006 interface ----------------------------------------------------------------------------------
@@ -145,17 +152,20 @@ class LayerLoader:
     def layers_per_group(self) -> int:
         return len(self.groups[0].layers)
 
-    def prefetch_async(self, group: int) -> None:
-        """Start reading `group`'s streamed layers for its next use, into the slot the current group does not use."""
+    def prefetch_async(self, group: int) -> bool:
+        """Start reading `group`'s streamed layers for its next use into a free slot; False if none is free."""
         if not self.groups[group].streamed or group in self._pending:
-            return
-        busy = {i for i, _ in self._pending.values()} | ({self._current[1]} if self._current else set())
-        index = min(set(range(2)) - busy)  # one current group and at most one pending read: a slot is free
-        self._pending[group] = (index, self._submit(group, index))
+            return group in self._pending
+        busy = {i for i, _, _ in self._pending.values()} | ({self._current[1]} if self._current else set())
+        free = sorted(set(range(len(self._slots))) - busy)
+        if not free:
+            return False
+        self._pending[group] = (free[0], self._submit(group, free[0]), time.perf_counter())
+        return True
 
     def sync(self) -> None:
         """Wait for every pending read (their groups stay ready for their next use)."""
-        for _, handle in self._pending.values():
+        for _, handle, _ in self._pending.values():
             self._wait(handle)
 
     def load_group(self, group: int) -> list[LayerWeights]:
@@ -166,8 +176,8 @@ class LayerLoader:
         if grp.streamed:
             if group not in self._pending:
                 self.prefetch_async(group)
-            index, handle = self._pending.pop(group)
-            self._finish_read(group, index, handle)
+            index, handle, submitted = self._pending.pop(group)
+            self._finish_read(group, index, handle, submitted)
             self._current = (group, index)
         return [self._resident.get(layer) or self._blocks[layer] for layer in grp.layers]
 
@@ -204,14 +214,16 @@ class LayerLoader:
             self.load_group(group)
             if self.cuda:
                 torch.cuda.current_stream(self.device).wait_event(self._copied[self._current[1]])
-            if self.prefetch:
-                later = [g for g in self._streamed_groups if g > group] or self._streamed_groups  # wraps to next forward
-                self.prefetch_async(later[0])
+            # Read ahead the next streamed groups in use order, wrapping around to the next forward's first ones.
+            order = [g for g in self._streamed_groups if g > group] + [g for g in self._streamed_groups if g <= group]
+            for ahead in order[: self.prefetch_depth]:
+                if not self.prefetch_async(ahead):
+                    break
         return self._blocks[layer]
 
     def close(self) -> None:
         """Drain in-flight reads (also after Ctrl-C) and give the staging slots back."""
-        for _, handle in self._pending.values():
+        for _, handle, _ in self._pending.values():
             try:
                 handle.wait()
             except OSError:
@@ -249,13 +261,16 @@ class LayerLoader:
         except OSError as e:  # truncated or vanished file: name it, never compute on partial bytes
             raise ModelFormatError(str(e)) from None
 
-    def _finish_read(self, group: int, index: int, handle: _core.ReadHandle) -> None:
+    def _finish_read(self, group: int, index: int, handle: _core.ReadHandle, submitted: float) -> None:
         t0 = time.perf_counter()
         self._wait(handle)
         grp = self.groups[group]
+        end = submitted + (handle.elapsed or 0.0)  # reads finish in submission order here (one queue, FIFO use)
+        busy = max(0.0, end - max(submitted, self._busy_until))
+        self._busy_until = max(self._busy_until, end)
         if self._forward is not None:
             self._forward.io_wait_s += time.perf_counter() - t0
-            self._forward.io_busy_s += handle.elapsed or 0.0
+            self._forward.io_busy_s += busy
             self._forward.bytes_read += sum(self._reads[i].nbytes for i in grp.streamed if i not in self._host)
         source = self._to_device(group, index) if self.cuda else self._slot_bytes[index]
         for layer in grp.streamed:

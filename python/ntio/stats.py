@@ -1,7 +1,7 @@
 """What streaming cost: bytes read and copied, time blocked on I/O, and how much of the I/O compute hid.
 
 One `ForwardStats` per forward pass (a decode step is one token); `StreamStats` keeps them and the totals.
-overlap_ratio = 1 - (time the compute thread waited for reads) / (time the reads took on their threads):
+overlap_ratio = 1 - (time the compute thread waited for reads) / (time any read was in flight):
 1.0 when every read finished behind compute, 0.0 when compute waited for all of it (sync mode).
 """
 
@@ -16,7 +16,7 @@ class ForwardStats:
     bytes_read: int = 0  # from disk (tier C)
     bytes_h2d: int = 0  # host -> device copies (tiers B and C on CUDA)
     io_wait_s: float = 0.0  # compute thread blocked on reads
-    io_busy_s: float = 0.0  # reads' own durations (Rust-measured)
+    io_busy_s: float = 0.0  # time at least one read was in flight (union of the reads' Rust-measured spans)
     wall_s: float = 0.0
 
 

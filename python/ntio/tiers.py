@@ -119,8 +119,8 @@ def plan_tiers(
         if free < 0 and (cuda or option == "--ram-budget"):
             raise NtioError(
                 f"{option} {format_size(budget)} is too small: streaming this model needs at least "
-                f"{format_size(budget - free)} (always-resident weights, KV cache, activations and two staging "
-                f"buffers; a smaller --ctx-size shrinks the KV cache)"
+                f"{format_size(budget - free)} (always-resident weights, KV cache, activations and staging "
+                f"slots; a smaller --ctx-size shrinks the KV cache)"
             )
     tiers = []
     for nbytes in layer_bytes:
@@ -143,12 +143,25 @@ def available_ram() -> int:
             available = int(line.split()[1]) * 1024
     if available is None:
         available = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
-    try:
-        group = Path("/proc/self/cgroup").read_text().strip().split("::", 1)[1]
-        base = Path("/sys/fs/cgroup") / group.lstrip("/")
-        limit = (base / "memory.max").read_text().strip()
-        if limit != "max":
-            available = min(available, int(limit) - int((base / "memory.current").read_text()))
-    except (OSError, IndexError, ValueError):
-        pass  # no cgroup v2 memory controller here
-    return available
+    return min(available, _cgroup_memory_room())
+
+
+def _cgroup_memory_room() -> int:
+    """Limit minus usage of this process's memory cgroup (v2 memory.max, or v1 memory.limit_in_bytes)."""
+    room = 1 << 62
+    for line in Path("/proc/self/cgroup").read_text().splitlines():
+        _, controllers, group = line.split(":", 2)
+        if controllers == "":  # v2 unified hierarchy
+            base, limit_file, usage_file = Path("/sys/fs/cgroup") / group.lstrip("/"), "memory.max", "memory.current"
+        elif "memory" in controllers.split(","):
+            base, limit_file, usage_file = (Path("/sys/fs/cgroup/memory") / group.lstrip("/"), "memory.limit_in_bytes",
+                                            "memory.usage_in_bytes")
+        else:
+            continue
+        try:
+            limit = (base / limit_file).read_text().strip()
+            if limit != "max":
+                room = min(room, int(limit) - int((base / usage_file).read_text()))
+        except (OSError, ValueError):
+            pass  # no memory controller mounted for this hierarchy
+    return room

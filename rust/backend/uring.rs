@@ -19,6 +19,9 @@ pub struct Ring {
     depth: usize,
     /// Keeps the registered pool's memory alive for as long as the kernel may use it.
     registered: Option<StagingPool>,
+    /// The pool the kernel last refused to register: not tried again, since every attempt pins
+    /// and unpins all of the pool's pages (milliseconds for a few MB) only to fail once more.
+    refused: Option<StagingPool>,
 }
 
 impl Ring {
@@ -27,6 +30,7 @@ impl Ring {
             ring: IoUring::new(depth)?,
             depth: depth as usize,
             registered: None,
+            refused: None,
         })
     }
 
@@ -35,6 +39,9 @@ impl Ring {
     fn register(&mut self, pool: &StagingPool) -> bool {
         if self.registered.as_ref().is_some_and(|p| p.same_pool(pool)) {
             return true;
+        }
+        if self.refused.as_ref().is_some_and(|p| p.same_pool(pool)) {
+            return false;
         }
         if self.registered.take().is_some() {
             // Nothing is in flight between batches, so the old buffers can go.
@@ -53,6 +60,8 @@ impl Ring {
         let ok = unsafe { self.ring.submitter().register_buffers(&iovecs) }.is_ok();
         if ok {
             self.registered = Some(pool.clone());
+        } else {
+            self.refused = Some(pool.clone());
         }
         ok
     }
