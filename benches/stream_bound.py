@@ -1,0 +1,236 @@
+"""Models bigger than memory: streamed decode next to its I/O bound, and against plain mmap under a memory limit.
+
+Part 1 (per model, alternating in rounds, medians): the disk's sequential O_DIRECT bandwidth over the model's layer
+bytes (`_core` reader, 256 KiB requests, QD 16), resident decode tok/s (all layers tier A) where it fits, and
+streamed decode with every layer on disk (tier C, read at every token). The bound is
+    min(resident decode tok/s, disk GB/s / bytes read per token)
+and the ratio is streamed tok/s / bound, per round.
+
+Part 2: both run inside one memory cgroup (v1 or v2) whose limit is below the model's size: ntio with the budget it
+derives from the cgroup (tiers auto) and the same graph reading weights straight from a read-only memory map of the
+file (the page cache under the limit decides what stays: llama.cpp's default). Needs root for the cgroup.
+
+    python benches/stream_bound.py [--model PATH]... [--synth 8b:20] [--rounds 3] [--tokens 8] [--limit 1.5GB]
+Prints one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+import ntio
+from ntio import _core
+from ntio.config import ModelConfig
+from ntio.fetch import resolve_model
+from ntio.io import read_into
+from ntio.model_file import layer_extents, open_model_file
+from ntio.tiers import available_ram, parse_size
+
+CGROUP_NAME = "ntio-stream-bound"
+
+
+_scratch: dict[int, np.ndarray] = {}
+
+
+def disk_gb_s(path: Path) -> float:
+    """Cold (O_DIRECT) sequential read of the model's layer span (at most 1 GiB) as one batch, into memory that is
+    already faulted in (as the loader's staging slots are): the disk's bandwidth for these bytes."""
+    f = open_model_file(path)
+    n_layers = ModelConfig.from_gguf(f).n_layers
+    first = layer_extents(f, 0)[0][0]
+    last_off, last_len = layer_extents(f, n_layers - 1)[-1]
+    span = min(last_off + last_len - first, 1 << 30)
+    if span not in _scratch:
+        _scratch[span] = np.ones(span + 4096, np.uint8)
+    buf = _scratch[span]
+    head = (first - buf.ctypes.data) % 4096
+    reader = _core.Reader(str(path), request_size=256 << 10, queue_depth=16)
+    start = time.perf_counter()
+    read_into(reader, [(first, span, head)], buf[: head + span])
+    return span / (time.perf_counter() - start) / 1e9
+
+
+def decode_tok_s(path: Path, tiers: str, tokens: int, **options) -> tuple[float, float]:
+    """Greedy decode steps per second and bytes read per step."""
+    m = ntio.load(path, max_context=256, tiers=tiers, **options)
+    try:
+        ids = m.tokenizer.encode("Once upon a time") or [0]
+        logits = m.engine.forward(torch.tensor(ids), 0)
+        m.stats.reset()
+        start = time.perf_counter()
+        for step in range(tokens):
+            logits = m.engine.forward(torch.tensor([int(logits.argmax())]), len(ids) + step)
+        rate = tokens / (time.perf_counter() - start)
+        return rate, m.stats.summary()["bytes_read_per_token"]
+    finally:
+        m.close()
+
+
+def bound_rounds(path: Path, rounds: int, tokens: int, resident: bool) -> dict:
+    disk, res, streamed, per_token, ratios = [], [], [], 0.0, []
+    for _ in range(rounds):
+        disk.append(disk_gb_s(path))
+        if resident:
+            res.append(decode_tok_s(path, "A", tokens)[0])
+        rate, per_token = decode_tok_s(path, "C", tokens)
+        streamed.append(rate)
+        bound = disk[-1] * 1e9 / per_token
+        if resident:
+            bound = min(bound, res[-1])
+        ratios.append(rate / bound)
+    return {
+        "model": path.name, "file_gb": path.stat().st_size / 1e9, "bytes_read_per_token": per_token,
+        "disk_gb_s": [round(x, 3) for x in disk], "resident_tok_s": [round(x, 2) for x in res],
+        "streamed_tok_s": [round(x, 3) for x in streamed], "ratio_to_bound": [round(x, 3) for x in ratios],
+        "median_ratio_to_bound": round(statistics.median(ratios), 3),
+    }
+
+
+# -- part 2: inside a memory cgroup ----------------------------------------------------------------------------
+
+
+def _cgroup_dir() -> tuple[Path, str, str]:
+    v2 = Path("/sys/fs/cgroup/cgroup.controllers")
+    if v2.exists() and "memory" in v2.read_text():
+        return Path("/sys/fs/cgroup") / CGROUP_NAME, "memory.max", "cgroup.procs"
+    return Path("/sys/fs/cgroup/memory") / CGROUP_NAME, "memory.limit_in_bytes", "cgroup.procs"
+
+
+def drop_file_cache(path: Path) -> None:
+    """Evict the file's clean pages from the page cache, so a run inside the cgroup starts cold and does not use
+    pages charged to this (parent) process."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+def run_in_cgroup(limit: int, path: Path, args: list[str]) -> dict:
+    drop_file_cache(path)
+    base, limit_file, procs = _cgroup_dir()
+    base.mkdir(exist_ok=True)
+    (base / limit_file).write_text(str(limit))
+
+    def enter() -> None:
+        (base / procs).write_text(str(os.getpid()))
+
+    out = subprocess.run([sys.executable, __file__, *args], capture_output=True, text=True, preexec_fn=enter,
+                         timeout=1800)
+    if out.returncode != 0:
+        return {"error": (out.stderr.strip().splitlines() or [f"exit {out.returncode}"])[-1]}
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+class MappedLayers:
+    """LayerSource over a read-only memory map of the file: no reads of ntio's own, the page cache decides."""
+
+    def __init__(self, layout) -> None:
+        from ntio.weights import encoded_block
+
+        def raw(info):
+            return torch.from_numpy(layout.file.tensor_bytes(info.name))
+
+        self._blocks = [encoded_block(layout.cfg, t, lambda part, t=t: raw(t[part])) for t in layout.blocks]
+        self.stats = None
+
+    def begin_forward(self, n_tokens: int) -> None:
+        pass
+
+    def block(self, layer: int):
+        return self._blocks[layer]
+
+    def end_forward(self) -> None:
+        pass
+
+
+def mapped_decode_tok_s(path: Path, tokens: int) -> float:
+    import warnings
+
+    from ntio.engine import Engine, KVCache
+    from ntio.tokenizer import Tokenizer
+    from ntio.weights import WeightLayout, load_global_weights
+
+    warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+    f = open_model_file(path)
+    cfg = ModelConfig.from_gguf(f)
+    layout = WeightLayout(f, cfg)
+    engine = Engine(cfg, load_global_weights(layout, lambda info: torch.from_numpy(f.tensor_bytes(info.name))),
+                    MappedLayers(layout), KVCache(cfg, 256, torch.float32, "cpu"))
+    ids = Tokenizer.from_gguf(f).encode("Once upon a time") or [0]
+    logits = engine.forward(torch.tensor(ids), 0)
+    start = time.perf_counter()
+    for step in range(tokens):
+        logits = engine.forward(torch.tensor([int(logits.argmax())]), len(ids) + step)
+    return tokens / (time.perf_counter() - start)
+
+
+def worker(mode: str, path: Path, tokens: int) -> None:
+    """Runs inside the cgroup; prints one JSON line."""
+    def peak() -> int:
+        for line in open("/proc/self/status"):
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+        return 0
+
+    if mode == "mmap":
+        rate = mapped_decode_tok_s(path, tokens)
+        print(json.dumps({"mode": "mmap", "tok_s": rate, "peak_rss": peak()}))
+    else:
+        m = ntio.load(path, max_context=256)
+        tiers = m.plan.describe()
+        m.close()
+        del m
+        rate, per_token = decode_tok_s(path, "auto", tokens)
+        print(json.dumps({"mode": "ntio", "tiers": tiers, "tok_s": rate, "bytes_read_per_token": per_token,
+                          "peak_rss": peak()}))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", action="append", default=[], help="GGUF or store (repeatable; default SmolLM2)")
+    ap.add_argument("--synth", action="append", default=[], help="PRESET:LAYERS synthetic model, e.g. 8b:20")
+    ap.add_argument("--synth-dir", default="/var/tmp", help="Where synthetic models are written (disk, not tmpfs)")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--tokens", type=int, default=8)
+    ap.add_argument("--limit", help="cgroup memory limit for part 2 (e.g. 1.5GB); part 2 is skipped without it")
+    ap.add_argument("--worker", choices=["ntio", "mmap"], help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.worker:
+        worker(args.worker, Path(args.model[0]), args.tokens)
+        return
+
+    models = [resolve_model(m) for m in args.model] or [resolve_model(None)]
+    for item in args.synth:
+        from ntio.synth import preset, write_synthetic_gguf
+
+        name, layers = item.split(":")
+        path = Path(args.synth_dir) / f"ntio-synth-{name}-{layers}l.gguf"
+        if not path.exists():
+            write_synthetic_gguf(path, preset(name, n_layers=int(layers), vocab_size=32000))
+        models.append(path)
+    result = {"benchmark": "stream_bound", "tokens": args.tokens, "rounds": args.rounds, "models": []}
+    for path in models:
+        fits = path.stat().st_size < 0.5 * available_ram()
+        entry = bound_rounds(path, args.rounds, args.tokens, resident=fits)
+        limit = parse_size(args.limit, "--limit") if args.limit else 0
+        if limit and path.stat().st_size > limit:  # only a model bigger than the limit shows what tiers buy
+            entry["cgroup_limit"] = limit
+            entry["in_cgroup"] = [run_in_cgroup(limit, path, ["--worker", mode, "--model", str(path), "--tokens",
+                                                              str(args.tokens)]) for mode in ("ntio", "mmap")]
+        result["models"].append(entry)
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
