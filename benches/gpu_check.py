@@ -33,37 +33,32 @@ def memcpy_peak_gb_s(nbytes: int = 1 << 30, repeats: int = 10) -> float:
     return statistics.median(rates)
 
 
+def timed_decode(path: Path, tokens: int, **options) -> tuple[float, dict, str]:
+    """(seconds for `tokens` greedy decode steps on CUDA, stream stats of those steps, tier plan)."""
+    m = ntio.load(path, device="cuda", max_context=128, **options)
+    try:
+        logits = m.engine.forward(torch.tensor([1, 2, 3], device="cuda"), 0)
+        m.stats.reset()
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for step in range(tokens):
+            logits = m.engine.forward(logits.argmax().view(1), 3 + step)
+        torch.cuda.synchronize()
+        return time.perf_counter() - start, m.stats.summary(), m.plan.describe()
+    finally:
+        m.close()
+
+
 def streamed_h2d_gb_s(path: Path, tokens: int) -> dict:
     """Every layer in tier B (pinned host RAM): decode is bound by the copies, so bytes copied per second is the
     H2D bandwidth ntio's copy stream achieves (compute overlaps it)."""
-    m = ntio.load(path, device="cuda", max_context=128, tiers="B")
-    ids = torch.tensor([1, 2, 3], device="cuda")
-    logits = m.engine.forward(ids, 0)
-    m.stats.reset()
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for step in range(tokens):
-        logits = m.engine.forward(logits.argmax().view(1), 3 + step)
-    torch.cuda.synchronize()
-    elapsed = time.perf_counter() - start
-    s = m.stats.summary()
-    m.close()
-    return {"tok_s": tokens / elapsed, "h2d_gb_s": s["bytes_h2d"] / elapsed / 1e9, "bytes_h2d_per_token": s["bytes_h2d_per_token"]}
+    elapsed, s, _ = timed_decode(path, tokens, tiers="B")
+    return {"tok_s": tokens / elapsed, "h2d_gb_s": s["bytes_h2d"] / elapsed / 1e9,
+            "bytes_h2d_per_token": s["bytes_h2d_per_token"]}
 
 
 def streamed_overlap(path: Path, tokens: int, budget: str) -> dict:
-    m = ntio.load(path, device="cuda", max_context=128, gpu_memory_budget=budget, ram_budget="1GB")
-    ids = torch.tensor([1, 2, 3], device="cuda")
-    logits = m.engine.forward(ids, 0)
-    m.stats.reset()
-    start = time.perf_counter()
-    for step in range(tokens):
-        logits = m.engine.forward(logits.argmax().view(1), 3 + step)
-    torch.cuda.synchronize()
-    elapsed = time.perf_counter() - start
-    s = m.stats.summary()
-    plan = m.plan.describe()
-    m.close()
+    elapsed, s, plan = timed_decode(path, tokens, gpu_memory_budget=budget, ram_budget="1GB")
     return {"tiers": plan, "tok_s": tokens / elapsed, "overlap_ratio": s["overlap_ratio"], "disk_gb_s": s["disk_gb_s"],
             "bytes_read_per_token": s["bytes_read_per_token"]}
 

@@ -42,6 +42,31 @@ class TensorInfo:
         return n
 
 
+class ModelFileBase:
+    """What every model file format offers: metadata and tensor lookups whose errors name the file."""
+
+    path: Path
+    metadata: dict[str, Any]
+    tensors: dict[str, TensorInfo]
+
+    @property
+    def architecture(self) -> str:
+        return str(self.require("general.architecture"))
+
+    def require(self, key: str) -> Any:
+        """A metadata value that must be present."""
+        try:
+            return self.metadata[key]
+        except KeyError:
+            raise ModelFormatError(f"{self.path}: missing metadata key {key!r}") from None
+
+    def tensor(self, name: str) -> TensorInfo:
+        try:
+            return self.tensors[name]
+        except KeyError:
+            raise ModelFormatError(f"{self.path}: missing tensor {name!r}") from None
+
+
 class _CheckedReader(gguf.GGUFReader):
     """GGUFReader that validates each tensor's extent before the base class maps it."""
 
@@ -82,7 +107,7 @@ def _field_value(field: Any) -> Any:
     return value
 
 
-class GGUFFile:
+class GGUFFile(ModelFileBase):
     """A parsed GGUF file. Tensor data stays on disk; `tensor_bytes` maps it lazily."""
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
@@ -118,23 +143,6 @@ class GGUFFile:
                 offset=int(t.data_offset),
                 nbytes=int(t.n_bytes),
             )
-
-    @property
-    def architecture(self) -> str:
-        return str(self.require("general.architecture"))
-
-    def require(self, key: str) -> Any:
-        """A metadata value that must be present."""
-        try:
-            return self.metadata[key]
-        except KeyError:
-            raise ModelFormatError(f"{self.path}: missing metadata key {key!r}") from None
-
-    def tensor(self, name: str) -> TensorInfo:
-        try:
-            return self.tensors[name]
-        except KeyError:
-            raise ModelFormatError(f"{self.path}: missing tensor {name!r}") from None
 
     def tensor_bytes(self, name: str) -> np.ndarray:
         """The encoded bytes of one tensor as a read-only uint8 view of the memory-mapped file."""

@@ -26,7 +26,7 @@ import numpy as np
 
 from ntio import _core
 from ntio.errors import ModelFormatError, NtioError
-from ntio.gguf_file import GGUFFile, TensorInfo
+from ntio.gguf_file import GGUFFile, ModelFileBase, TensorInfo
 
 STORE_MAGIC: bytes = _core.STORE_MAGIC
 STORE_SUFFIX = ".ntio"
@@ -54,7 +54,7 @@ def checksum(array: np.ndarray) -> int:
     return _core.checksum_at(array.ctypes.data, array.nbytes)
 
 
-class StoreFile:
+class StoreFile(ModelFileBase):
     """An ntio store, read like a `GGUFFile`. Tensor data stays on disk; `tensor_bytes` maps and verifies it."""
 
     def __init__(self, path: str | os.PathLike[str], verify: bool = True) -> None:
@@ -75,23 +75,6 @@ class StoreFile:
         self.verify = verify
         self._data = np.memmap(self.path, dtype=np.uint8, mode="r")
         self._verified: set[str] = set()
-
-    @property
-    def architecture(self) -> str:
-        return str(self.require("general.architecture"))
-
-    def require(self, key: str) -> Any:
-        """A metadata value that must be present."""
-        try:
-            return self.metadata[key]
-        except KeyError:
-            raise ModelFormatError(f"{self.path}: missing metadata key {key!r}") from None
-
-    def tensor(self, name: str) -> TensorInfo:
-        try:
-            return self.tensors[name]
-        except KeyError:
-            raise ModelFormatError(f"{self.path}: missing tensor {name!r}") from None
 
     def tensor_bytes(self, name: str) -> np.ndarray:
         """The encoded bytes of one tensor: a read-only uint8 view of the mapped file, checked against its
