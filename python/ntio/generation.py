@@ -47,7 +47,15 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, history: torch.Tensor) -> int:
         """logits: [V] float; history: [n] int64 ids seen so far (prompt and generated) for the penalty."""
+        if self.params.temperature == 0:
+            return int(self.processed(logits, history).argmax())
+        probs = self.processed(logits, history).softmax(-1)
+        return int(torch.multinomial(probs, 1, generator=self.generator))
+
+    def processed(self, logits: torch.Tensor, history: torch.Tensor) -> torch.Tensor:
+        """The logits sampling draws from: repetition penalty, then temperature, top-k and top-p (-inf = removed)."""
         p = self.params
+        logits = logits.float()
         if p.repetition_penalty != 1.0 and history.numel():
             # CTRL / transformers convention: shrink the logit of every seen token towards "less likely".
             seen = history.unique()
@@ -55,8 +63,8 @@ class Sampler:
             logits = logits.clone()
             logits[seen] = torch.where(scores > 0, scores / p.repetition_penalty, scores * p.repetition_penalty)
         if p.temperature == 0:
-            return int(logits.argmax())
-        logits = logits.float() / p.temperature
+            return logits
+        logits = logits / p.temperature
         if p.top_k and p.top_k < logits.numel():
             kth = torch.topk(logits, p.top_k).values[-1]
             logits = logits.masked_fill(logits < kth, float("-inf"))
@@ -66,8 +74,7 @@ class Sampler:
             # Drop a token once the mass before it already reaches top_p; the most likely token always stays.
             drop = (sorted_probs.cumsum(-1) - sorted_probs) >= p.top_p
             logits = logits.scatter(0, order, sorted_logits.masked_fill(drop, float("-inf")))
-        probs = logits.softmax(-1)
-        return int(torch.multinomial(probs, 1, generator=self.generator))
+        return logits
 
 
 def generate_ids(
