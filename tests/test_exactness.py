@@ -156,3 +156,28 @@ def test_synthetic_model_logits_match_transformers(tmp_path, name, spec):
     got = ours.engine.forward(ids, 0, all_logits=True)
     want = ref(ids[None]).logits[0]
     assert rel_l2(got, want) <= 1e-4
+
+
+@torch.inference_mode()
+def test_llama3_rope_scaling_matches_transformers(tmp_path):
+    """A file carrying `rope_freqs.weight` (llama.cpp's encoding of Llama-3 rope scaling) against transformers
+    loading the same weights with the equivalent llama3 rope_scaling config, at positions past the original
+    context where the scaling matters."""
+    from transformers import LlamaConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 16}
+    d_model, n_heads, theta = 128, 4, 500000.0
+    hf_cfg = LlamaConfig(hidden_size=d_model, num_attention_heads=n_heads, rope_theta=theta, rope_scaling=scaling)
+    scaled, _ = ROPE_INIT_FUNCTIONS["llama3"](hf_cfg, "cpu")
+    plain = 1.0 / theta ** (torch.arange(0, d_model // n_heads, 2).float() / (d_model // n_heads))
+    spec = SynthSpec(n_layers=2, d_model=d_model, d_ff=256, n_heads=n_heads, n_kv_heads=2, rope_theta=theta,
+                     matrix_type=gguf.GGMLQuantizationType.Q8_0, rope_factors=tuple((plain / scaled).tolist()), seed=5)
+    path = write_synthetic_gguf(tmp_path / "llama3.gguf", spec)
+    ours = ntio.load(path, max_context=128)
+    assert ours.config.rope_scaling.kind == "llama3"
+    ref = transformers.AutoModelForCausalLM.from_pretrained(
+        str(path.parent), gguf_file=path.name, dtype=torch.float32, rope_scaling=scaling).eval()
+    ids = torch.randint(0, spec.vocab_size, (100,), generator=torch.Generator().manual_seed(1))
+    assert rel_l2(ours.engine.forward(ids, 0, all_logits=True), ref(ids[None]).logits[0]) <= 1e-4

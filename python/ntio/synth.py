@@ -35,6 +35,8 @@ class SynthSpec:
     part_types: dict[str, gguf.GGMLQuantizationType] = field(default_factory=dict)
     embd_type: gguf.GGMLQuantizationType = Q.Q8_0
     output_type: gguf.GGMLQuantizationType | None = None  # None: tied to the token embedding
+    # Llama-3 rope scaling as llama.cpp stores it: one divisor per rotary frequency (`rope_freqs.weight`).
+    rope_factors: tuple[float, ...] | None = None
     seed: int = 0
 
 
@@ -64,6 +66,8 @@ def _tensor_table(spec: SynthSpec) -> list[tuple[str, tuple[int, ...], gguf.GGML
         "ffn_norm": (D,), "ffn_gate": (F, D), "ffn_up": (F, D), "ffn_down": (D, F),
     }
     table = [("token_embd.weight", (V, D), spec.embd_type), ("output_norm.weight", (D,), Q.F32)]
+    if spec.rope_factors is not None:
+        table.append(("rope_freqs.weight", (len(spec.rope_factors),), Q.F32))
     if spec.output_type is not None:
         table.append(("output.weight", (V, D), spec.output_type))
     for layer in range(spec.n_layers):
@@ -143,7 +147,9 @@ def write_synthetic_gguf(path: str | os.PathLike[str], spec: SynthSpec) -> Path:
         w.write_kv_data_to_file()
         w.write_ti_data_to_file()
         for name, shape, qtype in table:
-            if name.endswith("norm.weight"):
+            if name == "rope_freqs.weight":
+                data = np.asarray(spec.rope_factors, dtype=np.float32).view(np.uint8)
+            elif name.endswith("norm.weight"):
                 data = (1.0 + 0.1 * rng.standard_normal(shape)).astype(np.float32).view(np.uint8)
             else:
                 data = quant.random_quantized(qtype, shape, rng)
