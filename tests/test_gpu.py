@@ -46,3 +46,15 @@ def test_cuda_streamed_equals_resident(smollm2_path, options):
 def test_gpu_budget_too_small_says_minimum(smollm2_path):
     with pytest.raises(ntio.NtioError, match="--gpu-memory-budget .* at least"):
         ntio.load(smollm2_path, max_context=256, device="cuda", gpu_memory_budget="10MB")
+
+
+def test_peak_device_memory_stays_under_budget(smollm2_path):
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    budget = 150_000_000
+    m = ntio.load(smollm2_path, max_context=256, device="cuda", gpu_memory_budget=budget)
+    assert m.plan.counts["A"] < 30  # the budget forces streaming
+    m.generate("The capital of France is", max_new_tokens=8)
+    assert torch.cuda.max_memory_allocated() - base <= budget
+    m.close()

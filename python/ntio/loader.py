@@ -110,7 +110,7 @@ class LayerLoader:
                 self._resident[layer] = self._weights(layer, buf.to(device))
             self._progress("load", n, len(resident) + len(host_only))
 
-        # Streamed groups and their double buffer.
+        # Streamed groups and their staging slots.
         self.groups: list[_Group] = []
         for start in range(0, cfg.n_layers, group_size):
             layers = list(range(start, min(start + group_size, cfg.n_layers)))
@@ -221,8 +221,12 @@ class LayerLoader:
                     break
         return self._blocks[layer]
 
+    def __del__(self) -> None:
+        if getattr(self, "_slots", None):  # not closed yet (and construction got as far as the slots)
+            self.close()
+
     def close(self) -> None:
-        """Drain in-flight reads (also after Ctrl-C) and give the staging slots back."""
+        """Drain in-flight reads (also after Ctrl-C) and give the staging slots back (unpinned on CUDA)."""
         for _, handle, _ in self._pending.values():
             try:
                 handle.wait()
