@@ -15,7 +15,7 @@ import click
 
 from ntio.errors import NtioError
 
-MODEL_HELP = "GGUF model file (default: SmolLM2-135M-Instruct Q4_1, fetched on first use)"
+MODEL_HELP = "GGUF model or ntio store (default: SmolLM2-135M-Instruct Q4_1, fetched on first use)"
 
 
 class _Group(click.Group):
@@ -31,7 +31,7 @@ class _Group(click.Group):
 
 
 _MODEL_OPTIONS = ("model", "ctx_size", "kv_dtype", "threads", "device", "tiers", "gpu_memory_budget", "ram_budget",
-                  "layer_group_size", "sync", "io_backend")
+                  "layer_group_size", "prefetch_depth", "sync", "io_backend")
 
 
 def _model_options(f):
@@ -39,10 +39,12 @@ def _model_options(f):
     f = click.option("--io-backend", type=click.Choice(["io_uring", "pread", "buffered"]),
                      help="Force the disk reader's backend (default: probe; env NTIO_IO_BACKEND)")(f)
     f = click.option("--sync", is_flag=True, help="Read streamed layers when needed instead of prefetching them")(f)
+    f = click.option("--prefetch-depth", type=click.IntRange(min=1), default=2, show_default=True,
+                     help="Streamed groups read ahead while the current one computes")(f)
     f = click.option("--layer-group-size", type=click.IntRange(min=1), default=1, show_default=True,
-                     help="Layers read per streamed group (double-buffered)")(f)
-    f = click.option("--ram-budget", help="Host memory for the model, e.g. 512MB, 4GiB (default: 90%% of available)")(f)
-    f = click.option("--gpu-memory-budget", help="Device memory for the model (default: 90%% of free)")(f)
+                     help="Consecutive layers read as one streamed group")(f)
+    f = click.option("--ram-budget", help="Host memory for the model, e.g. 512MB, 4GiB (default: 90% of available)")(f)
+    f = click.option("--gpu-memory-budget", help="Device memory for the model (default: 90% of free)")(f)
     f = click.option("--tiers", default="auto", show_default=True,
                      help="Where layers live: auto (from budgets), A (device), B (host RAM), C (disk, read every "
                           "use), or per layer, e.g. A:0-9,C:10-29")(f)
@@ -55,8 +57,8 @@ def _model_options(f):
     return f
 
 
-def _load(model, ctx_size, kv_dtype, threads, device, tiers, gpu_memory_budget, ram_budget, layer_group_size, sync,
-          io_backend):
+def _load(model, ctx_size, kv_dtype, threads, device, tiers, gpu_memory_budget, ram_budget, layer_group_size,
+          prefetch_depth, sync, io_backend):
     import torch
 
     from ntio import cpu_kernels
@@ -69,7 +71,7 @@ def _load(model, ctx_size, kv_dtype, threads, device, tiers, gpu_memory_budget, 
         raise NtioError(f"--device {device}: CUDA is not available here")
     return load(model, device=device, kv_dtype=kv_dtype, max_context=ctx_size, tiers=tiers,
                 gpu_memory_budget=gpu_memory_budget, ram_budget=ram_budget, layer_group_size=layer_group_size,
-                sync=sync, io_backend=io_backend)
+                prefetch_depth=prefetch_depth, sync=sync, io_backend=io_backend)
 
 
 def _split(opts: dict) -> dict:
