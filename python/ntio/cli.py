@@ -69,9 +69,16 @@ def _load(model, ctx_size, kv_dtype, threads, device, tiers, gpu_memory_budget, 
         cpu_kernels.set_threads(threads)
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise NtioError(f"--device {device}: CUDA is not available here")
-    return load(model, device=device, kv_dtype=kv_dtype, max_context=ctx_size, tiers=tiers,
-                gpu_memory_budget=gpu_memory_budget, ram_budget=ram_budget, layer_group_size=layer_group_size,
-                prefetch_depth=prefetch_depth, sync=sync, io_backend=io_backend)
+    from rich.console import Console
+    from rich.progress import Progress
+
+    # Resident layers of a big model take seconds to read: show it on a terminal, vanish afterwards.
+    with Progress(console=Console(stderr=True), transient=True, disable=not sys.stderr.isatty()) as bar:
+        task = bar.add_task("reading resident layers", total=None)
+        return load(model, device=device, kv_dtype=kv_dtype, max_context=ctx_size, tiers=tiers,
+                    gpu_memory_budget=gpu_memory_budget, ram_budget=ram_budget, layer_group_size=layer_group_size,
+                    prefetch_depth=prefetch_depth, sync=sync, io_backend=io_backend,
+                    on_progress=lambda what, done, total: bar.update(task, completed=done, total=total))
 
 
 def _split(opts: dict) -> dict:
