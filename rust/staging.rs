@@ -206,14 +206,7 @@ impl Slot {
     /// Give the slot back to the pool. Fails while a read into it is in flight.
     pub fn release(&self) -> Result<()> {
         let mut states = self.pool.states();
-        let state = &mut states[self.index];
-        if !self.owned(state) {
-            return Err(Error::SlotNotAcquired { index: self.index });
-        }
-        if state.in_flight {
-            return Err(Error::SlotBusy { index: self.index });
-        }
-        state.acquired = false;
+        self.idle_state(&mut states)?.acquired = false;
         drop(states);
         self.pool.inner.freed.notify_one();
         Ok(())
@@ -222,6 +215,16 @@ impl Slot {
     /// Mark the slot as the target of a read; the returned guard clears the mark when dropped.
     pub fn begin_read(&self) -> Result<SlotGuard> {
         let mut states = self.pool.states();
+        self.idle_state(&mut states)?.in_flight = true;
+        Ok(SlotGuard {
+            pool: self.pool.clone(),
+            index: self.index,
+            ptr: self.as_ptr(),
+        })
+    }
+
+    /// This slot's state, if this handle still holds the slot and no read into it is in flight.
+    fn idle_state<'a>(&self, states: &'a mut [SlotState]) -> Result<&'a mut SlotState> {
         let state = &mut states[self.index];
         if !self.owned(state) {
             return Err(Error::SlotNotAcquired { index: self.index });
@@ -229,12 +232,7 @@ impl Slot {
         if state.in_flight {
             return Err(Error::SlotBusy { index: self.index });
         }
-        state.in_flight = true;
-        Ok(SlotGuard {
-            pool: self.pool.clone(),
-            index: self.index,
-            ptr: self.as_ptr(),
-        })
+        Ok(state)
     }
 
     fn owned(&self, state: &SlotState) -> bool {
