@@ -99,6 +99,9 @@ class LayerLoader:
 
         # Resident tiers, read once: A onto the device; B into host RAM (pinned on CUDA; on CPU B is just RAM).
         self._resident: dict[int, LayerWeights] = {}
+        # Decoded norms of streamed layers: their bytes are re-read at every use, but decoding them again would
+        # only repeat work (the values cannot differ), so the few KB per layer are kept.
+        self._norms: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self._host: dict[int, torch.Tensor] = {}  # tier B layer buffers on CUDA
         resident = [i for i, t in enumerate(plan.tiers) if t == "A" or (t == "B" and not self.cuda)]
         host_only = [i for i, t in enumerate(plan.tiers) if t == "B" and self.cuda]
@@ -316,7 +319,10 @@ class LayerLoader:
             start = read.tensor_offsets[part]
             return buf[start : start + tensors[part].nbytes]
 
-        return encoded_block(self.layout.cfg, tensors, raw)
+        weights = encoded_block(self.layout.cfg, tensors, raw, self._norms.get(layer))
+        if layer not in self._resident:
+            self._norms.setdefault(layer, (weights.attn_norm, weights.ffn_norm))
+        return weights
 
     def _progress(self, what: str, done: int, total: int) -> None:
         if self.on_progress is not None:

@@ -77,11 +77,13 @@ def encoded_block(
     cfg: ModelConfig,
     tensors: dict[str, TensorInfo],
     raw: Callable[[str], RawTensor],
+    norms: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> LayerWeights:
     """One block's `LayerWeights`. raw(part) gives the encoded bytes of tensors[part] on the target device.
 
-    Norms are decoded to float32 (a few KB); matrices keep their encoding, as views of the bytes given. q/k/v and
-    gate/up that are adjacent and of one type in that buffer are fused into single products (ops.fuse_adjacent).
+    Norms are decoded to float32 (a few KB), unless `norms` (attn_norm, ffn_norm) already holds them; matrices keep
+    their encoding, as views of the bytes given. q/k/v and gate/up that are adjacent and of one type in that buffer
+    are fused into single products (ops.fuse_adjacent).
     """
 
     def matrix(part: str) -> EncodedMatrix:
@@ -92,11 +94,12 @@ def encoded_block(
         info = tensors[part]
         return quant.dequantize(raw(part), info.qtype, info.shape)
 
+    attn_norm, ffn_norm = norms if norms is not None else (norm("attn_norm"), norm("ffn_norm"))
     return LayerWeights(
-        attn_norm=norm("attn_norm"),
+        attn_norm=attn_norm,
         wqkv=ops.fuse_adjacent([matrix("attn_q"), matrix("attn_k"), matrix("attn_v")]),
         wo=matrix("attn_output"),
-        ffn_norm=norm("ffn_norm"),
+        ffn_norm=ffn_norm,
         w_gate_up=ops.fuse_adjacent([matrix("ffn_gate"), matrix("ffn_up")]),
         w_down=matrix("ffn_down"),
     )
