@@ -5,5 +5,5 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 python -c "import torch; assert torch.cuda.is_available(), 'no CUDA device'"
-python -m pytest -q tests/test_gpu.py tests/test_quant.py -k "cuda or gpu or Cuda"
+python -m pytest -q tests/test_gpu.py tests/test_quant.py tests/test_reader.py -k "cuda or gpu or pinned"
 python benches/gpu_check.py "$@"
