@@ -31,7 +31,7 @@ def block_tensor_name(layer: int, part: str) -> str:
 class LayerWeights:
     """Weights of one transformer block on the compute device: float32 norms, GGUF-encoded matrices.
 
-    Q/K/V and gate/up are row-stacked groups; matrices of one type may be fused into one (ops.concat_rows), so a
+    Q/K/V and gate/up are row-stacked groups; matrices of one type stored back to back are fused into one (ops.fuse_adjacent), so a
     decode step runs as few as 4 matrix-vector products per block instead of 7.
     Q and K rows are in GGUF order: llama.cpp's converter permutes them for interleaved (GPT-J style) RoPE.
     """
