@@ -13,8 +13,11 @@ use super::dot;
 
 /// Most activation rows per call (larger batches are better served by dequantize + dense matmul).
 pub const MAX_T: usize = 16;
-/// Below this many weight bytes per task, splitting across threads costs more than it saves.
-const MIN_TASK_BYTES: usize = 32 << 10;
+/// Least work per task, in multiply-adds (weights x activation rows): about 40-80 us on one core (AVX-512: a
+/// 576 x 1536 Q4_1 matrix takes ~35 us, a 192 x 4096 Q4_K one ~60 us). Waking a second thread costs ~20 us, so
+/// smaller matrices run on the calling thread: on 2 cores, splitting SmolLM2's 576-wide matrices made decode
+/// 30% slower (67 vs 99 tok/s).
+const MIN_TASK_WORK: usize = 1 << 20;
 /// Tasks per thread, so that uneven thread speeds even out.
 const TASKS_PER_THREAD: usize = 4;
 
@@ -248,9 +251,9 @@ pub fn quantized_matmul(
     };
     let pool = pool()?;
     let threads = pool.current_num_threads();
-    // Equal tasks of at least MIN_TASK_BYTES (e.g. a 576 x 576 Q4_1 matrix: 6 tasks of 96 rows; the 49152-row
-    // Q8_0 head: 8 of 6144).
-    let tasks = (n * row_bytes / MIN_TASK_BYTES).clamp(1, threads * TASKS_PER_THREAD);
+    // Equal tasks of at least MIN_TASK_WORK (at T = 1: a 576 x 576 matrix is one task; a 576 x 4096 Q4_K one, 2;
+    // the 49152 x 576 head, 8 of 6144 rows on 2 threads).
+    let tasks = (n * k * t / MIN_TASK_WORK).clamp(1, threads * TASKS_PER_THREAD);
     let rows_per_task = n.div_ceil(tasks);
     if threads == 1 || rows_per_task >= n {
         rows_fn(0..n);
