@@ -1,8 +1,9 @@
 """Models bigger than memory: streamed decode next to its I/O bound, and against plain mmap under a memory limit.
 
 Part 1 (per model, alternating in rounds, medians): the disk's sequential O_DIRECT bandwidth over the model's layer
-bytes (`_core` reader, 256 KiB requests, QD 16), resident decode tok/s (all layers tier A) where it fits, and
-streamed decode with every layer on disk (tier C, read at every token). The bound is
+bytes (`_core` reader, 256 KiB requests, QD 16; the mean of one read just before and one just after the streamed
+run), resident decode tok/s (all layers tier A) where it fits, and streamed decode with every layer on disk (tier C,
+read at every token, default read-ahead). The bound is
     min(resident decode tok/s, disk GB/s / bytes read per token)
 and the ratio is streamed tok/s / bound, per round.
 
@@ -25,38 +26,34 @@ import sys
 import time
 from pathlib import Path
 
-import numpy as np
 import torch
 
 import ntio
 from ntio import _core
 from ntio.config import ModelConfig
 from ntio.fetch import resolve_model
-from ntio.io import read_into
 from ntio.model_file import layer_extents, open_model_file
 from ntio.tiers import available_ram, parse_size
 
 CGROUP_NAME = "ntio-stream-bound"
 
 
-_scratch: dict[int, np.ndarray] = {}
+_slots: dict[int, _core.Slot] = {}
 
 
 def disk_gb_s(path: Path) -> float:
-    """Cold (O_DIRECT) sequential read of the model's layer span (at most 1 GiB) as one batch, into memory that is
-    already faulted in (as the loader's staging slots are): the disk's bandwidth for these bytes."""
+    """Cold (O_DIRECT) sequential read of the model's layer span (at most 1 GiB) as one batch, into a staging slot
+    of the kind the loader reads into (huge-page backed, faulted in): the disk's bandwidth for these bytes."""
     f = open_model_file(path)
     n_layers = ModelConfig.from_gguf(f).n_layers
     first = layer_extents(f, 0)[0][0]
     last_off, last_len = layer_extents(f, n_layers - 1)[-1]
     span = min(last_off + last_len - first, 1 << 30)
-    if span not in _scratch:
-        _scratch[span] = np.ones(span + 4096, np.uint8)
-    buf = _scratch[span]
-    head = (first - buf.ctypes.data) % 4096
+    if span not in _slots:
+        _slots[span] = _core.StagingPool(1, span + 4096).acquire()
     reader = _core.Reader(str(path), request_size=256 << 10, queue_depth=16)
     start = time.perf_counter()
-    read_into(reader, [(first, span, head)], buf[: head + span])
+    reader.read([(first, span, first % 4096)], _slots[span])
     return span / (time.perf_counter() - start) / 1e9
 
 
@@ -77,12 +74,15 @@ def decode_tok_s(path: Path, tiers: str, tokens: int, **options) -> tuple[float,
 
 
 def bound_rounds(path: Path, rounds: int, tokens: int, resident: bool) -> dict:
+    """Per round: disk, resident decode, disk, streamed decode, disk. The disk of a streamed run is the mean of the
+    reads just before and after it (this VM's disk changes speed from one minute to the next)."""
     disk, res, streamed, per_token, ratios = [], [], [], 0.0, []
     for _ in range(rounds):
-        disk.append(disk_gb_s(path))
         if resident:
             res.append(decode_tok_s(path, "A", tokens)[0])
+        before = disk_gb_s(path)
         rate, per_token = decode_tok_s(path, "C", tokens)
+        disk.append((before + disk_gb_s(path)) / 2)
         streamed.append(rate)
         bound = disk[-1] * 1e9 / per_token
         if resident:

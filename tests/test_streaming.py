@@ -17,6 +17,7 @@ import torch
 
 import ntio
 from ntio.errors import ModelFormatError, NtioError
+from ntio.loader import auto_prefetch_depth
 from ntio.store import convert
 from ntio.synth import SynthSpec, write_synthetic_gguf
 from ntio.tiers import parse_size, parse_tier_spec, plan_tiers
@@ -100,6 +101,21 @@ def test_spec_interface_load_evict_prefetch(smollm2_path):
         assert torch.equal(block.w_down.raw, ref.loader.block(layer).w_down.raw)
     loader.evict_group(4)
     m.close()
+
+
+def test_default_read_ahead_keeps_bytes_in_flight(smollm2_path):
+    # Groups of 2,220,032 bytes (a 2,216,448-byte layer, 4 KiB-aligned): ceil(24 MiB / that) = 12 read ahead.
+    assert auto_prefetch_depth(2_220_032) == 12
+    assert auto_prefetch_depth(123 << 20) == 2  # large layers: double buffering plus one
+    assert auto_prefetch_depth(64 << 10) == 16  # tiny layers: capped
+    m = ntio.load(smollm2_path, max_context=64, tiers="C")
+    assert m.loader.prefetch_depth == 12 and len(m.loader._slots) == 13
+    m.close()
+    m = ntio.load(smollm2_path, max_context=64, tiers="C", layer_group_size=6)
+    assert m.loader.prefetch_depth == 2  # 13.3 MB groups
+    m.close()
+    with pytest.raises(NtioError, match="--prefetch-depth must be >= 1"):
+        ntio.load(smollm2_path, max_context=64, tiers="C", prefetch_depth=0)
 
 
 def test_budget_too_small_says_minimum(smollm2_path):

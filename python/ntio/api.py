@@ -13,6 +13,7 @@ import math
 import os
 import time
 from collections.abc import Iterator, Sequence
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -27,7 +28,7 @@ from ntio.fetch import resolve_model
 from ntio.generation import Sampler, SamplingParams, generate_ids
 from ntio.model_file import open_model_file
 from ntio.tokenizer import Tokenizer
-from ntio.loader import LayerLoader, ProgressCallback
+from ntio.loader import LayerLoader, ProgressCallback, auto_prefetch_depth
 from ntio.stats import StreamStats
 from ntio.weights import WeightLayout, load_global_weights
 
@@ -79,7 +80,7 @@ class LLM:
         ram_budget: str | int | None = None,
         layer_group_size: int = 1,
         sync: bool = False,
-        prefetch_depth: int = 2,
+        prefetch_depth: int | None = None,
         io_backend: str | None = None,
         on_progress: ProgressCallback | None = None,
     ) -> None:
@@ -96,8 +97,16 @@ class LLM:
             raise NtioError(f"--ctx-size must be >= 1, got {capacity}")
         if layer_group_size < 1:
             raise NtioError(f"--layer-group-size must be >= 1, got {layer_group_size}")
-        depth = 0 if sync else prefetch_depth
-        needs = memory_needs(layout, capacity, KV_DTYPES[kv_dtype], layer_group_size, staging_slots=depth + 1)
+        needs = memory_needs(layout, capacity, KV_DTYPES[kv_dtype], layer_group_size, staging_slots=1)
+        if sync:
+            depth = 0
+        elif prefetch_depth is None:
+            depth = auto_prefetch_depth(needs.largest_group())
+        elif prefetch_depth < 1:
+            raise NtioError(f"--prefetch-depth must be >= 1, got {prefetch_depth}")
+        else:
+            depth = prefetch_depth
+        needs = dataclasses.replace(needs, staging_slots=depth + 1)
         self.plan = make_plan(needs, cuda=self.device.type == "cuda", tiers=tiers,
                               gpu_memory_budget=gpu_memory_budget, ram_budget=ram_budget)
         with torch.inference_mode():

@@ -188,9 +188,11 @@ if __name__ == "__main__":
 @click.option("--ram-budget", help="RAM budget for --tiers auto (e.g. 1GB)")
 @click.option("--layer-group-size", type=click.IntRange(min=1), default=1, show_default=True)
 @click.option("--sync", is_flag=True, help="No prefetch: read each group when it is needed")
+@click.option("--prefetch-depth", type=click.IntRange(min=1), help="Groups read ahead (default: ntio.load's)")
 @click.option("--io-backend", type=click.Choice(_core.BACKENDS))
 @click.option("--json", "as_json", is_flag=True)
-def stream(model, tier_specs, tokens, ctx_size, ram_budget, layer_group_size, sync, io_backend, as_json) -> None:
+def stream(model, tier_specs, tokens, ctx_size, ram_budget, layer_group_size, sync, prefetch_depth, io_backend,
+           as_json) -> None:
     """Decode MODEL greedily under each tier mix: tok/s, bytes read per token, achieved GB/s, overlap ratio."""
     import time
 
@@ -201,7 +203,8 @@ def stream(model, tier_specs, tokens, ctx_size, ram_budget, layer_group_size, sy
     runs = []
     for spec in tier_specs:
         m = ntio.load(model, max_context=ctx_size, tiers=spec, ram_budget=ram_budget,
-                      layer_group_size=layer_group_size, sync=sync, io_backend=io_backend)
+                      layer_group_size=layer_group_size, sync=sync, prefetch_depth=prefetch_depth,
+                      io_backend=io_backend)
         try:
             ids = m.tokenizer.encode("Once upon a time") or [0]
             logits = m.engine.forward(torch.tensor(ids), 0)
@@ -212,7 +215,8 @@ def stream(model, tier_specs, tokens, ctx_size, ram_budget, layer_group_size, sy
                 logits = m.engine.forward(token, len(ids) + step)
             elapsed = time.perf_counter() - start
             s = m.stats.summary()
-            runs.append({"tiers": m.plan.describe(), "decode_tok_s": tokens / elapsed,
+            runs.append({"tiers": m.plan.describe(), "prefetch_depth": m.loader.prefetch_depth,
+                         "decode_tok_s": tokens / elapsed,
                          **{k: s[k] for k in ("bytes_read_per_token", "disk_gb_s", "overlap_ratio", "io_wait_s",
                                               "compute_s", "layers_per_tier")}})
         finally:

@@ -20,6 +20,7 @@ from ntio.tiers import TierPlan, available_ram, parse_size, parse_tier_spec, pla
 from ntio.weights import WeightLayout
 
 _ALIGN = 4096
+_HUGE_PAGE = 2 << 20  # staging pools of 2 MiB or more take whole huge pages (rust/staging.rs)
 
 
 @dataclass(frozen=True)
@@ -31,13 +32,18 @@ class MemoryNeeds:
     group_size: int
     staging_slots: int  # the group being computed + the groups read ahead
 
-    def staging(self, tiers: list[str] | None = None) -> int:
-        """The staging slots, each the largest group of streamed layers (every layer, if tiers is None)."""
+    def largest_group(self, tiers: list[str] | None = None) -> int:
+        """Bytes of the largest group of streamed layers (every layer counts as streamed if tiers is None)."""
         largest = 0
         for start in range(0, len(self.layers), self.group_size):
             group = range(start, min(start + self.group_size, len(self.layers)))
             largest = max(largest, sum(_aligned(self.layers[i]) for i in group if tiers is None or tiers[i] != "A"))
-        return self.staging_slots * largest
+        return largest
+
+    def staging(self, tiers: list[str] | None = None) -> int:
+        """The staging slots, each one largest group."""
+        total = self.staging_slots * self.largest_group(tiers)
+        return -(-total // _HUGE_PAGE) * _HUGE_PAGE if total >= _HUGE_PAGE else total
 
 
 def _aligned(n: int) -> int:

@@ -39,8 +39,9 @@ def _model_options(f):
     f = click.option("--io-backend", type=click.Choice(["io_uring", "pread", "buffered"]),
                      help="Force the disk reader's backend (default: probe; env NTIO_IO_BACKEND)")(f)
     f = click.option("--sync", is_flag=True, help="Read streamed layers when needed instead of prefetching them")(f)
-    f = click.option("--prefetch-depth", type=click.IntRange(min=1), default=2, show_default=True,
-                     help="Streamed groups read ahead while the current one computes")(f)
+    f = click.option("--prefetch-depth", type=click.IntRange(min=1),
+                     help="Streamed groups read ahead while the current one computes (default: enough for ~24 MiB "
+                          "in flight, 2 to 16)")(f)
     f = click.option("--layer-group-size", type=click.IntRange(min=1), default=1, show_default=True,
                      help="Consecutive layers read as one streamed group")(f)
     f = click.option("--ram-budget", help="Host memory for the model, e.g. 512MB, 4GiB (default: 90% of available)")(f)

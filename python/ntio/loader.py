@@ -3,7 +3,8 @@
 Tier A blocks are read once at start-up onto the compute device; tier B blocks once into host RAM (pinned when
 CUDA). Tier C blocks are read from disk at every use through the Rust reader, a *group* of `group_size`
 consecutive layers at a time, into staging slots: while group g computes, the next `prefetch_depth` streamed
-groups are already being read into the other slots (depth 1 is double buffering; 0 reads each group when needed). On CPU the graph computes straight from
+groups are already being read into the other slots (depth 1 is double buffering; 0 reads each group when needed;
+the default keeps about READ_AHEAD_BYTES in flight). On CPU the graph computes straight from
 the slot's bytes (no copy, no dequantization for decode); on CUDA each group's B and C bytes are copied to a device
 buffer on a copy stream, and the compute stream waits on that copy's event.
 
@@ -34,6 +35,18 @@ from ntio.tiers import TierPlan
 from ntio.weights import WeightLayout, encoded_block
 
 _ALIGN = 4096  # staging offsets keep each layer's file alignment, so O_DIRECT lands in place
+
+# Default read-ahead: enough streamed groups to keep about this many bytes in flight, so that small layers (SmolLM2:
+# 2.2 MB) still keep the disk's queue full while one group computes and another completes. All-C SmolLM2 on this
+# project's VM: 8 groups ahead reached 0.68-0.84 of the I/O bound, 12 reached 1.0 (benches/RESULTS.md). Large
+# layers (an 8B layer is 123 MB) get the minimum, double buffering plus one.
+READ_AHEAD_BYTES = 24 << 20
+MIN_PREFETCH_DEPTH, MAX_PREFETCH_DEPTH = 2, 16
+
+
+def auto_prefetch_depth(group_bytes: int) -> int:
+    """Streamed groups to read ahead by default, for groups of at most `group_bytes`."""
+    return max(MIN_PREFETCH_DEPTH, min(MAX_PREFETCH_DEPTH, -(-READ_AHEAD_BYTES // max(group_bytes, 1))))
 
 # Callback for progress: (what, done, total), e.g. ("load", 3, 30) while resident layers load.
 ProgressCallback = Callable[[str, int, int], None]
@@ -73,7 +86,7 @@ class LayerLoader:
         device: torch.device,
         *,
         group_size: int = 1,
-        prefetch_depth: int = 2,
+        prefetch_depth: int | None = None,
         request_size: int = 256 << 10,
         backend: str | None = None,
         on_progress: ProgressCallback | None = None,
@@ -85,9 +98,8 @@ class LayerLoader:
             raise NtioError(f"the tier plan has {len(plan.tiers)} layers, the model {cfg.n_layers}")
         self.layout, self.plan, self.device = layout, plan, device
         self.cuda = device.type == "cuda"
-        if prefetch_depth < 0:
+        if prefetch_depth is not None and prefetch_depth < 0:
             raise NtioError(f"prefetch depth must be >= 0, got {prefetch_depth}")
-        self.prefetch_depth = prefetch_depth
         self.on_progress = on_progress
         self.stats = StreamStats(layers_per_tier=plan.counts)
         self._forward: ForwardStats | None = None
@@ -126,8 +138,9 @@ class LayerLoader:
         self._group_of = [g for g, grp in enumerate(self.groups) for _ in grp.layers]
         self._streamed_groups = [g for g, grp in enumerate(self.groups) if grp.streamed]
         slot_size = max((grp.nbytes for grp in self.groups), default=0)
+        self.prefetch_depth = auto_prefetch_depth(slot_size) if prefetch_depth is None else prefetch_depth
         # One slot for the group being computed and one per group being read ahead.
-        n_slots = prefetch_depth + 1 if self._streamed_groups else 0
+        n_slots = self.prefetch_depth + 1 if self._streamed_groups else 0
         self._pool = _core.StagingPool(n_slots, slot_size) if n_slots else None
         self._slots = [self._pool.acquire() for _ in range(n_slots)]
         self._slot_bytes = [torch.from_numpy(slot_array(s)) for s in self._slots]
