@@ -375,6 +375,7 @@ pub fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     let py = m.py();
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     m.add("BACKENDS", Backend::ALL.map(Backend::name).to_vec())?;
+    m.add("HUGE_PAGE", crate::staging::HUGE_PAGE)?;
     m.add("ReadError", py.get_type::<ReadError>())?;
     m.add("BufferError", py.get_type::<BufferError>())?;
     m.add("SlotBusyError", py.get_type::<SlotBusyError>())?;

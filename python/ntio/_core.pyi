@@ -5,6 +5,7 @@ from typing import Any
 
 __version__: str
 BACKENDS: list[str]
+HUGE_PAGE: int  # staging pools of at least this many bytes are mapped in whole huge pages
 """Backend names, best first: "io_uring", "pread", "buffered"."""
 
 Extent = tuple[int, int, int]

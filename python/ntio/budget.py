@@ -13,14 +13,13 @@ from dataclasses import dataclass
 
 import torch
 
-from ntio import ops
+from ntio import _core, ops
 from ntio.config import ModelConfig
 from ntio.engine import PREFILL_CHUNK
 from ntio.tiers import TierPlan, available_ram, parse_size, parse_tier_spec, plan_tiers
 from ntio.weights import WeightLayout
 
 _ALIGN = 4096
-_HUGE_PAGE = 2 << 20  # staging pools of 2 MiB or more take whole huge pages (rust/staging.rs)
 
 
 @dataclass(frozen=True)
@@ -43,7 +42,8 @@ class MemoryNeeds:
     def staging(self, tiers: list[str] | None = None) -> int:
         """The staging slots, each one largest group."""
         total = self.staging_slots * self.largest_group(tiers)
-        return -(-total // _HUGE_PAGE) * _HUGE_PAGE if total >= _HUGE_PAGE else total
+        huge = _core.HUGE_PAGE  # pools this large are mapped in whole huge pages
+        return -(-total // huge) * huge if total >= huge else total
 
 
 def _aligned(n: int) -> int:
