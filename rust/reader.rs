@@ -1,6 +1,8 @@
 //! The reader: one open file and one backend, reading batches of extents into a destination,
 //! either now (`read`) or in the background (`submit`, which returns a `Pending`).
-//! A `Reader` is `Send + Sync` and cheap to clone; concurrent reads each take their own ring.
+//! A `Reader` is `Send + Sync` and cheap to clone. With io_uring, every read of a reader (from
+//! any thread) goes through one I/O thread and its ring, which keeps the queue full across
+//! batches; pread and buffered reads run on their own threads, one batch at a time.
 
 use std::path::Path;
 use std::sync::{Arc, Condvar, Mutex};
@@ -41,12 +43,12 @@ pub struct Reader {
 }
 
 struct Inner {
-    file: OpenFile,
+    file: Arc<OpenFile>,
     backend: Backend,
     geometry: Geometry,
     queue_depth: usize,
-    /// Idle rings (io_uring only): a read takes one, or makes one, and puts it back.
-    rings: Mutex<Vec<uring::Ring>>,
+    /// The io_uring thread (io_uring only). Dropped with the reader: it drains, then ends.
+    queue: Option<uring::Queue>,
 }
 
 impl Reader {
@@ -75,14 +77,18 @@ impl Reader {
             alignment: file.alignment,
             request_size: request_size.next_multiple_of(file.alignment),
         };
-        let rings = Mutex::new(ring.into_iter().collect());
+        let file = Arc::new(file);
+        let queue = match ring {
+            Some(ring) => Some(uring::Queue::start(ring, Arc::clone(&file))?),
+            None => None,
+        };
         Ok(Self {
             inner: Arc::new(Inner {
                 file,
                 backend,
                 geometry,
                 queue_depth,
-                rings,
+                queue,
             }),
         })
     }
@@ -114,37 +120,27 @@ impl Reader {
     /// Read `extents` into `dest` and wait for them.
     pub fn read(&self, extents: &[Extent], dest: Destination) -> Result<()> {
         let batch = self.inner.prepare(extents, dest)?;
-        self.inner.execute(&batch)
+        self.inner.execute(batch)
     }
 
     /// `read`, returning each request's latency (first read submitted → completed), in
     /// completion order: per-request timing for benchmarks, like fio's completion latency.
     pub fn read_timed(&self, extents: &[Extent], dest: Destination) -> Result<Vec<Duration>> {
         let batch = self.inner.prepare(extents, dest)?.timed();
-        self.inner.execute(&batch)?;
-        let latencies = batch.latencies.expect("a timed batch");
-        Ok(latencies.into_inner().unwrap_or_else(|e| e.into_inner()))
+        let latencies = Arc::clone(batch.latencies.as_ref().expect("a timed batch"));
+        self.inner.execute(batch)?;
+        let mut latencies = latencies.lock().unwrap_or_else(|e| e.into_inner());
+        Ok(std::mem::take(&mut *latencies))
     }
 
-    /// Start reading `extents` into `dest` on a background thread. Bad extents fail here;
-    /// I/O errors surface at `Pending::wait`.
+    /// Start reading `extents` into `dest` in the background (behind earlier batches on the
+    /// io_uring thread, else on a thread of its own). Bad extents fail here; I/O errors surface
+    /// at `Pending::wait`.
     pub fn submit(&self, extents: &[Extent], dest: Destination) -> Result<Pending> {
         let batch = self.inner.prepare(extents, dest)?;
-        let completion = Arc::new(Completion::default());
-        let (inner, done) = (Arc::clone(&self.inner), Arc::clone(&completion));
-        std::thread::Builder::new()
-            .name("ntio-submit".into())
-            .spawn(move || {
-                let started = Instant::now();
-                let result = inner.execute(&batch);
-                drop(batch); // frees the destination (slot) before anyone is told it is done
-                done.finish(result, started.elapsed());
-            })
-            .map_err(|err| Error::System {
-                what: "spawning a reader thread",
-                errno: crate::error::errno_of(&err),
-            })?;
-        Ok(Pending { completion })
+        Ok(Pending {
+            completion: self.inner.start(batch)?,
+        })
     }
 }
 
@@ -155,38 +151,60 @@ impl Inner {
         Ok(Batch::new(requests, dest))
     }
 
-    fn execute(&self, batch: &Batch) -> Result<()> {
-        if batch.requests.is_empty() {
-            return Ok(());
-        }
+    /// Read `batch` now and wait for it.
+    fn execute(self: &Arc<Self>, batch: Batch) -> Result<()> {
         match self.backend {
             Backend::IoUring => {
-                let idle = self.rings.lock().unwrap_or_else(|e| e.into_inner()).pop();
-                let mut ring = match idle {
-                    Some(ring) => ring,
-                    None => {
-                        uring::Ring::new(self.queue_depth as u32).map_err(|err| Error::System {
-                            what: "creating an io_uring",
-                            errno: crate::error::errno_of(&err),
-                        })?
-                    }
-                };
-                let result = uring::run(&mut ring, &self.file, batch);
-                self.rings
-                    .lock()
-                    .unwrap_or_else(|e| e.into_inner())
-                    .push(ring);
-                result
+                let completion = self.start(batch)?;
+                completion.wait()
             }
-            Backend::Pread | Backend::Buffered => pread::run(&self.file, batch, self.queue_depth),
+            Backend::Pread | Backend::Buffered => {
+                if batch.requests.is_empty() {
+                    return Ok(());
+                }
+                pread::run(&self.file, &batch, self.queue_depth)
+            }
         }
+    }
+
+    /// Start `batch` in the background; its `elapsed` counts from now.
+    fn start(self: &Arc<Self>, batch: Batch) -> Result<Arc<Completion>> {
+        let started = Instant::now();
+        let completion = Arc::new(Completion::default());
+        if batch.requests.is_empty() {
+            completion.finish(Ok(()), started.elapsed());
+            return Ok(completion);
+        }
+        let done = Arc::clone(&completion);
+        match &self.queue {
+            Some(queue) => queue.push(uring::Job {
+                batch,
+                // Called once the batch is dropped, so the slot is free before anyone is told.
+                notify: Box::new(move |result| done.finish(result, started.elapsed())),
+            }),
+            None => {
+                let inner = Arc::clone(self);
+                std::thread::Builder::new()
+                    .name("ntio-submit".into())
+                    .spawn(move || {
+                        let result = pread::run(&inner.file, &batch, inner.queue_depth);
+                        drop(batch); // frees the destination (slot) before anyone is told it is done
+                        done.finish(result, started.elapsed());
+                    })
+                    .map_err(|err| Error::System {
+                        what: "spawning a reader thread",
+                        errno: crate::error::errno_of(&err),
+                    })?;
+            }
+        }
+        Ok(completion)
     }
 }
 
 #[derive(Default)]
 struct Completion {
     result: Mutex<Option<Result<()>>>,
-    /// How long the batch's I/O took on its thread; set just before `result`.
+    /// How long the batch took from its submission to its end; set just before `result`.
     elapsed: Mutex<Option<Duration>>,
     done: Condvar,
 }
@@ -196,6 +214,17 @@ impl Completion {
         *self.elapsed.lock().unwrap_or_else(|e| e.into_inner()) = Some(elapsed);
         *self.result.lock().unwrap_or_else(|e| e.into_inner()) = Some(result);
         self.done.notify_all();
+    }
+
+    /// Wait for the batch; its outcome (every call returns the same one).
+    fn wait(&self) -> Result<()> {
+        let mut result = self.result.lock().unwrap_or_else(|e| e.into_inner());
+        loop {
+            if let Some(outcome) = result.as_ref() {
+                return outcome.clone();
+            }
+            result = self.done.wait(result).unwrap_or_else(|e| e.into_inner());
+        }
     }
 }
 
@@ -215,7 +244,7 @@ impl Pending {
             .is_some()
     }
 
-    /// How long the batch's I/O took (its thread's start to its end); None while in flight.
+    /// How long the batch took (its submission to its end); None while in flight.
     /// Callers compare it with how long they were blocked in `wait` to measure overlap.
     pub fn elapsed(&self) -> Option<Duration> {
         *self
@@ -227,21 +256,7 @@ impl Pending {
 
     /// Wait for the batch; its error, if any (every call returns the same outcome).
     pub fn wait(&self) -> Result<()> {
-        let mut result = self
-            .completion
-            .result
-            .lock()
-            .unwrap_or_else(|e| e.into_inner());
-        loop {
-            if let Some(outcome) = result.as_ref() {
-                return outcome.clone();
-            }
-            result = self
-                .completion
-                .done
-                .wait(result)
-                .unwrap_or_else(|e| e.into_inner());
-        }
+        self.completion.wait()
     }
 }
 
@@ -395,6 +410,82 @@ mod tests {
             );
             pending.wait().unwrap();
             assert!(pending.poll() && !slot.in_flight());
+        }
+        std::fs::remove_file(path).unwrap();
+    }
+
+    #[test]
+    fn many_batches_from_several_threads_each_complete_with_their_own_bytes() {
+        // More batches in flight than the queue depth, unaligned pieces, submitted from four
+        // threads, some handles dropped unwaited and the reader dropped before the last waits.
+        let (path, bytes) = temp_file("many", 300_007);
+        for reader in readers(&path) {
+            std::thread::scope(|scope| {
+                for t in 0..4usize {
+                    let (reader, bytes) = (reader.clone(), &bytes);
+                    scope.spawn(move || {
+                        let mut bufs: Vec<Vec<u8>> = (0..12).map(|_| vec![0u8; 40_000]).collect();
+                        let mut pending = Vec::new();
+                        for (i, buf) in bufs.iter_mut().enumerate() {
+                            let offset = (t * 12 + i) * 5_003;
+                            let extent = Extent {
+                                file_offset: offset as u64,
+                                length: 40_000 - i,
+                                dest_offset: i,
+                            };
+                            // SAFETY: `bufs` outlives every handle, each waited or dropped below.
+                            let dest =
+                                unsafe { Destination::external(buf.as_mut_ptr(), buf.len()) };
+                            pending.push(reader.submit(&[extent], dest).unwrap());
+                        }
+                        drop(reader);
+                        for (i, p) in pending.into_iter().enumerate() {
+                            if i % 3 == 0 {
+                                drop(p); // waits
+                            } else {
+                                p.wait().unwrap();
+                                assert!(p.elapsed().is_some());
+                            }
+                        }
+                        for (i, buf) in bufs.iter().enumerate() {
+                            let offset = (t * 12 + i) * 5_003;
+                            assert_eq!(&buf[i..], &bytes[offset..offset + 40_000 - i]);
+                        }
+                    });
+                }
+            });
+        }
+        std::fs::remove_file(path).unwrap();
+    }
+
+    #[test]
+    fn a_refused_batch_leaves_queued_batches_alone() {
+        let (path, bytes) = temp_file("eof", 50_000);
+        for reader in readers(&path) {
+            let mut good = vec![0u8; 20_000];
+            // SAFETY: `good` outlives the wait below.
+            let dest = unsafe { Destination::external(good.as_mut_ptr(), good.len()) };
+            let extent = Extent {
+                file_offset: 100,
+                length: 20_000,
+                dest_offset: 0,
+            };
+            let first = reader.submit(&[extent], dest).unwrap();
+            // Past the end: refused at submission, the queued batch is unaffected.
+            let mut bad = vec![0u8; 10];
+            // SAFETY: nothing is read into `bad`.
+            let dest = unsafe { Destination::external(bad.as_mut_ptr(), bad.len()) };
+            let past = Extent {
+                file_offset: 49_995,
+                length: 10,
+                dest_offset: 0,
+            };
+            assert!(matches!(
+                reader.submit(&[past], dest),
+                Err(Error::UnexpectedEof { .. })
+            ));
+            first.wait().unwrap();
+            assert_eq!(good, &bytes[100..20_100]);
         }
         std::fs::remove_file(path).unwrap();
     }

@@ -12,7 +12,7 @@ use std::fs::{File, OpenOptions};
 use std::os::fd::AsRawFd;
 use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use crate::destination::Destination;
@@ -175,7 +175,7 @@ pub struct Batch {
     /// Size of one bounce region: the longest bounce request, 0 when nothing bounces.
     pub bounce_len: usize,
     /// Each request's latency (its first read submitted → its last completed), when timed.
-    pub latencies: Option<Mutex<Vec<Duration>>>,
+    pub latencies: Option<Arc<Mutex<Vec<Duration>>>>,
 }
 
 impl Batch {
@@ -196,7 +196,9 @@ impl Batch {
 
     /// Record each request's latency (for benchmarks: `Reader::read_timed`).
     pub fn timed(mut self) -> Self {
-        self.latencies = Some(Mutex::new(Vec::with_capacity(self.requests.len())));
+        self.latencies = Some(Arc::new(Mutex::new(Vec::with_capacity(
+            self.requests.len(),
+        ))));
         self
     }
 
@@ -204,7 +206,10 @@ impl Batch {
     pub fn record_latency(&self, started: Instant) {
         if let Some(latencies) = &self.latencies {
             let elapsed = started.elapsed();
-            latencies.lock().unwrap_or_else(|e| e.into_inner()).push(elapsed);
+            latencies
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .push(elapsed);
         }
     }
 
