@@ -1,9 +1,9 @@
 """Models bigger than memory: streamed decode next to its I/O bound, and against plain mmap under a memory limit.
 
-Part 1 (per model, alternating in rounds, medians): the disk's sequential O_DIRECT bandwidth over the model's layer
-bytes (`_core` reader, 256 KiB requests, QD 16; the mean of one read just before and one just after the streamed
-run), resident decode tok/s (all layers tier A) where it fits, and streamed decode with every layer on disk (tier C,
-read at every token, default read-ahead). The bound is
+Part 1 (per model, alternating in rounds, medians): the disk's sustained sequential O_DIRECT bandwidth over the
+model's layer bytes (`_core` reader, 1 MiB requests, QD 32, as many bytes as the streamed run reads; the mean of one
+such run just before and one just after the streamed run), resident decode tok/s (all layers tier A) where it
+fits, and streamed decode with every layer on disk (tier C, read at every token, default read-ahead). The bound is
     min(resident decode tok/s, disk GB/s / bytes read per token)
 and the ratio is streamed tok/s / bound, per round.
 
@@ -38,23 +38,43 @@ from ntio.tiers import available_ram, parse_size
 CGROUP_NAME = "ntio-stream-bound"
 
 
-_slots: dict[int, _core.Slot] = {}
+DISK_CHUNK = 64 << 20  # one batch of the disk measurement
 
 
-def disk_gb_s(path: Path) -> float:
-    """Cold (O_DIRECT) sequential read of the model's layer span (at most 1 GiB) as one batch, into a staging slot
-    of the kind the loader reads into (huge-page backed, faulted in): the disk's bandwidth for these bytes."""
+def layer_span(path: Path) -> tuple[int, int]:
+    """(start, length) of the file's layer bytes, from the first layer's first tensor (4096-aligned) to the end of
+    the last layer's: what an all-C token reads, give or take the gaps between layers."""
     f = open_model_file(path)
     n_layers = ModelConfig.from_gguf(f).n_layers
-    first = layer_extents(f, 0)[0][0]
+    first = layer_extents(f, 0)[0][0] // 4096 * 4096
     last_off, last_len = layer_extents(f, n_layers - 1)[-1]
-    span = min(last_off + last_len - first, 1 << 30)
-    if span not in _slots:
-        _slots[span] = _core.StagingPool(1, span + 4096).acquire()
-    reader = _core.Reader(str(path), request_size=256 << 10, queue_depth=16)
-    start = time.perf_counter()
-    reader.read([(first, span, first % 4096)], _slots[span])
-    return span / (time.perf_counter() - start) / 1e9
+    return first, last_off + last_len - first
+
+
+def disk_gb_s(path: Path, nbytes: int) -> float:
+    """The disk's sustained cold (O_DIRECT) sequential bandwidth over the model's layer bytes: 64 MiB batches, two in
+    flight (1 MiB requests, QD 32), cycling through the layers until `nbytes` are read, into staging slots of the
+    kind the loader reads into (huge-page backed). `nbytes` is the streamed run's volume: single reads of tens of MB
+    on this VM's disk vary by +-25% from one to the next, 1 GB runs by +-5%."""
+    first, span = layer_span(path)
+    reader = _core.Reader(str(path), request_size=1 << 20, queue_depth=32)
+    pool = _core.StagingPool(2, min(DISK_CHUNK, span))
+    slots = [pool.acquire() for _ in range(2)]
+    pending: list = [None, None]  # per slot: its batch in flight
+    start, done, at, turn = time.perf_counter(), 0, 0, 0
+    while done < nbytes:
+        if pending[turn] is not None:
+            pending[turn].wait()
+        n = min(DISK_CHUNK, span - at, nbytes - done)
+        pending[turn] = reader.submit([(first + at, n, 0)], slots[turn])
+        done, at, turn = done + n, (at + n) % span // 4096 * 4096, 1 - turn
+    for handle in pending:
+        if handle is not None:
+            handle.wait()
+    seconds = time.perf_counter() - start
+    for slot in slots:
+        slot.release()
+    return done / seconds / 1e9
 
 
 def decode_tok_s(path: Path, tiers: str, tokens: int, **options) -> tuple[float, float]:
@@ -77,12 +97,13 @@ def bound_rounds(path: Path, rounds: int, tokens: int, resident: bool) -> dict:
     """Per round: disk, resident decode, disk, streamed decode, disk. The disk of a streamed run is the mean of the
     reads just before and after it (this VM's disk changes speed from one minute to the next)."""
     disk, res, streamed, per_token, ratios = [], [], [], 0.0, []
+    volume = layer_span(path)[1] * tokens
     for _ in range(rounds):
         if resident:
             res.append(decode_tok_s(path, "A", tokens)[0])
-        before = disk_gb_s(path)
+        before = disk_gb_s(path, volume)
         rate, per_token = decode_tok_s(path, "C", tokens)
-        disk.append((before + disk_gb_s(path)) / 2)
+        disk.append((before + disk_gb_s(path, volume)) / 2)
         streamed.append(rate)
         bound = disk[-1] * 1e9 / per_token
         if resident:

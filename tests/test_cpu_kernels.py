@@ -94,6 +94,25 @@ def test_threads_do_not_change_results() -> None:
         cpu_kernels.set_threads(before)
 
 
+def test_decode_steps_run_torch_on_one_thread_and_restore_it() -> None:
+    from ntio.ops import step_threads
+
+    before = torch.get_num_threads()
+    cpu = torch.device("cpu")
+    try:
+        torch.set_num_threads(2)
+        with step_threads(cpu, 1):
+            assert torch.get_num_threads() == 1
+        assert torch.get_num_threads() == 2
+        with step_threads(cpu, cpu_kernels.MAX_ROWS + 1):  # prefill keeps its threads
+            assert torch.get_num_threads() == 2
+        with pytest.raises(KeyboardInterrupt), step_threads(cpu, 1):
+            raise KeyboardInterrupt
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_out_is_filled_and_returned() -> None:
     rng = np.random.default_rng(4)
     raw = torch.from_numpy(quant.random_quantized(T.Q8_0, (67, 64), rng).reshape(-1))

@@ -84,7 +84,11 @@ class Engine:
             ]
             return torch.cat(chunks) if all_logits else chunks[-1]
 
-        cfg = self.cfg
+        with ops.step_threads(self.device, n_tokens):
+            return self._forward_chunk(tokens, start_pos, all_logits)
+
+    def _forward_chunk(self, tokens: torch.Tensor, start_pos: int, all_logits: bool) -> torch.Tensor:
+        cfg, n_tokens = self.cfg, tokens.shape[0]
         h = ops.embedding(tokens, self.globals.token_embd)  # [T, D]
         rope = rope_tables(self.globals.inv_freq, start_pos, n_tokens)
         mask = causal_mask(start_pos, n_tokens, h.device)
@@ -95,7 +99,7 @@ class Engine:
                 h = transformer_block(h, w, self.kv.k[layer], self.kv.v[layer], start_pos, rope, mask, cfg)
         finally:
             self.layers.end_forward()
-        self.kv.length = end
+        self.kv.length = start_pos + n_tokens
         if not all_logits:
             return output_logits(h[-1:], self.globals, cfg)[0]
         return output_logits(h, self.globals, cfg)

@@ -10,6 +10,8 @@ Both compute in float32 with float32 sums, so they agree to ~1e-6 relative and w
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import gguf
@@ -71,6 +73,25 @@ def _dequantized_rows(w: EncodedMatrix, start: int, stop: int) -> torch.Tensor:
         buf = _scratch[key] = torch.empty(key[1], dtype=torch.float32, device=w.raw.device)
     raw = w.raw[start * w.row_nbytes : stop * w.row_nbytes]
     return quant.dequantize(raw, w.qtype, (stop - start, k), out=buf.view(stop - start, k))
+
+
+@contextmanager
+def step_threads(device: torch.device, n_tokens: int) -> Iterator[None]:
+    """Run a decode-sized CPU step (T <= cpu_kernels.MAX_ROWS) with torch's intra-op threads at 1, then restore them.
+
+    Such a step's matrix products run on the Rust kernels' own thread pool; what is left for torch is tiny ops
+    (norms, RoPE, attention over one query), where OpenMP's fork/join costs more than it saves, and whose
+    spinning workers take CPU that streamed reads need (benches/RESULTS.md, session 3). Prefill keeps its threads.
+    """
+    if device.type != "cpu" or n_tokens > cpu_kernels.MAX_ROWS or torch.get_num_threads() == 1:
+        yield
+        return
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
 
 
 def uses_cpu_kernel(x: torch.Tensor, w: EncodedMatrix) -> bool:
