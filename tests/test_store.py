@@ -13,9 +13,10 @@ from click.testing import CliRunner
 import ntio
 from ntio import _core
 from ntio.cli import main as cli
+from ntio.config import ModelConfig
 from ntio.errors import ModelFormatError, NtioError
 from ntio.gguf_file import GGUFFile
-from ntio.model_file import layer_extents, open_model_file, read_layer, row_extent, tensor_extent
+from ntio.model_file import layer_extents, open_model_file, plan_layer_read, read_layer, row_extent, tensor_extent
 from ntio.store import StoreFile, convert
 from ntio.synth import SynthSpec, write_synthetic_gguf
 
@@ -146,6 +147,21 @@ def test_layer_reads_through_every_backend_equal_the_file_bytes(synthetic, fmt, 
         for name, view in views.items():
             info = model_file.tensor(name)
             assert np.array_equal(view, file_bytes(path, info.offset, info.nbytes)), (name, backend)
+
+
+def test_layer_reads_are_whole_aligned_blocks_covering_every_tensor(synthetic, smollm2_path):
+    """O_DIRECT lands every byte in place: no unaligned head or tail to bounce (model_file.plan_layer_read)."""
+    for path in (synthetic[1][0], smollm2_path):
+        model_file = open_model_file(path)
+        size = path.stat().st_size
+        for layer in range(ModelConfig.from_gguf(model_file).n_layers):
+            planned, nbytes = plan_layer_read(model_file, layer)
+            for start, length, dest in planned:
+                assert start % 4096 == 0 and dest % 4096 == 0 and dest + length <= nbytes
+                assert length % 4096 == 0 or start + length == size
+            for part in ntio.model.BLOCK_TENSORS:
+                info = model_file.tensor(f"blk.{layer}.{part}.weight")
+                assert any(s <= info.offset and info.offset + info.nbytes <= s + n for s, n, _ in planned)
 
 
 def flip_byte(path, offset: int) -> None:

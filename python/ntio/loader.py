@@ -87,7 +87,7 @@ class LayerLoader:
         *,
         group_size: int = 1,
         prefetch_depth: int | None = None,
-        request_size: int = 256 << 10,
+        request_size: int = 1 << 20,
         backend: str | None = None,
         on_progress: ProgressCallback | None = None,
     ) -> None:
