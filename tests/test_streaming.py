@@ -118,6 +118,26 @@ def test_default_read_ahead_keeps_bytes_in_flight(smollm2_path):
         ntio.load(smollm2_path, max_context=64, tiers="C", prefetch_depth=0)
 
 
+def test_streamed_decode_allocates_nothing_weight_sized(smollm2_path):
+    """Steady-state decode reads each layer into a reused staging slot and computes from its bytes: per token, the
+    only allocations are activations, none bigger than the logits, a few MB in all (the token reads 66 MB)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    m = ntio.load(smollm2_path, max_context=64, tiers="C")
+    ids = m.encode_prompt(PROMPT)[:8]
+    logits, pos = m.engine.forward(torch.tensor(ids), 0), len(ids)
+    for _ in range(2):  # the first decode steps create the kernels' and prefetches' state
+        logits, pos = m.engine.forward(torch.tensor([int(logits.argmax())]), pos), pos + 1
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        for _ in range(4):
+            logits, pos = m.engine.forward(torch.tensor([int(logits.argmax())]), pos), pos + 1
+    m.close()
+    sizes = [abs(e.cpu_memory_usage) for e in prof.events() if e.name == "[memory]"]
+    assert len(sizes) > 100  # the profiler saw the activations
+    assert max(sizes) <= m.config.vocab_size * 4  # the smallest dequantized matrix (k: 192x576 fp32) is 442 KB
+    assert sum(sizes) / 4 < 0.1 * m.stats.summary()["bytes_read_per_token"]
+
+
 def test_budget_too_small_says_minimum(smollm2_path):
     with pytest.raises(NtioError, match=r"--ram-budget .* too small: .* at least [0-9.]+ MiB"):
         ntio.load(smollm2_path, max_context=256, ram_budget="20MB")
