@@ -243,7 +243,8 @@ impl ReadHandle {
         Ok(py.detach(|| self.pending.wait())?)
     }
 
-    /// Seconds the batch's I/O took, from its start to its end; None while in flight.
+    /// Seconds from submit to the end of the batch's I/O (time queued behind earlier batches
+    /// included); None while in flight.
     #[getter]
     fn elapsed(&self) -> Option<f64> {
         self.pending.elapsed().map(|d| d.as_secs_f64())

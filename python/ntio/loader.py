@@ -285,7 +285,7 @@ class LayerLoader:
         t0 = time.perf_counter()
         self._wait(handle)
         grp = self.groups[group]
-        end = submitted + (handle.elapsed or 0.0)  # reads finish in submission order here (one queue, FIFO use)
+        end = submitted + (handle.elapsed or 0.0)  # elapsed counts from submit; the reader's queue is FIFO
         busy = max(0.0, end - max(submitted, self._busy_until))
         self._busy_until = max(self._busy_until, end)
         if self._forward is not None:
@@ -296,6 +296,7 @@ class LayerLoader:
         for layer in grp.streamed:
             base = grp.offsets[layer]
             self._blocks[layer] = self._weights(layer, source[base : base + self._reads[layer].nbytes])
+
     def _to_device(self, group: int, index: int) -> torch.Tensor:
         """Copy the group's streamed bytes (C from the slot, B from pinned RAM) to the device on the copy stream."""
         grp, dst = self.groups[group], self._device_bytes[index]
