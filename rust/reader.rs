@@ -21,7 +21,8 @@ const MAX_QUEUE_DEPTH: usize = 4096;
 pub struct ReaderOptions {
     /// `None`: `NTIO_IO_BACKEND` if set, else probe.
     pub backend: Option<Backend>,
-    /// Requests in flight per batch (ring entries, or pread threads).
+    /// Requests in flight: io_uring, per reader (one ring shared by all its batches); pread, per
+    /// batch (threads).
     pub queue_depth: usize,
     /// Largest single read, rounded up to the alignment.
     pub request_size: usize,

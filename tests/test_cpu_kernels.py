@@ -94,19 +94,21 @@ def test_threads_do_not_change_results() -> None:
         cpu_kernels.set_threads(before)
 
 
-def test_decode_steps_run_torch_on_one_thread_and_restore_it() -> None:
-    from ntio.ops import step_threads
+def test_small_decode_steps_run_torch_on_one_thread_and_restore_it() -> None:
+    from ntio.ops import SERIAL_ATTENTION_WORK, step_threads
 
     before = torch.get_num_threads()
     cpu = torch.device("cpu")
     try:
         torch.set_num_threads(2)
-        with step_threads(cpu, 1):
+        with step_threads(cpu, 1, 9 * 150 * 64):
             assert torch.get_num_threads() == 1
         assert torch.get_num_threads() == 2
-        with step_threads(cpu, cpu_kernels.MAX_ROWS + 1):  # prefill keeps its threads
+        with step_threads(cpu, cpu_kernels.MAX_ROWS + 1, 9 * 150 * 64):  # prefill keeps its threads
             assert torch.get_num_threads() == 2
-        with pytest.raises(KeyboardInterrupt), step_threads(cpu, 1):
+        with step_threads(cpu, 1, SERIAL_ATTENTION_WORK + 1):  # so does attention over a long cache
+            assert torch.get_num_threads() == 2
+        with pytest.raises(KeyboardInterrupt), step_threads(cpu, 1, 64):
             raise KeyboardInterrupt
         assert torch.get_num_threads() == 2
     finally:

@@ -84,7 +84,7 @@ class Engine:
             ]
             return torch.cat(chunks) if all_logits else chunks[-1]
 
-        with ops.step_threads(self.device, n_tokens):
+        with ops.step_threads(self.device, n_tokens, self.cfg.n_heads * end * self.cfg.head_dim):
             return self._forward_chunk(tokens, start_pos, all_logits)
 
     def _forward_chunk(self, tokens: torch.Tensor, start_pos: int, all_logits: bool) -> torch.Tensor:

@@ -75,15 +75,24 @@ def _dequantized_rows(w: EncodedMatrix, start: int, stop: int) -> torch.Tensor:
     return quant.dequantize(raw, w.qtype, (stop - start, k), out=buf.view(stop - start, k))
 
 
-@contextmanager
-def step_threads(device: torch.device, n_tokens: int) -> Iterator[None]:
-    """Run a decode-sized CPU step (T <= cpu_kernels.MAX_ROWS) with torch's intra-op threads at 1, then restore them.
+# Attention work (query heads x cached positions x head_dim) below which one torch thread beats two: SDPA for one
+# query measured on this project's VM, 9 heads x 150 positions x 64: 17 us on 1 thread, 16-72 us on 2; 9 x 2000 x 64:
+# 184 us on 1, 113 on 2.
+SERIAL_ATTENTION_WORK = 1 << 19
 
-    Such a step's matrix products run on the Rust kernels' own thread pool; what is left for torch is tiny ops
-    (norms, RoPE, attention over one query), where OpenMP's fork/join costs more than it saves, and whose
-    spinning workers take CPU that streamed reads need (benches/RESULTS.md, session 3). Prefill keeps its threads.
+
+@contextmanager
+def step_threads(device: torch.device, n_tokens: int, attention_work: int) -> Iterator[None]:
+    """Run a small CPU decode step with torch's intra-op threads at 1, then restore them.
+
+    Small: T <= cpu_kernels.MAX_ROWS and attention_work (Hq * cached positions * hd) <= SERIAL_ATTENTION_WORK. Such
+    a step's matrix products run on the Rust kernels' own thread pool. What is left for torch is tiny ops (norms,
+    RoPE, attention over a short cache), where OpenMP's fork/join costs more than it saves. Its workers also spin
+    between ops and take CPU that streamed reads need (benches/RESULTS.md, session 3). Prefill and attention over
+    long caches keep every thread.
     """
-    if device.type != "cpu" or n_tokens > cpu_kernels.MAX_ROWS or torch.get_num_threads() == 1:
+    small = n_tokens <= cpu_kernels.MAX_ROWS and attention_work <= SERIAL_ATTENTION_WORK
+    if device.type != "cpu" or not small or torch.get_num_threads() == 1:
         yield
         return
     threads = torch.get_num_threads()
