@@ -51,12 +51,13 @@ def layer_span(path: Path) -> tuple[int, int]:
     return first, last_off + last_len - first
 
 
-def disk_gb_s(path: Path, nbytes: int) -> float:
-    """The disk's sustained cold (O_DIRECT) sequential bandwidth over the model's layer bytes: 64 MiB batches, two in
-    flight (1 MiB requests, QD 32), cycling through the layers until `nbytes` are read, into staging slots of the
-    kind the loader reads into (huge-page backed). `nbytes` is the streamed run's volume: single reads of tens of MB
-    on this VM's disk vary by +-25% from one to the next, 1 GB runs by +-5%."""
-    first, span = layer_span(path)
+def disk_gb_s(path: Path, layers: tuple[int, int], nbytes: int) -> float:
+    """The disk's sustained cold (O_DIRECT) sequential bandwidth over the model's layer bytes (`layers`, from
+    `layer_span`): 64 MiB batches, two in flight (1 MiB requests, QD 32), cycling through the layers until `nbytes`
+    are read, into staging slots of the kind the loader reads into (huge-page backed). `nbytes` is the streamed
+    run's volume: single reads of tens of MB on this VM's disk vary by +-25% from one to the next, 1 GB runs by
+    +-5%."""
+    first, span = layers
     reader = _core.Reader(str(path), request_size=1 << 20, queue_depth=32)
     pool = _core.StagingPool(2, min(DISK_CHUNK, span))
     slots = [pool.acquire() for _ in range(2)]
@@ -97,13 +98,14 @@ def bound_rounds(path: Path, rounds: int, tokens: int, resident: bool) -> dict:
     """Per round: disk, resident decode, disk, streamed decode, disk. The disk of a streamed run is the mean of the
     reads just before and after it (this VM's disk changes speed from one minute to the next)."""
     disk, res, streamed, per_token, ratios = [], [], [], 0.0, []
-    volume = layer_span(path)[1] * tokens
+    layers = layer_span(path)
+    volume = layers[1] * tokens
     for _ in range(rounds):
         if resident:
             res.append(decode_tok_s(path, "A", tokens)[0])
-        before = disk_gb_s(path, volume)
+        before = disk_gb_s(path, layers, volume)
         rate, per_token = decode_tok_s(path, "C", tokens)
-        disk.append((before + disk_gb_s(path, volume)) / 2)
+        disk.append((before + disk_gb_s(path, layers, volume)) / 2)
         streamed.append(rate)
         bound = disk[-1] * 1e9 / per_token
         if resident:

@@ -87,7 +87,6 @@ class LayerLoader:
         *,
         group_size: int = 1,
         prefetch_depth: int | None = None,
-        request_size: int = 1 << 20,
         backend: str | None = None,
         on_progress: ProgressCallback | None = None,
     ) -> None:
@@ -104,7 +103,7 @@ class LayerLoader:
         self.stats = StreamStats(layers_per_tier=plan.counts)
         self._forward: ForwardStats | None = None
         try:
-            self.reader = _core.Reader(layout.file.path, backend=backend, request_size=request_size)
+            self.reader = _core.Reader(layout.file.path, backend=backend)  # the reader's default request size and depth
         except OSError as e:
             raise ModelFormatError(str(e)) from None
         self._reads = [_plan_layer(layout, i) for i in range(cfg.n_layers)]
