@@ -20,17 +20,17 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from ntio.config import ModelConfig
-from ntio.budget import make_plan, memory_needs
-from ntio.engine import Engine, KVCache
+from ntio.models.config import ModelConfig
+from ntio.runtime.budget import make_plan, memory_needs
+from ntio.runtime.engine import Engine, KVCache
 from ntio.errors import ContextOverflowError, NtioError
 from ntio.fetch import resolve_model
-from ntio.generation import Sampler, SamplingParams, generate_ids
-from ntio.model_file import open_model_file
-from ntio.tokenizer import Tokenizer
-from ntio.loader import LayerLoader, ProgressCallback, auto_prefetch_depth
-from ntio.stats import StreamStats
-from ntio.weights import WeightLayout, load_global_weights
+from ntio.decoding.generation import Sampler, SamplingParams, generate_ids
+from ntio.formats.model_file import open_model_file
+from ntio.text.tokenizer import Tokenizer
+from ntio.runtime.loader import LayerLoader, ProgressCallback, auto_prefetch_depth
+from ntio.runtime.stats import StreamStats
+from ntio.models.weights import WeightLayout, load_global_weights
 
 KV_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 

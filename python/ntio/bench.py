@@ -129,7 +129,7 @@ def read(file, block_size, pattern, limit, seed, as_json, queue_depth, direct, b
 @_backend_option
 def layers(model, request_size, as_json, queue_depth, direct, backend) -> None:
     """Load every layer of MODEL (GGUF or ntio store) cold: time and bandwidth per layer."""
-    from ntio.model_file import extent_index, open_model_file, plan_layer_read
+    from ntio.formats.model_file import extent_index, open_model_file, plan_layer_read
 
     model_file = open_model_file(model)
     per_layer = []

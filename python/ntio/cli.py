@@ -62,7 +62,7 @@ def _load(model, ctx_size, kv_dtype, threads, device, tiers, gpu_memory_budget, 
           prefetch_depth, sync, io_backend):
     import torch
 
-    from ntio import cpu_kernels
+    from ntio.kernels import cpu_kernels
     from ntio.api import load
 
     if threads:
@@ -200,9 +200,9 @@ def perplexity(text_file, ctx, as_json, **opts) -> None:
 @click.option("--json", "as_json", is_flag=True)
 def info(model, as_json) -> None:
     """Architecture, tensors, types and bytes per layer of MODEL."""
-    from ntio.config import ModelConfig
-    from ntio.model_file import open_model_file
-    from ntio.weights import WeightLayout
+    from ntio.models.config import ModelConfig
+    from ntio.formats.model_file import open_model_file
+    from ntio.models.weights import WeightLayout
 
     g = open_model_file(model)
     cfg = ModelConfig.from_gguf(g)
@@ -241,7 +241,7 @@ def convert(model, output) -> None:
     from rich.console import Console
     from rich.progress import BarColumn, DownloadColumn, Progress, TimeRemainingColumn, TransferSpeedColumn
 
-    from ntio.store import STORE_SUFFIX, convert as convert_to_store
+    from ntio.formats.store import STORE_SUFFIX, convert as convert_to_store
 
     output = output or model.with_suffix(STORE_SUFFIX)
     columns = ("{task.description}", BarColumn(), DownloadColumn(), TransferSpeedColumn(), TimeRemainingColumn())

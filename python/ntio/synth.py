@@ -14,8 +14,8 @@ from pathlib import Path
 import gguf
 import numpy as np
 
-from ntio import quant
-from ntio.model import BLOCK_TENSORS, block_tensor_name
+from ntio.kernels import quant
+from ntio.models.llama import BLOCK_TENSORS, block_tensor_name
 
 Q = gguf.GGMLQuantizationType
 

@@ -18,7 +18,7 @@ import gguf
 import torch
 import torch.nn.functional as F
 
-from ntio import cpu_kernels, quant
+from ntio.kernels import cpu_kernels, quant
 
 
 @dataclass(frozen=True)

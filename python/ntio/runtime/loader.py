@@ -26,13 +26,13 @@ import torch
 
 from ntio import _core
 from ntio.errors import ModelFormatError, NtioError
-from ntio.gguf_file import TensorInfo
+from ntio.formats.gguf_file import TensorInfo
 from ntio.io import read_into, slot_array
-from ntio.model import LayerWeights
-from ntio.model_file import plan_layer_read
-from ntio.stats import ForwardStats, StreamStats
-from ntio.tiers import TierPlan
-from ntio.weights import WeightLayout, encoded_block
+from ntio.models.llama import LayerWeights
+from ntio.formats.model_file import plan_layer_read
+from ntio.runtime.stats import ForwardStats, StreamStats
+from ntio.runtime.tiers import TierPlan
+from ntio.models.weights import WeightLayout, encoded_block
 
 _ALIGN = 4096  # staging offsets keep each layer's file alignment, so O_DIRECT lands in place
 

@@ -20,9 +20,9 @@ import numpy as np
 
 from ntio import _core
 from ntio.errors import ModelFormatError
-from ntio.gguf_file import GGUF_MAGIC, GGUFFile
+from ntio.formats.gguf_file import GGUF_MAGIC, GGUFFile
 from ntio.io import read_into
-from ntio.store import STORE_MAGIC, StoreFile, layer_of, tensor_rows, verify_tensor
+from ntio.formats.store import STORE_MAGIC, StoreFile, layer_of, tensor_rows, verify_tensor
 
 ModelFile = GGUFFile | StoreFile
 

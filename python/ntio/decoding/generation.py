@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ntio.engine import Engine
+from ntio.runtime.engine import Engine
 from ntio.errors import NtioError
 
 

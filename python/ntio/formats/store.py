@@ -26,7 +26,7 @@ import numpy as np
 
 from ntio import _core
 from ntio.errors import ModelFormatError, NtioError
-from ntio.gguf_file import GGUFFile, ModelFileBase, TensorInfo
+from ntio.formats.gguf_file import GGUFFile, ModelFileBase, TensorInfo
 
 STORE_MAGIC: bytes = _core.STORE_MAGIC
 STORE_SUFFIX = ".ntio"

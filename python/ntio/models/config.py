@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ntio.errors import ModelFormatError, UnsupportedModelError
-from ntio.gguf_file import GGUFFile
+from ntio.formats.gguf_file import GGUFFile
 
 SUPPORTED_ARCHITECTURES = ("llama",)
 

@@ -11,13 +11,13 @@ from collections.abc import Callable
 
 import torch
 
-from ntio import ops, quant
-from ntio.config import ModelConfig
+from ntio.kernels import ops, quant
+from ntio.models.config import ModelConfig
 from ntio.errors import ModelFormatError, UnsupportedModelError
-from ntio.gguf_file import TensorInfo
-from ntio.model import BLOCK_TENSORS, GlobalWeights, LayerWeights, block_tensor_name, rope_inverse_frequencies
-from ntio.model_file import ModelFile
-from ntio.ops import EncodedMatrix
+from ntio.formats.gguf_file import TensorInfo
+from ntio.models.llama import BLOCK_TENSORS, GlobalWeights, LayerWeights, block_tensor_name, rope_inverse_frequencies
+from ntio.formats.model_file import ModelFile
+from ntio.kernels.ops import EncodedMatrix
 
 # Encoded bytes of one tensor as a 1-D uint8 tensor (CPU or device).
 RawTensor = torch.Tensor

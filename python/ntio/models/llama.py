@@ -1,7 +1,7 @@
 """The Llama-family graph as pure functions of (activations, weights, KV cache).
 
 Model code never knows where its weights come from: the engine hands each block its `LayerWeights`, which may be
-resident or just streamed from disk. Matrices stay GGUF-encoded; `ntio.ops` decides how each product runs.
+resident or just streamed from disk. Matrices stay GGUF-encoded; `ntio.kernels.ops` decides how each product runs.
 Compute is float32; KV caches may be fp32/fp16/bf16 and are upcast to float32 for attention.
 
 Shapes: T = new tokens this step, D = d_model, Hq / Hkv = query / KV heads, hd = head_dim, F = d_ff,
@@ -15,9 +15,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from ntio import ops
-from ntio.config import ModelConfig
-from ntio.ops import EncodedMatrix
+from ntio.kernels import ops
+from ntio.models.config import ModelConfig
+from ntio.kernels.ops import EncodedMatrix
 
 # GGUF tensor names of one transformer block, in the order ntio fuses them.
 BLOCK_TENSORS = ("attn_norm", "attn_q", "attn_k", "attn_v", "attn_output", "ffn_norm", "ffn_gate", "ffn_up", "ffn_down")

@@ -13,11 +13,12 @@ from dataclasses import dataclass
 
 import torch
 
-from ntio import _core, ops
-from ntio.config import ModelConfig
-from ntio.engine import PREFILL_CHUNK
-from ntio.tiers import TierPlan, available_ram, parse_size, parse_tier_spec, plan_tiers
-from ntio.weights import WeightLayout
+from ntio import _core
+from ntio.kernels import ops
+from ntio.models.config import ModelConfig
+from ntio.runtime.engine import PREFILL_CHUNK
+from ntio.runtime.tiers import TierPlan, available_ram, parse_size, parse_tier_spec, plan_tiers
+from ntio.models.weights import WeightLayout
 
 _ALIGN = 4096
 

@@ -22,9 +22,9 @@ from tokenizers import AddedToken, Regex, decoders, normalizers, pre_tokenizers
 from tokenizers import Tokenizer as _RustTokenizer
 from tokenizers.models import BPE
 
-from ntio.chat import ChatTemplate
+from ntio.text.chat import ChatTemplate
 from ntio.errors import ModelFormatError, NtioError, UnsupportedModelError
-from ntio.gguf_file import GGUFFile
+from ntio.formats.gguf_file import GGUFFile
 
 # llama.cpp's token types (llama_token_type in llama.h).
 _UNKNOWN, _CONTROL, _USER_DEFINED = 2, 3, 4

@@ -1,7 +1,7 @@
 """The layer loop: one forward pass over T >= 1 new tokens at explicit positions.
 
 The engine owns the loop and the KV cache; weights come from a `LayerSource`, which decides where a block's
-weights live (resident here; streamed from disk by the streaming engine). Model code (ntio.model) is pure.
+weights live (resident here; streamed from disk by the streaming engine). Model code (ntio.models.llama) is pure.
 """
 
 from __future__ import annotations
@@ -10,10 +10,10 @@ from typing import Protocol
 
 import torch
 
-from ntio import ops
-from ntio.config import ModelConfig
+from ntio.kernels import ops
+from ntio.models.config import ModelConfig
 from ntio.errors import ContextOverflowError
-from ntio.model import GlobalWeights, LayerWeights, causal_mask, output_logits, rope_tables, transformer_block
+from ntio.models.llama import GlobalWeights, LayerWeights, causal_mask, output_logits, rope_tables, transformer_block
 
 
 # Longer inputs run as several forward passes of at most this many tokens, which bounds activation memory.
@@ -21,7 +21,7 @@ PREFILL_CHUNK = 512
 
 
 class LayerSource(Protocol):
-    """Supplies each block's weights, ready to compute, in layer order (ntio.loader.LayerLoader)."""
+    """Supplies each block's weights, ready to compute, in layer order (ntio.runtime.loader.LayerLoader)."""
 
     def begin_forward(self, n_tokens: int) -> None: ...
 
