@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from gguf import GGMLQuantizationType as T
 
-from ntio import cpu_kernels, quant
+from ntio.kernels import cpu_kernels, quant
 
 LAYERS = 30
 LAYER_SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]

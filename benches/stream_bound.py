@@ -30,10 +30,10 @@ import torch
 
 import ntio
 from ntio import _core
-from ntio.config import ModelConfig
+from ntio.models.config import ModelConfig
 from ntio.fetch import resolve_model
-from ntio.model_file import layer_extents, open_model_file
-from ntio.tiers import available_ram, parse_size
+from ntio.formats.model_file import layer_extents, open_model_file
+from ntio.runtime.tiers import available_ram, parse_size
 
 CGROUP_NAME = "ntio-stream-bound"
 
@@ -159,13 +159,15 @@ class MappedLayers:
     """LayerSource over a read-only memory map of the file: no reads of ntio's own, the page cache decides."""
 
     def __init__(self, layout) -> None:
-        from ntio.weights import encoded_block
+        from ntio.models.weights import encoded_block
+        from ntio.policies.dense import DensePolicy
 
         def raw(info):
             return torch.from_numpy(layout.file.tensor_bytes(info.name))
 
-        self._blocks = [encoded_block(layout.cfg, t, lambda part, t=t: raw(t[part])) for t in layout.blocks]
+        self._blocks = [encoded_block(t, lambda part, t=t: raw(t[part])) for t in layout.blocks]
         self.stats = None
+        self.policy = DensePolicy()
 
     def begin_forward(self, n_tokens: int) -> None:
         pass
@@ -180,9 +182,10 @@ class MappedLayers:
 def mapped_decode_tok_s(path: Path, tokens: int) -> float:
     import warnings
 
-    from ntio.engine import Engine, KVCache
-    from ntio.tokenizer import Tokenizer
-    from ntio.weights import WeightLayout, load_global_weights
+    from ntio.runtime.engine import Engine
+    from ntio.runtime.kv_cache import KVCache
+    from ntio.text.tokenizer import Tokenizer
+    from ntio.models.weights import WeightLayout, load_global_weights
 
     warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
     f = open_model_file(path)

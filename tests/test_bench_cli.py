@@ -48,7 +48,7 @@ def test_extents_reads_the_fraction_and_compares_with_sequential(data_file):
 
 
 def test_layers_of_a_gguf_and_its_store(tmp_path):
-    from ntio.store import convert
+    from ntio.formats.store import convert
 
     gguf_path = write_synthetic_gguf(tmp_path / "tiny.gguf", preset("tiny"))
     for path in (gguf_path, convert(gguf_path, tmp_path / "tiny.ntio")):

@@ -7,7 +7,7 @@ import torch
 
 from ntio.api import StopStrings
 from ntio.errors import NtioError
-from ntio.generation import Sampler, SamplingParams
+from ntio.decoding.generation import Sampler, SamplingParams
 
 transformers = pytest.importorskip("transformers")
 from transformers.generation.logits_process import (  # noqa: E402

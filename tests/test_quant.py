@@ -1,4 +1,4 @@
-"""ntio.quant against the independent reference gguf-py (`gguf.quants.dequantize`): bit-exact float32 results.
+"""ntio.kernels.quant against the independent reference gguf-py (`gguf.quants.dequantize`): bit-exact float32 results.
 
 Inputs come from gguf-py's quantizer (non-K types), from raw random bytes with the fp16 scale fields overwritten
 by small finite values (every type; the only way to get K-quant blocks without llama.cpp), from `random_quantized`,
@@ -15,13 +15,13 @@ from gguf import GGMLQuantizationType as T
 from gguf.quants import dequantize as ref_dequantize
 from gguf.quants import quantize as ref_quantize
 
-from ntio import quant
+from ntio.kernels import quant
 from ntio.errors import UnsupportedModelError
-from ntio.gguf_file import GGUFFile
+from ntio.formats.gguf_file import GGUFFile
 
 ALL_TYPES = [T.F32, T.F16, T.BF16, T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q4_K, T.Q5_K, T.Q6_K]
 QUANTIZED = [t for t in ALL_TYPES if t not in (T.F32, T.F16, T.BF16)]
-# Byte offsets of the fp16 fields in each block (llama.cpp block_* structs), written independently of ntio.quant.
+# Byte offsets of the fp16 fields in each block (llama.cpp block_* structs), written independently of ntio.kernels.quant.
 F16_FIELDS = {
     T.Q8_0: (0,), T.Q4_0: (0,), T.Q4_1: (0, 2), T.Q5_0: (0,), T.Q5_1: (0, 2),
     T.Q4_K: (0, 2), T.Q5_K: (0, 2), T.Q6_K: (208,),

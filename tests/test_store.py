@@ -13,11 +13,11 @@ from click.testing import CliRunner
 import ntio
 from ntio import _core
 from ntio.cli import main as cli
-from ntio.config import ModelConfig
+from ntio.models.config import ModelConfig
 from ntio.errors import ModelFormatError, NtioError
-from ntio.gguf_file import GGUFFile
-from ntio.model_file import layer_extents, open_model_file, plan_layer_read, read_layer, row_extent, tensor_extent
-from ntio.store import StoreFile, convert
+from ntio.formats.gguf_file import GGUFFile
+from ntio.formats.model_file import layer_extents, open_model_file, plan_layer_read, read_layer, row_extent, tensor_extent
+from ntio.formats.store import StoreFile, convert
 from ntio.synth import SynthSpec, write_synthetic_gguf
 
 Q = gguf.GGMLQuantizationType
@@ -143,7 +143,7 @@ def test_layer_reads_through_every_backend_equal_the_file_bytes(synthetic, fmt, 
         assert len(extents) == 1 and extents[0][0] % 4096 == 0
     for layer in range(2):
         views = read_layer(reader, model_file, layer)
-        assert sorted(views) == sorted(f"blk.{layer}.{p}.weight" for p in ntio.model.BLOCK_TENSORS)
+        assert sorted(views) == sorted(f"blk.{layer}.{p}.weight" for p in ntio.models.llama.BLOCK_TENSORS)
         for name, view in views.items():
             info = model_file.tensor(name)
             assert np.array_equal(view, file_bytes(path, info.offset, info.nbytes)), (name, backend)
@@ -159,7 +159,7 @@ def test_layer_reads_are_whole_aligned_blocks_covering_every_tensor(synthetic, s
             for start, length, dest in planned:
                 assert start % 4096 == 0 and dest % 4096 == 0 and dest + length <= nbytes
                 assert length % 4096 == 0 or start + length == size
-            for part in ntio.model.BLOCK_TENSORS:
+            for part in ntio.models.llama.BLOCK_TENSORS:
                 info = model_file.tensor(f"blk.{layer}.{part}.weight")
                 assert any(s <= info.offset and info.offset + info.nbytes <= s + n for s, n, _ in planned)
 
@@ -233,7 +233,7 @@ def test_failed_convert_leaves_no_temp_file(synthetic, tmp_path, monkeypatch):
             raise RuntimeError("disk on fire")
         return 0
 
-    monkeypatch.setattr("ntio.store.checksum", failing_checksum)
+    monkeypatch.setattr("ntio.formats.store.checksum", failing_checksum)
     with pytest.raises(RuntimeError, match="disk on fire"):
         convert(gguf_path, tmp_path / "m.ntio")
     assert list(tmp_path.iterdir()) == []

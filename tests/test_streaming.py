@@ -17,10 +17,10 @@ import torch
 
 import ntio
 from ntio.errors import ModelFormatError, NtioError
-from ntio.loader import auto_prefetch_depth
-from ntio.store import convert
+from ntio.runtime.loader import auto_prefetch_depth
+from ntio.formats.store import convert
 from ntio.synth import SynthSpec, write_synthetic_gguf
-from ntio.tiers import parse_size, parse_tier_spec, plan_tiers
+from ntio.runtime.tiers import parse_size, parse_tier_spec, plan_tiers
 
 PROMPT = "Streaming layers from disk lets a small machine run a model that does not fit in its memory, because"
 
@@ -153,8 +153,8 @@ def test_budget_picks_tiers(smollm2_path):
 
 _PEAK_SCRIPT = """
 import gc, json, sys, torch, ntio
-from ntio.gguf_file import GGUFFile
-from ntio.tokenizer import Tokenizer
+from ntio.formats.gguf_file import GGUFFile
+from ntio.text.tokenizer import Tokenizer
 def status(key):
     for line in open('/proc/self/status'):
         if line.startswith(key):

@@ -14,8 +14,8 @@ from transformers import AutoTokenizer
 from transformers.convert_slow_tokenizer import bytes_to_unicode
 
 from ntio.errors import ModelFormatError, NtioError, UnsupportedModelError
-from ntio.gguf_file import GGUFFile
-from ntio.tokenizer import Tokenizer
+from ntio.formats.gguf_file import GGUFFile
+from ntio.text.tokenizer import Tokenizer
 
 TEXTS = [
     "The quick brown fox jumps over the lazy dog. It's 5 o'clock; we'll see what they've done!",

@@ -22,7 +22,8 @@ import torch.nn.functional as F
 
 from ntio.models.config import ModelConfig
 from ntio.runtime.budget import make_plan, memory_needs
-from ntio.runtime.engine import Engine, KVCache
+from ntio.runtime.engine import Engine
+from ntio.runtime.kv_cache import KVCache
 from ntio.errors import ContextOverflowError, NtioError
 from ntio.fetch import resolve_model
 from ntio.decoding.generation import Sampler, SamplingParams, generate_ids
@@ -115,7 +116,6 @@ class LLM:
             globals_ = load_global_weights(layout, self.loader.read_tensor, self.device)
         kv = KVCache(self.config, capacity, KV_DTYPES[kv_dtype], self.device)
         self.engine = Engine(self.config, globals_, self.loader, kv)
-        self._cached_ids: list[int] = []  # token ids whose K/V are in the cache, for prompt-prefix reuse
 
     @property
     def stats(self) -> StreamStats:
@@ -186,8 +186,7 @@ class LLM:
         self, prompt_ids: list[int], max_new_tokens: int, sampler: Sampler, stop: tuple[str, ...]
     ) -> Iterator[str]:
         # Reuse the longest cached prefix, but always recompute at least the last prompt token for its logits.
-        reuse = _common_prefix(self._cached_ids, prompt_ids, limit=len(prompt_ids) - 1)
-        self._cached_ids = prompt_ids[:reuse]
+        reuse = self.engine.kv.reusable_prefix(prompt_ids, limit=len(prompt_ids) - 1)
         detok = self.tokenizer.stream()
         stops = StopStrings(stop)
         text, generated, finish, hit = "", [], "length", False
@@ -214,8 +213,6 @@ class LLM:
                 text += rest
                 yield rest
         t_end = time.perf_counter()
-        # Every yielded token but the last went back through forward(): those are the cached positions.
-        self._cached_ids = prompt_ids + generated[:-1]
         n_decoded = len(generated) - 1
         return Completion(
             text=text,
@@ -251,17 +248,7 @@ class LLM:
             logits = self.engine.forward(window, 0, all_logits=True)
             total_nll += float(F.cross_entropy(logits[:-1].float(), window[1:], reduction="sum"))
             count += window.numel() - 1
-        self._cached_ids = []
         return Perplexity(perplexity=math.exp(total_nll / count), n_tokens=count, ctx=ctx)
-
-
-def _common_prefix(a: Sequence[int], b: Sequence[int], limit: int) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if n >= limit or x != y:
-            break
-        n += 1
-    return n
 
 
 class StopStrings:

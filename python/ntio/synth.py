@@ -15,7 +15,7 @@ import gguf
 import numpy as np
 
 from ntio.kernels import quant
-from ntio.models.llama import BLOCK_TENSORS, block_tensor_name
+from ntio.models.llama import LLAMA
 
 Q = gguf.GGMLQuantizationType
 
@@ -71,9 +71,9 @@ def _tensor_table(spec: SynthSpec) -> list[tuple[str, tuple[int, ...], gguf.GGML
     if spec.output_type is not None:
         table.append(("output.weight", (V, D), spec.output_type))
     for layer in range(spec.n_layers):
-        for part in BLOCK_TENSORS:
-            qtype = Q.F32 if part.endswith("norm") else spec.part_types.get(part, spec.matrix_type)
-            table.append((block_tensor_name(layer, part), shapes[part], qtype))
+        for t in LLAMA.tensors:
+            qtype = spec.part_types.get(t.part, spec.matrix_type) if t.matrix else Q.F32
+            table.append((t.name(layer), shapes[t.part], qtype))
     return table
 
 

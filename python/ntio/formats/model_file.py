@@ -5,7 +5,8 @@
   `tensor_extent(model_file, name)` and `row_extent(model_file, name, start, stop)` give `(file_offset, length)`.
   A row of a row-major encoded tensor is `K / block * type_size` bytes, so an FFN neuron group (rows of gate and
   up) is one extent. For a GGUF the extents are the tensors' own (unaligned).
-- `plan_layer_read(model_file, layer)` → reader extents packing a layer into one buffer, in whole 4 KiB blocks; `read_layer(reader,
+- `plan_layer_read(model_file, layer)` → reader extents packing a layer into one buffer, in whole 4 KiB blocks;
+  `plan_subset_read(planned, ranges)` → the same for some byte ranges of it (a load policy's subset); `read_layer(reader,
   model_file, layer)` reads a whole layer through a `_core.Reader` into one buffer and returns
   a zero-copy uint8 view per tensor, verified against the store's checksums.
 """
@@ -110,6 +111,28 @@ def plan_layer_read(model_file: ModelFile, layer: int) -> tuple[list[tuple[int, 
         planned.append((start, stop - start, end))
         end += stop - start
     return planned, end
+
+
+def plan_subset_read(
+    planned: list[tuple[int, int, int]], ranges: list[tuple[int, int]]
+) -> list[tuple[int, int, int]]:
+    """Reader extents for only the file byte ranges (offset, length) of a layer planned by `plan_layer_read`.
+
+    Each range lands where the whole-layer plan would put it (so tensor offsets in the layer buffer hold), widened
+    to whole _DEST_ALIGNMENT blocks inside its planned extent; overlapping or touching pieces merge.
+    """
+    pieces: list[tuple[int, int, int]] = []
+    for offset, length in sorted(ranges):
+        file_start, span, dest = next(p for p in planned if p[0] <= offset < p[0] + p[1])
+        start = max(file_start, offset - offset % _DEST_ALIGNMENT)
+        stop = min(file_start + span, -(-(offset + length) // _DEST_ALIGNMENT) * _DEST_ALIGNMENT)
+        piece = (start, stop - start, dest + start - file_start)
+        last = pieces[-1] if pieces else None
+        if last is not None and start <= last[0] + last[1] and piece[2] - start == last[2] - last[0]:
+            pieces[-1] = (last[0], max(last[1], stop - last[0]), last[2])
+        else:
+            pieces.append(piece)
+    return pieces
 
 
 def read_layer(reader: _core.Reader, model_file: ModelFile, layer: int, verify: bool = True) -> dict[str, np.ndarray]:

@@ -10,6 +10,7 @@ Both compute in float32 with float32 sums, so they agree to ~1e-6 relative and w
 
 from __future__ import annotations
 
+import contextvars
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -58,19 +59,59 @@ def fuse_adjacent(matrices: list[EncodedMatrix]) -> list[EncodedMatrix]:
     return fused
 
 
+def row_slice(w: EncodedMatrix, start: int, stop: int) -> EncodedMatrix:
+    """Rows [start, stop) of w, as a view (rows are whole blocks in a row-major encoding)."""
+    return EncodedMatrix(w.raw[start * w.row_nbytes : stop * w.row_nbytes], w.qtype, (stop - start, w.shape[1]))
+
+
+def split_rows(ws: list[EncodedMatrix], n_first: int) -> tuple[EncodedMatrix, EncodedMatrix]:
+    """Two row-stacked matrices (e.g. gate then up, fused by fuse_adjacent or not) as (first n_first rows, rest)."""
+    if len(ws) == 2 and ws[0].shape[0] == n_first:
+        return ws[0], ws[1]
+    (w,) = ws
+    return row_slice(w, 0, n_first), row_slice(w, n_first, w.shape[0])
+
+
 # Dequantized weights for a dense product never take more than this: big matrices go in row chunks.
 SCRATCH_BYTES = 64 << 20
-# Scratch buffers, reused across calls (keyed by device and size) so steady state allocates nothing.
-_scratch: dict[tuple[torch.device, int], torch.Tensor] = {}
+
+
+class Scratch:
+    """Reused float32 buffers for dequantized weights, one per device, grown to the largest chunk asked for and
+    never beyond SCRATCH_BYTES. Each engine owns one (`using_scratch`), so two engines never share or race on it."""
+
+    def __init__(self) -> None:
+        self._buffers: dict[torch.device, torch.Tensor] = {}
+
+    def take(self, device: torch.device, numel: int) -> torch.Tensor:
+        """A float32 buffer of exactly `numel` elements (a view of the device's buffer)."""
+        buf = self._buffers.get(device)
+        if buf is None or buf.numel() < numel:
+            buf = self._buffers[device] = torch.empty(numel, dtype=torch.float32, device=device)
+        return buf[:numel]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(b.numel() * 4 for b in self._buffers.values())
+
+
+# The scratch products use: the running engine's (set by `using_scratch`), else one for callers outside an engine.
+_scratch: contextvars.ContextVar[Scratch] = contextvars.ContextVar("ntio_scratch", default=Scratch())
+
+
+@contextmanager
+def using_scratch(scratch: Scratch) -> Iterator[None]:
+    token = _scratch.set(scratch)
+    try:
+        yield
+    finally:
+        _scratch.reset(token)
 
 
 def _dequantized_rows(w: EncodedMatrix, start: int, stop: int) -> torch.Tensor:
-    """Rows [start, stop) of w as float32 [stop - start, K] in a reused scratch buffer."""
+    """Rows [start, stop) of w as float32 [stop - start, K] in the active scratch buffer."""
     k = w.shape[1]
-    key = (w.raw.device, (stop - start) * k)
-    buf = _scratch.get(key)
-    if buf is None:
-        buf = _scratch[key] = torch.empty(key[1], dtype=torch.float32, device=w.raw.device)
+    buf = _scratch.get().take(w.raw.device, (stop - start) * k)
     raw = w.raw[start * w.row_nbytes : stop * w.row_nbytes]
     return quant.dequantize(raw, w.qtype, (stop - start, k), out=buf.view(stop - start, k))
 
@@ -82,8 +123,9 @@ SERIAL_ATTENTION_WORK = 1 << 19
 
 
 @contextmanager
-def step_threads(device: torch.device, n_tokens: int, attention_work: int) -> Iterator[None]:
-    """Run a small CPU decode step with torch's intra-op threads at 1, then restore them.
+def step_threads(device: torch.device, n_tokens: int, attention_work: int, threads: int | None = None) -> Iterator[None]:
+    """Run a CPU step with torch's intra-op threads at `threads` (None: as they are), or at 1 for a small decode
+    step, then restore them: an engine's thread setting never leaks into the process or into another engine.
 
     Small: T <= cpu_kernels.MAX_ROWS and attention_work (Hq * cached positions * hd) <= SERIAL_ATTENTION_WORK. Such
     a step's matrix products run on the Rust kernels' own thread pool. What is left for torch is tiny ops (norms,
@@ -92,15 +134,16 @@ def step_threads(device: torch.device, n_tokens: int, attention_work: int) -> It
     long caches keep every thread.
     """
     small = n_tokens <= cpu_kernels.MAX_ROWS and attention_work <= SERIAL_ATTENTION_WORK
-    if device.type != "cpu" or not small or torch.get_num_threads() == 1:
+    before = torch.get_num_threads()
+    wanted = 1 if small else (threads or before)
+    if device.type != "cpu" or wanted == before:
         yield
         return
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
+    torch.set_num_threads(wanted)
     try:
         yield
     finally:
-        torch.set_num_threads(threads)
+        torch.set_num_threads(before)
 
 
 def uses_cpu_kernel(x: torch.Tensor, w: EncodedMatrix) -> bool:

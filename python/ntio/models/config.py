@@ -1,7 +1,7 @@
 """Model hyper-parameters read from GGUF metadata.
 
 `ModelConfig` is computed once per file; derived fields (head_dim, q/kv widths) are properties so nothing is stored
-twice. Only the Llama family is supported: `llama` (Llama 1/2/3, SmolLM, TinyLlama, Mistral-as-llama conversions).
+twice. Which architectures are supported is the family registry's word (`ntio.models.registry`).
 """
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ from dataclasses import dataclass
 
 from ntio.errors import ModelFormatError, UnsupportedModelError
 from ntio.formats.gguf_file import GGUFFile
-
-SUPPORTED_ARCHITECTURES = ("llama",)
+from ntio.models.family import Family
+from ntio.models.registry import FAMILIES
 
 
 @dataclass(frozen=True)
@@ -39,6 +39,10 @@ class ModelConfig:
     tied_embeddings: bool
 
     @property
+    def family(self) -> Family:
+        return FAMILIES[self.architecture]
+
+    @property
     def head_dim(self) -> int:
         return self.d_model // self.n_heads
 
@@ -53,9 +57,9 @@ class ModelConfig:
     @classmethod
     def from_gguf(cls, g: GGUFFile) -> ModelConfig:
         arch = g.architecture
-        if arch not in SUPPORTED_ARCHITECTURES:
+        if arch not in FAMILIES:
             raise UnsupportedModelError(
-                f"{g.path}: architecture {arch!r} is not supported (supported: {', '.join(SUPPORTED_ARCHITECTURES)})"
+                f"{g.path}: architecture {arch!r} is not supported (supported: {', '.join(FAMILIES)})"
             )
 
         def key(name: str) -> str:

@@ -1,56 +1,43 @@
 """From encoded tensors in a model file to the `LayerWeights` / `GlobalWeights` the graph takes.
 
-`WeightLayout` checks, once at load time, that every tensor the graph needs exists with the right shape and a
-supported type, so a bad file fails before any compute with the tensor named. `encoded_block` wraps one block's
-encoded bytes (wherever they were read into) as `LayerWeights`; matrices are never dequantized here.
+`WeightLayout` checks, once at load time, that every tensor the family's block needs exists with the right shape
+and a supported type, so a bad file fails before any compute with the tensor named. `encoded_block` wraps one
+block's encoded bytes (wherever they were read into) as `LayerWeights`; matrices are never dequantized here.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
-from ntio.kernels import ops, quant
-from ntio.models.config import ModelConfig
 from ntio.errors import ModelFormatError, UnsupportedModelError
 from ntio.formats.gguf_file import TensorInfo
-from ntio.models.llama import BLOCK_TENSORS, GlobalWeights, LayerWeights, block_tensor_name, rope_inverse_frequencies
 from ntio.formats.model_file import ModelFile
+from ntio.kernels import ops, quant
 from ntio.kernels.ops import EncodedMatrix
+from ntio.models.config import ModelConfig
+from ntio.models.layers import GlobalWeights, LayerWeights, rope_inverse_frequencies
 
 # Encoded bytes of one tensor as a 1-D uint8 tensor (CPU or device).
 RawTensor = torch.Tensor
 
 
-def block_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """Expected PyTorch-order shape of each block tensor."""
-    D, F, Q, KV = cfg.d_model, cfg.d_ff, cfg.q_width, cfg.kv_width
-    return {
-        "attn_norm": (D,),
-        "attn_q": (Q, D),
-        "attn_k": (KV, D),
-        "attn_v": (KV, D),
-        "attn_output": (D, Q),
-        "ffn_norm": (D,),
-        "ffn_gate": (F, D),
-        "ffn_up": (F, D),
-        "ffn_down": (D, F),
-    }
-
-
 class WeightLayout:
-    """The validated tensor table of a Llama-family file: where each block's and global tensor is."""
+    """The validated tensor table of a model file: where each block's and global tensor is.
+
+    blocks[layer] maps the family's part names ("attn_q", "attn_q.bias", ...) to the tensors of that layer.
+    """
 
     def __init__(self, g: ModelFile, cfg: ModelConfig) -> None:
         self.file = g
         self.cfg = cfg
-        shapes = block_shapes(cfg)
-        self.blocks: list[dict[str, TensorInfo]] = []
-        for layer in range(cfg.n_layers):
-            self.blocks.append(
-                {part: self._checked(block_tensor_name(layer, part), shapes[part]) for part in BLOCK_TENSORS}
-            )
+        self.family = cfg.family
+        self.blocks: list[dict[str, TensorInfo]] = [
+            {t.part: self._checked(t.name(layer), t.shape(cfg)) for t in self.family.tensors}
+            for layer in range(cfg.n_layers)
+        ]
         self.token_embd = self._checked("token_embd.weight", (cfg.vocab_size, cfg.d_model))
         self.output_norm = self._checked("output_norm.weight", (cfg.d_model,))
         self.output = None if cfg.tied_embeddings else self._checked("output.weight", (cfg.vocab_size, cfg.d_model))
@@ -73,33 +60,47 @@ class WeightLayout:
         return sum(info.nbytes for info in self.blocks[layer].values())
 
 
+@dataclass(frozen=True)
+class BlockVectors:
+    """A block's small tensors decoded to float32 (a few KB): its bytes are re-read with a streamed layer, but
+    decoding them again would only repeat work, so a loader may keep these per layer."""
+
+    attn_norm: torch.Tensor  # [D]
+    ffn_norm: torch.Tensor  # [D]
+    qkv_bias: torch.Tensor | None  # [Q + 2 KV], q/k/v biases concatenated; None for families without them
+
+
+def decode_vectors(tensors: dict[str, TensorInfo], raw: Callable[[str], RawTensor]) -> BlockVectors:
+    def vector(part: str) -> torch.Tensor:
+        info = tensors[part]
+        return quant.dequantize(raw(part), info.qtype, info.shape)
+
+    bias_parts = ("attn_q.bias", "attn_k.bias", "attn_v.bias")
+    qkv_bias = torch.cat([vector(p) for p in bias_parts]) if bias_parts[0] in tensors else None
+    return BlockVectors(vector("attn_norm"), vector("ffn_norm"), qkv_bias)
+
+
 def encoded_block(
-    cfg: ModelConfig,
-    tensors: dict[str, TensorInfo],
-    raw: Callable[[str], RawTensor],
-    norms: tuple[torch.Tensor, torch.Tensor] | None = None,
+    tensors: dict[str, TensorInfo], raw: Callable[[str], RawTensor], vectors: BlockVectors | None = None
 ) -> LayerWeights:
     """One block's `LayerWeights`. raw(part) gives the encoded bytes of tensors[part] on the target device.
 
-    Norms are decoded to float32 (a few KB), unless `norms` (attn_norm, ffn_norm) already holds them; matrices keep
-    their encoding, as views of the bytes given. q/k/v and gate/up that are adjacent and of one type in that buffer
-    are fused into single products (ops.fuse_adjacent).
+    Vectors (norms, biases) are decoded to float32 unless `vectors` already holds them; matrices keep their
+    encoding, as views of the bytes given. q/k/v and gate/up that are adjacent and of one type in that buffer are
+    fused into single products (ops.fuse_adjacent).
     """
 
     def matrix(part: str) -> EncodedMatrix:
         info = tensors[part]
         return EncodedMatrix(raw(part), info.qtype, info.shape)
 
-    def norm(part: str) -> torch.Tensor:
-        info = tensors[part]
-        return quant.dequantize(raw(part), info.qtype, info.shape)
-
-    attn_norm, ffn_norm = norms if norms is not None else (norm("attn_norm"), norm("ffn_norm"))
+    v = vectors if vectors is not None else decode_vectors(tensors, raw)
     return LayerWeights(
-        attn_norm=attn_norm,
+        attn_norm=v.attn_norm,
         wqkv=ops.fuse_adjacent([matrix("attn_q"), matrix("attn_k"), matrix("attn_v")]),
+        qkv_bias=v.qkv_bias,
         wo=matrix("attn_output"),
-        ffn_norm=ffn_norm,
+        ffn_norm=v.ffn_norm,
         w_gate_up=ops.fuse_adjacent([matrix("ffn_gate"), matrix("ffn_up")]),
         w_down=matrix("ffn_down"),
     )

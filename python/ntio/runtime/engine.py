@@ -1,7 +1,7 @@
 """The layer loop: one forward pass over T >= 1 new tokens at explicit positions.
 
-The engine owns the loop and the KV cache; weights come from a `LayerSource`, which decides where a block's
-weights live (resident here; streamed from disk by the streaming engine). Model code (ntio.models.llama) is pure.
+The engine owns the loop, the KV cache and its scratch memory; weights come from a `LayerSource` (the layer loader),
+which asks its load policy before each read what to load. The family's block function (ntio.models) is pure.
 """
 
 from __future__ import annotations
@@ -10,11 +10,12 @@ from typing import Protocol
 
 import torch
 
+from ntio.errors import ContextOverflowError
 from ntio.kernels import ops
 from ntio.models.config import ModelConfig
-from ntio.errors import ContextOverflowError
-from ntio.models.llama import GlobalWeights, LayerWeights, causal_mask, output_logits, rope_tables, transformer_block
-
+from ntio.models.layers import GlobalWeights, LayerWeights, causal_mask, output_logits, rope_tables
+from ntio.policies.base import LOAD_ALL, SKIP, LoadDecision, LoadPolicy, Observation
+from ntio.runtime.kv_cache import KVCache
 
 # Longer inputs run as several forward passes of at most this many tokens, which bounds activation memory.
 PREFILL_CHUNK = 512
@@ -23,40 +24,35 @@ PREFILL_CHUNK = 512
 class LayerSource(Protocol):
     """Supplies each block's weights, ready to compute, in layer order (ntio.runtime.loader.LayerLoader)."""
 
+    policy: LoadPolicy
+
     def begin_forward(self, n_tokens: int) -> None: ...
 
-    def block(self, layer: int) -> LayerWeights: ...
+    def block(self, layer: int) -> LayerWeights | None:
+        """The layer's weights, or None when the policy skips it."""
 
     def end_forward(self) -> None: ...
 
 
-class KVCache:
-    """Preallocated keys and values for every layer: k, v: [n_layers, Hkv, capacity, hd].
-
-    `length` is the number of valid positions; `crop(n)` forgets everything from position n on (speculative
-    rollback, prompt-prefix reuse). Allocated with torch.empty: on CPU, pages are committed only when written.
-    """
-
-    def __init__(self, cfg: ModelConfig, capacity: int, dtype: torch.dtype, device: torch.device | str) -> None:
-        shape = (cfg.n_layers, cfg.n_kv_heads, capacity, cfg.head_dim)
-        self.k = torch.empty(shape, dtype=dtype, device=device)
-        self.v = torch.empty(shape, dtype=dtype, device=device)
-        self.capacity = capacity
-        self.length = 0
-
-    def crop(self, length: int) -> None:
-        if not 0 <= length <= self.length:
-            raise ValueError(f"cannot crop a KV cache of {self.length} positions to {length}")
-        self.length = length
+def _decision(w: LayerWeights | None) -> LoadDecision:
+    if w is None:
+        return SKIP
+    return LOAD_ALL if w.ffn_rows is None else LoadDecision("rows", w.ffn_rows)
 
 
 class Engine:
-    def __init__(self, cfg: ModelConfig, globals_: GlobalWeights, layers: LayerSource, kv: KVCache) -> None:
+    """One model's forward pass. `threads`: torch intra-op threads for its prefill steps (None: the process's),
+    set for each step and restored after it; `scratch`: its own dequantization buffers."""
+
+    def __init__(self, cfg: ModelConfig, globals_: GlobalWeights, layers: LayerSource, kv: KVCache,
+                 *, threads: int | None = None) -> None:
         self.cfg = cfg
         self.globals = globals_
         self.layers = layers
         self.kv = kv
         self.device = globals_.output_norm.device
+        self.threads = threads
+        self.scratch = ops.Scratch()
 
     @torch.inference_mode()
     def forward(self, tokens: torch.Tensor, start_pos: int, *, all_logits: bool = False) -> torch.Tensor:
@@ -84,11 +80,17 @@ class Engine:
             ]
             return torch.cat(chunks) if all_logits else chunks[-1]
 
-        with ops.step_threads(self.device, n_tokens, self.cfg.n_heads * end * self.cfg.head_dim):
-            return self._forward_chunk(tokens, start_pos, all_logits)
+        attention_work = self.cfg.n_heads * end * self.cfg.head_dim
+        with ops.step_threads(self.device, n_tokens, attention_work, self.threads), ops.using_scratch(self.scratch):
+            logits = self._forward_chunk(tokens, start_pos, all_logits)
+        self.kv.commit(start_pos, tokens.tolist())
+        return logits
 
     def _forward_chunk(self, tokens: torch.Tensor, start_pos: int, all_logits: bool) -> torch.Tensor:
-        cfg, n_tokens = self.cfg, tokens.shape[0]
+        cfg, n_tokens, kv = self.cfg, tokens.shape[0], self.kv
+        end = start_pos + n_tokens
+        block = cfg.family.block
+        policy = self.layers.policy
         h = ops.embedding(tokens, self.globals.token_embd)  # [T, D]
         rope = rope_tables(self.globals.inv_freq, start_pos, n_tokens)
         mask = causal_mask(start_pos, n_tokens, h.device)
@@ -96,10 +98,14 @@ class Engine:
         try:
             for layer in range(cfg.n_layers):
                 w = self.layers.block(layer)
-                h = transformer_block(h, w, self.kv.k[layer], self.kv.v[layer], start_pos, rope, mask, cfg)
+                h_in, taps = h, ({} if policy.wants_ffn_gate else None)
+                if w is not None:
+                    layer_mask = kv.attention_mask(layer, mask, n_tokens, end)
+                    h = block(h, w, kv.k[layer], kv.v[layer], start_pos, rope, layer_mask, cfg, taps)
+                kv.record(layer, start_pos, n_tokens, skipped=w is None)
+                policy.observe(Observation(layer, start_pos, h_in, h, _decision(w), taps and taps.get("ffn_gate")))
         finally:
             self.layers.end_forward()
-        self.kv.length = start_pos + n_tokens
         if not all_logits:
             return output_logits(h[-1:], self.globals, cfg)[0]
         return output_logits(h, self.globals, cfg)

@@ -11,12 +11,17 @@ buffer on a copy stream, and the compute stream waits on that copy's event.
 Every block, whatever its tier, is built from the same kind of buffer (one layer packed by `plan_layer_read`), so
 all tiers run the same ops on the same bytes: streamed and resident results are bit-identical.
 
+What each layer reads is its load policy's decision (ntio.policies), asked before the read is submitted: the whole
+layer (`DensePolicy`, the default), nothing (skip), or a subset of the FFN's gate/up rows. The policy's horizon is
+the read-ahead window, `prefetch_depth` groups of `group_size` layers. Stats count the bytes each layer really read.
+
 Interface (SPEC-006 §4.2): load_group / evict_group / prefetch_async / sync, num_groups, layers_per_group; and
 `block(layer)` for the engine. Reads that fail (file truncated or gone) raise ModelFormatError naming file and offset.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -28,11 +33,13 @@ from ntio import _core
 from ntio.errors import ModelFormatError, NtioError
 from ntio.formats.gguf_file import TensorInfo
 from ntio.io import read_into, slot_array
-from ntio.models.llama import LayerWeights
-from ntio.formats.model_file import plan_layer_read
+from ntio.formats.model_file import plan_layer_read, plan_subset_read, row_extent
+from ntio.models.layers import LayerWeights
+from ntio.policies.base import LoadDecision, LoadPolicy
+from ntio.policies.dense import DensePolicy
 from ntio.runtime.stats import ForwardStats, StreamStats
 from ntio.runtime.tiers import TierPlan
-from ntio.models.weights import WeightLayout, encoded_block
+from ntio.models.weights import BlockVectors, WeightLayout, decode_vectors, encoded_block
 
 _ALIGN = 4096  # staging offsets keep each layer's file alignment, so O_DIRECT lands in place
 
@@ -59,6 +66,15 @@ class _LayerRead:
     extents: list[tuple[int, int, int]]  # (file_offset, length, dest_offset within the layer buffer)
     nbytes: int
     tensor_offsets: dict[str, int]  # block part -> offset of its bytes in the layer buffer
+
+
+@dataclass
+class _PendingRead:
+    index: int  # staging slot
+    handle: _core.ReadHandle
+    submitted: float  # perf_counter at submit
+    decisions: dict[int, LoadDecision]  # streamed layer -> what was read for it
+    nbytes: dict[int, int]  # streamed layer -> bytes read for it
 
 
 @dataclass
@@ -89,6 +105,7 @@ class LayerLoader:
         prefetch_depth: int | None = None,
         backend: str | None = None,
         on_progress: ProgressCallback | None = None,
+        policy: LoadPolicy | None = None,
     ) -> None:
         cfg = layout.cfg
         if group_size < 1:
@@ -100,6 +117,7 @@ class LayerLoader:
         if prefetch_depth is not None and prefetch_depth < 0:
             raise NtioError(f"prefetch depth must be >= 0, got {prefetch_depth}")
         self.on_progress = on_progress
+        self.policy = policy if policy is not None else DensePolicy()
         self.stats = StreamStats(layers_per_tier=plan.counts)
         self._forward: ForwardStats | None = None
         try:
@@ -110,9 +128,9 @@ class LayerLoader:
 
         # Resident tiers, read once: A onto the device; B into host RAM (pinned on CUDA; on CPU B is just RAM).
         self._resident: dict[int, LayerWeights] = {}
-        # Decoded norms of streamed layers: their bytes are re-read at every use, but decoding them again would
-        # only repeat work (the values cannot differ), so the few KB per layer are kept.
-        self._norms: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        # Decoded norms and biases of streamed layers: their bytes are re-read at every use, but decoding them again
+        # would only repeat work (the values cannot differ), so the few KB per layer are kept.
+        self._vectors: dict[int, BlockVectors] = {}
         self._host: dict[int, torch.Tensor] = {}  # tier B layer buffers on CUDA
         resident = [i for i, t in enumerate(plan.tiers) if t == "A" or (t == "B" and not self.cuda)]
         host_only = [i for i, t in enumerate(plan.tiers) if t == "B" and self.cuda]
@@ -138,6 +156,8 @@ class LayerLoader:
         self._streamed_groups = [g for g, grp in enumerate(self.groups) if grp.streamed]
         slot_size = max((grp.nbytes for grp in self.groups), default=0)
         self.prefetch_depth = auto_prefetch_depth(slot_size) if prefetch_depth is None else prefetch_depth
+        # The policy decides at most this many layers before the one computing (0: everything is resident).
+        self.policy.horizon = self.prefetch_depth * group_size + group_size - 1 if self._streamed_groups else 0
         # One slot for the group being computed and one per group being read ahead.
         n_slots = self.prefetch_depth + 1 if self._streamed_groups else 0
         self._pool = _core.StagingPool(n_slots, slot_size) if n_slots else None
@@ -152,8 +172,9 @@ class LayerLoader:
             self._copied = [torch.cuda.Event() for _ in self._slots]  # H2D of the slot's group done
             self._computed = [torch.cuda.Event() for _ in self._slots]  # compute on the slot's device bytes done
         self._current: tuple[int, int] | None = None  # (group, staging index) being computed
-        # group -> (staging index, read, submit time) for the group's next use
-        self._pending: dict[int, tuple[int, _core.ReadHandle, float]] = {}
+        self._pending: dict[int, _PendingRead] = {}  # group -> its read for the group's next use
+        self._dropped: list[_PendingRead] = []  # reads the policy no longer wanted, still landing in their slots
+        self._dropped_group: int | None = None  # group of the current forward whose read was dropped
         self._busy_until = 0.0  # end of the reads counted so far: reads overlap, so busy time is their union
         self._blocks: dict[int, LayerWeights] = {}  # streamed layers of the current group
 
@@ -171,17 +192,18 @@ class LayerLoader:
         """Start reading `group`'s streamed layers for its next use into a free slot; False if none is free."""
         if not self.groups[group].streamed or group in self._pending:
             return group in self._pending
-        busy = {i for i, _, _ in self._pending.values()} | ({self._current[1]} if self._current else set())
+        self._drain_dropped()
+        busy = {p.index for p in self._pending.values()} | ({self._current[1]} if self._current else set())
         free = sorted(set(range(len(self._slots))) - busy)
         if not free:
             return False
-        self._pending[group] = (free[0], self._submit(group, free[0]), time.perf_counter())
+        self._pending[group] = self._submit(group, free[0])
         return True
 
     def sync(self) -> None:
         """Wait for every pending read (their groups stay ready for their next use)."""
-        for _, handle, _ in self._pending.values():
-            self._wait(handle)
+        for p in self._pending.values():
+            self._wait(p.handle)
 
     def load_group(self, group: int) -> list[LayerWeights]:
         """Make `group` the current group (using its prefetched read, else reading it now); return its blocks."""
@@ -191,10 +213,10 @@ class LayerLoader:
         if grp.streamed:
             if group not in self._pending:
                 self.prefetch_async(group)
-            index, handle, submitted = self._pending.pop(group)
-            self._finish_read(group, index, handle, submitted)
-            self._current = (group, index)
-        return [self._resident.get(layer) or self._blocks[layer] for layer in grp.layers]
+            pending = self._pending.pop(group)
+            self._finish_read(group, pending)
+            self._current = (group, pending.index)
+        return [self._resident.get(layer) or self._blocks.get(layer) for layer in grp.layers]
 
     def evict_group(self, group: int) -> None:
         """Drop `group`'s streamed blocks; its staging slot may be overwritten from now on."""
@@ -216,16 +238,22 @@ class LayerLoader:
         """Tier C is read at every use: the next forward reads its groups again (already prefetched, if async)."""
         if self._current is not None:
             self.evict_group(self._current[0])
+        self._dropped_group = None
         if self._forward is not None:
             self._forward.wall_s = time.perf_counter() - self._forward_start
             self._forward = None
 
-    def block(self, layer: int) -> LayerWeights:
+    def block(self, layer: int) -> LayerWeights | None:
+        """The layer's weights for this forward, or None when its policy skips it."""
         resident = self._resident.get(layer)
         if resident is not None:
-            return resident
+            return self._resident_block(layer, resident)
         group = self._group_of[layer]
+        if group == self._dropped_group:
+            return None
         if self._current is None or self._current[0] != group:
+            if self._drop_unwanted(group):
+                return None
             self.load_group(group)
             if self.cuda:
                 torch.cuda.current_stream(self.device).wait_event(self._copied[self._current[1]])
@@ -234,7 +262,7 @@ class LayerLoader:
             for ahead in order[: self.prefetch_depth]:
                 if not self.prefetch_async(ahead):
                     break
-        return self._blocks[layer]
+        return self._blocks.get(layer)  # None: skipped (by the decision at submit, or no longer wanted)
 
     def __del__(self) -> None:
         if getattr(self, "_slots", None):  # not closed yet (and construction got as far as the slots)
@@ -242,12 +270,13 @@ class LayerLoader:
 
     def close(self) -> None:
         """Drain in-flight reads (also after Ctrl-C) and give the staging slots back (unpinned on CUDA)."""
-        for _, handle, _ in self._pending.values():
+        for p in [*self._pending.values(), *self._dropped]:
             try:
-                handle.wait()
+                p.handle.wait()
             except OSError:
                 pass
         self._pending.clear()
+        self._dropped.clear()
         self._blocks.clear()
         self._current = None
         if self.cuda:
@@ -259,20 +288,72 @@ class LayerLoader:
 
     # -- internals -------------------------------------------------------------------------------------------
 
-    def _submit(self, group: int, index: int) -> _core.ReadHandle:
+    def _resident_block(self, layer: int, weights: LayerWeights) -> LayerWeights | None:
+        """A resident layer under its policy: asked just before it computes (ahead = 0)."""
+        decision = self.policy.decide(layer, 0)
+        if decision.kind == "skip":
+            return None
+        if decision.kind == "rows":
+            return dataclasses.replace(weights, ffn_rows=decision.rows)
+        return weights
+
+    def _drop_unwanted(self, group: int) -> bool:
+        """If the policy no longer wants any layer of `group`'s pending read, skip the group without waiting."""
+        pending = self._pending.get(group)
+        if pending is None:
+            return False
+        read = [layer for layer, d in pending.decisions.items() if d.kind != "skip"]
+        if any(self.policy.still_wanted(layer, pending.decisions[layer]) for layer in read):
+            return False
+        self._dropped.append(self._pending.pop(group))
+        self._dropped_group = group
+        return True
+
+    def _drain_dropped(self) -> None:
+        """Wait for dropped reads (long since landed, as a rule) so their slots can be reused; errors do not matter:
+        no byte of a dropped read is ever computed on."""
+        for p in self._dropped:
+            try:
+                p.handle.wait()
+            except OSError:
+                pass
+        self._dropped.clear()
+
+    def _layer_extents(self, layer: int, decision: LoadDecision) -> list[tuple[int, int, int]]:
+        """Extents (file offset, length, offset in the layer buffer) that `decision` reads of `layer`."""
+        read = self._reads[layer]
+        if decision.kind == "all":
+            return read.extents
+        if decision.kind == "skip":
+            return []
+        tensors = self.layout.blocks[layer]
+        ranges = [(info.offset, info.nbytes) for part, info in tensors.items() if part not in ("ffn_gate", "ffn_up")]
+        for part in ("ffn_gate", "ffn_up"):
+            name = next(t.name(layer) for t in self.layout.family.tensors if t.part == part)
+            ranges += [row_extent(self.layout.file, name, start, stop) for start, stop in decision.rows]
+        return plan_subset_read(read.extents, ranges)
+
+    def _submit(self, group: int, index: int) -> _PendingRead:
         grp = self.groups[group]
-        extents = []
+        computing = self._current[0] if self._current is not None else 0
+        extents, decisions, nbytes = [], {}, {}
         for layer in grp.streamed:
             if layer in self._host:
-                continue  # tier B on CUDA: already in pinned host memory
+                decisions[layer] = self.policy.decide(layer, 0)  # tier B on CUDA: in pinned host memory, not read
+                continue
+            ahead = (layer - self.groups[computing].layers[0]) % self.layout.cfg.n_layers
+            decisions[layer] = decision = self.policy.decide(layer, ahead)
             base = grp.offsets[layer]
-            extents += [(off, length, base + dest) for off, length, dest in self._reads[layer].extents]
+            layer_extents = self._layer_extents(layer, decision)
+            extents += [(off, length, base + dest) for off, length, dest in layer_extents]
+            nbytes[layer] = sum(length for _, length, _ in layer_extents)
         if self.cuda:
             self._copied[index].synchronize()  # the slot's previous H2D copy must be done before it is overwritten
         try:
-            return self.reader.submit(extents, self._slots[index])
+            handle = self.reader.submit(extents, self._slots[index])
         except OSError as e:
             raise ModelFormatError(str(e)) from None
+        return _PendingRead(index, handle, time.perf_counter(), decisions, nbytes)
 
     def _wait(self, handle: _core.ReadHandle) -> None:
         try:
@@ -280,34 +361,42 @@ class LayerLoader:
         except OSError as e:  # truncated or vanished file: name it, never compute on partial bytes
             raise ModelFormatError(str(e)) from None
 
-    def _finish_read(self, group: int, index: int, handle: _core.ReadHandle, submitted: float) -> None:
+    def _finish_read(self, group: int, pending: _PendingRead) -> None:
         t0 = time.perf_counter()
-        self._wait(handle)
+        self._wait(pending.handle)
         grp = self.groups[group]
-        end = submitted + (handle.elapsed or 0.0)  # elapsed counts from submit; the reader's queue is FIFO
+        submitted = pending.submitted
+        end = submitted + (pending.handle.elapsed or 0.0)  # elapsed counts from submit; the reader's queue is FIFO
         busy = max(0.0, end - max(submitted, self._busy_until))
         self._busy_until = max(self._busy_until, end)
         if self._forward is not None:
             self._forward.io_wait_s += time.perf_counter() - t0
             self._forward.io_busy_s += busy
-            self._forward.bytes_read += sum(self._reads[i].nbytes for i in grp.streamed if i not in self._host)
-        source = self._to_device(group, index) if self.cuda else self._slot_bytes[index]
-        for layer in grp.streamed:
+            for layer, n in pending.nbytes.items():
+                self._forward.bytes_read += n
+                self._forward.bytes_per_layer[layer] = self._forward.bytes_per_layer.get(layer, 0) + n
+        wanted = [layer for layer in grp.streamed if pending.decisions[layer].kind != "skip"]
+        source = self._to_device(group, pending.index, wanted) if self.cuda else self._slot_bytes[pending.index]
+        for layer in wanted:
+            decision = pending.decisions[layer]
+            if not self.policy.still_wanted(layer, decision):
+                continue
             base = grp.offsets[layer]
-            self._blocks[layer] = self._weights(layer, source[base : base + self._reads[layer].nbytes])
+            weights = self._weights(layer, source[base : base + self._reads[layer].nbytes])
+            self._blocks[layer] = weights if decision.kind == "all" else dataclasses.replace(weights, ffn_rows=decision.rows)
 
-    def _to_device(self, group: int, index: int) -> torch.Tensor:
-        """Copy the group's streamed bytes (C from the slot, B from pinned RAM) to the device on the copy stream."""
+    def _to_device(self, group: int, index: int, layers: list[int]) -> torch.Tensor:
+        """Copy `layers` of the group (C from the slot, B from pinned RAM) to the device on the copy stream."""
         grp, dst = self.groups[group], self._device_bytes[index]
         with torch.cuda.stream(self._copy_stream):
             self._copy_stream.wait_event(self._computed[index])  # compute on the old bytes must be finished
-            for layer in grp.streamed:
+            for layer in layers:
                 base, n = grp.offsets[layer], self._reads[layer].nbytes
                 src = self._host[layer] if layer in self._host else self._slot_bytes[index][base : base + n]
                 dst[base : base + n].copy_(src, non_blocking=True)
             self._copied[index].record(self._copy_stream)
         if self._forward is not None:
-            self._forward.bytes_h2d += sum(self._reads[layer].nbytes for layer in grp.streamed)
+            self._forward.bytes_h2d += sum(self._reads[layer].nbytes for layer in layers)
         return dst
 
     def read_tensor(self, info: TensorInfo) -> torch.Tensor:
@@ -332,10 +421,12 @@ class LayerLoader:
             start = read.tensor_offsets[part]
             return buf[start : start + tensors[part].nbytes]
 
-        weights = encoded_block(self.layout.cfg, tensors, raw, self._norms.get(layer))
-        if layer not in self._resident:
-            self._norms.setdefault(layer, (weights.attn_norm, weights.ffn_norm))
-        return weights
+        vectors = self._vectors.get(layer)
+        if vectors is None:
+            vectors = decode_vectors(tensors, raw)
+            if layer not in self._resident:
+                self._vectors[layer] = vectors
+        return encoded_block(tensors, raw, vectors)
 
     def _progress(self, what: str, done: int, total: int) -> None:
         if self.on_progress is not None:

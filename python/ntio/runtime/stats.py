@@ -18,6 +18,7 @@ class ForwardStats:
     io_wait_s: float = 0.0  # compute thread blocked on reads
     io_busy_s: float = 0.0  # time at least one read was in flight (union of the reads' Rust-measured spans)
     wall_s: float = 0.0
+    bytes_per_layer: dict[int, int] = field(default_factory=dict)  # streamed layer -> bytes read for it
 
 
 @dataclass
@@ -52,7 +53,16 @@ class StreamStats:
             "compute_s": total["wall_s"] - total["io_wait_s"],
             "overlap_ratio": max(0.0, 1.0 - total["io_wait_s"] / busy) if busy > 0 else 1.0,
             "layers_per_tier": dict(self.layers_per_tier),
+            "bytes_read_per_layer": _per_layer_totals(fs),
         }
 
     def last(self) -> dict:
         return asdict(self.forwards[-1]) if self.forwards else {}
+
+
+def _per_layer_totals(forwards: list[ForwardStats]) -> dict[int, int]:
+    totals: dict[int, int] = {}
+    for f in forwards:
+        for layer, n in f.bytes_per_layer.items():
+            totals[layer] = totals.get(layer, 0) + n
+    return dict(sorted(totals.items()))

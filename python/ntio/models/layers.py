@@ -1,0 +1,197 @@
+"""Shared layers of the decoder-only families, as pure functions of (activations, weights, KV cache).
+
+Model code never knows where its weights come from: the engine hands each block its `LayerWeights`, which may be
+resident or just streamed from disk. Matrices stay GGUF-encoded; `ntio.kernels.ops` decides how each product runs.
+Compute is float32; KV caches may be fp32/fp16/bf16 and are upcast to float32 for attention.
+
+Shapes: T = new tokens this step, D = d_model, Hq / Hkv = query / KV heads, hd = head_dim, F = d_ff,
+L = cached positions after this step (start_pos + T).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+
+from ntio.kernels import ops
+from ntio.kernels.ops import EncodedMatrix
+
+if TYPE_CHECKING:
+    from ntio.models.config import ModelConfig
+
+
+@dataclass
+class LayerWeights:
+    """Weights of one transformer block on the compute device: float32 vectors, GGUF-encoded matrices.
+
+    Q/K/V and gate/up are row-stacked groups; matrices of one type stored back to back are fused into one
+    (ops.fuse_adjacent), so a decode step runs as few as 4 matrix-vector products per block instead of 7.
+    Q and K rows are in GGUF order (llama.cpp's converter permutes Llama's for interleaved RoPE).
+    """
+
+    attn_norm: torch.Tensor  # [D] float32
+    wqkv: list[EncodedMatrix]  # rows stack to [Hq*hd + 2*Hkv*hd, D]
+    qkv_bias: torch.Tensor | None  # [Hq*hd + 2*Hkv*hd] float32 (Qwen2), or None
+    wo: EncodedMatrix  # [D, Hq*hd]
+    ffn_norm: torch.Tensor  # [D] float32
+    w_gate_up: list[EncodedMatrix]  # rows stack to [2F, D]: gate rows then up rows
+    w_down: EncodedMatrix  # [D, F]
+    # FFN neuron ranges [start, stop) whose gate/up rows were loaded (a load policy's "rows" decision); None: all.
+    # w_gate_up then holds only the bytes of those rows: the others were never read.
+    ffn_rows: tuple[tuple[int, int], ...] | None = None
+
+
+@dataclass
+class GlobalWeights:
+    """Weights outside the blocks; always resident."""
+
+    token_embd: EncodedMatrix  # [V, D]
+    output_norm: torch.Tensor  # [D] float32
+    output: EncodedMatrix  # [V, D]; the same matrix as token_embd when embeddings are tied
+    inv_freq: torch.Tensor  # [rope_dim/2] RoPE inverse frequencies, scaling already applied
+
+
+def rope_inverse_frequencies(cfg: ModelConfig, rope_freqs: torch.Tensor | None) -> torch.Tensor:
+    """inv_freq[i] = theta^(-2i/rope_dim), divided by Llama-3's per-frequency factors when the file has them."""
+    exponents = torch.arange(0, cfg.rope_dim, 2, dtype=torch.int64).float() / cfg.rope_dim
+    inv_freq = 1.0 / (cfg.rope_theta**exponents)
+    if rope_freqs is not None:
+        inv_freq = inv_freq / rope_freqs.float()
+    if cfg.rope_scaling.kind == "linear":
+        inv_freq = inv_freq / cfg.rope_scaling.factor
+    return inv_freq
+
+
+def rope_tables(inv_freq: torch.Tensor, start_pos: int, n_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin: [T, rope_dim/2] for positions start_pos .. start_pos+T-1."""
+    positions = torch.arange(start_pos, start_pos + n_tokens, device=inv_freq.device, dtype=torch.float32)
+    angles = positions[:, None] * inv_freq[None, :]
+    return angles.cos(), angles.sin()
+
+
+def _rotated(x0: torch.Tensor, x1: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    c, s = cos[:, None, :], sin[:, None, :]  # [T, 1, rope_dim/2] against x0, x1: [T, H, rope_dim/2]
+    return x0 * c - x1 * s, x0 * s + x1 * c
+
+
+def _with_tail(rotated: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """Features past rope_dim pass through unrotated (partial RoPE)."""
+    rope_dim = rotated.shape[-1]
+    return rotated if rope_dim == x.shape[-1] else torch.cat((rotated, x[..., rope_dim:]), dim=-1)
+
+
+def rope_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """RoPE on x: [T, H, hd] rotating pairs (x[2i], x[2i+1]) of the first rope_dim features (GPT-J style)."""
+    rope_dim = 2 * cos.shape[-1]
+    pairs = x[..., :rope_dim].unflatten(-1, (-1, 2))  # [T, H, rope_dim/2, 2]
+    rotated = torch.stack(_rotated(pairs[..., 0], pairs[..., 1], cos, sin), dim=-1).flatten(-2)
+    return _with_tail(rotated, x)
+
+
+def rope_neox(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """RoPE on x: [T, H, hd] rotating pairs (x[i], x[i + rope_dim/2]) of the first rope_dim features (GPT-NeoX)."""
+    half = cos.shape[-1]
+    rotated = torch.cat(_rotated(x[..., :half], x[..., half : 2 * half], cos, sin), dim=-1)
+    return _with_tail(rotated, x)
+
+
+RopeFunction = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+ROPE_KINDS: dict[str, RopeFunction] = {"interleaved": rope_interleaved, "neox": rope_neox}
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
+
+
+def causal_mask(start_pos: int, n_tokens: int, device: torch.device) -> torch.Tensor | None:
+    """[T, L] boolean mask, True where query t may attend key j (j <= start_pos + t); None for one token."""
+    if n_tokens == 1:
+        return None
+    q_pos = torch.arange(start_pos, start_pos + n_tokens, device=device)
+    k_pos = torch.arange(start_pos + n_tokens, device=device)
+    return k_pos[None, :] <= q_pos[:, None]
+
+
+def attention(
+    x: torch.Tensor,
+    w: LayerWeights,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    start_pos: int,
+    rope: tuple[torch.Tensor, torch.Tensor],
+    mask: torch.Tensor | None,
+    cfg: ModelConfig,
+    apply_rope: RopeFunction,
+) -> torch.Tensor:
+    """Grouped-query self-attention. x: [T, D] (normed) -> [T, D]; writes K/V for start_pos..start_pos+T-1.
+
+    k_cache, v_cache: [Hkv, capacity, hd] for this layer.
+    """
+    n_tokens, end, hd = x.shape[0], start_pos + x.shape[0], cfg.head_dim
+    qkv = ops.linear_concat(x, w.wqkv)  # [T, Q + 2 KV]
+    if w.qkv_bias is not None:
+        qkv = qkv + w.qkv_bias
+    q, k, v = qkv.split((cfg.q_width, cfg.kv_width, cfg.kv_width), dim=-1)
+    q = apply_rope(q.view(n_tokens, cfg.n_heads, hd), *rope)
+    k = apply_rope(k.view(n_tokens, cfg.n_kv_heads, hd), *rope)
+    k_cache[:, start_pos:end] = k.transpose(0, 1)
+    v_cache[:, start_pos:end] = v.view(n_tokens, cfg.n_kv_heads, hd).transpose(0, 1)
+    keys = k_cache[:, :end].to(q.dtype)  # [Hkv, L, hd]; a no-op view when the cache is in the compute dtype
+    values = v_cache[:, :end].to(q.dtype)
+    attn = F.scaled_dot_product_attention(
+        q.transpose(0, 1), keys, values, attn_mask=mask, enable_gqa=cfg.n_heads != cfg.n_kv_heads
+    )  # [Hq, T, hd]
+    return ops.linear(attn.transpose(0, 1).reshape(n_tokens, cfg.q_width), w.wo)
+
+
+def swiglu(x: torch.Tensor, w: LayerWeights, taps: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
+    """SwiGLU feed-forward. x: [T, D] (normed) -> down(silu(gate x) * up x): [T, D].
+
+    With `w.ffn_rows`, only those neurons are computed and the others count as 0 (the down projection is whole).
+    taps["ffn_gate"] receives the gate pre-activations [T, F] (zeros for neurons not computed) when taps is given.
+    """
+    if w.ffn_rows is None:
+        gate, up = ops.linear_concat(x, w.w_gate_up).chunk(2, dim=-1)  # [T, F] each
+    else:
+        gate, up = _sparse_gate_up(x, w)
+    if taps is not None:
+        taps["ffn_gate"] = gate
+    return ops.linear(F.silu(gate) * up, w.w_down)
+
+
+def _sparse_gate_up(x: torch.Tensor, w: LayerWeights) -> tuple[torch.Tensor, torch.Tensor]:
+    """Gate and up pre-activations [T, F] of the neurons in w.ffn_rows; 0 elsewhere (silu(0) * 0 = 0)."""
+    gate_m, up_m = ops.split_rows(w.w_gate_up, w.w_down.shape[1])
+    d_ff = gate_m.shape[0]
+    gate = x.new_zeros((x.shape[0], d_ff))
+    up = x.new_zeros((x.shape[0], d_ff))
+    for start, stop in w.ffn_rows:
+        gate[:, start:stop] = ops.linear(x, ops.row_slice(gate_m, start, stop))
+        up[:, start:stop] = ops.linear(x, ops.row_slice(up_m, start, stop))
+    return gate, up
+
+
+def pre_norm_block(
+    h: torch.Tensor,
+    w: LayerWeights,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    start_pos: int,
+    rope: tuple[torch.Tensor, torch.Tensor],
+    mask: torch.Tensor | None,
+    cfg: ModelConfig,
+    apply_rope: RopeFunction,
+    taps: dict[str, torch.Tensor] | None = None,
+) -> torch.Tensor:
+    """h + attention(norm(h)), then + swiglu(norm(.)): [T, D] -> [T, D]."""
+    h = h + attention(rms_norm(h, w.attn_norm, cfg.rms_eps), w, k_cache, v_cache, start_pos, rope, mask, cfg, apply_rope)
+    return h + swiglu(rms_norm(h, w.ffn_norm, cfg.rms_eps), w, taps)
+
+
+def output_logits(h: torch.Tensor, g: GlobalWeights, cfg: ModelConfig) -> torch.Tensor:
+    """h: [T, D] -> logits [T, V]."""
+    return ops.linear(rms_norm(h, g.output_norm, cfg.rms_eps), g.output)

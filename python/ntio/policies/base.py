@@ -1,0 +1,68 @@
+"""The load-policy seam: what the loader reads for each layer, decided before the read is submitted.
+
+The loader asks `decide(layer, ahead)` when it is about to submit a layer's read (streamed layers: up to the
+read-ahead window before the layer computes, `ahead` layers ahead of the one computing now; resident layers: when
+the layer is about to compute, ahead = 0). The answer is one of:
+  * `LOAD_ALL`: the whole layer (dense streaming);
+  * `SKIP`: nothing; the layer is not computed, the residual stream passes through, and the KV cache marks the
+    positions as skipped for that layer;
+  * `LoadDecision.ffn_rows(ranges)`: the whole layer except the FFN gate/up matrices, of which only the neuron
+    (row) ranges given are read; the FFN computes only those neurons (exact for them: the others count as 0).
+The horizon is explicit: `horizon` is set by the loader to the most layers ahead it will ever ask about, so a policy
+knows how stale its observations may be. After a layer computes, the engine calls `observe(...)` with what it saw
+(the hidden state in and out; the FFN gate pre-activations [T, F] when `wants_ffn_gate`).
+
+When a layer is about to compute, the loader asks `still_wanted(layer, decision)`: a policy that has changed its
+mind about a prefetched read answers False, and the layer is skipped without waiting for that read.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass(frozen=True)
+class LoadDecision:
+    kind: str  # "all" | "skip" | "rows"
+    rows: tuple[tuple[int, int], ...] = ()  # "rows": sorted, disjoint [start, stop) FFN neuron ranges
+
+    @staticmethod
+    def ffn_rows(ranges: list[tuple[int, int]] | tuple[tuple[int, int], ...]) -> LoadDecision:
+        rows = tuple(sorted((int(a), int(b)) for a, b in ranges))
+        for (a, b), nxt in zip(rows, rows[1:] + ((None, None),)):
+            if not 0 <= a < b or (nxt[0] is not None and nxt[0] < b):
+                raise ValueError(f"FFN row ranges must be non-empty, sorted and disjoint, got {list(rows)}")
+        return LoadDecision("rows", rows)
+
+
+LOAD_ALL = LoadDecision("all")
+SKIP = LoadDecision("skip")
+
+
+@dataclass
+class Observation:
+    layer: int
+    start_pos: int  # positions start_pos .. start_pos+T-1
+    h_in: torch.Tensor  # [T, D] residual stream entering the layer
+    h_out: torch.Tensor  # [T, D] leaving it (h_in itself when the layer was skipped)
+    decision: LoadDecision
+    ffn_gate: torch.Tensor | None = None  # [T, F] gate pre-activations, when the policy wants them and the FFN ran
+
+
+@dataclass
+class LoadPolicy:
+    """Base policy: loads everything (subclasses override decide / observe). `horizon` is set by the loader."""
+
+    horizon: int = field(default=0, init=False)
+    wants_ffn_gate: bool = field(default=False, init=False)
+
+    def decide(self, layer: int, ahead: int) -> LoadDecision:
+        return LOAD_ALL
+
+    def still_wanted(self, layer: int, decision: LoadDecision) -> bool:
+        return True
+
+    def observe(self, obs: Observation) -> None:
+        pass

@@ -1,0 +1,76 @@
+"""The KV cache, and what it holds: the token id at each position and, per layer, which positions it computed.
+
+k, v: [n_layers, Hkv, capacity, hd], preallocated with torch.empty (on CPU, pages are committed only when written).
+`ids` are the tokens whose K/V the cache holds (positions 0 .. length-1); `crop(n)` forgets everything from
+position n on (speculative rollback), and `reusable_prefix(ids)` says how many leading positions a new prompt can
+keep, by comparing token ids. A layer skipped for a position (a load policy's SKIP) wrote no K/V there:
+`skipped[layer, pos]` is True, and attention in that layer masks the position out.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from ntio.models.config import ModelConfig
+
+
+class KVCache:
+    def __init__(self, cfg: ModelConfig, capacity: int, dtype: torch.dtype, device: torch.device | str) -> None:
+        shape = (cfg.n_layers, cfg.n_kv_heads, capacity, cfg.head_dim)
+        self.k = torch.empty(shape, dtype=dtype, device=device)
+        self.v = torch.empty(shape, dtype=dtype, device=device)
+        self.capacity = capacity
+        self.ids: list[int] = []
+        # Positions each layer holds K/V (or a skip mark) for: equal to `length` after a complete forward, and
+        # ahead of it for the first layers when a forward stopped part-way (an I/O error): those are not trusted.
+        self.layer_length = [0] * cfg.n_layers
+        self.skipped = torch.zeros((cfg.n_layers, capacity), dtype=torch.bool, device=device)
+        self._n_skipped = [0] * cfg.n_layers  # skipped positions below layer_length, per layer (avoids a tensor op)
+
+    @property
+    def length(self) -> int:
+        """Valid positions: those every layer has processed, with their token ids known."""
+        return len(self.ids)
+
+    def crop(self, length: int) -> None:
+        if not 0 <= length <= self.length:
+            raise ValueError(f"cannot crop a KV cache of {self.length} positions to {length}")
+        del self.ids[length:]
+        for layer, n in enumerate(self.layer_length):
+            if n > length:
+                if self._n_skipped[layer]:
+                    self._n_skipped[layer] -= int(self.skipped[layer, length:n].sum())
+                    self.skipped[layer, length:n] = False
+                self.layer_length[layer] = length
+
+    def reusable_prefix(self, ids: Sequence[int], limit: int) -> int:
+        """Leading positions whose token ids equal `ids` (at most `limit`): a new prompt need not recompute them."""
+        n = 0
+        for cached, new in zip(self.ids, ids[:limit]):
+            if cached != new:
+                break
+            n += 1
+        return n
+
+    def record(self, layer: int, start_pos: int, n_tokens: int, *, skipped: bool) -> None:
+        """Layer `layer` processed positions start_pos .. start_pos+n_tokens-1 (wrote their K/V, or skipped them)."""
+        if skipped:
+            self.skipped[layer, start_pos : start_pos + n_tokens] = True
+            self._n_skipped[layer] += n_tokens
+        self.layer_length[layer] = start_pos + n_tokens
+
+    def commit(self, start_pos: int, ids: Sequence[int]) -> None:
+        """Every layer processed `ids` at start_pos..: they become valid positions."""
+        del self.ids[start_pos:]
+        self.ids.extend(ids)
+
+    def attention_mask(self, layer: int, causal: torch.Tensor | None, n_tokens: int, end: int) -> torch.Tensor | None:
+        """The causal mask [T, L] (None: attend to all) with this layer's skipped positions masked out."""
+        if not self._n_skipped[layer]:
+            return causal
+        present = ~self.skipped[layer, :end]  # [L]; a query's own position was just written (or it is skipped)
+        if causal is None:
+            return present.expand(n_tokens, end)
+        return causal & present
