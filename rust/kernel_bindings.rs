@@ -1,9 +1,12 @@
 //! Python bindings for the CPU kernels (`ntio._core.quantized_matmul`, `set_kernel_threads`, ...).
-//! Tensors cross as raw addresses from torch `data_ptr()`; `ntio.cpu_kernels` checks them and keeps them alive.
+//! Tensors cross as buffer-protocol objects (numpy views of torch tensors, made by `ntio.kernels.cpu_kernels`),
+//! checked for element type, layout, writability and overlap before any slice is formed.
 
 use pyo3::exceptions::{PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
 
+use crate::buffer_bindings::Lent;
+use crate::buffers::{self, Access};
 use crate::kernels::{self, Isa, KernelError, QType};
 
 impl From<KernelError> for PyErr {
@@ -15,23 +18,23 @@ impl From<KernelError> for PyErr {
     }
 }
 
-/// out [t, n] = x [t, k] · Wᵀ with W [n, k] GGUF-encoded as ggml type `qtype`; float32 throughout.
+/// out [t, n] = x [t, k] · Wᵀ with W [n, k] GGUF-encoded as ggml type `qtype` in `raw`; float32 throughout.
 ///
-/// x_address: t * k float32; w_address: w_nbytes bytes; out_address: t * n float32 (not overlapping x or w).
-/// `scalar=True` forces the portable kernels (tests).
+/// x: t * k float32; raw: exactly the encoded size of W, uint8; out: t * n float32, writable, overlapping neither
+/// x nor raw. All C-contiguous buffers (numpy arrays; torch tensors via `.numpy()`), checked here, each refusal
+/// a `BufferError` (a ValueError) naming the argument. `scalar=True` forces the portable kernels (tests).
 #[pyfunction]
-#[pyo3(signature = (x_address, t, k, w_address, w_nbytes, qtype, n, out_address, *, scalar = false))]
+#[pyo3(signature = (x, t, k, raw, qtype, n, out, *, scalar = false))]
 #[allow(clippy::too_many_arguments)]
 fn quantized_matmul(
     py: Python<'_>,
-    x_address: usize,
+    x: &Bound<'_, PyAny>,
     t: usize,
     k: usize,
-    w_address: usize,
-    w_nbytes: usize,
+    raw: &Bound<'_, PyAny>,
     qtype: u32,
     n: usize,
-    out_address: usize,
+    out: &Bound<'_, PyAny>,
     scalar: bool,
 ) -> PyResult<()> {
     let qt = QType::from_id(qtype).ok_or_else(|| {
@@ -44,37 +47,18 @@ fn quantized_matmul(
             ids.join(", ")
         ))
     })?;
-    let (block, bytes) = qt.block();
-    if k % block != 0 || w_nbytes != n * (k / block) * bytes {
-        // The exact check is in `kernels::quantized_matmul`; this one must precede building the slices.
-        return Err(PyValueError::new_err(format!(
-            "{qt:?} weights [{n}, {k}] take {} bytes (k a multiple of {block}), got w_nbytes = {w_nbytes}",
-            n * (k / block) * bytes
-        )));
-    }
-    for (name, address) in [("x", x_address), ("w", w_address), ("out", out_address)] {
-        if address == 0 {
-            return Err(PyValueError::new_err(format!("{name}_address is null")));
-        }
-    }
-    if x_address % 4 != 0 || out_address % 4 != 0 {
-        return Err(PyValueError::new_err(
-            "x_address and out_address must be 4-byte aligned",
-        ));
-    }
+    let x = Lent::<f32>::typed(x, "x", Access::Read)?;
+    let raw = Lent::<u8>::typed(raw, "raw", Access::Read)?;
+    let out = Lent::<f32>::typed(out, "out", Access::Write)?;
+    buffers::disjoint(("out", out.range()), ("x", x.range()))?;
+    buffers::disjoint(("out", out.range()), ("raw", raw.range()))?;
     let isa = if scalar { Isa::Scalar } else { Isa::Best };
     py.detach(|| {
-        // SAFETY: the caller (ntio.cpu_kernels) passes the data pointers of live, contiguous CPU tensors of at
-        // least these sizes (t * k and t * n float32, w_nbytes bytes), aligned as checked above, with `out` not
-        // aliasing the inputs, and keeps them alive and untouched until this call returns.
-        let (x, w, out) = unsafe {
-            (
-                std::slice::from_raw_parts(x_address as *const f32, t * k),
-                std::slice::from_raw_parts(w_address as *const u8, w_nbytes),
-                std::slice::from_raw_parts_mut(out_address as *mut f32, t * n),
-            )
-        };
-        kernels::quantized_matmul(x, w, qt, t, n, k, out, isa)
+        // SAFETY: `out` shares no byte with `x` or `raw` (checked above), so the one mutable slice aliases
+        // nothing here; the exports live until this function returns; the caller (`ntio.kernels.cpu_kernels`)
+        // runs no Python code on these tensors during the call. Sizes are the kernel's to check.
+        let (x, raw, out) = unsafe { (x.as_slice(), raw.as_slice(), out.as_mut_slice()) };
+        kernels::quantized_matmul(x, raw, qt, t, n, k, out, isa)
     })?;
     Ok(())
 }

@@ -1,5 +1,5 @@
 //! ntio's native core. The I/O logic lives in plain Rust modules that `cargo test` exercises;
-//! pyo3 appears only in the binding module.
+//! pyo3 appears only in the `*_bindings` modules and in `_core` below, which registers them all.
 //!
 //! - `extent`: validating, coalescing, aligning and splitting extents into requests;
 //! - `staging`: the pool of aligned slots reads land in;
@@ -7,9 +7,12 @@
 //! - `backend`: io_uring / pread / buffered execution of a batch, chosen by a run-time probe;
 //! - `reader`: the public reader (read now, or submit and wait later);
 //! - `error`: the error type;
-//! - `store`: the ntio store format and the extent index (layer / tensor / rows → extents).
+//! - `buffers`: checks on caller-lent memory (element type, layout, writability, overlap);
+//! - `store`: the ntio store format and the extent index (layer / tensor / rows → extents);
+//! - `kernels`: CPU matrix-vector products over GGUF-encoded weights.
 
 pub mod backend;
+pub mod buffers;
 pub mod destination;
 pub mod error;
 pub mod extent;
@@ -19,8 +22,21 @@ pub mod staging;
 pub mod store;
 
 mod bench_bindings;
-mod bindings;
+mod buffer_bindings;
 mod kernel_bindings;
+mod reader_bindings;
 mod store_bindings;
 
-pub use bindings::_core;
+use pyo3::prelude::*;
+
+/// `ntio._core`: every binding module registers its classes, functions, exceptions and constants here.
+#[pymodule]
+pub fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add("__version__", env!("CARGO_PKG_VERSION"))?;
+    buffer_bindings::register(m)?; // BufferError
+    reader_bindings::register(m)?; // Reader, ReadHandle, StagingPool, Slot, I/O errors
+    store_bindings::register(m)?; // open_store, ExtentIndex, StoreFormatError, ...
+    kernel_bindings::register(m)?; // quantized_matmul, kernel threads
+    bench_bindings::register(m)?; // timed_read
+    Ok(())
+}

@@ -1,5 +1,6 @@
-//! Python bindings (`ntio._core`). The only module that knows about pyo3: it converts
-//! arguments, releases the GIL around blocking calls and maps `Error` to Python exceptions.
+//! Python bindings of the reader and its staging slots (`ntio._core.Reader`, `ReadHandle`, `StagingPool`,
+//! `Slot`, the I/O exceptions): converts arguments, releases the GIL around blocking calls and maps `Error` to
+//! Python exceptions. `ntio.io` is the Python facade.
 
 use std::time::Duration;
 
@@ -7,6 +8,8 @@ use pyo3::exceptions::{PyOSError, PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
 
 use crate::backend::Backend;
+use crate::buffer_bindings::{BufferError, Lent};
+use crate::buffers::Access;
 use crate::destination::Destination;
 use crate::error::Error;
 use crate::extent::Extent;
@@ -18,12 +21,6 @@ pyo3::create_exception!(
     ReadError,
     PyOSError,
     "A read or open failed: .path, .offset, .length, .errno."
-);
-pyo3::create_exception!(
-    ntio._core,
-    BufferError,
-    PyValueError,
-    "A destination cannot take the extents (too small, slot not acquired)."
 );
 pyo3::create_exception!(
     ntio._core,
@@ -101,15 +98,16 @@ fn to_extents(list: Vec<(u64, usize, usize)>) -> Vec<Extent> {
         .collect()
 }
 
-/// Caller-owned memory given by address. The caller (the `ntio.io` facade) keeps its owner alive.
-fn external(address: usize, nbytes: usize) -> PyResult<Destination> {
-    if address == 0 && nbytes > 0 {
-        return Err(BufferError::new_err("destination address is NULL"));
-    }
-    // SAFETY: Python promises `nbytes` writable bytes at `address` for the duration of the
-    // read; `read_into_address` holds the caller's frame, `ReadHandle` holds the owner and
-    // waits for the I/O before letting it go.
-    Ok(unsafe { Destination::external(address as *mut u8, nbytes) })
+/// The writable, C-contiguous memory of `dest` (any element type: extents are in bytes), held by `lent`.
+///
+/// # Safety
+/// `lent` must outlive the read that uses the destination, and the caller's Python code must not touch the
+/// memory until that read has ended.
+unsafe fn external(lent: &Lent<u8>) -> Destination {
+    // SAFETY: `lent` checked the export writable and C-contiguous, `len()` bytes long; it keeps the memory
+    // allocated (the exporter cannot free or resize it while exported) and, by this function's contract, outlives
+    // the read, with no other access meanwhile.
+    unsafe { Destination::external(lent.as_mut_ptr(), lent.len()) }
 }
 
 #[pyclass(frozen, module = "ntio._core")]
@@ -182,36 +180,47 @@ impl Reader {
             .submit(&to_extents(extents), Destination::slot(&slot.inner)?)?;
         Ok(ReadHandle {
             pending,
+            dest: None,
             owner: None,
         })
     }
 
-    /// Read extents into `nbytes` of caller-owned memory at `address` and wait.
-    fn read_into_address(
+    /// Read extents into `dest`, a writable C-contiguous buffer (numpy array, bytearray, ...), and wait.
+    fn read_into(
         &self,
         py: Python<'_>,
         extents: Vec<(u64, usize, usize)>,
-        address: usize,
-        nbytes: usize,
+        dest: &Bound<'_, PyAny>,
     ) -> PyResult<()> {
-        let (extents, dest) = (to_extents(extents), external(address, nbytes)?);
+        let extents = to_extents(extents);
+        let lent = Lent::bytes(dest, "dest", Access::Write)?;
+        // SAFETY: `lent` lives until this function returns, after the read has ended; the caller's frame holds
+        // `dest` and it runs no Python code on it meanwhile.
+        let dest = unsafe { external(&lent) };
         Ok(py.detach(|| self.inner.read(&extents, dest))?)
     }
 
-    /// Start reading extents into memory at `address`; the handle keeps `owner` alive until
-    /// the read has ended and the handle is gone.
-    #[pyo3(signature = (extents, address, nbytes, owner=None))]
-    fn submit_into_address(
+    /// Start reading extents into `dest` (as `read_into`); the handle holds `dest`'s buffer (and `owner`, the
+    /// object to report as the handle's owner, e.g. the torch tensor `dest` views) until the read has ended.
+    #[pyo3(signature = (extents, dest, owner=None))]
+    fn submit_into(
         &self,
         extents: Vec<(u64, usize, usize)>,
-        address: usize,
-        nbytes: usize,
+        dest: &Bound<'_, PyAny>,
         owner: Option<Py<PyAny>>,
     ) -> PyResult<ReadHandle> {
+        let lent = Lent::bytes(dest, "dest", Access::Write)?;
+        // SAFETY: the handle below holds `lent` and drops it only after its `Pending` has ended (`ReadHandle`'s
+        // `Drop` waits first); if submit fails, no read is in flight when `lent` drops here. The caller's Python
+        // code leaves the memory alone until the handle is waited on (the documented contract of `submit_into`).
         let pending = self
             .inner
-            .submit(&to_extents(extents), external(address, nbytes)?)?;
-        Ok(ReadHandle { pending, owner })
+            .submit(&to_extents(extents), unsafe { external(&lent) })?;
+        Ok(ReadHandle {
+            pending,
+            dest: Some(lent),
+            owner,
+        })
     }
 
     fn __repr__(&self) -> String {
@@ -224,10 +233,13 @@ impl Reader {
     }
 }
 
-/// A submitted batch. Dropping it waits (without the GIL) for its I/O before its owner goes.
+/// A submitted batch. Dropping it waits (without the GIL) for its I/O before its destination goes.
 #[pyclass(frozen, module = "ntio._core")]
 pub struct ReadHandle {
     pending: Pending,
+    /// The caller's memory the batch reads into (None for slots), released only after the I/O has ended.
+    dest: Option<Lent<u8>>,
+    /// What `owner` reports, when the caller named it (else the object `dest` is exported from).
     owner: Option<Py<PyAny>>,
 }
 
@@ -253,13 +265,17 @@ impl ReadHandle {
     /// The object whose memory is being read into (None for slots).
     #[getter]
     fn owner(&self, py: Python<'_>) -> Option<Py<PyAny>> {
-        self.owner.as_ref().map(|o| o.clone_ref(py))
+        match (&self.owner, &self.dest) {
+            (Some(owner), _) => Some(owner.clone_ref(py)),
+            (None, Some(dest)) => dest.owner(py).map(Bound::unbind),
+            (None, None) => None,
+        }
     }
 }
 
 impl Drop for ReadHandle {
     fn drop(&mut self) {
-        // Fields drop after this: `owner` (the destination's memory) only once I/O has ended.
+        // Fields drop after this: `dest` (the export of the destination's memory) only once I/O has ended.
         Python::attach(|py| py.detach(|| self.pending.wait().ok()));
     }
 }
@@ -371,14 +387,12 @@ impl Slot {
     }
 }
 
-#[pymodule]
-pub fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
+/// Registers the reader, its handles, staging pools and slots, the I/O exceptions and constants.
+pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     let py = m.py();
-    m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     m.add("BACKENDS", Backend::ALL.map(Backend::name).to_vec())?;
     m.add("HUGE_PAGE", crate::staging::HUGE_PAGE)?;
     m.add("ReadError", py.get_type::<ReadError>())?;
-    m.add("BufferError", py.get_type::<BufferError>())?;
     m.add("SlotBusyError", py.get_type::<SlotBusyError>())?;
     m.add(
         "BackendUnavailableError",
@@ -388,7 +402,5 @@ pub fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<ReadHandle>()?;
     m.add_class::<StagingPool>()?;
     m.add_class::<Slot>()?;
-    crate::store_bindings::register(m)?;
-    crate::kernel_bindings::register(m)?;
     Ok(())
 }

@@ -1,6 +1,5 @@
 //! Python bindings of the store and the extent index (`ntio._core`): `open_store`, `ExtentIndex`,
-//! `store_header`, `plan_store_layout`, `checksum_at`. `ntio.store` is the Python facade.
-//! `register` also registers `bench_bindings`.
+//! `store_header`, `plan_store_layout`, `checksum_at`. `ntio.formats.store` is the Python facade.
 
 use std::path::PathBuf;
 
@@ -167,6 +166,5 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(store_header, m)?)?;
     m.add_function(wrap_pyfunction!(plan_store_layout, m)?)?;
     m.add_function(wrap_pyfunction!(checksum_at, m)?)?;
-    // The benchmark's timed reads register here too, so `bindings.rs` needs one line for both.
-    crate::bench_bindings::register(m)
+    Ok(())
 }

@@ -1,4 +1,4 @@
-"""ntio.cpu_kernels against an independent reference: gguf-py's `gguf.quants.dequantize` (numpy) then a float64
+"""ntio.kernels.cpu_kernels against an independent reference: gguf-py's `gguf.quants.dequantize` (numpy) then a float64
 matmul, and against `F.linear` on ntio's float32 dequantized weights; relative L2 error <= 1e-5 for every type,
 shape and batch size, on random well-formed blocks and on the real SmolLM2-135M-Instruct tensors."""
 
@@ -12,8 +12,9 @@ import torch.nn.functional as F
 from gguf import GGMLQuantizationType as T
 from gguf.quants import dequantize as ref_dequantize
 
-from ntio import cpu_kernels, quant
-from ntio.gguf_file import GGUFFile
+from ntio import _core
+from ntio.kernels import cpu_kernels, quant
+from ntio.formats.gguf_file import GGUFFile
 
 TYPES = [T.Q4_1, T.Q8_0, T.Q4_0, T.Q4_K, T.Q6_K, T.Q5_K, T.Q5_0, T.Q5_1, T.F16, T.BF16, T.F32]
 K_QUANTS = {T.Q4_K, T.Q5_K, T.Q6_K}
@@ -95,7 +96,7 @@ def test_threads_do_not_change_results() -> None:
 
 
 def test_small_decode_steps_run_torch_on_one_thread_and_restore_it() -> None:
-    from ntio.ops import SERIAL_ATTENTION_WORK, step_threads
+    from ntio.kernels.ops import SERIAL_ATTENTION_WORK, step_threads
 
     before = torch.get_num_threads()
     cpu = torch.device("cpu")
@@ -142,12 +143,56 @@ def test_errors() -> None:
         cpu_kernels.quantized_linear(torch.randn(2, 32), raw, T.Q4_1, (8, 64))
     with pytest.raises(ValueError, match="out must have shape"):
         cpu_kernels.quantized_linear(x, raw, T.Q4_1, (8, 64), out=torch.empty(2, 7))
-    # the raw binding checks sizes itself, before touching memory
-    from ntio import _core
-    with pytest.raises(ValueError, match="got w_nbytes = 10"):
-        _core.quantized_matmul(x.data_ptr(), 2, 64, raw.data_ptr(), 10, int(T.Q4_1), 8, x.data_ptr())
+    with pytest.raises(ValueError, match="x must be torch.float32, got torch.bfloat16"):
+        cpu_kernels.quantized_linear(x.bfloat16(), raw, T.Q4_1, (8, 64))
+    with pytest.raises(TypeError, match="x must be a torch.Tensor"):
+        cpu_kernels.quantized_linear(x.tolist(), raw, T.Q4_1, (8, 64))
+    with pytest.raises(_core.BufferError, match="out overlaps x"):  # out a view of x's memory
+        cpu_kernels.quantized_linear(x, raw, T.Q4_1, (8, 64), out=x.view(-1)[:16].view(2, 8))
+    with pytest.raises(_core.BufferError, match="out overlaps raw"):
+        cpu_kernels.quantized_linear(x, raw, T.Q4_1, (8, 64), out=raw[:64].view(torch.float32).view(2, 8))
+    assert cpu_kernels.quantized_linear(x.requires_grad_(), raw, T.Q4_1, (8, 64)).shape == (2, 8)
+
+
+def test_the_binding_refuses_wrong_buffers() -> None:
+    """`_core.quantized_matmul` takes buffers, not addresses, and checks each before the kernels see it: element
+    type, C-contiguity, writability, alignment, size and overlap, naming the argument."""
+    raw = quant.random_quantized(T.Q4_1, (8, 64), np.random.default_rng(7)).reshape(-1)  # 320 bytes
+    x = np.random.default_rng(8).standard_normal((2, 64), dtype=np.float32)
+    out = np.full((2, 8), np.nan, np.float32)
+    q = int(T.Q4_1)
+    _core.quantized_matmul(x, 2, 64, raw, q, 8, out)
+    expected = cpu_kernels.quantized_linear(torch.from_numpy(x), torch.from_numpy(raw), T.Q4_1, (8, 64))
+    np.testing.assert_array_equal(out, expected.numpy())
+
+    def refused(match: str, exc: type[Exception] = _core.BufferError, **args: object) -> None:
+        call = {"x": x, "raw": raw, "out": out} | args
+        with pytest.raises(exc, match=match):
+            _core.quantized_matmul(call["x"], 2, 64, call["raw"], q, 8, call["out"])
+
+    refused(r'x must hold float32 elements, got buffer format "d" \(8-byte items\)', x=x.astype(np.float64))
+    refused("x must hold float32 elements", x=x.view(np.int32))
+    refused("raw must hold uint8 elements", raw=raw.view(np.int8))
+    refused("out must hold float32 elements", out=out.astype(np.float16))
+    refused("x must be C-contiguous", x=np.asfortranarray(x))
+    refused("out must be C-contiguous", out=np.empty((8, 2), np.float32).T)
+    refused("raw must be C-contiguous", raw=np.repeat(raw, 2)[::2])
+    read_only = out.copy()
+    read_only.flags.writeable = False
+    refused("out is read-only", out=read_only)
+    refused("x must be 4-byte aligned", x=np.frombuffer(bytearray(4 * 128 + 1), np.float32, 128, offset=1))
+    refused(r"raw has 319 bytes; Q4_1 weights \[8, 64\] take 320 bytes", ValueError, raw=raw[:-1])
+    refused(r"x has 64 floats, \[2, 64\] needs 128", ValueError, x=x[:1])
+    refused(r"out has 8 floats, \[2, 8\] needs 16", ValueError, out=out[:1])
+    shared = np.zeros(200, np.float32)
+    refused("out overlaps x", x=shared[:128], out=shared[120:136])
+    refused("out overlaps x", x=out, out=out)
+    memory = np.zeros(400, np.uint8)
+    refused("out overlaps raw", raw=memory[:320], out=memory[316:380].view(np.float32))
+    refused("x must support the buffer protocol", TypeError, x=x.tolist())
     with pytest.raises(ValueError, match="ggml type 10 is not supported"):
-        _core.quantized_matmul(x.data_ptr(), 2, 64, raw.data_ptr(), 320, 10, 8, x.data_ptr())
+        _core.quantized_matmul(x, 2, 64, raw, 10, 8, out)
+    np.testing.assert_array_equal(out, expected.numpy())  # no refused call wrote to out
 
 
 @pytest.mark.parametrize("name", ["blk.0.attn_q.weight", "blk.7.ffn_down.weight", "blk.29.ffn_up.weight",

@@ -273,8 +273,13 @@ def test_read_into_torch_tensors(data_file, backend):
     handle.wait()
     assert floats.numpy().tobytes() == data[:4096 * 4]
     assert torch.equal(torch.from_numpy(slot_array(_core.StagingPool(1, 4096).acquire())), torch.zeros(4096, dtype=torch.uint8))
-    with pytest.raises(_core.BufferError, match="contiguous"):
+    with pytest.raises(_core.BufferError, match="dest must be C-contiguous"):
         read_into(reader, [(0, 1, 0)], torch.zeros(8, 8, dtype=torch.uint8).t())
+    halves = torch.zeros(8, dtype=torch.bfloat16)  # no numpy dtype: read as its bytes
+    read_into(reader, [(5, 16, 0)], halves)
+    assert halves.view(torch.uint8).numpy().tobytes() == data[5:21]
+    with pytest.raises(_core.BufferError, match="dest must be C-contiguous"):
+        read_into(reader, [(0, 1, 0)], torch.zeros(4, 4, dtype=torch.bfloat16).t())
 
 
 @pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="pinned memory needs CUDA")
@@ -298,13 +303,51 @@ def test_dropping_a_handle_waits_for_its_io(data_file, backend):
     assert array.tobytes() == data[:2 << 20]
 
 
-def test_numpy_destination_checks():
-    reader_path = Path(__file__)
-    reader = _core.Reader(reader_path, backend="buffered")
-    with pytest.raises(_core.BufferError, match="C-contiguous"):
-        read_into(reader, [(0, 1, 0)], np.zeros((4, 4), dtype=np.uint8).T)
-    with pytest.raises(TypeError):
-        read_into(reader, [(0, 1, 0)], bytearray(4))
+def test_wrong_destinations_are_refused_before_any_read():
+    """The destination crosses into Rust as a buffer, not an address: Rust refuses a strided or read-only one, or
+    one too small for the extents, naming it; any element type is fine (extents are in bytes)."""
+    data = Path(__file__).read_bytes()
+    reader = _core.Reader(Path(__file__), backend="buffered")
+    reads = [lambda dest: read_into(reader, [(0, 1, 0)], dest), lambda dest: submit_into(reader, [(0, 1, 0)], dest),
+             lambda dest: reader.read_into([(0, 1, 0)], dest), lambda dest: reader.submit_into([(0, 1, 0)], dest)]
+    read_only = np.zeros(16, dtype=np.uint8)
+    read_only.flags.writeable = False
+    for read in reads:
+        with pytest.raises(_core.BufferError, match="dest must be C-contiguous"):
+            read(np.zeros((4, 4), dtype=np.uint8).T)
+        for dest in (read_only, b"0123456789abcdef", memoryview(bytearray(16)).toreadonly()):
+            with pytest.raises(_core.BufferError, match="dest is read-only"):
+                read(dest)
+    assert not read_only.any()
+    with pytest.raises(_core.BufferError, match="destination of 15 bytes is too small for extent 0"):
+        read_into(reader, [(0, 16, 0)], np.zeros(15, dtype=np.uint8))
+    with pytest.raises(_core.BufferError, match="destination of 15 bytes is too small"):
+        submit_into(reader, [(0, 16, 0)], bytearray(15))
+    with pytest.raises(TypeError, match="dest must support the buffer protocol"):
+        read_into(reader, [(0, 1, 0)], [0] * 16)
+    # Other buffer-protocol objects and element types are just bytes.
+    buffer = bytearray(16)
+    read_into(reader, [(0, 16, 0)], buffer)
+    floats = np.zeros((2, 2), dtype=np.float32)
+    read_into(reader, [(3, 16, 0)], floats)
+    assert bytes(buffer) == data[:16] and floats.tobytes() == data[3:19]
+
+
+def test_a_submitted_read_holds_its_destination_buffer(data_file):
+    path, data = data_file
+    reader = _core.Reader(path, backend="buffered")
+    buffer = bytearray(4096)
+    handle = reader.submit_into([(0, 4096, 0)], buffer)
+    assert handle.owner is buffer  # no owner given: the exporting object
+    with pytest.raises(BufferError):  # Python's own: a bytearray with a live export cannot be resized
+        buffer.extend(b"x")
+    handle.wait()
+    with pytest.raises(BufferError):  # until the handle goes, not merely until the read ends
+        buffer.extend(b"x")
+    del handle
+    gc.collect()
+    buffer.extend(b"x")
+    assert bytes(buffer[:4096]) == data[:4096]
 
 
 def test_env_var_forces_backend_and_option_wins(data_file, monkeypatch):

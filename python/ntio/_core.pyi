@@ -1,7 +1,9 @@
-"""Type stubs for ntio's native module (Rust, `rust/bindings.rs`)."""
+"""Type stubs for ntio's native module (Rust; `rust/lib.rs` registers every `rust/*_bindings.rs`)."""
 
 from os import PathLike
 from typing import Any
+
+from typing_extensions import Buffer  # collections.abc.Buffer from Python 3.12
 
 __version__: str
 BACKENDS: list[str]
@@ -19,7 +21,9 @@ class ReadError(OSError):
     errno: int | None  # None for end of file
 
 class BufferError(ValueError):
-    """The destination cannot take the extents: too small, slot not acquired (or a stale handle)."""
+    """A buffer cannot be used (the message names the argument): wrong element type, not C-contiguous, read-only
+    where written, misaligned, wrong size, overlapping another argument; or a read destination too small for the
+    extents, a slot not acquired (or a stale handle)."""
 
 class SlotBusyError(RuntimeError):
     """A read into the slot is in flight (release/read refused), or no slot is free."""
@@ -46,12 +50,14 @@ class Reader:
     def request_size(self) -> int: ...  # rounded up to the alignment
     def read(self, extents: list[Extent], slot: Slot) -> None: ...
     def submit(self, extents: list[Extent], slot: Slot) -> ReadHandle: ...
-    def read_into_address(self, extents: list[Extent], address: int, nbytes: int) -> None: ...
-    def submit_into_address(self, extents: list[Extent], address: int, nbytes: int,
-                            owner: Any = None) -> ReadHandle: ...
+    def read_into(self, extents: list[Extent], dest: Buffer) -> None:
+        """Read into `dest`, a writable C-contiguous buffer of any element type (extents are in bytes), and wait."""
+    def submit_into(self, extents: list[Extent], dest: Buffer, owner: Any = None) -> ReadHandle:
+        """Start reading into `dest`; the handle holds its buffer until the read has ended and the handle is gone.
+        `owner` is what `handle.owner` reports (default: the object `dest` exports from)."""
 
 class ReadHandle:
-    """A submitted batch. Dropping it waits for its I/O before releasing `owner`."""
+    """A submitted batch. Dropping it waits for its I/O before releasing the destination's buffer."""
 
     def poll(self) -> bool: ...
     def wait(self) -> None: ...
@@ -79,7 +85,7 @@ class Slot:
     """An acquired slot; released by `release()` or when the last reference goes (after any read into it)."""
 
     @property
-    def address(self) -> int: ...
+    def address(self) -> int: ...  # of the Rust-owned slot memory (for numpy views, cudaHostRegister)
     @property
     def size(self) -> int: ...
     @property
@@ -90,17 +96,20 @@ class Slot:
     def in_flight(self) -> bool: ...
     def release(self) -> None: ...
 
-# CPU kernels (rust/kernel_bindings.rs); use them through ntio.cpu_kernels.
+# CPU kernels (rust/kernel_bindings.rs); use them through ntio.kernels.cpu_kernels.
 KERNEL_TYPES: list[int]
 """ggml type ids `quantized_matmul` supports."""
 KERNEL_MAX_T: int
 """Most activation rows per `quantized_matmul` call."""
 
-def quantized_matmul(x_address: int, t: int, k: int, w_address: int, w_nbytes: int, qtype: int, n: int,
-                     out_address: int, *, scalar: bool = False) -> None:
-    """out [t, n] = x [t, k] @ W.T, W [n, k] GGUF-encoded as ggml type `qtype` (raw addresses; GIL released).
+def quantized_matmul(x: Buffer, t: int, k: int, raw: Buffer, qtype: int, n: int, out: Buffer, *,
+                     scalar: bool = False) -> None:
+    """out [t, n] = x [t, k] @ W.T, W [n, k] GGUF-encoded as ggml type `qtype` in `raw` (GIL released).
 
-    ValueError on an unsupported type or sizes that do not match; `scalar=True` forces the portable kernels.
+    x: t * k float32; raw: uint8, exactly W's encoded size; out: t * n float32, writable, sharing no memory with x
+    or raw; all C-contiguous buffers (numpy arrays; torch tensors via `.numpy()`). BufferError (a ValueError)
+    naming the argument for a wrong element type, layout, writability or overlap; ValueError for an unsupported
+    type or sizes that do not match; `scalar=True` forces the portable kernels.
     """
 def set_kernel_threads(n: int) -> None:
     """Use `n` kernel threads (0: one per available CPU)."""

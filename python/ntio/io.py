@@ -5,8 +5,10 @@
 - `slot_array(slot)` → a zero-copy `uint8` numpy view of a staging slot (`torch.from_numpy` for torch); the view
   keeps the slot object alive.
 - `read_into(reader, extents, dest)` / `submit_into(reader, extents, dest)` read into memory Python owns: a
-  C-contiguous numpy array or CPU torch tensor (pinned or not). `submit_into`'s handle keeps `dest` alive until the
-  read has ended, and dropping the handle waits for the I/O first.
+  C-contiguous, writable numpy array or CPU torch tensor (pinned or not), or another buffer-protocol object
+  (`bytearray`, ...). The buffer itself crosses into Rust, which checks it (`_core.BufferError` naming `dest`);
+  torch tensors go as zero-copy `.numpy()` views. `submit_into`'s handle holds the buffer until the read has ended,
+  and dropping the handle waits for the I/O first.
 
 An extent is `(file_offset, length, dest_offset)` in bytes: file bytes `[file_offset, file_offset + length)` go to
 destination bytes `[dest_offset, dest_offset + length)`.
@@ -46,28 +48,29 @@ def slot_array(slot: _core.Slot) -> np.ndarray:
     return np.asarray(_SlotView(slot))
 
 
-def _address_of(dest: Any) -> tuple[int, int]:
-    """(address, nbytes) of a C-contiguous, writable numpy array or CPU torch tensor."""
-    if isinstance(dest, np.ndarray):
-        if not (dest.flags.c_contiguous and dest.flags.writeable):
-            raise _core.BufferError("destination array must be C-contiguous and writable")
-        return dest.ctypes.data, dest.nbytes
-    if hasattr(dest, "data_ptr") and hasattr(dest, "is_contiguous"):  # a torch.Tensor, without importing torch
+def _buffer_of(dest: Any) -> Any:
+    """`dest` as a buffer-protocol object over the same memory: torch tensors (CPU, pinned or not) as numpy views;
+    anything else as is (Rust checks it is a writable, C-contiguous buffer)."""
+    if hasattr(dest, "data_ptr") and hasattr(dest, "numpy"):  # a torch.Tensor, without importing torch
         if dest.device.type != "cpu":
-            raise _core.BufferError(f"destination tensor must be in host memory, not on {dest.device}")
-        if not dest.is_contiguous():
-            raise _core.BufferError("destination tensor must be contiguous")
-        return dest.data_ptr(), dest.numel() * dest.element_size()
-    raise TypeError(f"destination must be a numpy array or a torch tensor, not {type(dest).__name__}")
+            raise _core.BufferError(f"dest must be in host memory, not on {dest.device}")
+        dest = dest.detach()
+        try:
+            return dest.numpy()
+        except TypeError:  # a dtype numpy lacks (bfloat16): the same bytes as uint8; extents are in bytes anyway
+            import torch
+
+            if not dest.is_contiguous():
+                raise _core.BufferError("dest must be C-contiguous (a strided or transposed view is not)") from None
+            return dest.view(torch.uint8).numpy()
+    return dest
 
 
 def read_into(reader: _core.Reader, extents: Sequence[Extent], dest: Any) -> None:
     """Read `extents` into `dest` (numpy array or CPU/pinned torch tensor, as raw bytes) and wait."""
-    address, nbytes = _address_of(dest)
-    reader.read_into_address(list(extents), address, nbytes)
+    reader.read_into(list(extents), _buffer_of(dest))
 
 
 def submit_into(reader: _core.Reader, extents: Sequence[Extent], dest: Any) -> _core.ReadHandle:
     """Start reading `extents` into `dest`; `handle.wait()` raises any error. The handle keeps `dest` alive."""
-    address, nbytes = _address_of(dest)
-    return reader.submit_into_address(list(extents), address, nbytes, owner=dest)
+    return reader.submit_into(list(extents), _buffer_of(dest), owner=dest)

@@ -7,7 +7,7 @@
 use std::arch::x86_64::*;
 
 use super::blocks::{self, Dense, Format, GROUP, MAX_SUBS};
-use super::matmul::{Activations, RowKernel, MAX_T};
+use super::rows::{Activations, RowKernel, MAX_T};
 
 /// Whether this CPU runs the kernels of this module.
 pub fn available() -> bool {

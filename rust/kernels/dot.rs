@@ -2,7 +2,7 @@
 //! The reference structure the SIMD kernels follow; used where AVX2/FMA is not available.
 
 use super::blocks::{Dense, Format, GROUP, MAX_SUBS};
-use super::matmul::{Activations, MAX_T};
+use super::rows::{Activations, MAX_T};
 
 /// y[t] = Σ_groups ( Σ_parts d[s]·Σ q·x  +  m[g]·Σx ) for a block-quantized row; the weights are decoded once
 /// per group and used for every activation row.

@@ -10,9 +10,8 @@ use rayon::ThreadPool;
 
 use super::blocks::{self, Dense, Format, GROUP};
 use super::dot;
+use super::rows::{Activations, RowKernel, MAX_T};
 
-/// Most activation rows per call (larger batches are better served by dequantize + dense matmul).
-pub const MAX_T: usize = 16;
 /// Least work per task, in multiply-adds (weights x activation rows): about 40-80 us on one core (AVX-512: a
 /// 576 x 1536 Q4_1 matrix takes ~35 us, a 192 x 4096 Q4_K one ~60 us). Waking a second thread costs ~20 us, so
 /// smaller matrices run on the calling thread: on 2 cores, splitting SmolLM2's 576-wide matrices made decode
@@ -20,30 +19,6 @@ pub const MAX_T: usize = 16;
 const MIN_TASK_WORK: usize = 1 << 20;
 /// Tasks per thread, so that uneven thread speeds even out.
 const TASKS_PER_THREAD: usize = 4;
-
-/// One output row for every activation row: `y[t]` for t < `a.t`, from the encoded weight row `row`.
-pub type RowKernel = fn(&Activations, &[u8], &mut [f32; MAX_T]);
-
-/// The activations of a call: x [t, k] row-major, and for affine types Σx of every 32-element group.
-pub struct Activations<'a> {
-    pub x: &'a [f32],
-    /// [t, k / GROUP] group sums (empty for symmetric and dense types).
-    pub sums: Vec<f32>,
-    pub t: usize,
-    pub k: usize,
-}
-
-impl Activations<'_> {
-    /// Elements of group `gi` of activation row `ti`.
-    pub fn group(&self, ti: usize, gi: usize) -> &[f32] {
-        &self.x[ti * self.k + gi * GROUP..][..GROUP]
-    }
-
-    /// Σx over group `gi` of activation row `ti`.
-    pub fn group_sum(&self, ti: usize, gi: usize) -> f32 {
-        self.sums[ti * (self.k / GROUP) + gi]
-    }
-}
 
 /// ggml tensor types the kernels compute with (ids as in the GGUF file).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -183,10 +158,11 @@ fn mismatch(message: String) -> Result<(), KernelError> {
     Err(KernelError::Mismatch(message))
 }
 
-/// out [t, n] = x [t, k] · Wᵀ, W [n, k] encoded as `qtype` (n rows of k / block blocks), float32 accumulation.
+/// out [t, n] = x [t, k] · Wᵀ, W [n, k] encoded as `qtype` in `raw` (n rows of k / block blocks), float32
+/// accumulation. Size errors name the argument (`x`, `raw`, `out`).
 pub fn quantized_matmul(
     x: &[f32],
-    w: &[u8],
+    raw: &[u8],
     qtype: QType,
     t: usize,
     n: usize,
@@ -206,11 +182,11 @@ pub fn quantized_matmul(
         ));
     }
     let row_bytes = k / block * bytes;
-    if w.len() != n * row_bytes {
+    if raw.len() != n * row_bytes {
         return mismatch(format!(
-            "{qtype:?} weights [{n}, {k}] take {} bytes, got {}",
-            n * row_bytes,
-            w.len()
+            "raw has {} bytes; {qtype:?} weights [{n}, {k}] take {} bytes",
+            raw.len(),
+            n * row_bytes
         ));
     }
     if x.len() != t * k {
@@ -241,7 +217,7 @@ pub fn quantized_matmul(
     let rows_fn = |rows: std::ops::Range<usize>| {
         let mut y = [0f32; MAX_T];
         for r in rows {
-            kernel(&a, &w[r * row_bytes..][..row_bytes], &mut y);
+            kernel(&a, &raw[r * row_bytes..][..row_bytes], &mut y);
             for (ti, &v) in y[..t].iter().enumerate() {
                 // SAFETY: ti < t and r < n, so ti * n + r is inside `out` (t * n floats, checked above); tasks
                 // own disjoint row ranges, so no two threads write the same element; `out` outlives the call.

@@ -2,10 +2,13 @@
 //! weight block once per call, with float32 activations and float32 accumulation (no activation quantization).
 //!
 //! - `blocks`: block layouts, scale decoding and scalar code decoding per type;
+//! - `rows`: what every row kernel shares (the activations of a call, the row-kernel signature, `MAX_T`);
 //! - `dot`: portable scalar row kernels;
 //! - `avx2`: AVX2/FMA row kernels (x86-64, selected at run time);
 //! - `avx512`: AVX-512 row kernels for the block-quantized types (x86-64, selected at run time);
 //! - `matmul`: the entry point, argument checks, kernel selection and the thread pool.
+//!
+//! Imports go one way: the row kernels (`dot`, `avx2`, `avx512`) use `blocks` and `rows`; `matmul` uses them all.
 
 #[cfg(target_arch = "x86_64")]
 mod avx2;
@@ -14,5 +17,7 @@ mod avx512;
 mod blocks;
 mod dot;
 mod matmul;
+mod rows;
 
-pub use matmul::{quantized_matmul, set_threads, threads, Isa, KernelError, QType, MAX_T};
+pub use matmul::{quantized_matmul, set_threads, threads, Isa, KernelError, QType};
+pub use rows::MAX_T;

@@ -9,6 +9,7 @@ activations stay float32 and sums are float32 (each block computes d * Σ q·x +
 from __future__ import annotations
 
 import gguf
+import numpy as np
 import torch
 
 from ntio import _core
@@ -31,17 +32,23 @@ def threads() -> int:
     return _core.kernel_threads()
 
 
-def _check(name: str, t: torch.Tensor, dtype: torch.dtype, dim: int) -> None:
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    if t.device.type != "cpu":
-        raise ValueError(f"{name} must be on the CPU, got {t.device}")
-    if t.dtype != dtype:
-        raise ValueError(f"{name} must be {dtype}, got {t.dtype}")
-    if t.dim() != dim:
-        raise ValueError(f"{name} must be {dim}-D, got shape {tuple(t.shape)}")
-    if not t.is_contiguous():
-        raise ValueError(f"{name} must be contiguous (shape {tuple(t.shape)}, strides {t.stride()})")
+_DTYPES = {"x": torch.float32, "raw": torch.uint8, "out": torch.float32}  # what each argument must be
+
+
+def _array(name: str, t: torch.Tensor) -> np.ndarray:
+    """A zero-copy numpy view of CPU tensor `t` (the Rust binding checks its dtype, layout and size)."""
+    try:
+        return t.numpy()
+    except AttributeError:
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}") from None
+    except (TypeError, RuntimeError):  # not on the CPU, a dtype numpy lacks, or requires grad
+        if not isinstance(t, torch.Tensor):
+            raise
+        if t.device.type != "cpu":
+            raise ValueError(f"{name} must be on the CPU, got {t.device}") from None
+        if t.requires_grad:
+            return t.detach().numpy()
+        raise ValueError(f"{name} must be {_DTYPES[name]}, got {t.dtype}") from None
 
 
 def quantized_linear(x: torch.Tensor, raw: torch.Tensor, qtype: gguf.GGMLQuantizationType | int,
@@ -50,7 +57,8 @@ def quantized_linear(x: torch.Tensor, raw: torch.Tensor, qtype: gguf.GGMLQuantiz
 
     x: contiguous float32 CPU tensor, 1 <= T <= MAX_ROWS. raw: contiguous 1-D uint8 CPU tensor of exactly the
     encoded size. out: optional contiguous float32 [T, N] CPU tensor, not overlapping x or raw.
-    `scalar=True` forces the portable kernels (for tests). Errors: ValueError / TypeError naming the problem.
+    `scalar=True` forces the portable kernels (for tests). Errors: ValueError (`_core.BufferError` for a buffer
+    of the wrong dtype, layout or overlap) / TypeError naming the problem.
     """
     try:
         qt = T(int(qtype))
@@ -60,19 +68,24 @@ def quantized_linear(x: torch.Tensor, raw: torch.Tensor, qtype: gguf.GGMLQuantiz
         names = ", ".join(sorted(t.name for t in KERNEL_TYPES))
         raise ValueError(f"tensor type {qt.name} is not supported by the CPU kernels (supported: {names})")
     n, k = (int(s) for s in shape)
-    _check("x", x, torch.float32, 2)
-    _check("raw", raw, torch.uint8, 1)
-    t = x.shape[0]
-    if x.shape[1] != k:
-        raise ValueError(f"x has {x.shape[1]} columns, the weights {tuple(shape)} need {k}")
+    xa, rawa = _array("x", x), _array("raw", raw)
+    if xa.ndim != 2:
+        raise ValueError(f"x must be 2-D, got shape {xa.shape}")
+    if rawa.ndim != 1:
+        raise ValueError(f"raw must be 1-D, got shape {rawa.shape}")
+    t = xa.shape[0]
+    if xa.shape[1] != k:
+        raise ValueError(f"x has {xa.shape[1]} columns, the weights {tuple(shape)} need {k}")
     if not 1 <= t <= MAX_ROWS:
         raise ValueError(f"x has {t} rows; the CPU kernels take 1 to {MAX_ROWS} (dequantize for more)")
     if out is None:
-        out = torch.empty((t, n), dtype=torch.float32)
+        outa = np.empty((t, n), np.float32)
+        out = torch.from_numpy(outa)  # ~1 us, vs ~4 us for torch.empty(...).numpy()
     else:
-        _check("out", out, torch.float32, 2)
-        if tuple(out.shape) != (t, n):
-            raise ValueError(f"out must have shape {(t, n)}, got {tuple(out.shape)}")
-    # x, raw and out are referenced here until the call returns, which keeps their memory alive.
-    _core.quantized_matmul(x.data_ptr(), t, k, raw.data_ptr(), raw.numel(), int(qt), n, out.data_ptr(), scalar=scalar)
+        outa = _array("out", out)
+        if outa.shape != (t, n):
+            raise ValueError(f"out must have shape {(t, n)}, got {tuple(outa.shape)}")
+    # The Rust binding checks dtypes, C-contiguity, out writable and overlapping neither x nor raw, and sizes; the
+    # arrays' buffer exports hold the tensors' memory until it returns.
+    _core.quantized_matmul(xa, t, k, rawa, int(qt), n, outa, scalar=scalar)
     return out

@@ -1,0 +1,32 @@
+//! What every row kernel (scalar, AVX2, AVX-512) shares: the activations of a call, the row-kernel signature and
+//! the most activation rows per call. `matmul` builds these and hands them to the kernels; the kernels import
+//! them from here, never from `matmul`, so imports go one way (kernels → rows, matmul → kernels).
+
+use super::blocks::GROUP;
+
+/// Most activation rows per call (larger batches are better served by dequantize + dense matmul).
+pub const MAX_T: usize = 16;
+
+/// One output row for every activation row: `y[t]` for t < `a.t`, from the encoded weight row `row`.
+pub type RowKernel = fn(&Activations, &[u8], &mut [f32; MAX_T]);
+
+/// The activations of a call: x [t, k] row-major, and for affine types Σx of every 32-element group.
+pub struct Activations<'a> {
+    pub x: &'a [f32],
+    /// [t, k / GROUP] group sums (empty for symmetric and dense types).
+    pub sums: Vec<f32>,
+    pub t: usize,
+    pub k: usize,
+}
+
+impl Activations<'_> {
+    /// Elements of group `gi` of activation row `ti`.
+    pub fn group(&self, ti: usize, gi: usize) -> &[f32] {
+        &self.x[ti * self.k + gi * GROUP..][..GROUP]
+    }
+
+    /// Σx over group `gi` of activation row `ti`.
+    pub fn group_sum(&self, ti: usize, gi: usize) -> f32 {
+        self.sums[ti * (self.k / GROUP) + gi]
+    }
+}
