@@ -30,6 +30,7 @@ from ntio.decoding.generation import Sampler, SamplingParams, generate_ids
 from ntio.formats.model_file import open_model_file
 from ntio.text.tokenizer import Tokenizer
 from ntio.runtime.loader import LayerLoader, ProgressCallback, auto_prefetch_depth
+from ntio.policies.base import LoadPolicy
 from ntio.runtime.stats import StreamStats
 from ntio.models.weights import WeightLayout, load_global_weights
 
@@ -84,6 +85,7 @@ class LLM:
         prefetch_depth: int | None = None,
         io_backend: str | None = None,
         on_progress: ProgressCallback | None = None,
+        policy: LoadPolicy | None = None,
     ) -> None:
         if kv_dtype not in KV_DTYPES:
             raise NtioError(f"--kv-dtype must be one of {', '.join(KV_DTYPES)}, got {kv_dtype!r}")
@@ -112,7 +114,7 @@ class LLM:
                               gpu_memory_budget=gpu_memory_budget, ram_budget=ram_budget)
         with torch.inference_mode():
             self.loader = LayerLoader(layout, self.plan, self.device, group_size=layer_group_size, prefetch_depth=depth,
-                                      backend=io_backend, on_progress=on_progress)
+                                      backend=io_backend, on_progress=on_progress, policy=policy)
             globals_ = load_global_weights(layout, self.loader.read_tensor, self.device)
         kv = KVCache(self.config, capacity, KV_DTYPES[kv_dtype], self.device)
         self.engine = Engine(self.config, globals_, self.loader, kv)
@@ -278,6 +280,6 @@ def load(model: str | os.PathLike[str] | None = None, **options) -> LLM:
     """Load a GGUF model or ntio store (the default SmolLM2-135M-Instruct when `model` is None).
 
     Options as for `LLM`: device, kv_dtype, max_context, tiers, gpu_memory_budget, ram_budget, layer_group_size,
-    sync, prefetch_depth, io_backend, on_progress.
+    sync, prefetch_depth, io_backend, on_progress, policy (a `ntio.policies.base.LoadPolicy`; default dense).
     """
     return LLM(resolve_model(model), **options)

@@ -1,15 +1,15 @@
 """The load-policy seam: what the loader reads for each layer, decided before the read is submitted.
 
-The loader asks `decide(layer, ahead)` when it is about to submit a layer's read (streamed layers: up to the
-read-ahead window before the layer computes, `ahead` layers ahead of the one computing now; resident layers: when
-the layer is about to compute, ahead = 0). The answer is one of:
+The loader asks `decide(layer, ahead)` when it is about to submit a layer's read: for a streamed layer, `ahead`
+streamed groups (of the loader's `group_size` layers) compute before it, at most the read-ahead depth; for a resident
+layer, or a streamed one needed at once, ahead = 0 and the layer computes next. The answer is one of:
   * `LOAD_ALL`: the whole layer (dense streaming);
   * `SKIP`: nothing; the layer is not computed, the residual stream passes through, and the KV cache marks the
     positions as skipped for that layer;
   * `LoadDecision.ffn_rows(ranges)`: the whole layer except the FFN gate/up matrices, of which only the neuron
     (row) ranges given are read; the FFN computes only those neurons (exact for them: the others count as 0).
-The horizon is explicit: `horizon` is set by the loader to the most layers ahead it will ever ask about, so a policy
-knows how stale its observations may be. After a layer computes, the engine calls `observe(...)` with what it saw
+The horizon is explicit: the loader sets `horizon` to the largest `ahead` it will ever pass (its prefetch depth), so
+a policy knows how stale its observations may be when it decides. After a layer computes, the engine calls `observe(...)` with what it saw
 (the hidden state in and out; the FFN gate pre-activations [T, F] when `wants_ffn_gate`).
 
 When a layer is about to compute, the loader asks `still_wanted(layer, decision)`: a policy that has changed its

@@ -156,8 +156,8 @@ class LayerLoader:
         self._streamed_groups = [g for g, grp in enumerate(self.groups) if grp.streamed]
         slot_size = max((grp.nbytes for grp in self.groups), default=0)
         self.prefetch_depth = auto_prefetch_depth(slot_size) if prefetch_depth is None else prefetch_depth
-        # The policy decides at most this many layers before the one computing (0: everything is resident).
-        self.policy.horizon = self.prefetch_depth * group_size + group_size - 1 if self._streamed_groups else 0
+        # A policy decides a streamed layer's read at most this many streamed groups before it computes.
+        self.policy.horizon = self.prefetch_depth if self._streamed_groups else 0
         # One slot for the group being computed and one per group being read ahead.
         n_slots = self.prefetch_depth + 1 if self._streamed_groups else 0
         self._pool = _core.StagingPool(n_slots, slot_size) if n_slots else None
@@ -188,8 +188,11 @@ class LayerLoader:
     def layers_per_group(self) -> int:
         return len(self.groups[0].layers)
 
-    def prefetch_async(self, group: int) -> bool:
-        """Start reading `group`'s streamed layers for its next use into a free slot; False if none is free."""
+    def prefetch_async(self, group: int, ahead: int = 0) -> bool:
+        """Start reading `group`'s streamed layers for its next use into a free slot; False if none is free.
+
+        ahead: streamed groups that compute before this one (0: it is needed now), as its policy is told.
+        """
         if not self.groups[group].streamed or group in self._pending:
             return group in self._pending
         self._drain_dropped()
@@ -197,7 +200,7 @@ class LayerLoader:
         free = sorted(set(range(len(self._slots))) - busy)
         if not free:
             return False
-        self._pending[group] = self._submit(group, free[0])
+        self._pending[group] = self._submit(group, free[0], ahead)
         return True
 
     def sync(self) -> None:
@@ -259,8 +262,8 @@ class LayerLoader:
                 torch.cuda.current_stream(self.device).wait_event(self._copied[self._current[1]])
             # Read ahead the next streamed groups in use order, wrapping around to the next forward's first ones.
             order = [g for g in self._streamed_groups if g > group] + [g for g in self._streamed_groups if g <= group]
-            for ahead in order[: self.prefetch_depth]:
-                if not self.prefetch_async(ahead):
+            for ahead, later in enumerate(order[: self.prefetch_depth], start=1):
+                if not self.prefetch_async(later, ahead):
                     break
         return self._blocks.get(layer)  # None: skipped (by the decision at submit, or no longer wanted)
 
@@ -333,15 +336,13 @@ class LayerLoader:
             ranges += [row_extent(self.layout.file, name, start, stop) for start, stop in decision.rows]
         return plan_subset_read(read.extents, ranges)
 
-    def _submit(self, group: int, index: int) -> _PendingRead:
+    def _submit(self, group: int, index: int, ahead: int) -> _PendingRead:
         grp = self.groups[group]
-        computing = self._current[0] if self._current is not None else 0
         extents, decisions, nbytes = [], {}, {}
         for layer in grp.streamed:
             if layer in self._host:
                 decisions[layer] = self.policy.decide(layer, 0)  # tier B on CUDA: in pinned host memory, not read
                 continue
-            ahead = (layer - self.groups[computing].layers[0]) % self.layout.cfg.n_layers
             decisions[layer] = decision = self.policy.decide(layer, ahead)
             base = grp.offsets[layer]
             layer_extents = self._layer_extents(layer, decision)
