@@ -44,7 +44,7 @@ def test_cuda_streamed_equals_resident(smollm2_path, options):
 
 
 def test_gpu_budget_too_small_says_minimum(smollm2_path):
-    with pytest.raises(ntio.NtioError, match="--gpu-memory-budget .* at least"):
+    with pytest.raises(ntio.NtioError, match="^gpu_memory_budget .* at least"):
         ntio.load(smollm2_path, max_context=256, device="cuda", gpu_memory_budget="10MB")
 
 

@@ -114,7 +114,7 @@ def test_default_read_ahead_keeps_bytes_in_flight(smollm2_path):
     m = ntio.load(smollm2_path, max_context=64, tiers="C", layer_group_size=6)
     assert m.loader.prefetch_depth == 2  # 13.3 MB groups
     m.close()
-    with pytest.raises(NtioError, match="--prefetch-depth must be >= 1"):
+    with pytest.raises(NtioError, match="^prefetch_depth must be >= 1"):
         ntio.load(smollm2_path, max_context=64, tiers="C", prefetch_depth=0)
 
 
@@ -234,8 +234,8 @@ def test_tier_spec_and_sizes():
             parse_tier_spec(bad, 4)
     assert parse_size("64MB", "--x") == 64_000_000 and parse_size("4GiB", "--x") == 4 << 30
     assert parse_size("1.5g", "--x") == 1_500_000_000
-    with pytest.raises(NtioError, match="--ram-budget"):
-        parse_size("lots", "--ram-budget")
+    with pytest.raises(NtioError, match="^ram_budget 'lots': cannot read"):
+        parse_size("lots", "ram_budget")
 
 
 def test_plan_fills_device_then_host_then_disk():

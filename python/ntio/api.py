@@ -24,7 +24,7 @@ from ntio.models.config import ModelConfig
 from ntio.runtime.budget import make_plan, memory_needs
 from ntio.runtime.engine import Engine
 from ntio.runtime.kv_cache import KVCache
-from ntio.errors import ContextOverflowError, NtioError
+from ntio.errors import ContextOverflowError, NtioError, OptionError
 from ntio.fetch import resolve_model
 from ntio.decoding.generation import Sampler, SamplingParams, generate_ids
 from ntio.formats.model_file import open_model_file
@@ -88,7 +88,7 @@ class LLM:
         policy: LoadPolicy | None = None,
     ) -> None:
         if kv_dtype not in KV_DTYPES:
-            raise NtioError(f"--kv-dtype must be one of {', '.join(KV_DTYPES)}, got {kv_dtype!r}")
+            raise OptionError("kv_dtype", f"must be one of {', '.join(KV_DTYPES)}, got {kv_dtype!r}")
         self.path = Path(path)
         self.file = open_model_file(self.path)
         self.config = ModelConfig.from_gguf(self.file)
@@ -97,16 +97,16 @@ class LLM:
         self.device = torch.device(device)
         capacity = self.config.context_length if max_context is None else max_context
         if capacity < 1:
-            raise NtioError(f"--ctx-size must be >= 1, got {capacity}")
+            raise OptionError("max_context", f"must be >= 1, got {capacity}")
         if layer_group_size < 1:
-            raise NtioError(f"--layer-group-size must be >= 1, got {layer_group_size}")
+            raise OptionError("layer_group_size", f"must be >= 1, got {layer_group_size}")
         needs = memory_needs(layout, capacity, KV_DTYPES[kv_dtype], layer_group_size, staging_slots=1)
         if sync:
             depth = 0
         elif prefetch_depth is None:
             depth = auto_prefetch_depth(needs.largest_group())
         elif prefetch_depth < 1:
-            raise NtioError(f"--prefetch-depth must be >= 1, got {prefetch_depth}")
+            raise OptionError("prefetch_depth", f"must be >= 1, got {prefetch_depth}")
         else:
             depth = prefetch_depth
         needs = dataclasses.replace(needs, staging_slots=depth + 1)
@@ -165,7 +165,7 @@ class LLM:
         """Generate lazily: iterate for text pieces; the stream's `.completion` holds the result at the end."""
         params = SamplingParams(temperature, top_k, top_p, repetition_penalty, seed)
         if max_new_tokens < 1:
-            raise NtioError(f"--max-new-tokens must be >= 1, got {max_new_tokens}")
+            raise OptionError("max_new_tokens", f"must be >= 1, got {max_new_tokens}")
         prompt_ids = self.encode_prompt(prompt, chat=chat, system=system)
         if not prompt_ids:
             raise NtioError("the prompt is empty (no tokens)")
@@ -236,7 +236,7 @@ class LLM:
         it); every token of a window except its first is scored, given the tokens before it in that window.
         """
         if ctx < 2:
-            raise NtioError(f"--ctx must be >= 2, got {ctx}")
+            raise OptionError("ctx", f"must be >= 2, got {ctx}")
         if ctx > self.engine.kv.capacity:
             raise ContextOverflowError(f"--ctx {ctx} exceeds the context of {self.engine.kv.capacity} tokens")
         ids = torch.tensor(self.tokenizer.encode(text), dtype=torch.int64, device=self.device)

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import click
 
-from ntio.errors import NtioError
+from ntio.errors import NtioError, OptionError
 
 MODEL_HELP = ("GGUF model or ntio store, or a model name from `ntio fetch --list` (fetched on first use); default: "
               "smollm2-135m, SmolLM2-135M-Instruct Q4_1")
@@ -23,12 +23,24 @@ MODEL_HELP = ("GGUF model or ntio store, or a model name from `ntio fetch --list
 MODEL_ARG = click.Path(dir_okay=False)
 
 
+# OptionError names a library parameter; each has a CLI flag of the same name (`top_p` -> `--top-p`) but these.
+_FLAGS = {"max_context": "--ctx-size"}
+
+
+def _user_message(e: NtioError) -> str:
+    """The error's one line, with a library parameter named as the flag that set it."""
+    if not isinstance(e, OptionError):
+        return str(e)
+    flag = _FLAGS.get(e.option, f"--{e.option.replace('_', '-')}")
+    return f"{flag} {e.problem}".replace("max_context", _FLAGS["max_context"])
+
+
 class _Group(click.Group):
     def invoke(self, ctx: click.Context):
         try:
             return super().invoke(ctx)
         except NtioError as e:
-            click.echo(f"ntio: error: {e}", err=True)
+            click.echo(f"ntio: error: {_user_message(e)}", err=True)
             sys.exit(1)
         except KeyboardInterrupt:
             click.echo("\nntio: interrupted", err=True)

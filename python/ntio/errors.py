@@ -22,3 +22,28 @@ class UnsupportedModelError(NtioError):
 
 class ContextOverflowError(NtioError):
     """More tokens than the model's context (or the KV cache) holds."""
+
+
+class ModelIOError(NtioError):
+    """Reading the model file failed at the OS level (EIO, a vanished device): names file and offset."""
+
+
+class OptionError(NtioError):
+    """An option has a value ntio cannot use. `option` is the library's parameter name (`top_p`), which the message
+    starts with; the CLI shows its flag (`--top-p`) instead."""
+
+    def __init__(self, option: str, problem: str) -> None:
+        super().__init__(f"{option} {problem}")
+        self.option = option
+        self.problem = problem
+
+
+def read_error(e: OSError) -> NtioError:
+    """The one translation of a failed read (ntio._core.ReadError, or any OSError) into ntio's error kinds.
+
+    A read past the end of the file (no errno: the file is shorter than its header says, or was truncated while
+    running) is a malformed file; an error the OS reported (errno set: EIO, ENOENT, ...) is an I/O error. Both keep
+    the reader's one-line message, which names the file and the offset.
+    """
+    message = str(e) if getattr(e, "path", None) else f"{e.filename or 'model file'}: {e.strerror or e}"
+    return ModelFormatError(message) if getattr(e, "errno", None) is None else ModelIOError(message)

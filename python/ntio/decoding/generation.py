@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from ntio.runtime.engine import Engine
-from ntio.errors import NtioError
+from ntio.errors import OptionError
 
 
 @dataclass(frozen=True)
@@ -27,13 +27,13 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         if not self.temperature >= 0:
-            raise NtioError(f"--temperature must be >= 0, got {self.temperature}")
+            raise OptionError("temperature", f"must be >= 0, got {self.temperature}")
         if self.top_k < 0:
-            raise NtioError(f"--top-k must be >= 0, got {self.top_k}")
+            raise OptionError("top_k", f"must be >= 0, got {self.top_k}")
         if not 0 < self.top_p <= 1:
-            raise NtioError(f"--top-p must be in (0, 1], got {self.top_p}")
+            raise OptionError("top_p", f"must be in (0, 1], got {self.top_p}")
         if not self.repetition_penalty > 0:
-            raise NtioError(f"--repetition-penalty must be > 0, got {self.repetition_penalty}")
+            raise OptionError("repetition_penalty", f"must be > 0, got {self.repetition_penalty}")
 
 
 class Sampler:

@@ -84,10 +84,10 @@ def make_plan(
         if not cuda:
             forced = ["A" if t == "B" else t for t in forced]  # on CPU host RAM is the device
         return TierPlan(forced, None, None, reserved if cuda else 0, 0 if cuda else reserved)
-    ram = parse_size(ram_budget, "--ram-budget") if ram_budget is not None else int(0.9 * available_ram())
+    ram = parse_size(ram_budget, "ram_budget") if ram_budget is not None else int(0.9 * available_ram())
     if cuda:
         free = torch.cuda.mem_get_info()[0]
-        device = parse_size(gpu_memory_budget, "--gpu-memory-budget") if gpu_memory_budget is not None else int(0.9 * free)
+        device = parse_size(gpu_memory_budget, "gpu_memory_budget") if gpu_memory_budget is not None else int(0.9 * free)
     else:
         device = ram
     return plan_tiers(

@@ -16,7 +16,8 @@ layer (`DensePolicy`, the default), nothing (skip), or a subset of the FFN's gat
 the read-ahead window, `prefetch_depth` groups of `group_size` layers. Stats count the bytes each layer really read.
 
 Interface (SPEC-006 §4.2): load_group / evict_group / prefetch_async / sync, num_groups, layers_per_group; and
-`block(layer)` for the engine. Reads that fail (file truncated or gone) raise ModelFormatError naming file and offset.
+`block(layer)` for the engine. Reads that fail raise ModelFormatError (file truncated) or ModelIOError (EIO, ...),
+naming file and offset (errors.read_error).
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ import numpy as np
 import torch
 
 from ntio import _core
-from ntio.errors import ModelFormatError, NtioError
+from ntio.errors import ModelFormatError, NtioError, OptionError, read_error
 from ntio.formats.gguf_file import TensorInfo
 from ntio.io import read_into, slot_array
 from ntio.formats.model_file import plan_layer_read, plan_subset_read, row_extent
@@ -109,13 +110,13 @@ class LayerLoader:
     ) -> None:
         cfg = layout.cfg
         if group_size < 1:
-            raise NtioError(f"--layer-group-size must be >= 1, got {group_size}")
+            raise OptionError("layer_group_size", f"must be >= 1, got {group_size}")
         if len(plan.tiers) != cfg.n_layers:
             raise NtioError(f"the tier plan has {len(plan.tiers)} layers, the model {cfg.n_layers}")
         self.layout, self.plan, self.device = layout, plan, device
         self.cuda = device.type == "cuda"
         if prefetch_depth is not None and prefetch_depth < 0:
-            raise NtioError(f"prefetch depth must be >= 0, got {prefetch_depth}")
+            raise OptionError("prefetch_depth", f"must be >= 0, got {prefetch_depth}")
         self.on_progress = on_progress
         self.policy = policy if policy is not None else DensePolicy()
         self.stats = StreamStats(layers_per_tier=plan.counts)
@@ -123,7 +124,7 @@ class LayerLoader:
         try:
             self.reader = _core.Reader(layout.file.path, backend=backend)  # the reader's default request size and depth
         except OSError as e:
-            raise ModelFormatError(str(e)) from None
+            raise read_error(e) from None
         self._reads = [_plan_layer(layout, i) for i in range(cfg.n_layers)]
 
         # Resident tiers, read once: A onto the device; B into host RAM (pinned on CUDA; on CPU B is just RAM).
@@ -353,14 +354,14 @@ class LayerLoader:
         try:
             handle = self.reader.submit(extents, self._slots[index])
         except OSError as e:
-            raise ModelFormatError(str(e)) from None
+            raise read_error(e) from None
         return _PendingRead(index, handle, time.perf_counter(), decisions, nbytes)
 
     def _wait(self, handle: _core.ReadHandle) -> None:
         try:
             handle.wait()
         except OSError as e:  # truncated or vanished file: name it, never compute on partial bytes
-            raise ModelFormatError(str(e)) from None
+            raise read_error(e) from None
 
     def _finish_read(self, group: int, pending: _PendingRead) -> None:
         t0 = time.perf_counter()
@@ -411,7 +412,7 @@ class LayerLoader:
         try:
             read_into(self.reader, extents, buf)
         except OSError as e:
-            raise ModelFormatError(str(e)) from None
+            raise read_error(e) from None
         return torch.from_numpy(buf)
 
     def _weights(self, layer: int, buf: torch.Tensor) -> LayerWeights:

@@ -15,7 +15,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from ntio.errors import NtioError
+from ntio.errors import OptionError
 
 TIERS = ("A", "B", "C")
 
@@ -29,7 +29,7 @@ def parse_size(text: str | int, option: str) -> int:
         return text
     m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", text)
     if not m or m.group(2).lower() not in _UNITS:
-        raise NtioError(f"{option}: cannot read {text!r} as a size (examples: 512MB, 4GiB, 1.5G)")
+        raise OptionError(option, f"{text!r}: cannot read it as a size (examples: 512MB, 4GiB, 1.5G)")
     return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
 
 
@@ -49,21 +49,21 @@ def parse_tier_spec(spec: str, n_layers: int) -> list[str] | None:
         return [text] * n_layers
     if re.fullmatch(r"[ABC]+", text):
         if len(text) != n_layers:
-            raise NtioError(f"--tiers: {len(text)} letters given for a model with {n_layers} layers")
+            raise OptionError("tiers", f"{text!r}: {len(text)} letters given for a model with {n_layers} layers")
         return list(text)
     tiers: list[str | None] = [None] * n_layers
     for part in text.split(","):
         m = re.fullmatch(r"([ABC]):(\d+)(?:-(\d+))?", part.strip())
         if not m:
-            raise NtioError(f"--tiers: cannot read {part.strip()!r} (expected e.g. A:0-9,C:10-{n_layers - 1})")
+            raise OptionError("tiers", f"{text!r}: cannot read {part.strip()!r} (expected e.g. A:0-9,C:10-{n_layers - 1})")
         first, last = int(m.group(2)), int(m.group(3) or m.group(2))
         if not 0 <= first <= last < n_layers:
-            raise NtioError(f"--tiers: layers {first}-{last} are outside 0-{n_layers - 1}")
+            raise OptionError("tiers", f"{text!r}: layers {first}-{last} are outside 0-{n_layers - 1}")
         for layer in range(first, last + 1):
             tiers[layer] = m.group(1)
     missing = [i for i, t in enumerate(tiers) if t is None]
     if missing:
-        raise NtioError(f"--tiers: no tier given for layer {missing[0]} (every layer needs one)")
+        raise OptionError("tiers", f"{text!r}: no tier given for layer {missing[0]} (every layer needs one)")
     return tiers  # type: ignore[return-value]
 
 
@@ -115,12 +115,13 @@ def plan_tiers(
         return TierPlan(["A"] * len(layer_bytes), device_budget, ram_budget, reserved_device, reserved_ram)
     device_free = device_budget - reserved_device - staging_bytes if cuda else 0
     ram_free = ram_budget - reserved_ram - staging_bytes
-    for option, budget, free in (("--gpu-memory-budget", device_budget, device_free), ("--ram-budget", ram_budget, ram_free)):
-        if free < 0 and (cuda or option == "--ram-budget"):
-            raise NtioError(
-                f"{option} {format_size(budget)} is too small: streaming this model needs at least "
+    for option, budget, free in (("gpu_memory_budget", device_budget, device_free), ("ram_budget", ram_budget, ram_free)):
+        if free < 0 and (cuda or option == "ram_budget"):
+            raise OptionError(
+                option,
+                f"{format_size(budget)} is too small: streaming this model needs at least "
                 f"{format_size(budget - free)} (always-resident weights, KV cache, activations and staging "
-                f"slots; a smaller --ctx-size shrinks the KV cache)"
+                f"slots; a smaller max_context shrinks the KV cache)",
             )
     tiers = []
     for nbytes in layer_bytes:
