@@ -86,13 +86,17 @@ class LLM:
         io_backend: str | None = None,
         on_progress: ProgressCallback | None = None,
         policy: LoadPolicy | None = None,
+        threads: int | None = None,
+        tokenizer: Tokenizer | None = None,
     ) -> None:
         if kv_dtype not in KV_DTYPES:
             raise OptionError("kv_dtype", f"must be one of {', '.join(KV_DTYPES)}, got {kv_dtype!r}")
         self.path = Path(path)
         self.file = open_model_file(self.path)
         self.config = ModelConfig.from_gguf(self.file)
-        self.tokenizer = Tokenizer.from_gguf(self.file)
+        # A tokenizer handed in (a companion's) is shared when it serves this file's vocabulary.
+        shared = tokenizer is not None and tokenizer.serves(self.file)
+        self.tokenizer = tokenizer if shared else Tokenizer.from_gguf(self.file)
         layout = WeightLayout(self.file, self.config)
         self.device = torch.device(device)
         capacity = self.config.context_length if max_context is None else max_context
@@ -117,7 +121,17 @@ class LLM:
                                       backend=io_backend, on_progress=on_progress, policy=policy)
             globals_ = load_global_weights(layout, self.loader.read_tensor, self.device)
         kv = KVCache(self.config, capacity, KV_DTYPES[kv_dtype], self.device)
-        self.engine = Engine(self.config, globals_, self.loader, kv)
+        self.engine = Engine(self.config, globals_, self.loader, kv, threads=threads)
+
+    def companion(self, model: str | os.PathLike[str], **options) -> LLM:
+        """A second model that runs beside this one, e.g. a resident draft for speculative decoding.
+
+        It shares this model's tokenizer (and so its chat template) when the two files have the same vocabulary,
+        and has its own engine: KV cache, scratch buffers, threads, loader and policy. Its memory is its own slice:
+        `ram_budget` / `gpu_memory_budget` as given, else 90% of what is available once this model is loaded.
+        Options as for `ntio.load`.
+        """
+        return LLM(resolve_model(model), tokenizer=self.tokenizer, **options)
 
     @property
     def stats(self) -> StreamStats:
@@ -280,6 +294,8 @@ def load(model: str | os.PathLike[str] | None = None, **options) -> LLM:
     """Load a GGUF model or ntio store (the default SmolLM2-135M-Instruct when `model` is None).
 
     Options as for `LLM`: device, kv_dtype, max_context, tiers, gpu_memory_budget, ram_budget, layer_group_size,
-    sync, prefetch_depth, io_backend, on_progress, policy (a `ntio.policies.base.LoadPolicy`; default dense).
+    sync, prefetch_depth, io_backend, on_progress, policy (a `ntio.policies.base.LoadPolicy`; default dense),
+    threads (torch threads for this model's prefill steps; default the process's), tokenizer (one to share, used
+    when it serves the file's vocabulary; see `LLM.companion`).
     """
     return LLM(resolve_model(model), **options)

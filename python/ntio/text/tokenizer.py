@@ -16,6 +16,7 @@ user-defined (4) tokens are always matched whole, as llama.cpp does.
 
 from __future__ import annotations
 
+import hashlib
 import sys
 
 from tokenizers import AddedToken, Regex, decoders, normalizers, pre_tokenizers
@@ -136,13 +137,23 @@ def _sentencepiece_merges(tokens: list[str], scores: list[float]) -> list[tuple[
     return [(left, right) for left, right, _ in merges]
 
 
+def vocabulary_fingerprint(g: GGUFFile) -> str:
+    """A digest of every `tokenizer.ggml.*` key (tokens, merges, types, special ids, pre-tokenizer): two files with
+    the same fingerprint tokenize alike, whatever their chat templates."""
+    h = hashlib.sha256()
+    for key in sorted(k for k in g.metadata if k.startswith("tokenizer.ggml.")):
+        h.update(repr((key, g.metadata[key])).encode())
+    return h.hexdigest()
+
+
 class Tokenizer:
     """Text <-> token ids for one model, plus its special ids and chat template."""
 
     def __init__(self, backend: _RustTokenizer, *, vocab_size: int, bos_id: int | None, eos_id: int | None,
                  add_bos: bool, add_eos: bool, stop_ids: frozenset[int], chat_template: str | None,
-                 special_tokens: dict[str, str], source: str) -> None:
+                 special_tokens: dict[str, str], source: str, vocabulary: str = "") -> None:
         self._backend = backend
+        self.vocabulary = vocabulary  # vocabulary_fingerprint of the file it was built from
         self.vocab_size = vocab_size
         self.bos_id = bos_id
         self.eos_id = eos_id
@@ -227,7 +238,12 @@ class Tokenizer:
                 "pad_token": token_text(special_id("padding")),
             },
             source=str(g.path),
+            vocabulary=vocabulary_fingerprint(g),
         )
+
+    def serves(self, g: GGUFFile) -> bool:
+        """Whether this tokenizer maps text to the ids model file `g` was trained on (same vocabulary and rules)."""
+        return bool(self.vocabulary) and self.vocabulary == vocabulary_fingerprint(g)
 
     @staticmethod
     def _byte_level(g: GGUFFile, vocab: dict[str, int]) -> tuple[_RustTokenizer, bool]:

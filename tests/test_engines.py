@@ -1,0 +1,82 @@
+"""Engines that coexist: a second model beside the first (a draft beside its target) shares the tokenizer where
+the vocabularies match and nothing mutable: KV cache, scratch, threads and loader are each engine's own. The oracle
+for "nothing shared" is each engine run alone: interleaving their steps must not change a bit."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import ntio
+from ntio.kernels import ops
+from ntio.synth import SynthSpec, write_synthetic_gguf
+
+PROMPT = "The three primary colors are"
+
+
+def _steps(m, ids, n=3):
+    """Logits of a prefill (T = len(ids) > the CPU kernels' rows: the dequantize-into-scratch path) then n decodes."""
+    out = [m.engine.forward(torch.tensor(ids), 0, all_logits=True)]
+    for i in range(n):
+        out.append(m.engine.forward(torch.tensor([3 + i]), len(ids) + i))
+    return out
+
+
+@torch.inference_mode()
+def test_interleaved_engines_equal_each_alone(smollm2_path, tmp_path):
+    synth = write_synthetic_gguf(tmp_path / "s.gguf", SynthSpec(n_layers=2, d_model=256, d_ff=512, n_heads=4,
+                                                                n_kv_heads=2, seed=3))
+    ids = list(range(40, 80))  # 40 tokens: both models' prefill runs through their scratch buffers
+    alone = [_steps(ntio.load(p, max_context=64), ids) for p in (smollm2_path, synth)]
+    a = ntio.load(smollm2_path, max_context=64, tiers="C")
+    b = a.companion(synth, max_context=64)
+    a_out = [a.engine.forward(torch.tensor(ids), 0, all_logits=True)]
+    b_out = [b.engine.forward(torch.tensor(ids), 0, all_logits=True)]
+    for i in range(3):
+        a_out.append(a.engine.forward(torch.tensor([3 + i]), len(ids) + i))
+        b_out.append(b.engine.forward(torch.tensor([3 + i]), len(ids) + i))
+    assert all(torch.equal(x, y) for x, y in zip(alone[0], a_out))
+    assert all(torch.equal(x, y) for x, y in zip(alone[1], b_out))
+    assert a.engine.scratch is not b.engine.scratch and a.engine.kv is not b.engine.kv
+    assert 0 < a.engine.scratch.nbytes <= ops.SCRATCH_BYTES and 0 < b.engine.scratch.nbytes <= ops.SCRATCH_BYTES
+    assert b.tokenizer is not a.tokenizer  # different vocabularies: the companion built its own
+    a.close()
+    b.close()
+
+
+@torch.inference_mode()
+def test_engine_threads_are_its_own_and_restored(smollm2_path):
+    before = torch.get_num_threads()
+    m = ntio.load(smollm2_path, max_context=256, threads=1)
+    ids = m.encode_prompt(PROMPT * 5)
+    seen = []
+    real = ops.linear
+
+    def spy(x, w):
+        seen.append(torch.get_num_threads())
+        return real(x, w)
+
+    ops.linear = spy
+    try:
+        m.engine.forward(torch.tensor(ids), 0)
+    finally:
+        ops.linear = real
+    assert set(seen) == {1}
+    assert torch.get_num_threads() == before
+
+
+def test_companion_of_the_same_vocabulary_shares_the_tokenizer(smollm2_path):
+    a = ntio.load(smollm2_path, max_context=64)
+    b = a.companion("smollm2-135m", max_context=32, tiers="C")
+    assert b.tokenizer is a.tokenizer and b.engine is not a.engine
+    assert b.generate(PROMPT, max_new_tokens=8).token_ids == a.generate(PROMPT, max_new_tokens=8).token_ids
+
+
+@pytest.mark.qwen
+def test_qwen_draft_beside_its_target_shares_the_tokenizer(qwen15_path, qwen05_path):
+    target = ntio.load(qwen15_path, max_context=128)
+    draft = target.companion(qwen05_path, max_context=128)
+    assert draft.tokenizer is target.tokenizer
+    ids = target.encode_prompt("def add(a, b):\n", chat=False)
+    draft_next = int(draft.engine.forward(torch.tensor(ids), 0).argmax())
+    assert draft_next == int(target.engine.forward(torch.tensor(ids), 0).argmax())
