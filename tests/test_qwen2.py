@@ -1,0 +1,119 @@
+"""The qwen2 family against Hugging Face transformers loading the same GGUF in float32 (the independent oracle), on
+the two real models ntio fetches by name: Qwen2.5-Coder-0.5B-Instruct and -1.5B-Instruct (Q4_K_M; q/k/v biases,
+NeoX RoPE, the `qwen2` pre-tokenizer, ChatML). Downloads ~1.6 GB on first use (marked `qwen`)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+import ntio
+
+transformers = pytest.importorskip("transformers")
+pytestmark = pytest.mark.qwen
+
+PROMPTS = [
+    "def fibonacci(n):\n    ",
+    "The capital of France is",
+    "import numpy as np\n\ndef normalize(v):\n",
+    "Once upon a time, in a small village by the sea,",
+    "# Sort a list of dictionaries by the 'age' key\n",
+    "SELECT name, COUNT(*) FROM users",
+]
+GREEDY_PROMPTS = ["def quicksort(arr):\n", "class Stack:\n    def __init__(self):\n"]
+PPL_TEXT = Path(__file__).parent / "data" / "apache-2.0.txt"
+PPL_CHARS = 5000  # ~1,000 tokens: two 512-token windows (a 1.5B float32 reference costs seconds per window here)
+# A reference step whose top two logits are closer than this is a near-tie: float32 rounding may pick either.
+NEAR_TIE = 1e-3
+
+
+def rel_l2(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.double() - b.double()).norm() / b.double().norm())
+
+
+@pytest.fixture(scope="module", params=["qwen05_path", "qwen15_path"], ids=["0.5b", "1.5b"])
+def pair(request):
+    """(ntio model, transformers model) on the same file; one module-wide load of each per size."""
+    path = request.getfixturevalue(request.param)
+    ours = ntio.load(path, max_context=1024)
+    ref = transformers.AutoModelForCausalLM.from_pretrained(
+        str(path.parent), gguf_file=path.name, dtype=torch.float32
+    ).eval()
+    yield ours, ref
+    ours.close()
+
+
+@torch.inference_mode()
+def test_last_position_logits_match_transformers(pair):
+    ours, ref = pair
+    assert ours.config.architecture == "qwen2" and ours.config.family.rope == "neox"
+    for prompt in PROMPTS:
+        ids = ours.encode_prompt(prompt)
+        got = ours.engine.forward(torch.tensor(ids), 0)
+        want = ref(torch.tensor([ids])).logits[0, -1]
+        assert rel_l2(got, want) <= 1e-4, prompt
+
+
+@torch.inference_mode()
+def test_greedy_64_tokens_identical_up_to_a_near_tie(pair):
+    """ntio's greedy tokens equal transformers' for 64 tokens, or up to the first step where the reference's top
+    two logits are a near-tie (there, either token is right); at least 32 tokens are compared per prompt."""
+    ours, ref = pair
+    for prompt in GREEDY_PROMPTS:
+        ids = ours.encode_prompt(prompt)
+        out = ref.generate(torch.tensor([ids]), max_new_tokens=64, do_sample=False, output_scores=True,
+                           return_dict_in_generate=True, eos_token_id=None, pad_token_id=0)
+        want = out.sequences[0, len(ids):].tolist()
+        margins = [float(s[0].topk(2).values[0] - s[0].topk(2).values[1]) for s in out.scores]
+        compared = next((i for i, m in enumerate(margins) if m < NEAR_TIE), len(want))
+        assert compared >= 32, f"{prompt!r}: near-tie at step {compared}; pick another prompt"
+        got = ours.generate(ids, max_new_tokens=64, temperature=0.0).token_ids
+        assert got[:compared] == want[:compared], prompt
+
+
+def test_perplexity_within_half_percent(pair):
+    """ntio's convention (one tokenization, non-overlapping 512-token windows, each window's first token unscored)
+    computed with transformers' logits on ntio's token ids."""
+    ours, ref = pair
+    text, ctx = PPL_TEXT.read_text()[:PPL_CHARS], 512
+    got = ours.perplexity(text, ctx=ctx)
+    ids = ours.tokenizer.encode(text)
+    nll, count = 0.0, 0
+    with torch.inference_mode():
+        for start in range(0, len(ids), ctx):
+            window = ids[start : start + ctx]
+            if len(window) < 2:
+                break
+            logits = ref(torch.tensor([window])).logits[0]
+            nll += float(torch.nn.functional.cross_entropy(logits[:-1], torch.tensor(window[1:]), reduction="sum"))
+            count += len(window) - 1
+    want = float(torch.tensor(nll / count).exp())
+    assert got.n_tokens == count
+    assert abs(got.perplexity - want) / want <= 0.005
+
+
+@torch.inference_mode()
+def test_streamed_equals_resident_bit_exact(qwen05_path):
+    """Layers read from disk at every use (tier C) give the same bits as layers resident (tier A)."""
+    runs = []
+    for tiers in ("A", "A:0-11,C:12-23"):
+        m = ntio.load(qwen05_path, max_context=64, tiers=tiers)
+        ids = torch.tensor(m.encode_prompt(PROMPTS[0]))
+        logits = [m.engine.forward(ids, 0, all_logits=True)]
+        for step in range(3):  # decode steps at T = 1 (the CPU kernels' path)
+            logits.append(m.engine.forward(torch.tensor([100 + step]), len(ids) + step))
+        runs.append(logits)
+        m.close()
+    for other in runs[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(runs[0], other))
+
+
+def test_chat_template_and_tokenizer_from_the_file(qwen05_path):
+    m = ntio.load(qwen05_path, max_context=256)
+    ids = m.encode_prompt("Write hello world in Python.", chat=True)
+    text = m.tokenizer.decode(ids)
+    assert text.startswith("<|im_start|>system\n") and text.endswith("<|im_start|>assistant\n")
+    reply = m.generate("Write a Python function that returns the square of x.", chat=True, max_new_tokens=48)
+    assert "def " in reply.text and "return" in reply.text
