@@ -7,9 +7,11 @@
 
 from ntio._core import __version__
 from ntio.api import LLM, Completion, Perplexity, TokenStream, load
-from ntio.errors import ContextOverflowError, ModelFormatError, NtioError, UnsupportedModelError
+from ntio.errors import (
+    ContextOverflowError, ModelFormatError, ModelIOError, NtioError, OptionError, UnsupportedModelError,
+)
 
 __all__ = [
     "LLM", "Completion", "Perplexity", "TokenStream", "load", "__version__",
-    "NtioError", "ModelFormatError", "UnsupportedModelError", "ContextOverflowError",
+    "NtioError", "ModelFormatError", "ModelIOError", "UnsupportedModelError", "ContextOverflowError", "OptionError",
 ]
