@@ -1,5 +1,5 @@
 //! The core's one error type. Every variant carries the context a user needs to act on it
-//! (file, offset, length, errno); `bindings.rs` maps variants to a few Python exceptions.
+//! (file, offset, length, errno); `reader_bindings.rs` maps variants to a few Python exceptions.
 
 use std::io;
 use std::path::PathBuf;

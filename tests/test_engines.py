@@ -1,6 +1,7 @@
 """Engines that coexist: a second model beside the first (a draft beside its target) shares the tokenizer where
 the vocabularies match and nothing mutable: KV cache, scratch, threads and loader are each engine's own. The oracle
-for "nothing shared" is each engine run alone: interleaving their steps must not change a bit."""
+for state that persists between steps (KV cache, positions, the loader's read-ahead) is each engine run alone:
+interleaving their steps must not change a bit."""
 
 from __future__ import annotations
 
@@ -47,6 +48,8 @@ def test_interleaved_engines_equal_each_alone(smollm2_path, tmp_path):
 @torch.inference_mode()
 def test_engine_threads_are_its_own_and_restored(smollm2_path):
     before = torch.get_num_threads()
+    if before < 2:
+        pytest.skip("needs a process with 2 or more torch threads to tell an engine's own count apart")
     m = ntio.load(smollm2_path, max_context=256, threads=1)
     ids = m.encode_prompt(PROMPT * 5)
     seen = []
@@ -77,6 +80,7 @@ def test_qwen_draft_beside_its_target_shares_the_tokenizer(qwen15_path, qwen05_p
     target = ntio.load(qwen15_path, max_context=128)
     draft = target.companion(qwen05_path, max_context=128)
     assert draft.tokenizer is target.tokenizer
-    ids = target.encode_prompt("def add(a, b):\n", chat=False)
-    draft_next = int(draft.engine.forward(torch.tensor(ids), 0).argmax())
-    assert draft_next == int(target.engine.forward(torch.tensor(ids), 0).argmax())
+    ids = target.encode_prompt("def add(a, b):\n", chat=True)
+    draft_logits = draft.engine.forward(torch.tensor(ids), 0)
+    assert draft_logits.shape == target.engine.forward(torch.tensor(ids), 0).shape  # one vocabulary, one id space
+    assert draft.engine.kv.ids == target.engine.kv.ids == ids

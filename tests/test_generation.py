@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from ntio.api import StopStrings
-from ntio.errors import NtioError, OptionError
+from ntio.errors import OptionError
 from ntio.decoding.generation import Sampler, SamplingParams
 
 transformers = pytest.importorskip("transformers")

@@ -103,7 +103,8 @@ def test_positions_a_layer_skipped_are_masked_out_of_its_attention(smollm2_path)
         kv.k[3, :, : len(ids)] = garbage
         kv.v[3, :, : len(ids)] = garbage
         policy.prompt_done = True
-        results.append(m.engine.forward(torch.tensor([42, 43]), len(ids), all_logits=True))
+        decoded = m.engine.forward(torch.tensor([41]), len(ids))  # T = 1: no causal mask, only the skip mask
+        results.append(torch.cat((decoded[None], m.engine.forward(torch.tensor([42, 43]), len(ids) + 1, all_logits=True))))
         assert not bool(kv.skipped[3, len(ids) :].any())
         kv.crop(2)
         assert bool(kv.skipped[3, :2].all()) and not bool(kv.skipped[:, 2:].any())  # marks go with their positions

@@ -84,8 +84,7 @@ def _load(model, ctx_size, kv_dtype, threads, device, tiers, gpu_memory_budget, 
     from ntio.fetch import resolve_model
 
     if threads:
-        torch.set_num_threads(threads)
-        cpu_kernels.set_threads(threads)
+        cpu_kernels.set_threads(threads)  # the Rust kernels' pool is process-wide; torch's threads are the engine's
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise NtioError(f"--device {device}: CUDA is not available here")
     model = resolve_model(model)  # before the progress bar below: a fetch shows its own
@@ -97,7 +96,7 @@ def _load(model, ctx_size, kv_dtype, threads, device, tiers, gpu_memory_budget, 
         task = bar.add_task("reading resident layers", total=None)
         return load(model, device=device, kv_dtype=kv_dtype, max_context=ctx_size, tiers=tiers,
                     gpu_memory_budget=gpu_memory_budget, ram_budget=ram_budget, layer_group_size=layer_group_size,
-                    prefetch_depth=prefetch_depth, sync=sync, io_backend=io_backend,
+                    prefetch_depth=prefetch_depth, sync=sync, io_backend=io_backend, threads=threads,
                     on_progress=lambda what, done, total: bar.update(task, completed=done, total=total))
 
 

@@ -123,7 +123,10 @@ def plan_subset_read(
     """
     pieces: list[tuple[int, int, int]] = []
     for offset, length in sorted(ranges):
-        file_start, span, dest = next(p for p in planned if p[0] <= offset < p[0] + p[1])
+        home = [p for p in planned if p[0] <= offset and offset + length <= p[0] + p[1]]
+        if not home:
+            raise ValueError(f"bytes {offset}..{offset + length} are not inside one extent of the layer's read plan")
+        file_start, span, dest = home[0]
         start = max(file_start, offset - offset % _DEST_ALIGNMENT)
         stop = min(file_start + span, -(-(offset + length) // _DEST_ALIGNMENT) * _DEST_ALIGNMENT)
         piece = (start, stop - start, dest + start - file_start)

@@ -7,9 +7,12 @@ its family.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
+
+from ntio.models.layers import ROPE_KINDS, pre_norm_block
 
 if TYPE_CHECKING:
     import torch
@@ -31,7 +34,7 @@ class BlockTensor:
 
 
 # Block function: (h [T, D], weights, k_cache, v_cache [Hkv, capacity, hd], start_pos, rope (cos, sin), mask, cfg,
-# taps) -> h [T, D], after writing K/V for positions start_pos .. start_pos+T-1; taps (a dict, or None) receives
+# *, taps) -> h [T, D], after writing K/V for positions start_pos .. start_pos+T-1; taps (a dict, or None) receives
 # observations a load policy asked for ("ffn_gate": [T, F]).
 BlockFunction = Callable[..., "torch.Tensor"]
 
@@ -41,7 +44,11 @@ class Family:
     name: str  # GGUF general.architecture
     tensors: tuple[BlockTensor, ...]  # every tensor of one block, all required
     rope: str  # "interleaved" (pairs 2i, 2i+1: llama.cpp permutes Llama's q/k rows for it) | "neox" (i, i + d/2)
-    block: BlockFunction
+
+    @functools.cached_property
+    def block(self) -> BlockFunction:
+        """The pre-norm block of the shared layers with this family's RoPE; q/k/v biases come with the weights."""
+        return functools.partial(pre_norm_block, apply_rope=ROPE_KINDS[self.rope])
 
     @property
     def parts(self) -> tuple[str, ...]:

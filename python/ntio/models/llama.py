@@ -4,8 +4,6 @@ attention with interleaved RoPE (llama.cpp's converter permutes q/k rows for it)
 from __future__ import annotations
 
 from ntio.models.family import BlockTensor, Family
-from ntio.models.layers import pre_norm_block, rope_interleaved
-
 
 # The tensors every family here shares: two norms, q/k/v/o, gate/up/down.
 DENSE_TENSORS = (
@@ -20,13 +18,7 @@ DENSE_TENSORS = (
     BlockTensor("ffn_down", lambda c: (c.d_model, c.d_ff), matrix=True),
 )
 
-
-def llama_block(h, w, k_cache, v_cache, start_pos, rope, mask, cfg, taps=None):
-    """See ntio.models.family.BlockFunction."""
-    return pre_norm_block(h, w, k_cache, v_cache, start_pos, rope, mask, cfg, rope_interleaved, taps)
-
-
-LLAMA = Family(name="llama", tensors=DENSE_TENSORS, rope="interleaved", block=llama_block)
+LLAMA = Family(name="llama", tensors=DENSE_TENSORS, rope="interleaved")
 
 # GGUF part names of one Llama block, in file order (synthetic files are written this way).
 BLOCK_TENSORS = LLAMA.parts

@@ -5,18 +5,11 @@ pre-tokenizer and a ChatML template (ntio.text)."""
 from __future__ import annotations
 
 from ntio.models.family import BlockTensor, Family
-from ntio.models.layers import pre_norm_block, rope_neox
 from ntio.models.llama import DENSE_TENSORS
-
-
-def qwen2_block(h, w, k_cache, v_cache, start_pos, rope, mask, cfg, taps=None):
-    """See ntio.models.family.BlockFunction."""
-    return pre_norm_block(h, w, k_cache, v_cache, start_pos, rope, mask, cfg, rope_neox, taps)
-
 
 QKV_BIASES = (
     BlockTensor("attn_q.bias", lambda c: (c.q_width,), matrix=False),
     BlockTensor("attn_k.bias", lambda c: (c.kv_width,), matrix=False),
     BlockTensor("attn_v.bias", lambda c: (c.kv_width,), matrix=False),
 )
-QWEN2 = Family(name="qwen2", tensors=DENSE_TENSORS + QKV_BIASES, rope="neox", block=qwen2_block)
+QWEN2 = Family(name="qwen2", tensors=DENSE_TENSORS + QKV_BIASES, rope="neox")

@@ -80,10 +80,11 @@ class Engine:
             ]
             return torch.cat(chunks) if all_logits else chunks[-1]
 
+        ids = tokens.tolist()  # before any compute is queued: no wait on the device
         attention_work = self.cfg.n_heads * end * self.cfg.head_dim
         with ops.step_threads(self.device, n_tokens, attention_work, self.threads), ops.using_scratch(self.scratch):
             logits = self._forward_chunk(tokens, start_pos, all_logits)
-        self.kv.commit(start_pos, tokens.tolist())
+        self.kv.commit(start_pos, ids)
         return logits
 
     def _forward_chunk(self, tokens: torch.Tensor, start_pos: int, all_logits: bool) -> torch.Tensor:
@@ -91,6 +92,7 @@ class Engine:
         end = start_pos + n_tokens
         block = cfg.family.block
         policy = self.layers.policy
+        observed = type(policy).observe is not LoadPolicy.observe  # the base policy ignores observations
         h = ops.embedding(tokens, self.globals.token_embd)  # [T, D]
         rope = rope_tables(self.globals.inv_freq, start_pos, n_tokens)
         mask = causal_mask(start_pos, n_tokens, h.device)
@@ -101,9 +103,11 @@ class Engine:
                 h_in, taps = h, ({} if policy.wants_ffn_gate else None)
                 if w is not None:
                     layer_mask = kv.attention_mask(layer, mask, n_tokens, end)
-                    h = block(h, w, kv.k[layer], kv.v[layer], start_pos, rope, layer_mask, cfg, taps)
+                    h = block(h, w, kv.k[layer], kv.v[layer], start_pos, rope, layer_mask, cfg, taps=taps)
                 kv.record(layer, start_pos, n_tokens, skipped=w is None)
-                policy.observe(Observation(layer, start_pos, h_in, h, _decision(w), taps and taps.get("ffn_gate")))
+                if observed:
+                    gate = taps.get("ffn_gate") if taps is not None else None
+                    policy.observe(Observation(layer, start_pos, h_in, h, _decision(w), gate))
         finally:
             self.layers.end_forward()
         if not all_logits:

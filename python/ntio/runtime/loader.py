@@ -31,7 +31,7 @@ import numpy as np
 import torch
 
 from ntio import _core
-from ntio.errors import ModelFormatError, NtioError, OptionError, read_error
+from ntio.errors import NtioError, OptionError, read_error
 from ntio.formats.gguf_file import TensorInfo
 from ntio.io import read_into, slot_array
 from ntio.formats.model_file import plan_layer_read, plan_subset_read, row_extent
@@ -196,18 +196,20 @@ class LayerLoader:
         """
         if not self.groups[group].streamed or group in self._pending:
             return group in self._pending
-        self._drain_dropped()
-        busy = {p.index for p in self._pending.values()} | ({self._current[1]} if self._current else set())
-        free = sorted(set(range(len(self._slots))) - busy)
+        free = self._free_slots()
+        if not free and self._dropped:
+            self._drain_dropped()  # only now: a dropped read has almost always landed by the time its slot is needed
+            free = self._free_slots()
         if not free:
             return False
         self._pending[group] = self._submit(group, free[0], ahead)
         return True
 
     def sync(self) -> None:
-        """Wait for every pending read (their groups stay ready for their next use)."""
+        """Wait for every pending read (their groups stay ready for their next use) and every dropped one."""
         for p in self._pending.values():
             self._wait(p.handle)
+        self._drain_dropped()
 
     def load_group(self, group: int) -> list[LayerWeights]:
         """Make `group` the current group (using its prefetched read, else reading it now); return its blocks."""
@@ -304,14 +306,29 @@ class LayerLoader:
     def _drop_unwanted(self, group: int) -> bool:
         """If the policy no longer wants any layer of `group`'s pending read, skip the group without waiting."""
         pending = self._pending.get(group)
-        if pending is None:
+        if pending is None or any(layer in self._host for layer in self.groups[group].streamed):
             return False
         read = [layer for layer, d in pending.decisions.items() if d.kind != "skip"]
         if any(self.policy.still_wanted(layer, pending.decisions[layer]) for layer in read):
             return False
         self._dropped.append(self._pending.pop(group))
         self._dropped_group = group
+        self._count_read(pending.nbytes)  # its bytes come off the disk all the same
         return True
+
+    def _free_slots(self) -> list[int]:
+        busy = {p.index for p in [*self._pending.values(), *self._dropped]}
+        if self._current is not None:
+            busy.add(self._current[1])
+        return sorted(set(range(len(self._slots))) - busy)
+
+    def _count_read(self, nbytes: dict[int, int]) -> None:
+        if self._forward is not None:
+            for layer, n in nbytes.items():
+                if not n:
+                    continue  # skipped: nothing read
+                self._forward.bytes_read += n
+                self._forward.bytes_per_layer[layer] = self._forward.bytes_per_layer.get(layer, 0) + n
 
     def _drain_dropped(self) -> None:
         """Wait for dropped reads (long since landed, as a rule) so their slots can be reused; errors do not matter:
@@ -330,6 +347,10 @@ class LayerLoader:
             return read.extents
         if decision.kind == "skip":
             return []
+        if decision.rows[-1][1] > self.layout.cfg.d_ff:
+            raise ValueError(
+                f"load policy: FFN rows {list(decision.rows)} of layer {layer} exceed d_ff {self.layout.cfg.d_ff}"
+            )
         tensors = self.layout.blocks[layer]
         ranges = [(info.offset, info.nbytes) for part, info in tensors.items() if part not in ("ffn_gate", "ffn_up")]
         for part in ("ffn_gate", "ffn_up"):
@@ -342,8 +363,7 @@ class LayerLoader:
         extents, decisions, nbytes = [], {}, {}
         for layer in grp.streamed:
             if layer in self._host:
-                decisions[layer] = self.policy.decide(layer, 0)  # tier B on CUDA: in pinned host memory, not read
-                continue
+                continue  # tier B on CUDA: in pinned host memory, nothing to read; decided when the group loads
             decisions[layer] = decision = self.policy.decide(layer, ahead)
             base = grp.offsets[layer]
             layer_extents = self._layer_extents(layer, decision)
@@ -374,17 +394,17 @@ class LayerLoader:
         if self._forward is not None:
             self._forward.io_wait_s += time.perf_counter() - t0
             self._forward.io_busy_s += busy
-            for layer, n in pending.nbytes.items():
-                self._forward.bytes_read += n
-                self._forward.bytes_per_layer[layer] = self._forward.bytes_per_layer.get(layer, 0) + n
-        wanted = [layer for layer in grp.streamed if pending.decisions[layer].kind != "skip"]
+        self._count_read(pending.nbytes)
+        for layer in grp.streamed:
+            if layer in self._host:
+                pending.decisions[layer] = self.policy.decide(layer, 0)
+        decisions = pending.decisions
+        wanted = [i for i in grp.streamed if decisions[i].kind != "skip" and self.policy.still_wanted(i, decisions[i])]
         source = self._to_device(group, pending.index, wanted) if self.cuda else self._slot_bytes[pending.index]
         for layer in wanted:
-            decision = pending.decisions[layer]
-            if not self.policy.still_wanted(layer, decision):
-                continue
+            decision = decisions[layer]
             base = grp.offsets[layer]
-            weights = self._weights(layer, source[base : base + self._reads[layer].nbytes])
+            weights = self._weights(layer, source[base : base + self._reads[layer].nbytes], keep_vectors=True)
             self._blocks[layer] = weights if decision.kind == "all" else dataclasses.replace(weights, ffn_rows=decision.rows)
 
     def _to_device(self, group: int, index: int, layers: list[int]) -> torch.Tensor:
@@ -415,8 +435,9 @@ class LayerLoader:
             raise read_error(e) from None
         return torch.from_numpy(buf)
 
-    def _weights(self, layer: int, buf: torch.Tensor) -> LayerWeights:
-        """LayerWeights viewing one packed layer buffer (host or device)."""
+    def _weights(self, layer: int, buf: torch.Tensor, keep_vectors: bool = False) -> LayerWeights:
+        """LayerWeights viewing one packed layer buffer (host or device); keep_vectors (streamed layers) keeps the
+        decoded norms and biases for the layer's next use."""
         read, tensors = self._reads[layer], self.layout.blocks[layer]
 
         def raw(part: str) -> torch.Tensor:
@@ -426,7 +447,7 @@ class LayerLoader:
         vectors = self._vectors.get(layer)
         if vectors is None:
             vectors = decode_vectors(tensors, raw)
-            if layer not in self._resident:
+            if keep_vectors:
                 self._vectors[layer] = vectors
         return encoded_block(tensors, raw, vectors)
 

@@ -16,6 +16,7 @@ user-defined (4) tokens are always matched whole, as llama.cpp does.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import sys
 
@@ -151,9 +152,9 @@ class Tokenizer:
 
     def __init__(self, backend: _RustTokenizer, *, vocab_size: int, bos_id: int | None, eos_id: int | None,
                  add_bos: bool, add_eos: bool, stop_ids: frozenset[int], chat_template: str | None,
-                 special_tokens: dict[str, str], source: str, vocabulary: str = "") -> None:
+                 special_tokens: dict[str, str], source: str, source_file: GGUFFile | None = None) -> None:
         self._backend = backend
-        self.vocabulary = vocabulary  # vocabulary_fingerprint of the file it was built from
+        self._source_file = source_file  # for `serves`: the vocabulary is fingerprinted only when a companion asks
         self.vocab_size = vocab_size
         self.bos_id = bos_id
         self.eos_id = eos_id
@@ -238,8 +239,13 @@ class Tokenizer:
                 "pad_token": token_text(special_id("padding")),
             },
             source=str(g.path),
-            vocabulary=vocabulary_fingerprint(g),
+            source_file=g,
         )
+
+    @functools.cached_property
+    def vocabulary(self) -> str:
+        """vocabulary_fingerprint of the file it was built from ("" if unknown)."""
+        return vocabulary_fingerprint(self._source_file) if self._source_file is not None else ""
 
     def serves(self, g: GGUFFile) -> bool:
         """Whether this tokenizer maps text to the ids model file `g` was trained on (same vocabulary and rules)."""

@@ -1,0 +1,85 @@
+"""ntio (every layer resident, and every layer read from disk at each use) against llama.cpp on the same GGUF.
+
+Each engine runs in a fresh process: load, then one greedy chat completion of `--tokens` tokens on the same prompt,
+with the same thread count; decode and prefill tok/s come from each engine's own counters (ntio's Completion,
+llama.cpp's perf context via ../shared/tools/llamacpp_decode.py). Engines alternate within every round (the order
+rotates), and the result is one JSON object: per-round figures, medians, and median per-round ratios to llama.cpp.
+
+    python benches/decode_vs_llamacpp.py [--model NAME|PATH] [--rounds 3] [--tokens 64] [--threads 2]
+                                         [--llamacpp PYTHON]   (the peer's venv, built by build-llamacpp.sh)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+from ntio.fetch import resolve_model
+
+PROMPT = "Write a short paragraph about rivers."
+PEER_SCRIPT = Path(__file__).resolve().parents[2] / "shared" / "tools" / "llamacpp_decode.py"
+PEER_PYTHON = Path.home() / ".cache" / "ntio-peers" / "llamacpp-venv" / "bin" / "python"
+
+_NTIO = r"""
+import json, sys
+import ntio
+from ntio.kernels import cpu_kernels
+path, tiers, tokens, threads, prompt = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), sys.argv[5]
+cpu_kernels.set_threads(threads)
+m = ntio.load(path, max_context=1024, tiers=tiers, threads=threads)
+c = m.generate(prompt, chat=True, max_new_tokens=tokens)
+print(json.dumps({"decode_tok_s": c.decode_tok_s, "prefill_tok_s": c.prefill_tok_s,
+                  "read_mb_per_token": m.stats.summary()["bytes_read_per_token"] / 1e6}))
+"""
+
+
+def _last_json(cmd: list[str], env: dict[str, str] | None = None) -> dict:
+    out = subprocess.run(cmd, capture_output=True, text=True, env=env, check=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default=None, help="model path or name (default: smollm2-135m)")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--llamacpp", default=str(PEER_PYTHON), help="python of the llama-cpp-python venv")
+    args = ap.parse_args()
+    path = str(resolve_model(args.model))
+    runs = {
+        "ntio_resident": lambda: _last_json([sys.executable, "-c", _NTIO, path, "A", str(args.tokens),
+                                             str(args.threads), PROMPT]),
+        "ntio_all_c": lambda: _last_json([sys.executable, "-c", _NTIO, path, "C", str(args.tokens),
+                                          str(args.threads), PROMPT]),
+        "llamacpp": lambda: _last_json([args.llamacpp, str(PEER_SCRIPT), path, str(args.tokens), PROMPT],
+                                       env={**os.environ, "THREADS": str(args.threads)}),
+    }
+    names = list(runs)
+    rounds = []
+    for r in range(args.rounds):
+        row = {}
+        for name in names[r % len(names):] + names[: r % len(names)]:
+            result = runs[name]()
+            row.update({f"{name}_{k}": v for k, v in result.items() if isinstance(v, float)})
+        rounds.append(row)
+        print(json.dumps({"round": r, **row}), file=sys.stderr)
+    summary = {"model": os.path.basename(path), "machine": platform.processor() or platform.machine(),
+               "threads": args.threads, "tokens": args.tokens, "rounds": rounds}
+    for key in rounds[0]:
+        summary[f"{key}_median"] = statistics.median(row[key] for row in rounds)
+    for name in ("ntio_resident", "ntio_all_c"):
+        for what in ("decode_tok_s", "prefill_tok_s"):
+            ratios = [row[f"{name}_{what}"] / row[f"llamacpp_{what}"] for row in rounds]
+            summary[f"{name}_{what}_vs_llamacpp"] = statistics.median(ratios)
+    print(json.dumps(summary))
+
+
+if __name__ == "__main__":
+    main()
