@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import ntio
+from references import hf_model, hf_perplexity, rel_l2
 from ntio.synth import SynthSpec, write_synthetic_gguf
 
 transformers = pytest.importorskip("transformers")
@@ -26,16 +27,6 @@ PROMPTS = [
     "In 1969, the first humans landed on",
 ]
 PPL_TEXT = Path(__file__).parent / "data" / "apache-2.0.txt"
-
-
-def hf_model(path: Path):
-    return transformers.AutoModelForCausalLM.from_pretrained(
-        str(path.parent), gguf_file=path.name, dtype=torch.float32
-    ).eval()
-
-
-def rel_l2(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a.double() - b.double()).norm() / b.double().norm())
 
 
 @pytest.fixture(scope="module")
@@ -103,17 +94,7 @@ def test_perplexity_within_half_percent(smollm2, hf_smollm2):
     # token of a window scored but its first. The reference scores ntio's token ids: transformers' GGUF tokenizer
     # ignores the `smollm` pre-tokenizer (digits split first, as in SmolLM2's tokenizer.json and llama.cpp), so
     # on this text it tokenizes runs of spaces before digits differently; tokenization has its own tests.
-    ids = smollm2.tokenizer.encode(text)
-    nll, count = 0.0, 0
-    with torch.inference_mode():
-        for start in range(0, len(ids), ctx):
-            window = ids[start : start + ctx]
-            if len(window) < 2:
-                break
-            logits = hf_smollm2(torch.tensor([window])).logits[0]
-            nll += float(torch.nn.functional.cross_entropy(logits[:-1], torch.tensor(window[1:]), reduction="sum"))
-            count += len(window) - 1
-    ref = float(torch.tensor(nll / count).exp())
+    ref, count = hf_perplexity(hf_smollm2, smollm2.tokenizer.encode(text), ctx)
     assert ours.n_tokens == count
     assert abs(ours.perplexity - ref) / ref <= 0.005
 
@@ -177,7 +158,6 @@ def test_llama3_rope_scaling_matches_transformers(tmp_path):
     path = write_synthetic_gguf(tmp_path / "llama3.gguf", spec)
     ours = ntio.load(path, max_context=128)
     assert ours.config.rope_scaling.kind == "llama3"
-    ref = transformers.AutoModelForCausalLM.from_pretrained(
-        str(path.parent), gguf_file=path.name, dtype=torch.float32, rope_scaling=scaling).eval()
+    ref = hf_model(path, rope_scaling=scaling)
     ids = torch.randint(0, spec.vocab_size, (100,), generator=torch.Generator().manual_seed(1))
     assert rel_l2(ours.engine.forward(ids, 0, all_logits=True), ref(ids[None]).logits[0]) <= 1e-4

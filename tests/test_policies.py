@@ -17,21 +17,16 @@ import ntio
 from ntio.formats.model_file import plan_layer_read
 from ntio.policies.base import LOAD_ALL, SKIP, LoadDecision, LoadPolicy, Observation
 from ntio.policies.dense import DensePolicy
+from references import hf_model, rel_l2
 
-transformers = pytest.importorskip("transformers")
+pytest.importorskip("transformers")  # the oracle (tests/references.py)
 
 PROMPT = "The quick brown fox jumps over the lazy dog because"
 
 
-def rel_l2(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a.double() - b.double()).norm() / b.double().norm())
-
-
 @pytest.fixture(scope="module")
 def hf_smollm2(smollm2_path):
-    return transformers.AutoModelForCausalLM.from_pretrained(
-        str(smollm2_path.parent), gguf_file=smollm2_path.name, dtype=torch.float32
-    ).eval()
+    return hf_model(smollm2_path)
 
 
 class ReaderSpy:

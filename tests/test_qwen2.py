@@ -10,8 +10,9 @@ import pytest
 import torch
 
 import ntio
+from references import hf_model, hf_perplexity, rel_l2
 
-transformers = pytest.importorskip("transformers")
+pytest.importorskip("transformers")  # the oracle (tests/references.py)
 pytestmark = pytest.mark.qwen
 
 PROMPTS = [
@@ -29,19 +30,12 @@ PPL_CHARS = 5000  # ~1,000 tokens: two 512-token windows (a 1.5B float32 referen
 NEAR_TIE = 1e-3
 
 
-def rel_l2(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a.double() - b.double()).norm() / b.double().norm())
-
-
 @pytest.fixture(scope="module", params=["qwen05_path", "qwen15_path"], ids=["0.5b", "1.5b"])
 def pair(request):
     """(ntio model, transformers model) on the same file; one module-wide load of each per size."""
     path = request.getfixturevalue(request.param)
     ours = ntio.load(path, max_context=1024)
-    ref = transformers.AutoModelForCausalLM.from_pretrained(
-        str(path.parent), gguf_file=path.name, dtype=torch.float32
-    ).eval()
-    yield ours, ref
+    yield ours, hf_model(path)
     ours.close()
 
 
@@ -79,17 +73,7 @@ def test_perplexity_within_half_percent(pair):
     ours, ref = pair
     text, ctx = PPL_TEXT.read_text()[:PPL_CHARS], 512
     got = ours.perplexity(text, ctx=ctx)
-    ids = ours.tokenizer.encode(text)
-    nll, count = 0.0, 0
-    with torch.inference_mode():
-        for start in range(0, len(ids), ctx):
-            window = ids[start : start + ctx]
-            if len(window) < 2:
-                break
-            logits = ref(torch.tensor([window])).logits[0]
-            nll += float(torch.nn.functional.cross_entropy(logits[:-1], torch.tensor(window[1:]), reduction="sum"))
-            count += len(window) - 1
-    want = float(torch.tensor(nll / count).exp())
+    want, count = hf_perplexity(ref, ours.tokenizer.encode(text), ctx)
     assert got.n_tokens == count
     assert abs(got.perplexity - want) / want <= 0.005
 
