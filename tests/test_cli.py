@@ -120,13 +120,17 @@ def test_truncated_header(smollm2_path, tmp_path):
 
 def _rewrite(src: Path, dst: Path, *, arch: str | None = None, drop_key: str | None = None,
              retype: tuple[str, gguf.GGMLQuantizationType] | None = None) -> Path:
-    """Copy a GGUF with one change: another architecture name, a missing key, or a tensor of another type."""
+    """Copy a GGUF with one change: another architecture name (its keys renamed with it), a missing key, or a tensor
+    of another type."""
     reader = gguf.GGUFReader(src)
-    arch_name = arch or reader.fields["general.architecture"].contents()
+    old_arch = reader.fields["general.architecture"].contents()
+    arch_name = arch or old_arch
     w = gguf.GGUFWriter(dst, arch_name)
     for key, field in reader.fields.items():
         if key.startswith("GGUF.") or key == "general.architecture" or key == drop_key:
             continue
+        if key.startswith(f"{old_arch}."):
+            key = f"{arch_name}.{key[len(old_arch) + 1:]}"
         value = field.contents()
         vtype = field.types[0]
         if vtype == gguf.GGUFValueType.ARRAY:
@@ -151,6 +155,12 @@ def _rewrite(src: Path, dst: Path, *, arch: str | None = None, drop_key: str | N
 def test_unsupported_architecture(tiny_model, tmp_path):
     bad = _rewrite(tiny_model, tmp_path / "falcon.gguf", arch="falcon")
     assert_user_error(ntio("info", str(bad)), str(bad), "'falcon'", "not supported")
+
+
+def test_a_family_tensor_missing_is_named(tiny_model, tmp_path):
+    """A llama file relabelled qwen2 lacks the q/k/v biases the qwen2 block needs: one line naming the first."""
+    bad = _rewrite(tiny_model, tmp_path / "qwen2-without-biases.gguf", arch="qwen2")
+    assert_user_error(ntio("info", str(bad)), str(bad), "'blk.0.attn_q.bias'")
 
 
 def test_missing_metadata_key(tiny_model, tmp_path):
