@@ -1,11 +1,13 @@
 //! Python bindings of the store and the extent index (`ntio._core`): `open_store`, `ExtentIndex`,
-//! `store_header`, `plan_store_layout`, `checksum_at`. `ntio.formats.store` is the Python facade.
+//! `store_header`, `plan_store_layout`, `checksum`. `ntio.formats.store` is the Python facade.
 
 use std::path::PathBuf;
 
 use pyo3::exceptions::{PyLookupError, PyOSError, PyValueError};
 use pyo3::prelude::*;
 
+use crate::buffer_bindings::Lent;
+use crate::buffers::Access;
 use crate::store::{self, ExtentIndex as CoreIndex, Header, StoreError, TensorSpan};
 
 pyo3::create_exception!(
@@ -24,21 +26,6 @@ impl From<StoreError> for PyErr {
             _ => StoreFormatError::new_err(message),
         }
     }
-}
-
-/// `nbytes` bytes at `address`, owned by the caller for the duration of the call.
-///
-/// # Safety
-/// `[address, address + nbytes)` must be readable and not written while the slice is used.
-unsafe fn bytes_at<'a>(address: usize, nbytes: usize) -> PyResult<&'a [u8]> {
-    if address == 0 && nbytes > 0 {
-        return Err(PyValueError::new_err("buffer address is NULL"));
-    }
-    if nbytes == 0 {
-        return Ok(&[]);
-    }
-    // SAFETY: the caller's promise above; the facade passes a live numpy array's data pointer.
-    Ok(unsafe { std::slice::from_raw_parts(address as *const u8, nbytes) })
 }
 
 /// Where each layer, tensor and row range of a model file is; built by `open_store` for a store,
@@ -98,11 +85,12 @@ impl ExtentIndex {
         Ok(self.inner.row_extent(name, start, stop)?)
     }
 
-    /// Check the whole encoded tensor `name` at `address` against its checksum (raises
-    /// StoreFormatError naming tensor and offset); a no-op where the file records none.
-    fn verify(&self, py: Python<'_>, name: &str, address: usize, nbytes: usize) -> PyResult<()> {
-        // SAFETY: the facade passes a live array it keeps referenced during this call.
-        let bytes = unsafe { bytes_at(address, nbytes)? };
+    /// Check the whole encoded tensor `name`, the bytes of buffer `data`, against its checksum
+    /// (raises StoreFormatError naming tensor and offset); a no-op where the file records none.
+    fn verify(&self, py: Python<'_>, name: &str, data: &Bound<'_, PyAny>) -> PyResult<()> {
+        let lent = Lent::bytes(data, "data", Access::Read)?;
+        // SAFETY: the caller's contract with its own Python code: nothing writes `data` during the call.
+        let bytes = unsafe { lent.as_slice() };
         Ok(py.detach(|| self.inner.verify(name, bytes))?)
     }
 }
@@ -147,11 +135,12 @@ fn plan_store_layout(groups: Vec<Vec<u64>>) -> Vec<Vec<u64>> {
     store::plan_layout(store::HEADER_SIZE as u64, &groups)
 }
 
-/// xxh3-64 of `nbytes` bytes at `address` (GIL released).
+/// xxh3-64 of the bytes of buffer `data` (GIL released).
 #[pyfunction]
-fn checksum_at(py: Python<'_>, address: usize, nbytes: usize) -> PyResult<u64> {
-    // SAFETY: the facade passes a live array it keeps referenced during this call.
-    let bytes = unsafe { bytes_at(address, nbytes)? };
+fn checksum(py: Python<'_>, data: &Bound<'_, PyAny>) -> PyResult<u64> {
+    let lent = Lent::bytes(data, "data", Access::Read)?;
+    // SAFETY: the caller's contract with its own Python code: nothing writes `data` during the call.
+    let bytes = unsafe { lent.as_slice() };
     Ok(py.detach(|| store::checksum(bytes)))
 }
 
@@ -165,6 +154,6 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(open_store, m)?)?;
     m.add_function(wrap_pyfunction!(store_header, m)?)?;
     m.add_function(wrap_pyfunction!(plan_store_layout, m)?)?;
-    m.add_function(wrap_pyfunction!(checksum_at, m)?)?;
+    m.add_function(wrap_pyfunction!(checksum, m)?)?;
     Ok(())
 }

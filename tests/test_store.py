@@ -247,3 +247,12 @@ def test_cli_convert_writes_a_store_that_info_reads(synthetic, tmp_path):
     assert out.read_bytes()[:8] == b"NTIOSTOR"
     info = CliRunner().invoke(cli, ["info", str(out), "--json"])
     assert info.exit_code == 0 and '"n_layers": 2' in info.output
+
+
+def test_checksums_take_checked_buffers_not_addresses():
+    data = np.arange(4096, dtype=np.uint8)
+    assert _core.checksum(data) == _core.checksum(data.tobytes()) == _core.checksum(bytearray(data.tobytes()))
+    with pytest.raises(_core.BufferError, match="data must be C-contiguous"):
+        _core.checksum(data[::2])
+    with pytest.raises(TypeError):
+        _core.checksum(data.ctypes.data)  # an address is refused

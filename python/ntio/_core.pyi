@@ -140,15 +140,16 @@ class ExtentIndex:
     def layer_extents(self, layer: int) -> list[FileExtent]: ...  # tensors < 4096 B apart share one extent
     def tensor_extent(self, name: str) -> FileExtent: ...
     def row_extent(self, name: str, start: int, stop: int) -> FileExtent: ...  # rows [start, stop)
-    def verify(self, name: str, address: int, nbytes: int) -> None:
-        """Check a whole tensor's bytes at `address` against its checksum (StoreFormatError); no-op for a GGUF."""
+    def verify(self, name: str, data: Buffer) -> None:
+        """Check a whole tensor's bytes (a C-contiguous buffer) against its checksum (StoreFormatError); no-op for a
+        GGUF."""
 
 def open_store(path: str | PathLike[str]) -> tuple[int, str, list[tuple[str, int, list[int], int, int]], ExtentIndex]:
     """(format_version, metadata JSON, [(name, ggml_type, shape, offset, nbytes)], index); checks header + manifest."""
 def store_header(manifest_offset: int, manifest: bytes) -> bytes: ...  # the 4096-byte header page
 def plan_store_layout(groups: list[list[int]]) -> list[list[int]]:
     """Offsets for tensor sizes grouped (globals, layer 0, layer 1, ...): 4096-aligned, each group contiguous."""
-def checksum_at(address: int, nbytes: int) -> int: ...  # xxh3-64
+def checksum(data: Buffer) -> int: ...  # xxh3-64 of a C-contiguous buffer's bytes
 
 # -- benchmarks (`rust/bench_bindings.rs`) -----------------------------------------------------------------------
 

@@ -51,7 +51,7 @@ def tensor_rows(info: TensorInfo) -> int:
 
 def checksum(array: np.ndarray) -> int:
     """xxh3-64 of a C-contiguous array's bytes (computed in Rust, without the GIL)."""
-    return _core.checksum_at(array.ctypes.data, array.nbytes)
+    return _core.checksum(array)
 
 
 class StoreFile(ModelFileBase):
@@ -90,7 +90,7 @@ class StoreFile(ModelFileBase):
 def verify_tensor(index: _core.ExtentIndex, name: str, data: np.ndarray) -> None:
     """Check a tensor's bytes against the checksum its file records (a no-op for a GGUF)."""
     try:
-        index.verify(name, data.ctypes.data, data.nbytes)
+        index.verify(name, data)
     except _core.StoreFormatError as e:
         raise ModelFormatError(str(e)) from None
 
