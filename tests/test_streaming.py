@@ -139,7 +139,7 @@ def test_streamed_decode_allocates_nothing_weight_sized(smollm2_path):
 
 
 def test_budget_too_small_says_minimum(smollm2_path):
-    with pytest.raises(NtioError, match=r"--ram-budget .* too small: .* at least [0-9.]+ MiB"):
+    with pytest.raises(NtioError, match=r"^ram_budget .* too small: .* at least [0-9.]+ MiB"):
         ntio.load(smollm2_path, max_context=256, ram_budget="20MB")
 
 
