@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import ntio
-from ntio.kernels import ops
+from ntio.kernels import cpu_kernels, ops
 from ntio.synth import SynthSpec, write_synthetic_gguf
 
 PROMPT = "The three primary colors are"
@@ -48,15 +48,16 @@ def test_interleaved_engines_equal_each_alone(smollm2_path, tmp_path):
 @torch.inference_mode()
 def test_engine_threads_are_its_own_and_restored(smollm2_path):
     before = torch.get_num_threads()
-    if before < 2:
-        pytest.skip("needs a process with 2 or more torch threads to tell an engine's own count apart")
+    if before < 2 or cpu_kernels.threads() < 2:
+        pytest.skip("needs a process with 2 or more threads to tell an engine's own count apart")
     m = ntio.load(smollm2_path, max_context=256, threads=1)
     ids = m.encode_prompt(PROMPT * 5)
+    kernel_before = cpu_kernels.threads()
     seen = []
     real = ops.linear
 
     def spy(x, w):
-        seen.append(torch.get_num_threads())
+        seen.append((torch.get_num_threads(), cpu_kernels.threads()))
         return real(x, w)
 
     ops.linear = spy
@@ -64,8 +65,8 @@ def test_engine_threads_are_its_own_and_restored(smollm2_path):
         m.engine.forward(torch.tensor(ids), 0)
     finally:
         ops.linear = real
-    assert set(seen) == {1}
-    assert torch.get_num_threads() == before
+    assert set(seen) == {(1, 1)}
+    assert torch.get_num_threads() == before and cpu_kernels.threads() == kernel_before
 
 
 def test_companion_of_the_same_vocabulary_shares_the_tokenizer(smollm2_path):

@@ -79,12 +79,9 @@ def _load(model, ctx_size, kv_dtype, threads, device, tiers, gpu_memory_budget, 
           prefetch_depth, sync, io_backend):
     import torch
 
-    from ntio.kernels import cpu_kernels
     from ntio.api import load
     from ntio.fetch import resolve_model
 
-    if threads:
-        cpu_kernels.set_threads(threads)  # the Rust kernels' pool is process-wide; torch's threads are the engine's
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise NtioError(f"--device {device}: CUDA is not available here")
     model = resolve_model(model)  # before the progress bar below: a fetch shows its own

@@ -8,6 +8,9 @@ activations stay float32 and sums are float32 (each block computes d * Σ q·x +
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 import gguf
 import numpy as np
 import torch
@@ -30,6 +33,21 @@ def set_threads(n: int) -> None:
 def threads() -> int:
     """Kernel threads in use."""
     return _core.kernel_threads()
+
+
+@contextmanager
+def using_threads(n: int | None) -> Iterator[None]:
+    """Run with `n` kernel threads (None: as they are), then restore the count: one engine's setting never leaks
+    into another's steps. The pool is rebuilt only when the count changes (engines of one count share it)."""
+    before = threads()
+    if n is None or n == before:
+        yield
+        return
+    set_threads(n)
+    try:
+        yield
+    finally:
+        set_threads(before)
 
 
 _DTYPES = {"x": torch.float32, "raw": torch.uint8, "out": torch.float32}  # what each argument must be

@@ -11,7 +11,7 @@ from typing import Protocol
 import torch
 
 from ntio.errors import ContextOverflowError
-from ntio.kernels import ops
+from ntio.kernels import cpu_kernels, ops
 from ntio.models.config import ModelConfig
 from ntio.models.layers import GlobalWeights, LayerWeights, causal_mask, output_logits, rope_tables
 from ntio.policies.base import LOAD_ALL, SKIP, LoadDecision, LoadPolicy, Observation
@@ -41,8 +41,9 @@ def _decision(w: LayerWeights | None) -> LoadDecision:
 
 
 class Engine:
-    """One model's forward pass. `threads`: torch intra-op threads for its prefill steps (None: the process's),
-    set for each step and restored after it; `scratch`: its own dequantization buffers."""
+    """One model's forward pass. `threads`: its CPU threads (None: the process's), both torch's intra-op threads
+    for its prefill steps and the Rust kernels' pool, set for each step and restored after it; `scratch`: its own
+    dequantization buffers."""
 
     def __init__(self, cfg: ModelConfig, globals_: GlobalWeights, layers: LayerSource, kv: KVCache,
                  *, threads: int | None = None) -> None:
@@ -82,7 +83,11 @@ class Engine:
 
         ids = tokens.tolist()  # before any compute is queued: no wait on the device
         attention_work = self.cfg.n_heads * end * self.cfg.head_dim
-        with ops.step_threads(self.device, n_tokens, attention_work, self.threads), ops.using_scratch(self.scratch):
+        with (
+            ops.step_threads(self.device, n_tokens, attention_work, self.threads),
+            cpu_kernels.using_threads(self.threads),
+            ops.using_scratch(self.scratch),
+        ):
             logits = self._forward_chunk(tokens, start_pos, all_logits)
         self.kv.commit(start_pos, ids)
         return logits
