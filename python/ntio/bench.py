@@ -178,9 +178,6 @@ def extents(file, extent_size, fraction, limit, request_size, seed, as_json, que
            "seq_bytes": dense["bytes"], "seq_gb_s": dense["gb_s"], "ratio": sparse["gb_s"] / dense["gb_s"]}, as_json)
 
 
-if __name__ == "__main__":
-    main()
-
 
 @main.command()
 @click.argument("model", type=click.Path(dir_okay=False))
@@ -235,3 +232,7 @@ def stream(model, tier_specs, tokens, ctx_size, ram_budget, layer_group_size, sy
         for r in runs:
             click.echo(f"{r['tiers']:>24}  {r['decode_tok_s']:7.2f} tok/s  {r['bytes_read_per_token'] / 1e6:8.1f} MB/token"
                        f"  {r['disk_gb_s']:5.2f} GB/s  overlap {r['overlap_ratio']:.0%}")
+
+
+if __name__ == "__main__":
+    main()
