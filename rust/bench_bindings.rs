@@ -30,6 +30,7 @@ fn timed_read(
         backend: backend.map(Backend::parse).transpose()?,
         queue_depth,
         request_size,
+        faults: None,
     };
     let extents: Vec<Extent> = extents
         .into_iter()

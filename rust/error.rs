@@ -33,6 +33,17 @@ pub enum Error {
         end_of_file: u64,
     },
 
+    /// A tensor's bytes, as read, do not hash to the checksum its store records (a flipped bit, a
+    /// file changed under the reader). The batch fails: nothing computes on those bytes.
+    #[error("{}: checksum mismatch in tensor '{tensor}' (extent at offset {offset}, {length} bytes): \
+             the file is corrupt or was changed while it was read", path.display())]
+    Corrupt {
+        path: PathBuf,
+        tensor: String,
+        offset: u64,
+        length: u64,
+    },
+
     /// An extent's destination range does not fit in the destination buffer.
     #[error(
         "destination of {capacity} bytes is too small for extent {index}: \

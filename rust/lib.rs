@@ -8,6 +8,7 @@
 //! - `reader`: the public reader (read now, or submit and wait later);
 //! - `error`: the error type;
 //! - `buffers`: checks on caller-lent memory (element type, layout, writability, overlap);
+//! - `verify`: checksum checks that a batch's bytes must pass before it completes;
 //! - `store`: the ntio store format and the extent index (layer / tensor / rows → extents);
 //! - `kernels`: CPU matrix-vector products over GGUF-encoded weights.
 
@@ -20,6 +21,7 @@ pub mod kernels;
 pub mod reader;
 pub mod staging;
 pub mod store;
+pub mod verify;
 
 mod bench_bindings;
 mod buffer_bindings;

@@ -8,16 +8,18 @@ use std::path::Path;
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
+use crate::backend::faults::Faults;
 use crate::backend::{self, pread, uring, Backend, Batch, OpenFile};
 use crate::destination::Destination;
 use crate::error::{Error, Result};
 use crate::extent::{self, Extent, Geometry};
+use crate::verify::{self, Check};
 
 /// Largest request: io_uring lengths are 32-bit, and bigger requests gain nothing.
 const MAX_REQUEST_SIZE: usize = 1 << 30;
 const MAX_QUEUE_DEPTH: usize = 4096;
 
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone)]
 pub struct ReaderOptions {
     /// `None`: `NTIO_IO_BACKEND` if set, else probe.
     pub backend: Option<Backend>,
@@ -26,6 +28,8 @@ pub struct ReaderOptions {
     pub queue_depth: usize,
     /// Largest single read, rounded up to the alignment.
     pub request_size: usize,
+    /// Faults to inject (tests); `None`: `NTIO_INJECT_FAULTS` if set, else none.
+    pub faults: Option<Faults>,
 }
 
 impl Default for ReaderOptions {
@@ -34,6 +38,7 @@ impl Default for ReaderOptions {
             backend: None,
             queue_depth: 32,
             request_size: 1 << 20,
+            faults: None,
         }
     }
 }
@@ -58,6 +63,7 @@ impl Reader {
             backend,
             queue_depth,
             request_size,
+            faults,
         } = options;
         if !(1..=MAX_QUEUE_DEPTH).contains(&queue_depth) {
             return Err(Error::InvalidArgument(format!(
@@ -73,7 +79,12 @@ impl Reader {
             Some(backend) => Some(backend),
             None => Backend::from_env()?,
         };
-        let (file, backend, ring) = backend::open(path.as_ref(), requested, queue_depth as u32)?;
+        let faults = match faults {
+            Some(faults) => faults,
+            None => Faults::from_env()?,
+        };
+        let (file, backend, ring) =
+            backend::open(path.as_ref(), requested, queue_depth as u32, &faults)?;
         let geometry = Geometry {
             alignment: file.alignment,
             request_size: request_size.next_multiple_of(file.alignment),
@@ -118,16 +129,16 @@ impl Reader {
         self.inner.queue_depth
     }
 
-    /// Read `extents` into `dest` and wait for them.
-    pub fn read(&self, extents: &[Extent], dest: Destination) -> Result<()> {
-        let batch = self.inner.prepare(extents, dest)?;
+    /// Read `extents` into `dest` and wait for them (and for `checks` on the bytes read).
+    pub fn read(&self, extents: &[Extent], dest: Destination, checks: Vec<Check>) -> Result<()> {
+        let batch = self.inner.prepare(extents, dest, checks)?;
         self.inner.execute(batch)
     }
 
     /// `read`, returning each request's latency (first read submitted → completed), in
     /// completion order: per-request timing for benchmarks, like fio's completion latency.
     pub fn read_timed(&self, extents: &[Extent], dest: Destination) -> Result<Vec<Duration>> {
-        let batch = self.inner.prepare(extents, dest)?.timed();
+        let batch = self.inner.prepare(extents, dest, Vec::new())?.timed();
         let latencies = Arc::clone(batch.latencies.as_ref().expect("a timed batch"));
         self.inner.execute(batch)?;
         let mut latencies = latencies.lock().unwrap_or_else(|e| e.into_inner());
@@ -135,10 +146,16 @@ impl Reader {
     }
 
     /// Start reading `extents` into `dest` in the background (behind earlier batches on the
-    /// io_uring thread, else on a thread of its own). Bad extents fail here; I/O errors surface
-    /// at `Pending::wait`.
-    pub fn submit(&self, extents: &[Extent], dest: Destination) -> Result<Pending> {
-        let batch = self.inner.prepare(extents, dest)?;
+    /// io_uring thread, else on a thread of its own), then run `checks` on the bytes read, on that
+    /// thread. Bad extents or checks fail here; I/O errors and failed checks surface at
+    /// `Pending::wait`.
+    pub fn submit(
+        &self,
+        extents: &[Extent],
+        dest: Destination,
+        checks: Vec<Check>,
+    ) -> Result<Pending> {
+        let batch = self.inner.prepare(extents, dest, checks)?;
         Ok(Pending {
             completion: self.inner.start(batch)?,
         })
@@ -146,10 +163,11 @@ impl Reader {
 }
 
 impl Inner {
-    fn prepare(&self, extents: &[Extent], dest: Destination) -> Result<Batch> {
+    fn prepare(&self, extents: &[Extent], dest: Destination, checks: Vec<Check>) -> Result<Batch> {
         extent::validate(extents, &self.file.path, self.file.size, dest.capacity())?;
+        verify::validate(&checks, extents)?;
         let requests = extent::plan(extents, self.geometry, dest.as_ptr() as usize);
-        Ok(Batch::new(requests, dest))
+        Ok(Batch::new(requests, dest, checks))
     }
 
     /// Read `batch` now and wait for it.
@@ -163,7 +181,10 @@ impl Inner {
                 if batch.requests.is_empty() {
                     return Ok(());
                 }
-                pread::run(&self.file, &batch, self.queue_depth)
+                batch.outcome(
+                    pread::run(&self.file, &batch, self.queue_depth),
+                    &self.file.path,
+                )
             }
         }
     }
@@ -188,7 +209,8 @@ impl Inner {
                 std::thread::Builder::new()
                     .name("ntio-submit".into())
                     .spawn(move || {
-                        let result = pread::run(&inner.file, &batch, inner.queue_depth);
+                        let io = pread::run(&inner.file, &batch, inner.queue_depth);
+                        let result = batch.outcome(io, &inner.file.path);
                         drop(batch); // frees the destination (slot) before anyone is told it is done
                         done.finish(result, started.elapsed());
                     })
@@ -290,22 +312,21 @@ mod tests {
     }
 
     fn readers(path: &Path) -> Vec<Reader> {
-        let options = ReaderOptions {
-            request_size: 8192,
-            queue_depth: 4,
-            ..Default::default()
-        };
+        readers_with_faults(path, Faults::default())
+    }
+
+    /// A reader per backend that works here, with small requests and `faults` injected.
+    fn readers_with_faults(path: &Path, faults: Faults) -> Vec<Reader> {
         Backend::ALL
             .into_iter()
             .filter_map(|b| {
-                Reader::open(
-                    path,
-                    ReaderOptions {
-                        backend: Some(b),
-                        ..options
-                    },
-                )
-                .ok()
+                let options = ReaderOptions {
+                    backend: Some(b),
+                    request_size: 8192,
+                    queue_depth: 4,
+                    faults: Some(faults.clone()),
+                };
+                Reader::open(path, options).ok()
             })
             .collect()
     }
@@ -341,12 +362,16 @@ mod tests {
         for reader in readers {
             let slot = pool.acquire(Some(Duration::ZERO)).unwrap();
             reader
-                .read(&extents, Destination::slot(&slot).unwrap())
+                .read(&extents, Destination::slot(&slot).unwrap(), Vec::new())
                 .unwrap();
             let mut external = vec![0u8; 80_000];
             // SAFETY: `external` outlives the wait below and is not touched until then.
             let dest = unsafe { Destination::external(external.as_mut_ptr(), external.len()) };
-            reader.submit(&extents, dest).unwrap().wait().unwrap();
+            reader
+                .submit(&extents, dest, Vec::new())
+                .unwrap()
+                .wait()
+                .unwrap();
             // SAFETY: the read into the slot has completed; nothing else writes it.
             let in_slot = unsafe { std::slice::from_raw_parts(slot.as_ptr(), 80_000) };
             for e in extents {
@@ -404,6 +429,7 @@ mod tests {
                         dest_offset: 0,
                     }],
                     Destination::slot(&slot).unwrap(),
+                    Vec::new(),
                 )
                 .unwrap();
             assert!(
@@ -437,7 +463,7 @@ mod tests {
                             // SAFETY: `bufs` outlives every handle, each waited or dropped below.
                             let dest =
                                 unsafe { Destination::external(buf.as_mut_ptr(), buf.len()) };
-                            pending.push(reader.submit(&[extent], dest).unwrap());
+                            pending.push(reader.submit(&[extent], dest, Vec::new()).unwrap());
                         }
                         drop(reader);
                         for (i, p) in pending.into_iter().enumerate() {
@@ -471,7 +497,7 @@ mod tests {
                 length: 20_000,
                 dest_offset: 0,
             };
-            let first = reader.submit(&[extent], dest).unwrap();
+            let first = reader.submit(&[extent], dest, Vec::new()).unwrap();
             // Past the end: refused at submission, the queued batch is unaffected.
             let mut bad = vec![0u8; 10];
             // SAFETY: nothing is read into `bad`.
@@ -482,11 +508,90 @@ mod tests {
                 dest_offset: 0,
             };
             assert!(matches!(
-                reader.submit(&[past], dest),
+                reader.submit(&[past], dest, Vec::new()),
                 Err(Error::UnexpectedEof { .. })
             ));
             first.wait().unwrap();
             assert_eq!(good, &bytes[100..20_100]);
+        }
+        std::fs::remove_file(path).unwrap();
+    }
+
+    #[test]
+    fn checked_bytes_pass_and_a_mismatch_fails_the_batch_naming_the_tensor() {
+        let (path, bytes) = temp_file("checks", 60_000);
+        let extents = [Extent {
+            file_offset: 4096,
+            length: 50_000,
+            dest_offset: 0,
+        }];
+        let check = |checksum| Check {
+            tensor: "blk.2.attn_q.weight".into(),
+            file_offset: 4096 + 1000,
+            dest_offset: 1000,
+            length: 20_000,
+            checksum,
+        };
+        let good = crate::store::checksum(&bytes[5096..25_096]);
+        for reader in readers(&path) {
+            let mut dest = vec![0u8; 50_000];
+            // SAFETY: `dest` outlives each read, which has ended when `read` returns.
+            let mut external = || unsafe { Destination::external(dest.as_mut_ptr(), dest.len()) };
+            reader
+                .read(&extents, external(), vec![check(good)])
+                .unwrap();
+            let err = reader
+                .read(&extents, external(), vec![check(good ^ 1)])
+                .unwrap_err();
+            assert!(
+                matches!(&err, Error::Corrupt { tensor, offset: 5096, length: 20_000, .. } if tensor == "blk.2.attn_q.weight"),
+                "{:?}: {err}",
+                reader.backend()
+            );
+            let pending = reader
+                .submit(&extents, external(), vec![check(good ^ 1)])
+                .unwrap();
+            assert!(matches!(pending.wait(), Err(Error::Corrupt { .. })));
+            // A check outside the bytes the batch writes is refused before anything is read.
+            let mut outside = check(good);
+            outside.dest_offset = 45_000;
+            assert!(matches!(
+                reader.read(&extents, external(), vec![outside]),
+                Err(Error::InvalidArgument(_))
+            ));
+        }
+        std::fs::remove_file(path).unwrap();
+    }
+
+    #[test]
+    fn injected_eio_names_file_and_offset_and_short_reads_still_deliver_every_byte() {
+        let (path, bytes) = temp_file("faults", 100_000);
+        let whole = [Extent {
+            file_offset: 0,
+            length: 100_000,
+            dest_offset: 0,
+        }];
+        let eio = Faults::parse("eio@70000").unwrap();
+        for reader in readers_with_faults(&path, eio) {
+            let mut dest = vec![0u8; 100_000];
+            // SAFETY: `dest` outlives the read, which has ended when `read` returns.
+            let external = unsafe { Destination::external(dest.as_mut_ptr(), dest.len()) };
+            let err = reader.read(&whole, external, Vec::new()).unwrap_err();
+            assert!(
+                matches!(err, Error::Io { offset, errno: libc::EIO, .. } if offset <= 70_000 && 70_000 - offset < 8192),
+                "{:?}: {err}",
+                reader.backend()
+            );
+            assert!(err.to_string().starts_with(&path.display().to_string()));
+        }
+        let short = Faults::parse("short").unwrap();
+        for reader in readers_with_faults(&path, short) {
+            let mut dest = vec![0u8; 100_000];
+            // SAFETY: as above.
+            let external = unsafe { Destination::external(dest.as_mut_ptr(), dest.len()) };
+            let latencies = reader.read_timed(&whole, external).unwrap();
+            assert_eq!(dest, bytes, "{:?}", reader.backend());
+            assert_eq!(latencies.len(), 13);
         }
         std::fs::remove_file(path).unwrap();
     }

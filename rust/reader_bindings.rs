@@ -7,6 +7,7 @@ use std::time::Duration;
 use pyo3::exceptions::{PyOSError, PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
 
+use crate::backend::faults::Faults;
 use crate::backend::Backend;
 use crate::buffer_bindings::{BufferError, Lent};
 use crate::buffers::Access;
@@ -15,6 +16,7 @@ use crate::error::Error;
 use crate::extent::Extent;
 use crate::reader::{Pending, Reader as CoreReader, ReaderOptions};
 use crate::staging::{Slot as CoreSlot, StagingPool as CorePool};
+use crate::verify::Check;
 
 pyo3::create_exception!(
     ntio._core,
@@ -47,6 +49,12 @@ impl From<Error> for PyErr {
                 errno,
             } => read_error(message, path, Some(offset), Some(length), Some(errno)),
             Error::UnexpectedEof {
+                path,
+                offset,
+                length,
+                ..
+            } => read_error(message, path, Some(offset), Some(length), None),
+            Error::Corrupt {
                 path,
                 offset,
                 length,
@@ -88,6 +96,24 @@ fn read_error(
     })
 }
 
+/// A checksum check as Python gives it: (tensor, file_offset, dest_offset, length, checksum).
+type CheckTuple = (String, u64, usize, usize, u64);
+
+fn to_checks(list: Option<Vec<CheckTuple>>) -> Vec<Check> {
+    list.unwrap_or_default()
+        .into_iter()
+        .map(
+            |(tensor, file_offset, dest_offset, length, checksum)| Check {
+                tensor: tensor.into(),
+                file_offset,
+                dest_offset,
+                length,
+                checksum,
+            },
+        )
+        .collect()
+}
+
 fn to_extents(list: Vec<(u64, usize, usize)>) -> Vec<Extent> {
     list.into_iter()
         .map(|(file_offset, length, dest_offset)| Extent {
@@ -118,19 +144,22 @@ pub struct Reader {
 #[pymethods]
 impl Reader {
     #[new]
-    #[pyo3(signature = (path, backend=None, queue_depth=32, request_size=1 << 20))]
+    /// `faults`: a fault-injection spec for tests (`backend/faults.rs`); None: `NTIO_INJECT_FAULTS`.
+    #[pyo3(signature = (path, backend=None, queue_depth=32, request_size=1 << 20, faults=None))]
     fn new(
         py: Python<'_>,
         path: std::path::PathBuf,
         backend: Option<&str>,
         queue_depth: usize,
         request_size: usize,
+        faults: Option<&str>,
     ) -> PyResult<Self> {
         let backend = backend.map(Backend::parse).transpose()?;
         let options = ReaderOptions {
             backend,
             queue_depth,
             request_size,
+            faults: faults.map(Faults::parse).transpose()?,
         };
         Ok(Self {
             inner: py.detach(|| CoreReader::open(path, options))?,
@@ -167,17 +196,34 @@ impl Reader {
         self.inner.request_size()
     }
 
-    /// Read extents `(file_offset, length, dest_offset)` into `slot` and wait.
-    fn read(&self, py: Python<'_>, extents: Vec<(u64, usize, usize)>, slot: &Slot) -> PyResult<()> {
+    /// Read extents `(file_offset, length, dest_offset)` into `slot` and wait. Every method takes
+    /// `checks`: (tensor, file_offset, dest_offset, length, xxh3-64) that the bytes read must match,
+    /// verified on the I/O thread; a mismatch fails the read (a `ReadError` naming tensor and offset).
+    #[pyo3(signature = (extents, slot, checks=None))]
+    fn read(
+        &self,
+        py: Python<'_>,
+        extents: Vec<(u64, usize, usize)>,
+        slot: &Slot,
+        checks: Option<Vec<CheckTuple>>,
+    ) -> PyResult<()> {
         let (extents, dest) = (to_extents(extents), Destination::slot(&slot.inner)?);
-        Ok(py.detach(|| self.inner.read(&extents, dest))?)
+        Ok(py.detach(|| self.inner.read(&extents, dest, to_checks(checks)))?)
     }
 
     /// Start reading extents into `slot`; returns a handle to poll or wait on.
-    fn submit(&self, extents: Vec<(u64, usize, usize)>, slot: &Slot) -> PyResult<ReadHandle> {
-        let pending = self
-            .inner
-            .submit(&to_extents(extents), Destination::slot(&slot.inner)?)?;
+    #[pyo3(signature = (extents, slot, checks=None))]
+    fn submit(
+        &self,
+        extents: Vec<(u64, usize, usize)>,
+        slot: &Slot,
+        checks: Option<Vec<CheckTuple>>,
+    ) -> PyResult<ReadHandle> {
+        let pending = self.inner.submit(
+            &to_extents(extents),
+            Destination::slot(&slot.inner)?,
+            to_checks(checks),
+        )?;
         Ok(ReadHandle {
             pending,
             dest: None,
@@ -186,36 +232,41 @@ impl Reader {
     }
 
     /// Read extents into `dest`, a writable C-contiguous buffer (numpy array, bytearray, ...), and wait.
+    #[pyo3(signature = (extents, dest, checks=None))]
     fn read_into(
         &self,
         py: Python<'_>,
         extents: Vec<(u64, usize, usize)>,
         dest: &Bound<'_, PyAny>,
+        checks: Option<Vec<CheckTuple>>,
     ) -> PyResult<()> {
         let extents = to_extents(extents);
         let lent = Lent::bytes(dest, "dest", Access::Write)?;
         // SAFETY: `lent` lives until this function returns, after the read has ended; the caller's frame holds
         // `dest` and it runs no Python code on it meanwhile.
         let dest = unsafe { external(&lent) };
-        Ok(py.detach(|| self.inner.read(&extents, dest))?)
+        Ok(py.detach(|| self.inner.read(&extents, dest, to_checks(checks)))?)
     }
 
     /// Start reading extents into `dest` (as `read_into`); the handle holds `dest`'s buffer (and `owner`, the
     /// object to report as the handle's owner, e.g. the torch tensor `dest` views) until the read has ended.
-    #[pyo3(signature = (extents, dest, owner=None))]
+    #[pyo3(signature = (extents, dest, owner=None, checks=None))]
     fn submit_into(
         &self,
         extents: Vec<(u64, usize, usize)>,
         dest: &Bound<'_, PyAny>,
         owner: Option<Py<PyAny>>,
+        checks: Option<Vec<CheckTuple>>,
     ) -> PyResult<ReadHandle> {
         let lent = Lent::bytes(dest, "dest", Access::Write)?;
         // SAFETY: the handle below holds `lent` and drops it only after its `Pending` has ended (`ReadHandle`'s
         // `Drop` waits first); if submit fails, no read is in flight when `lent` drops here. The caller's Python
         // code leaves the memory alone until the handle is waited on (the documented contract of `submit_into`).
-        let pending = self
-            .inner
-            .submit(&to_extents(extents), unsafe { external(&lent) })?;
+        let pending = self.inner.submit(
+            &to_extents(extents),
+            unsafe { external(&lent) },
+            to_checks(checks),
+        )?;
         Ok(ReadHandle {
             pending,
             dest: Some(lent),

@@ -85,6 +85,11 @@ impl ExtentIndex {
         Ok(self.inner.row_extent(name, start, stop)?)
     }
 
+    /// The xxh3-64 checksum the file records for tensor `name` (None in a GGUF).
+    fn checksum(&self, name: &str) -> PyResult<Option<u64>> {
+        Ok(self.inner.tensor(name)?.checksum)
+    }
+
     /// Check the whole encoded tensor `name`, the bytes of buffer `data`, against its checksum
     /// (raises StoreFormatError naming tensor and offset); a no-op where the file records none.
     fn verify(&self, py: Python<'_>, name: &str, data: &Bound<'_, PyAny>) -> PyResult<()> {

@@ -68,7 +68,11 @@ class TokenStream:
 
 class LLM:
     """A loaded model. Layers live in tiers (A device / B host RAM / C disk) planned from the memory budgets, or
-    forced with `tiers` ("A", "B", "C", or e.g. "A:0-9,C:10-29"); `stats` reports what streaming cost."""
+    forced with `tiers` ("A", "B", "C", or e.g. "A:0-9,C:10-29"); `stats` reports what streaming cost.
+
+    verify (default True): every tensor of an ntio store is checked against its checksum each time it is read
+    (resident layers once, streamed layers at every read, on the reader's I/O thread); a corrupt tensor is a
+    ModelFormatError and no token is computed from it. GGUF files carry no checksums."""
 
     def __init__(
         self,
@@ -88,6 +92,7 @@ class LLM:
         policy: LoadPolicy | None = None,
         threads: int | None = None,
         tokenizer: Tokenizer | None = None,
+        verify: bool = True,
     ) -> None:
         if kv_dtype not in KV_DTYPES:
             raise OptionError("kv_dtype", f"must be one of {', '.join(KV_DTYPES)}, got {kv_dtype!r}")
@@ -118,7 +123,7 @@ class LLM:
                               gpu_memory_budget=gpu_memory_budget, ram_budget=ram_budget)
         with torch.inference_mode():
             self.loader = LayerLoader(layout, self.plan, self.device, group_size=layer_group_size, prefetch_depth=depth,
-                                      backend=io_backend, on_progress=on_progress, policy=policy)
+                                      backend=io_backend, on_progress=on_progress, policy=policy, verify=verify)
             globals_ = load_global_weights(layout, self.loader.read_tensor, self.device)
         kv = KVCache(self.config, capacity, KV_DTYPES[kv_dtype], self.device)
         self.engine = Engine(self.config, globals_, self.loader, kv, threads=threads)
@@ -296,6 +301,7 @@ def load(model: str | os.PathLike[str] | None = None, **options) -> LLM:
     Options as for `LLM`: device, kv_dtype, max_context, tiers, gpu_memory_budget, ram_budget, layer_group_size,
     sync, prefetch_depth, io_backend, on_progress, policy (a `ntio.policies.base.LoadPolicy`; default dense),
     threads (torch threads for this model's prefill steps; default the process's), tokenizer (one to share, used
-    when it serves the file's vocabulary; see `LLM.companion`).
+    when it serves the file's vocabulary; see `LLM.companion`), verify (check a store's tensors against their
+    checksums whenever they are read; default True).
     """
     return LLM(resolve_model(model), **options)

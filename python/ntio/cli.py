@@ -48,11 +48,13 @@ class _Group(click.Group):
 
 
 _MODEL_OPTIONS = ("model", "ctx_size", "kv_dtype", "threads", "device", "tiers", "gpu_memory_budget", "ram_budget",
-                  "layer_group_size", "prefetch_depth", "sync", "io_backend")
+                  "layer_group_size", "prefetch_depth", "sync", "io_backend", "verify")
 
 
 def _model_options(f):
     """Options shared by every command that loads a model; the command passes them on with `_load(**opts)`."""
+    f = click.option("--verify/--no-verify", default=True, show_default=True,
+                     help="Check every tensor of an ntio store against its checksum whenever it is read")(f)
     f = click.option("--io-backend", type=click.Choice(["io_uring", "pread", "buffered"]),
                      help="Force the disk reader's backend (default: probe; env NTIO_IO_BACKEND)")(f)
     f = click.option("--sync", is_flag=True, help="Read streamed layers when needed instead of prefetching them")(f)
@@ -76,7 +78,7 @@ def _model_options(f):
 
 
 def _load(model, ctx_size, kv_dtype, threads, device, tiers, gpu_memory_budget, ram_budget, layer_group_size,
-          prefetch_depth, sync, io_backend):
+          prefetch_depth, sync, io_backend, verify):
     import torch
 
     from ntio.api import load
@@ -93,7 +95,7 @@ def _load(model, ctx_size, kv_dtype, threads, device, tiers, gpu_memory_budget, 
         task = bar.add_task("reading resident layers", total=None)
         return load(model, device=device, kv_dtype=kv_dtype, max_context=ctx_size, tiers=tiers,
                     gpu_memory_budget=gpu_memory_budget, ram_budget=ram_budget, layer_group_size=layer_group_size,
-                    prefetch_depth=prefetch_depth, sync=sync, io_backend=io_backend, threads=threads,
+                    prefetch_depth=prefetch_depth, sync=sync, io_backend=io_backend, threads=threads, verify=verify,
                     on_progress=lambda what, done, total: bar.update(task, completed=done, total=total))
 
 

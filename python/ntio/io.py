@@ -11,7 +11,9 @@
   and dropping the handle waits for the I/O first.
 
 An extent is `(file_offset, length, dest_offset)` in bytes: file bytes `[file_offset, file_offset + length)` go to
-destination bytes `[dest_offset, dest_offset + length)`.
+destination bytes `[dest_offset, dest_offset + length)`. A check is `(tensor, file_offset, dest_offset, length,
+xxh3-64)`: once the batch's bytes have landed, the I/O thread hashes destination bytes `[dest_offset, dest_offset +
+length)` and fails the read (`_core.ReadError` naming tensor and offset) if they differ from the checksum.
 """
 
 from __future__ import annotations
@@ -24,8 +26,9 @@ import numpy as np
 from ntio import _core
 
 Extent = tuple[int, int, int]
+Check = tuple[str, int, int, int, int]
 
-__all__ = ["Extent", "open_reader", "read_into", "slot_array", "submit_into"]
+__all__ = ["Check", "Extent", "open_reader", "read_into", "slot_array", "submit_into"]
 
 
 def open_reader(path: Any, backend: str | None = None, queue_depth: int = 32,
@@ -66,11 +69,13 @@ def _buffer_of(dest: Any) -> Any:
     return dest
 
 
-def read_into(reader: _core.Reader, extents: Sequence[Extent], dest: Any) -> None:
-    """Read `extents` into `dest` (numpy array or CPU/pinned torch tensor, as raw bytes) and wait."""
-    reader.read_into(list(extents), _buffer_of(dest))
+def read_into(reader: _core.Reader, extents: Sequence[Extent], dest: Any, checks: Sequence[Check] = ()) -> None:
+    """Read `extents` into `dest` (numpy array or CPU/pinned torch tensor, as raw bytes), verify `checks`, wait."""
+    reader.read_into(list(extents), _buffer_of(dest), checks=list(checks))
 
 
-def submit_into(reader: _core.Reader, extents: Sequence[Extent], dest: Any) -> _core.ReadHandle:
-    """Start reading `extents` into `dest`; `handle.wait()` raises any error. The handle keeps `dest` alive."""
-    return reader.submit_into(list(extents), _buffer_of(dest), owner=dest)
+def submit_into(reader: _core.Reader, extents: Sequence[Extent], dest: Any,
+                checks: Sequence[Check] = ()) -> _core.ReadHandle:
+    """Start reading `extents` into `dest`; `handle.wait()` raises any error (a failed check included). The handle
+    keeps `dest` alive."""
+    return reader.submit_into(list(extents), _buffer_of(dest), owner=dest, checks=list(checks))

@@ -5,6 +5,7 @@
 //! - `pread`: O_DIRECT `pread` from a few threads (`pread.rs`), where io_uring is unavailable;
 //! - `buffered`: the same threads without O_DIRECT, where the filesystem refuses it (tmpfs).
 
+pub mod faults;
 pub mod pread;
 pub mod uring;
 
@@ -19,6 +20,8 @@ use crate::destination::Destination;
 use crate::error::{Error, Result};
 use crate::extent::{Request, Target};
 use crate::staging::{AlignedBuf, SLOT_ALIGNMENT};
+use crate::verify::Check;
+use faults::Faults;
 
 /// Environment variable that forces a backend when the caller does not name one.
 pub const BACKEND_ENV: &str = "NTIO_IO_BACKEND";
@@ -71,10 +74,12 @@ pub struct OpenFile {
     pub size: u64,
     /// Offsets, lengths and memory of O_DIRECT reads must be multiples of this; 1 when buffered.
     pub alignment: usize,
+    /// Injected faults (tests only; none by default).
+    pub faults: Faults,
 }
 
 impl OpenFile {
-    fn open(path: &Path, direct: bool) -> Result<Self> {
+    fn open(path: &Path, direct: bool, faults: &Faults) -> Result<Self> {
         let open_error = |err: std::io::Error| Error::Open {
             path: path.to_path_buf(),
             errno: crate::error::errno_of(&err),
@@ -95,6 +100,7 @@ impl OpenFile {
             path: path.to_path_buf(),
             size,
             alignment,
+            faults: faults.clone(),
         })
     }
 }
@@ -130,6 +136,7 @@ pub fn open(
     path: &Path,
     requested: Option<Backend>,
     queue_depth: u32,
+    faults: &Faults,
 ) -> Result<(OpenFile, Backend, Option<uring::Ring>)> {
     let unavailable = |backend: Backend, reason: String| Error::BackendUnavailable {
         path: path.to_path_buf(),
@@ -137,9 +144,13 @@ pub fn open(
         reason,
     };
     if requested == Some(Backend::Buffered) {
-        return Ok((OpenFile::open(path, false)?, Backend::Buffered, None));
+        return Ok((
+            OpenFile::open(path, false, faults)?,
+            Backend::Buffered,
+            None,
+        ));
     }
-    let file = match OpenFile::open(path, true) {
+    let file = match OpenFile::open(path, true, faults) {
         Err(Error::Open {
             errno: libc::EINVAL,
             ..
@@ -150,7 +161,13 @@ pub fn open(
                     "the filesystem refuses O_DIRECT".into(),
                 ))
             }
-            None => return Ok((OpenFile::open(path, false)?, Backend::Buffered, None)),
+            None => {
+                return Ok((
+                    OpenFile::open(path, false, faults)?,
+                    Backend::Buffered,
+                    None,
+                ))
+            }
         },
         opened => opened?,
     };
@@ -167,11 +184,13 @@ pub fn open(
     }
 }
 
-/// Planned requests and the destination they fill. Owning the destination ties a slot's
-/// in-flight mark to the batch: it is cleared only when the batch is dropped, after all I/O.
+/// Planned requests, the destination they fill and the checksums it must match once filled.
+/// Owning the destination ties a slot's in-flight mark to the batch: it is cleared only when the
+/// batch is dropped, after all I/O and every check.
 pub struct Batch {
     pub requests: Vec<Request>,
     pub dest: Destination,
+    pub checks: Vec<Check>,
     /// Size of one bounce region: the longest bounce request, 0 when nothing bounces.
     pub bounce_len: usize,
     /// Each request's latency (its first read submitted → its last completed), when timed.
@@ -179,7 +198,7 @@ pub struct Batch {
 }
 
 impl Batch {
-    pub fn new(requests: Vec<Request>, dest: Destination) -> Self {
+    pub fn new(requests: Vec<Request>, dest: Destination, checks: Vec<Check>) -> Self {
         let bounce_len = requests
             .iter()
             .filter(|r| matches!(r.target, Target::Bounce { .. }))
@@ -189,9 +208,18 @@ impl Batch {
         Self {
             requests,
             dest,
+            checks,
             bounce_len,
             latencies: None,
         }
+    }
+
+    /// The batch's outcome once its I/O has ended with `io`: that, or the first failed check.
+    pub fn outcome(&self, io: Result<()>, path: &Path) -> Result<()> {
+        io?;
+        // SAFETY: every request has completed (no read is writing the destination), and the checks
+        // were validated to lie in bytes the batch's extents wrote, inside the destination.
+        unsafe { crate::verify::verify(&self.checks, self.dest.as_ptr(), path) }
     }
 
     /// Record each request's latency (for benchmarks: `Reader::read_timed`).
@@ -267,7 +295,11 @@ pub fn advance(
     done: &mut usize,
     result: Result<usize, i32>,
 ) -> Result<Progress> {
-    match result {
+    let at = req.file_offset + *done as u64;
+    match file
+        .faults
+        .apply(at, req.len - *done, file.alignment, result)
+    {
         Ok(0) => Err(Error::UnexpectedEof {
             path: file.path.clone(),
             offset: req.file_offset,

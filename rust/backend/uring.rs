@@ -8,6 +8,7 @@
 use std::collections::{BTreeMap, VecDeque};
 use std::io;
 use std::os::fd::AsRawFd;
+use std::path::Path;
 use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
 use std::time::Instant;
@@ -211,8 +212,8 @@ impl Active {
         }
     }
 
-    /// Drop the batch (freeing its destination), then tell the submitter.
-    fn finish(self) {
+    /// Check the batch's bytes, drop it (freeing its destination), then tell the submitter.
+    fn finish(self, path: &Path) {
         let Active {
             job,
             failure,
@@ -220,8 +221,9 @@ impl Active {
             ..
         } = self;
         drop(bounce);
+        let outcome = job.batch.outcome(failure.map_or(Ok(()), Err), path);
         drop(job.batch);
-        (job.notify)(failure.map_or(Ok(()), Err));
+        (job.notify)(outcome);
     }
 }
 
@@ -324,7 +326,7 @@ fn serve(mut ring: Ring, file: &OpenFile, shared: &Shared) {
 
         if free.len() < depth {
             if let Err(err) = submit_and_wait(&mut ring) {
-                return abandon(shared, jobs, err);
+                return abandon(file, shared, jobs, err);
             }
             completions.extend(
                 ring.ring
@@ -378,14 +380,16 @@ fn serve(mut ring: Ring, file: &OpenFile, shared: &Shared) {
             .map(|(&id, _)| id)
             .collect();
         for id in ended {
-            jobs.remove(&id).expect("a finished batch").finish();
+            jobs.remove(&id)
+                .expect("a finished batch")
+                .finish(&file.path);
         }
     }
 }
 
 /// The ring broke (io_uring_enter failed for good): fail every batch, queued or active, and
 /// every later one. As before this design, reads still in the kernel are not waited for.
-fn abandon(shared: &Shared, jobs: BTreeMap<u64, Active>, err: Error) {
+fn abandon(file: &OpenFile, shared: &Shared, jobs: BTreeMap<u64, Active>, err: Error) {
     let queued: Vec<Job> = {
         let mut state = shared.state.lock().unwrap_or_else(|e| e.into_inner());
         state.broken = Some(err.clone());
@@ -393,7 +397,7 @@ fn abandon(shared: &Shared, jobs: BTreeMap<u64, Active>, err: Error) {
     };
     for mut active in jobs.into_values() {
         active.failure.get_or_insert(err.clone());
-        active.finish();
+        active.finish(&file.path);
     }
     for job in queued {
         drop(job.batch);

@@ -9,6 +9,8 @@
   `plan_subset_read(planned, ranges)` → the same for some byte ranges of it (a load policy's subset); `read_layer(reader,
   model_file, layer)` reads a whole layer through a `_core.Reader` into one buffer and returns
   a zero-copy uint8 view per tensor, verified against the store's checksums.
+- `tensor_checks(model_file, placed)` → the reader's checksum checks for tensors read whole to given buffer offsets
+  (a store's; a GGUF records no checksums): verified on the I/O thread before the read completes.
 """
 
 from __future__ import annotations
@@ -20,10 +22,10 @@ from pathlib import Path
 import numpy as np
 
 from ntio import _core
-from ntio.errors import ModelFormatError
+from ntio.errors import ModelFormatError, read_error
 from ntio.formats.gguf_file import GGUF_MAGIC, GGUFFile
-from ntio.io import read_into
-from ntio.formats.store import STORE_MAGIC, StoreFile, layer_of, tensor_rows, verify_tensor
+from ntio.io import Check, read_into
+from ntio.formats.store import STORE_MAGIC, StoreFile, layer_of, tensor_rows
 
 ModelFile = GGUFFile | StoreFile
 
@@ -80,6 +82,19 @@ def tensor_extent(model_file: ModelFile, name: str) -> tuple[int, int]:
 def row_extent(model_file: ModelFile, name: str, start: int, stop: int) -> tuple[int, int]:
     """The extent of rows [start, stop) of tensor `name` (rows in PyTorch order: output features)."""
     return _lookup(model_file, "row_extent", name, start, stop)
+
+
+def tensor_checks(model_file: ModelFile, placed: list[tuple[str, int]]) -> list[Check]:
+    """Checks `(tensor, file_offset, dest_offset, length, checksum)` for tensors read whole, each to its
+    `(name, dest_offset)` in a buffer; empty for a GGUF, which records no checksums."""
+    index = extent_index(model_file)
+    checks = []
+    for name, dest in placed:
+        expected = index.checksum(name)
+        if expected is not None:
+            offset, nbytes = index.tensor_extent(name)
+            checks.append((name, offset, dest, nbytes, expected))
+    return checks
 
 
 def _aligned_empty(nbytes: int) -> np.ndarray:
@@ -141,19 +156,20 @@ def plan_subset_read(
 def read_layer(reader: _core.Reader, model_file: ModelFile, layer: int, verify: bool = True) -> dict[str, np.ndarray]:
     """Read all of `layer` through `reader` (opened on the same file) into one fresh buffer.
 
-    Returns tensor name → uint8 view of its encoded bytes in that buffer; with `verify`, each is checked against the
-    store's checksum (GGUF files record none).
+    Returns tensor name → uint8 view of its encoded bytes in that buffer; with `verify`, the read fails
+    (ModelFormatError naming the tensor) unless each matches the store's checksum (GGUF files record none).
     """
     index = extent_index(model_file)
     planned, size = plan_layer_read(model_file, layer)
-    buffer = _aligned_empty(size)
-    read_into(reader, planned, buffer)
-    views = {}
+    placed = {}
     for name in index.layer_tensors(layer):
         offset, nbytes = index.tensor_extent(name)
         file_start, _, dest = next(p for p in planned if p[0] <= offset < p[0] + p[1])
-        view = buffer[dest + offset - file_start : dest + offset - file_start + nbytes]
-        if verify:
-            verify_tensor(index, name, view)
-        views[name] = view
-    return views
+        placed[name] = (dest + offset - file_start, nbytes)
+    buffer = _aligned_empty(size)
+    checks = tensor_checks(model_file, [(name, dest) for name, (dest, _) in placed.items()]) if verify else []
+    try:
+        read_into(reader, planned, buffer, checks)
+    except OSError as e:
+        raise read_error(e) from None
+    return {name: buffer[dest : dest + nbytes] for name, (dest, nbytes) in placed.items()}

@@ -18,6 +18,12 @@ the read-ahead window, `prefetch_depth` groups of `group_size` layers. Stats cou
 Interface (SPEC-006 §4.2): load_group / evict_group / prefetch_async / sync, num_groups, layers_per_group; and
 `block(layer)` for the engine. Reads that fail raise ModelFormatError (file truncated) or ModelIOError (EIO, ...),
 naming file and offset (errors.read_error).
+
+With `verify` (the default), every tensor of an ntio store that a read brings in whole, resident or streamed, is
+checked against the store's xxh3-64 checksum on the reader's I/O thread before the read completes: a mismatch fails
+the read (ModelFormatError naming file, tensor and offset) and nothing is computed on the bad bytes. A subset read
+verifies the tensors it reads whole; the partly read gate/up rows are not covered by a per-tensor checksum. GGUF
+files record no checksums (their structure is validated when parsed).
 """
 
 from __future__ import annotations
@@ -33,8 +39,8 @@ import torch
 from ntio import _core
 from ntio.errors import NtioError, OptionError, read_error
 from ntio.formats.gguf_file import TensorInfo
-from ntio.io import read_into, slot_array
-from ntio.formats.model_file import plan_layer_read, plan_subset_read, row_extent
+from ntio.io import Check, read_into, slot_array
+from ntio.formats.model_file import plan_layer_read, plan_subset_read, row_extent, tensor_checks
 from ntio.models.layers import LayerWeights
 from ntio.policies.base import LoadDecision, LoadPolicy
 from ntio.policies.dense import DensePolicy
@@ -67,6 +73,7 @@ class _LayerRead:
     extents: list[tuple[int, int, int]]  # (file_offset, length, dest_offset within the layer buffer)
     nbytes: int
     tensor_offsets: dict[str, int]  # block part -> offset of its bytes in the layer buffer
+    checks: dict[str, Check]  # block part -> its checksum check, dest_offset within the layer buffer (store only)
 
 
 @dataclass
@@ -86,13 +93,22 @@ class _Group:
     nbytes: int
 
 
-def _plan_layer(layout: WeightLayout, layer: int) -> _LayerRead:
+# Block parts a "rows" decision reads in part (so their whole-tensor checksums cannot be checked).
+_ROW_PARTS = ("ffn_gate", "ffn_up")
+
+
+def _plan_layer(layout: WeightLayout, layer: int, verify: bool) -> _LayerRead:
     extents, nbytes = plan_layer_read(layout.file, layer)
     offsets = {}
     for part, info in layout.blocks[layer].items():
         file_start, _, dest = next(e for e in extents if e[0] <= info.offset < e[0] + e[1])
         offsets[part] = dest + info.offset - file_start
-    return _LayerRead(extents, nbytes, offsets)
+    checks = {}
+    if verify:
+        part_of = {info.name: part for part, info in layout.blocks[layer].items()}
+        placed = [(info.name, offsets[part]) for part, info in layout.blocks[layer].items()]
+        checks = {part_of[check[0]]: check for check in tensor_checks(layout.file, placed)}
+    return _LayerRead(extents, nbytes, offsets, checks)
 
 
 class LayerLoader:
@@ -107,13 +123,14 @@ class LayerLoader:
         backend: str | None = None,
         on_progress: ProgressCallback | None = None,
         policy: LoadPolicy | None = None,
+        verify: bool = True,
     ) -> None:
         cfg = layout.cfg
         if group_size < 1:
             raise OptionError("layer_group_size", f"must be >= 1, got {group_size}")
         if len(plan.tiers) != cfg.n_layers:
             raise NtioError(f"the tier plan has {len(plan.tiers)} layers, the model {cfg.n_layers}")
-        self.layout, self.plan, self.device = layout, plan, device
+        self.layout, self.plan, self.device, self.verify = layout, plan, device, verify
         self.cuda = device.type == "cuda"
         if prefetch_depth is not None and prefetch_depth < 0:
             raise OptionError("prefetch_depth", f"must be >= 0, got {prefetch_depth}")
@@ -125,7 +142,7 @@ class LayerLoader:
             self.reader = _core.Reader(layout.file.path, backend=backend)  # the reader's default request size and depth
         except OSError as e:
             raise read_error(e) from None
-        self._reads = [_plan_layer(layout, i) for i in range(cfg.n_layers)]
+        self._reads = [_plan_layer(layout, i, verify) for i in range(cfg.n_layers)]
 
         # Resident tiers, read once: A onto the device; B into host RAM (pinned on CUDA; on CPU B is just RAM).
         self._resident: dict[int, LayerWeights] = {}
@@ -136,7 +153,8 @@ class LayerLoader:
         resident = [i for i, t in enumerate(plan.tiers) if t == "A" or (t == "B" and not self.cuda)]
         host_only = [i for i, t in enumerate(plan.tiers) if t == "B" and self.cuda]
         for n, layer in enumerate(resident + host_only, 1):
-            buf = self._read_now(self._reads[layer].extents, self._reads[layer].nbytes)
+            read = self._reads[layer]
+            buf = self._read_now(read.extents, read.nbytes, list(read.checks.values()))
             if layer in host_only:
                 self._host[layer] = buf.pin_memory()
             else:
@@ -352,15 +370,25 @@ class LayerLoader:
                 f"load policy: FFN rows {list(decision.rows)} of layer {layer} exceed d_ff {self.layout.cfg.d_ff}"
             )
         tensors = self.layout.blocks[layer]
-        ranges = [(info.offset, info.nbytes) for part, info in tensors.items() if part not in ("ffn_gate", "ffn_up")]
-        for part in ("ffn_gate", "ffn_up"):
+        ranges = [(info.offset, info.nbytes) for part, info in tensors.items() if part not in _ROW_PARTS]
+        for part in _ROW_PARTS:
             name = next(t.name(layer) for t in self.layout.family.tensors if t.part == part)
             ranges += [row_extent(self.layout.file, name, start, stop) for start, stop in decision.rows]
         return plan_subset_read(read.extents, ranges)
 
+    def _layer_checks(self, layer: int, decision: LoadDecision, base: int) -> list[Check]:
+        """Checks of the tensors `decision` reads whole, for a layer buffer at `base` in the destination."""
+        if decision.kind == "skip":
+            return []
+        return [
+            (name, file_offset, base + dest, length, checksum)
+            for part, (name, file_offset, dest, length, checksum) in self._reads[layer].checks.items()
+            if decision.kind == "all" or part not in _ROW_PARTS
+        ]
+
     def _submit(self, group: int, index: int, ahead: int) -> _PendingRead:
         grp = self.groups[group]
-        extents, decisions, nbytes = [], {}, {}
+        extents, checks, decisions, nbytes = [], [], {}, {}
         for layer in grp.streamed:
             if layer in self._host:
                 continue  # tier B on CUDA: in pinned host memory, nothing to read; decided when the group loads
@@ -368,11 +396,12 @@ class LayerLoader:
             base = grp.offsets[layer]
             layer_extents = self._layer_extents(layer, decision)
             extents += [(off, length, base + dest) for off, length, dest in layer_extents]
+            checks += self._layer_checks(layer, decision, base)
             nbytes[layer] = sum(length for _, length, _ in layer_extents)
         if self.cuda:
             self._copied[index].synchronize()  # the slot's previous H2D copy must be done before it is overwritten
         try:
-            handle = self.reader.submit(extents, self._slots[index])
+            handle = self.reader.submit(extents, self._slots[index], checks)
         except OSError as e:
             raise read_error(e) from None
         return _PendingRead(index, handle, time.perf_counter(), decisions, nbytes)
@@ -424,13 +453,14 @@ class LayerLoader:
     def read_tensor(self, info: TensorInfo) -> torch.Tensor:
         """One tensor's encoded bytes, read now into host memory (for the always-resident globals)."""
         head = info.offset % _ALIGN  # keep the file's alignment in memory so O_DIRECT reads land in place
-        return self._read_now([(info.offset, info.nbytes, head)], head + info.nbytes)[head:]
+        checks = tensor_checks(self.layout.file, [(info.name, head)]) if self.verify else []
+        return self._read_now([(info.offset, info.nbytes, head)], head + info.nbytes, checks)[head:]
 
-    def _read_now(self, extents: list[tuple[int, int, int]], nbytes: int) -> torch.Tensor:
+    def _read_now(self, extents: list[tuple[int, int, int]], nbytes: int, checks: list[Check]) -> torch.Tensor:
         buf = np.empty(nbytes + _ALIGN, dtype=np.uint8)
         buf = buf[-buf.ctypes.data % _ALIGN :][:nbytes]
         try:
-            read_into(self.reader, extents, buf)
+            read_into(self.reader, extents, buf, checks)
         except OSError as e:
             raise read_error(e) from None
         return torch.from_numpy(buf)

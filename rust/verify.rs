@@ -1,0 +1,152 @@
+//! Checksum checks that travel with a batch: "destination bytes [dest_offset, dest_offset + length)
+//! must hash to `checksum`", one per store tensor a batch reads whole. The backend runs them after
+//! the batch's last byte has landed and before anyone is told it completed, on the thread that
+//! finished the batch (the io_uring thread, or the batch's pread thread): verification overlaps the
+//! caller's compute like the read itself, and a corrupt tensor fails the batch, so no byte of it is
+//! ever computed on.
+
+use std::path::Path;
+use std::sync::Arc;
+
+use crate::error::{Error, Result};
+use crate::extent::Extent;
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Check {
+    /// The tensor, for the error message.
+    pub tensor: Arc<str>,
+    /// Where the tensor starts in the file, for the error message.
+    pub file_offset: u64,
+    pub dest_offset: usize,
+    pub length: usize,
+    /// xxh3-64 of the bytes (the store manifest's).
+    pub checksum: u64,
+}
+
+/// Every check must lie in bytes that `extents` write (so it never hashes stale memory).
+pub fn validate(checks: &[Check], extents: &[Extent]) -> Result<()> {
+    if checks.is_empty() {
+        return Ok(());
+    }
+    // Destination ranges written by the batch, merged: [start, end).
+    let mut written: Vec<(usize, usize)> = extents
+        .iter()
+        .filter(|e| e.length > 0)
+        .map(|e| (e.dest_offset, e.dest_offset.saturating_add(e.length)))
+        .collect();
+    written.sort_unstable();
+    let mut merged: Vec<(usize, usize)> = Vec::with_capacity(written.len());
+    for (start, end) in written {
+        match merged.last_mut() {
+            Some(last) if start <= last.1 => last.1 = last.1.max(end),
+            _ => merged.push((start, end)),
+        }
+    }
+    for check in checks {
+        let end = check.dest_offset.checked_add(check.length);
+        let covered = end.is_some_and(|end| {
+            let i = merged.partition_point(|&(start, _)| start <= check.dest_offset);
+            i > 0 && merged[i - 1].1 >= end
+        });
+        if !covered {
+            return Err(Error::InvalidArgument(format!(
+                "checksum check of tensor {:?} covers destination bytes {}..{} that the batch does not read",
+                check.tensor,
+                check.dest_offset,
+                check.dest_offset as u128 + check.length as u128
+            )));
+        }
+    }
+    Ok(())
+}
+
+/// Hash each checked range of `dest` and compare; the first mismatch is `Error::Corrupt`.
+///
+/// # Safety
+/// `dest` must point to memory holding every checked range (`validate` against the batch's
+/// extents, which `extent::validate` kept inside the destination), fully written and not being
+/// written by anyone while this runs.
+pub unsafe fn verify(checks: &[Check], dest: *const u8, path: &Path) -> Result<()> {
+    for check in checks {
+        // SAFETY: the caller's contract: the range is inside the destination, written and stable.
+        let bytes =
+            unsafe { std::slice::from_raw_parts(dest.add(check.dest_offset), check.length) };
+        if crate::store::checksum(bytes) != check.checksum {
+            return Err(Error::Corrupt {
+                path: path.to_path_buf(),
+                tensor: check.tensor.to_string(),
+                offset: check.file_offset,
+                length: check.length as u64,
+            });
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn check(dest_offset: usize, length: usize, checksum: u64) -> Check {
+        Check {
+            tensor: "blk.0.ffn_up.weight".into(),
+            file_offset: 8192,
+            dest_offset,
+            length,
+            checksum,
+        }
+    }
+
+    fn extent(dest_offset: usize, length: usize) -> Extent {
+        Extent {
+            file_offset: 0,
+            length,
+            dest_offset,
+        }
+    }
+
+    #[test]
+    fn checks_must_lie_in_bytes_the_batch_writes() {
+        let extents = [extent(0, 100), extent(100, 50), extent(300, 10)];
+        assert!(validate(&[check(10, 140, 0), check(300, 10, 0)], &extents).is_ok());
+        for bad in [
+            check(140, 20, 0),
+            check(200, 1, 0),
+            check(305, 6, 0),
+            check(usize::MAX, 2, 0),
+        ] {
+            assert!(matches!(
+                validate(&[bad], &extents),
+                Err(Error::InvalidArgument(_))
+            ));
+        }
+    }
+
+    #[test]
+    fn a_flipped_bit_is_a_corrupt_error_naming_tensor_and_offset() {
+        let mut data: Vec<u8> = (0..1000u32).map(|i| (i * 7) as u8).collect();
+        let good = crate::store::checksum(&data[100..600]);
+        let path = Path::new("/models/m.ntio");
+        // SAFETY: data holds bytes 100..600 and nothing writes them meanwhile.
+        assert!(unsafe { verify(&[check(100, 500, good)], data.as_ptr(), path) }.is_ok());
+        data[599] ^= 0x10;
+        // SAFETY: as above.
+        let err = unsafe { verify(&[check(100, 500, good)], data.as_ptr(), path) }.unwrap_err();
+        let message = err.to_string();
+        assert!(
+            matches!(
+                err,
+                Error::Corrupt {
+                    offset: 8192,
+                    length: 500,
+                    ..
+                }
+            ),
+            "{message}"
+        );
+        assert!(
+            message.starts_with("/models/m.ntio: checksum mismatch in tensor 'blk.0.ffn_up.weight'"),
+            "{message}"
+        );
+    }
+}
