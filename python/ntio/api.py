@@ -105,8 +105,9 @@ class LLM:
         layout = WeightLayout(self.file, self.config)
         self.device = torch.device(device)
         capacity = self.config.context_length if max_context is None else max_context
-        if capacity < 1:
-            raise OptionError("max_context", f"must be >= 1, got {capacity}")
+        if not 1 <= capacity <= self.config.context_length:
+            raise OptionError("max_context", f"{capacity} is outside 1..{self.config.context_length}, the model's "
+                                             f"context length")
         if layer_group_size < 1:
             raise OptionError("layer_group_size", f"must be >= 1, got {layer_group_size}")
         needs = memory_needs(layout, capacity, KV_DTYPES[kv_dtype], layer_group_size, staging_slots=1)
@@ -257,7 +258,7 @@ class LLM:
         if ctx < 2:
             raise OptionError("ctx", f"must be >= 2, got {ctx}")
         if ctx > self.engine.kv.capacity:
-            raise ContextOverflowError(f"--ctx {ctx} exceeds the context of {self.engine.kv.capacity} tokens")
+            raise OptionError("ctx", f"{ctx} exceeds the context of {self.engine.kv.capacity} tokens")
         ids = torch.tensor(self.tokenizer.encode(text), dtype=torch.int64, device=self.device)
         if ids.numel() < 2:
             raise NtioError(f"the text has {ids.numel()} token(s); perplexity needs at least 2")

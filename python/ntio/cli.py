@@ -32,7 +32,8 @@ def _user_message(e: NtioError) -> str:
     if not isinstance(e, OptionError):
         return str(e)
     flag = _FLAGS.get(e.option, f"--{e.option.replace('_', '-')}")
-    return f"{flag} {e.problem}".replace("max_context", _FLAGS["max_context"])
+    message = f"{flag} {e.problem}".replace("max_context", _FLAGS["max_context"])
+    return message.replace("gpu_memory_budget", "--gpu-memory-budget").replace("ram_budget", "--ram-budget")
 
 
 class _Group(click.Group):
@@ -202,8 +203,14 @@ def perplexity(text_file, ctx, as_json, **opts) -> None:
     except UnicodeDecodeError as e:
         raise NtioError(f"{text_file}: not UTF-8 text ({e.reason} at byte {e.start})") from None
     opts = _split(opts)
+    window_sized = opts["ctx_size"] is None
     opts["ctx_size"] = opts["ctx_size"] or ctx  # the KV cache only ever holds one window
-    m = _load(**opts)
+    try:
+        m = _load(**opts)
+    except OptionError as e:
+        if window_sized and e.option == "max_context":  # the KV cache was sized from --ctx: name that
+            raise OptionError("ctx", e.problem) from None
+        raise
     r = m.perplexity(text, ctx=ctx)
     if as_json:
         click.echo(json.dumps({"model": str(m.path), "file": str(text_file), "perplexity": r.perplexity,

@@ -17,7 +17,8 @@ from ntio import _core
 from ntio.kernels import ops
 from ntio.models.config import ModelConfig
 from ntio.runtime.engine import PREFILL_CHUNK
-from ntio.runtime.tiers import TierPlan, available_ram, parse_size, parse_tier_spec, plan_tiers
+from ntio.errors import OptionError
+from ntio.runtime.tiers import TierPlan, available_ram, format_size, parse_size, parse_tier_spec, plan_tiers
 from ntio.models.weights import WeightLayout
 
 _ALIGN = 4096
@@ -80,16 +81,17 @@ def make_plan(
     """
     forced = parse_tier_spec(tiers, len(needs.layers))
     reserved = needs.globals + needs.kv_cache + needs.activations
-    if forced is not None:
-        if not cuda:
-            forced = ["A" if t == "B" else t for t in forced]  # on CPU host RAM is the device
-        return TierPlan(forced, None, None, reserved if cuda else 0, 0 if cuda else reserved)
     ram = parse_size(ram_budget, "ram_budget") if ram_budget is not None else int(0.9 * available_ram())
     if cuda:
         free = torch.cuda.mem_get_info()[0]
         device = parse_size(gpu_memory_budget, "gpu_memory_budget") if gpu_memory_budget is not None else int(0.9 * free)
     else:
         device = ram
+    if forced is not None:
+        if not cuda:
+            forced = ["A" if t == "B" else t for t in forced]  # on CPU host RAM is the device
+        _check_forced(needs, forced, tiers, cuda=cuda, device_budget=device, ram_budget=ram)
+        return TierPlan(forced, None, None, reserved if cuda else 0, 0 if cuda else reserved)
     return plan_tiers(
         needs.layers,
         cuda=cuda,
@@ -99,3 +101,25 @@ def make_plan(
         reserved_ram=0 if cuda else reserved,
         staging_bytes=needs.staging(),
     )
+
+
+def _check_forced(needs: MemoryNeeds, forced: list[str], spec: str, *, cuda: bool, device_budget: int,
+                  ram_budget: int) -> None:
+    """A forced plan must fit its budgets too: the reserve (globals, KV cache, activations), its resident layers
+    and, when anything streams, the staging slots (on CUDA in host RAM and on the device)."""
+    resident = sum(n for n, t in zip(needs.layers, forced) if t == "A")
+    host_layers = sum(n for n, t in zip(needs.layers, forced) if t == "B")
+    staging = needs.staging(forced) if any(t != "A" for t in forced) else 0
+    reserved = needs.globals + needs.kv_cache + needs.activations
+    demands = [("device memory", "gpu_memory_budget", reserved + resident + staging, device_budget),
+               ("host memory", "ram_budget", host_layers + staging, ram_budget)] if cuda else [
+              ("host memory", "ram_budget", reserved + resident + staging, ram_budget)]
+    for memory, option, need, budget in demands:
+        if need > budget:
+            raise OptionError(
+                "tiers",
+                f"{spec!r} needs {format_size(need)} of {memory} but {option} is {format_size(budget)} "
+                f"(KV cache {format_size(needs.kv_cache)}: a smaller max_context shrinks it; always-resident weights "
+                f"{format_size(needs.globals)}, resident layers {format_size(resident + host_layers)}, staging "
+                f"{format_size(staging)})",
+            )
