@@ -103,10 +103,38 @@ def _warn_once(name: str, message: str) -> None:
         print(f"ntio: warning: {message}", file=sys.stderr)
 
 
+_REQUIRED = object()
+_KIND_NAMES = {str: "a string", int: "an integer", bool: "a boolean", list: "an array"}
+_ITEM_NAMES = {str: "strings", int: "integers", (int, float): "numbers"}
+
+
+def _is(value: object, kind: type | tuple[type, ...]) -> bool:
+    """isinstance, except that a bool is not a number (GGUF and JSON keep the two apart)."""
+    return isinstance(value, kind) and (kind is bool or not isinstance(value, bool))
+
+
+def _metadata(g: GGUFFile, key: str, kind: type, default: object = _REQUIRED, *,
+              items: type | tuple[type, ...] | None = None) -> object:
+    """Tokenizer metadata `key`, checked to be a `kind` (a list of `items`, when given): a value of the wrong type is
+    one line naming the key, not a failure deep inside the tokenizer library."""
+    if default is not _REQUIRED and key not in g.metadata:
+        return default
+    value = g.require(key)
+    if not _is(value, kind):
+        raise ModelFormatError(f"{g.path}: metadata key {key!r} must be {_KIND_NAMES[kind]}, got {repr(value)[:40]}")
+    for i, item in enumerate(value if items is not None else ()):
+        if not _is(item, items):
+            raise ModelFormatError(
+                f"{g.path}: metadata key {key!r} must be an array of {_ITEM_NAMES[items]}; element {i} is "
+                f"{repr(item)[:40]}"
+            )
+    return value
+
+
 def _byte_level_pre_tokenizer(g: GGUFFile) -> tuple[pre_tokenizers.PreTokenizer, bool]:
     """The split for `tokenizer.ggml.pre`, and whether llama.cpp treats it as Llama-3 style."""
-    name = g.metadata.get("tokenizer.ggml.pre")
-    splits = _PRE_TOKENIZER_SPLITS.get(name) if isinstance(name, str) else None
+    name = _metadata(g, "tokenizer.ggml.pre", str, None)
+    splits = _PRE_TOKENIZER_SPLITS.get(name)
     if splits is None:
         _warn_once(
             str(name),
@@ -170,11 +198,12 @@ class Tokenizer:
 
     @classmethod
     def from_gguf(cls, g: GGUFFile) -> Tokenizer:
-        md = g.metadata
-        kind = g.require("tokenizer.ggml.model")
-        tokens = list(g.require("tokenizer.ggml.tokens"))
+        kind = _metadata(g, "tokenizer.ggml.model", str)
+        tokens = list(_metadata(g, "tokenizer.ggml.tokens", list, items=str))
         n = len(tokens)
-        types = list(md.get("tokenizer.ggml.token_type") or [1] * n)
+        if n == 0:
+            raise ModelFormatError(f"{g.path}: metadata key 'tokenizer.ggml.tokens' is an empty vocabulary")
+        types = list(_metadata(g, "tokenizer.ggml.token_type", list, [1] * n, items=int))
         if len(types) != n:
             raise ModelFormatError(
                 f"{g.path}: tokenizer.ggml.token_type has {len(types)} entries for {n} tokens"
@@ -209,12 +238,12 @@ class Tokenizer:
 
         def special_id(name: str) -> int | None:
             key = f"tokenizer.ggml.{name}_token_id"
-            value = md.get(key, default_ids.get(name))
+            value = _metadata(g, key, int, default_ids.get(name))
             if value is None:
                 return None
-            if not 0 <= int(value) < n:
+            if not 0 <= value < n:
                 raise ModelFormatError(f"{g.path}: {key} = {value} is outside the vocabulary (size {n})")
-            return int(value)
+            return value
 
         bos_id, eos_id = special_id("bos"), special_id("eos")
         stop = {i for i in (eos_id, special_id("eot"), special_id("eom")) if i is not None}
@@ -228,10 +257,10 @@ class Tokenizer:
             vocab_size=n,
             bos_id=bos_id,
             eos_id=eos_id,
-            add_bos=bool(md.get("tokenizer.ggml.add_bos_token", default_bos)),
-            add_eos=bool(md.get("tokenizer.ggml.add_eos_token", False)),
+            add_bos=_metadata(g, "tokenizer.ggml.add_bos_token", bool, default_bos),
+            add_eos=_metadata(g, "tokenizer.ggml.add_eos_token", bool, False),
             stop_ids=frozenset(stop),
-            chat_template=md.get("tokenizer.chat_template"),
+            chat_template=_metadata(g, "tokenizer.chat_template", str, None),
             special_tokens={
                 "bos_token": token_text(bos_id),
                 "eos_token": token_text(eos_id),
@@ -254,10 +283,13 @@ class Tokenizer:
     @staticmethod
     def _byte_level(g: GGUFFile, vocab: dict[str, int]) -> tuple[_RustTokenizer, bool]:
         merges = []
-        for i, line in enumerate(g.require("tokenizer.ggml.merges")):
+        for i, line in enumerate(_metadata(g, "tokenizer.ggml.merges", list, items=str)):
             pair = line.split(" ")
-            if len(pair) != 2:
-                raise ModelFormatError(f"{g.path}: tokenizer.ggml.merges[{i}] = {line!r} is not two tokens")
+            if len(pair) != 2 or any(part not in vocab for part in pair) or "".join(pair) not in vocab:
+                raise ModelFormatError(
+                    f"{g.path}: tokenizer.ggml.merges[{i}] = {line!r} is not two tokens of the vocabulary merging "
+                    "into a third"
+                )
             merges.append((pair[0], pair[1]))
         pre, llama3_style = _byte_level_pre_tokenizer(g)
         backend = _RustTokenizer(BPE(vocab=vocab, merges=merges, ignore_merges=llama3_style))
@@ -267,12 +299,12 @@ class Tokenizer:
 
     @staticmethod
     def _sentencepiece(g: GGUFFile, tokens: list[str], vocab: dict[str, int]) -> _RustTokenizer:
-        scores = [float(s) for s in g.require("tokenizer.ggml.scores")]
+        scores = [float(s) for s in _metadata(g, "tokenizer.ggml.scores", list, items=(int, float))]
         if len(scores) != len(tokens):
             raise ModelFormatError(
                 f"{g.path}: tokenizer.ggml.scores has {len(scores)} entries for {len(tokens)} tokens"
             )
-        unk_id = g.metadata.get("tokenizer.ggml.unknown_token_id", 0)
+        unk_id = _metadata(g, "tokenizer.ggml.unknown_token_id", int, 0)
         backend = _RustTokenizer(
             BPE(
                 vocab=vocab,
@@ -287,7 +319,7 @@ class Tokenizer:
         # A normalizer runs on each stretch of text between special tokens and always prepends, which is both;
         # transformers' GGUF converter uses a Metaspace pre-tokenizer instead, which skips the prefix when the text
         # already starts with a space and after special tokens (see tests/test_tokenizer.py).
-        add_prefix = bool(g.metadata.get("tokenizer.ggml.add_space_prefix", True))
+        add_prefix = _metadata(g, "tokenizer.ggml.add_space_prefix", bool, True)
         steps = [normalizers.Prepend("▁")] if add_prefix else []
         backend.normalizer = normalizers.Sequence([*steps, normalizers.Replace(" ", "▁")])
         decode_steps = [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()]
