@@ -72,6 +72,15 @@ impl ExtentIndex {
                 return Err(bad(format!("tensor {:?} appears twice", t.name)));
             }
             if let Some(layer) = t.layer {
+                // A layer number is bounded by the tensor count (each layer has a tensor), which keeps
+                // the layer table's allocation bounded by the file.
+                if layer >= tensors.len() {
+                    return Err(bad(format!(
+                        "tensor {:?}: layer {layer} of a file with {} tensors",
+                        t.name,
+                        tensors.len()
+                    )));
+                }
                 if layer >= layers.len() {
                     layers.resize_with(layer + 1, Vec::new);
                 }
@@ -293,7 +302,7 @@ mod tests {
     #[test]
     fn verify_names_tensor_and_offset() {
         let data = vec![7u8; 100];
-        let mut t = span("blk.3.ffn_up.weight", 123456, 100, 1, Some(3));
+        let mut t = span("blk.3.ffn_up.weight", 123456, 100, 1, Some(0));
         t.checksum = Some(checksum(&data));
         let index = ExtentIndex::new(Path::new("m.ntio"), vec![t]).unwrap();
         index.verify("blk.3.ffn_up.weight", &data).unwrap();
@@ -309,6 +318,8 @@ mod tests {
     fn bad_tables_are_rejected() {
         let p = Path::new("m");
         assert!(ExtentIndex::new(p, vec![span("x", 0, 10, 3, None)]).is_err());
+        // A layer number beyond the tensor count would size the layer table from the file's say-so.
+        assert!(ExtentIndex::new(p, vec![span("x", 0, 10, 1, Some(1 << 40))]).is_err());
         assert!(ExtentIndex::new(p, vec![span("x", 0, 10, 1, None), span("x", 10, 1, 1, None)]).is_err());
     }
 }

@@ -77,7 +77,10 @@ impl Manifest {
             return Err(bad("metadata is not an object".into()));
         }
         for t in &manifest.tensors {
-            let rows: u64 = t.shape.iter().rev().skip(1).product();
+            let rows = t.shape.iter().rev().skip(1).try_fold(1u64, |n, &d| n.checked_mul(d));
+            let Some(rows) = rows else {
+                return Err(bad(format!("tensor {:?}: shape {:?} overflows", t.name, t.shape)));
+            };
             let end = t.offset.checked_add(t.nbytes);
             if t.offset < HEADER_SIZE as u64
                 || t.offset % STORE_ALIGNMENT != 0

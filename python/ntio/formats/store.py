@@ -68,13 +68,19 @@ class StoreFile(ModelFileBase):
         self.version: int = version
         self.metadata: dict[str, Any] = json.loads(metadata_json)
         self.tensors: dict[str, TensorInfo] = {
-            name: TensorInfo(name, gguf.GGMLQuantizationType(ggml_type), tuple(shape), offset, nbytes)
+            name: TensorInfo(name, self._qtype(name, ggml_type), tuple(shape), offset, nbytes)
             for name, ggml_type, shape, offset, nbytes in table
         }
         self.index: _core.ExtentIndex = index
         self.verify = verify
         self._data = np.memmap(self.path, dtype=np.uint8, mode="r")
         self._verified: set[str] = set()
+
+    def _qtype(self, name: str, code: int) -> gguf.GGMLQuantizationType:
+        try:
+            return gguf.GGMLQuantizationType(code)
+        except ValueError:
+            raise ModelFormatError(f"{self.path}: tensor {name!r} has unknown ggml type {code}") from None
 
     def tensor_bytes(self, name: str) -> np.ndarray:
         """The encoded bytes of one tensor: a read-only uint8 view of the mapped file, checked against its
