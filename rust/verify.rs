@@ -1,12 +1,13 @@
 //! Checksum checks that travel with a batch: "destination bytes [dest_offset, dest_offset + length)
 //! must hash to `checksum`", one per store tensor a batch reads whole. The backend runs them after
-//! the batch's last byte has landed and before anyone is told it completed, on the thread that
-//! finished the batch (the io_uring thread, or the batch's pread thread): verification overlaps the
-//! caller's compute like the read itself, and a corrupt tensor fails the batch, so no byte of it is
-//! ever computed on.
+//! the batch's last byte has landed and before anyone is told it completed: a corrupt tensor fails
+//! the batch, so no byte of it is ever computed on. They run off the caller's thread, overlapping
+//! its compute like the read itself: on the batch's own thread (pread), or on a `Verifier` thread
+//! beside the io_uring thread, which keeps reaping and submitting while a batch is hashed.
 
 use std::path::Path;
-use std::sync::Arc;
+use std::sync::{mpsc, Arc};
+use std::thread::JoinHandle;
 
 use crate::error::{Error, Result};
 use crate::extent::Extent;
@@ -81,6 +82,52 @@ pub unsafe fn verify(checks: &[Check], dest: *const u8, path: &Path) -> Result<(
         }
     }
     Ok(())
+}
+
+type Task = Box<dyn FnOnce() + Send>;
+
+/// A thread that runs tasks (a batch's checks, then its completion) in the order they are given.
+/// Dropping it runs every task already given, then joins the thread.
+pub struct Verifier {
+    tasks: Option<mpsc::Sender<Task>>,
+    thread: Option<JoinHandle<()>>,
+}
+
+impl Verifier {
+    pub fn start() -> Result<Self> {
+        let (tasks, queue) = mpsc::channel::<Task>();
+        let thread = std::thread::Builder::new()
+            .name("ntio-verify".into())
+            .spawn(move || queue.into_iter().for_each(|task| task()))
+            .map_err(|err| Error::System {
+                what: "spawning the checksum thread",
+                errno: crate::error::errno_of(&err),
+            })?;
+        Ok(Self {
+            tasks: Some(tasks),
+            thread: Some(thread),
+        })
+    }
+
+    /// Run `task` on the verifier thread (or here, should that thread be gone).
+    pub fn run(&self, task: impl FnOnce() + Send + 'static) {
+        let sent = match &self.tasks {
+            Some(tasks) => tasks.send(Box::new(task)),
+            None => Err(mpsc::SendError(Box::new(task) as Task)),
+        };
+        if let Err(mpsc::SendError(task)) = sent {
+            task();
+        }
+    }
+}
+
+impl Drop for Verifier {
+    fn drop(&mut self) {
+        drop(self.tasks.take()); // the thread ends once it has run every task given
+        if let Some(thread) = self.thread.take() {
+            let _ = thread.join();
+        }
+    }
 }
 
 #[cfg(test)]

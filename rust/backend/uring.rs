@@ -8,7 +8,6 @@
 use std::collections::{BTreeMap, VecDeque};
 use std::io;
 use std::os::fd::AsRawFd;
-use std::path::Path;
 use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
 use std::time::Instant;
@@ -19,6 +18,7 @@ use super::{advance, Batch, OpenFile, Progress};
 use crate::error::{Error, Result};
 use crate::extent::Target;
 use crate::staging::{AlignedBuf, StagingPool};
+use crate::verify::Verifier;
 
 /// A ring and the staging pool whose slots are registered with it as fixed buffers.
 pub struct Ring {
@@ -120,9 +120,10 @@ impl Queue {
             wake: Condvar::new(),
         });
         let thread_shared = Arc::clone(&shared);
+        let verifier = Verifier::start()?;
         let thread = std::thread::Builder::new()
             .name("ntio-uring".into())
-            .spawn(move || serve(ring, &file, &thread_shared))
+            .spawn(move || serve(ring, &file, &thread_shared, verifier))
             .map_err(|err| Error::System {
                 what: "spawning the io_uring thread",
                 errno: crate::error::errno_of(&err),
@@ -212,18 +213,26 @@ impl Active {
         }
     }
 
-    /// Check the batch's bytes, drop it (freeing its destination), then tell the submitter.
-    fn finish(self, path: &Path) {
+    /// Drop the batch (freeing its destination), then tell the submitter; a batch with checks
+    /// is hashed first, on the verifier thread.
+    fn finish(self, file: &OpenFile, verifier: &Verifier) {
         let Active {
-            job,
+            job: Job { batch, notify },
             failure,
             bounce,
             ..
         } = self;
         drop(bounce);
-        let outcome = job.batch.outcome(failure.map_or(Ok(()), Err), path);
-        drop(job.batch);
-        (job.notify)(outcome);
+        if failure.is_some() || batch.checks.is_empty() {
+            drop(batch);
+            return notify(failure.map_or(Ok(()), Err));
+        }
+        let path = file.path.clone();
+        verifier.run(move || {
+            let outcome = batch.outcome(Ok(()), &path);
+            drop(batch);
+            notify(outcome);
+        });
     }
 }
 
@@ -261,8 +270,9 @@ fn sqe(
 }
 
 /// The I/O thread: admit queued batches, start their requests in FIFO order while entries are
-/// free, wait for completions, finish batches; on `closing`, drain everything, then return.
-fn serve(mut ring: Ring, file: &OpenFile, shared: &Shared) {
+/// free, wait for completions, finish batches (checks go to `verifier`); on `closing`, drain
+/// everything, then return (dropping `verifier` runs the checks still queued).
+fn serve(mut ring: Ring, file: &OpenFile, shared: &Shared, verifier: Verifier) {
     let depth = ring.depth;
     let mut entries: Vec<Option<Entry>> = vec![None; depth];
     let mut free: Vec<usize> = (0..depth).rev().collect();
@@ -326,7 +336,7 @@ fn serve(mut ring: Ring, file: &OpenFile, shared: &Shared) {
 
         if free.len() < depth {
             if let Err(err) = submit_and_wait(&mut ring) {
-                return abandon(file, shared, jobs, err);
+                return abandon(file, &verifier, shared, jobs, err);
             }
             completions.extend(
                 ring.ring
@@ -382,14 +392,20 @@ fn serve(mut ring: Ring, file: &OpenFile, shared: &Shared) {
         for id in ended {
             jobs.remove(&id)
                 .expect("a finished batch")
-                .finish(&file.path);
+                .finish(file, &verifier);
         }
     }
 }
 
 /// The ring broke (io_uring_enter failed for good): fail every batch, queued or active, and
 /// every later one. As before this design, reads still in the kernel are not waited for.
-fn abandon(file: &OpenFile, shared: &Shared, jobs: BTreeMap<u64, Active>, err: Error) {
+fn abandon(
+    file: &OpenFile,
+    verifier: &Verifier,
+    shared: &Shared,
+    jobs: BTreeMap<u64, Active>,
+    err: Error,
+) {
     let queued: Vec<Job> = {
         let mut state = shared.state.lock().unwrap_or_else(|e| e.into_inner());
         state.broken = Some(err.clone());
@@ -397,7 +413,7 @@ fn abandon(file: &OpenFile, shared: &Shared, jobs: BTreeMap<u64, Active>, err: E
     };
     for mut active in jobs.into_values() {
         active.failure.get_or_insert(err.clone());
-        active.finish(&file.path);
+        active.finish(file, verifier);
     }
     for job in queued {
         drop(job.batch);
