@@ -10,6 +10,7 @@
 //! - `buffers`: checks on caller-lent memory (element type, layout, writability, overlap);
 //! - `verify`: checksum checks that a batch's bytes must pass before it completes;
 //! - `store`: the ntio store format and the extent index (layer / tensor / rows → extents);
+//! - `gguf`: the validating GGUF header parser;
 //! - `kernels`: CPU matrix-vector products over GGUF-encoded weights.
 
 pub mod backend;
@@ -17,6 +18,7 @@ pub mod buffers;
 pub mod destination;
 pub mod error;
 pub mod extent;
+pub mod gguf;
 pub mod kernels;
 pub mod reader;
 pub mod staging;
@@ -25,6 +27,7 @@ pub mod verify;
 
 mod bench_bindings;
 mod buffer_bindings;
+mod gguf_bindings;
 mod kernel_bindings;
 mod reader_bindings;
 mod store_bindings;
@@ -40,5 +43,6 @@ pub fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     store_bindings::register(m)?; // open_store, ExtentIndex, StoreFormatError, ...
     kernel_bindings::register(m)?; // quantized_matmul, kernel threads
     bench_bindings::register(m)?; // timed_read
+    gguf_bindings::register(m)?; // parse_gguf, GGUFFormatError
     Ok(())
 }

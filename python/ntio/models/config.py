@@ -6,12 +6,20 @@ twice. Which architectures are supported is the family registry's word (`ntio.mo
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+from typing import Any
 
 from ntio.errors import ModelFormatError, UnsupportedModelError
 from ntio.formats.gguf_file import GGUFFile
+from ntio.formats.store import layer_of
 from ntio.models.family import Family
 from ntio.models.registry import FAMILIES
+
+# Larger layer counts, widths, head counts or contexts are corruption, not ambition: the largest public models are
+# orders of magnitude below (Llama 3.1 405B: 126 layers, width 16384, 128 heads, 131072 positions), and products of
+# two such values must stay far from int64 and from any allocation a machine could make.
+_LARGEST = 2**31
 
 
 @dataclass(frozen=True)
@@ -56,6 +64,9 @@ class ModelConfig:
 
     @classmethod
     def from_gguf(cls, g: GGUFFile) -> ModelConfig:
+        """The hyper-parameters of `g`, each checked (type, range, consistency with the others and with the token
+        embedding); a bad one is a one-line ModelFormatError naming file and key. The shapes of the block and global
+        tensors are checked against the result by `ntio.models.weights.WeightLayout`."""
         arch = g.architecture
         if arch not in FAMILIES:
             raise UnsupportedModelError(
@@ -65,35 +76,96 @@ class ModelConfig:
         def key(name: str) -> str:
             return f"{arch}.{name}"
 
-        n_heads = int(g.require(key("attention.head_count")))
-        d_model = int(g.require(key("embedding_length")))
-        n_kv_heads = int(g.metadata.get(key("attention.head_count_kv"), n_heads))
+        n_layers = _count(g, key("block_count"))
+        d_model = _count(g, key("embedding_length"))
+        n_heads = _count(g, key("attention.head_count"))
+        n_kv_heads = _count(g, key("attention.head_count_kv"), default=n_heads)
         if d_model % n_heads or n_heads % n_kv_heads:
             raise ModelFormatError(
-                f"{g.path}: {d_model} embedding width, {n_heads} heads and {n_kv_heads} KV heads do not divide evenly"
+                f"{g.path}: metadata keys {key('embedding_length')!r} ({d_model}), {key('attention.head_count')!r} "
+                f"({n_heads}) and {key('attention.head_count_kv')!r} ({n_kv_heads}) do not divide evenly"
+            )
+        head_dim = d_model // n_heads
+        rope_dim = _count(g, key("rope.dimension_count"), default=head_dim)
+        if rope_dim % 2 or rope_dim > head_dim:
+            raise ModelFormatError(
+                f"{g.path}: metadata key {key('rope.dimension_count')!r} must be even and at most the head "
+                f"dimension {head_dim}, got {rope_dim}"
             )
         embd = g.tensor("token_embd.weight")
+        vocab_size = _count(g, key("vocab_size"), default=embd.shape[0])
+        if vocab_size != embd.shape[0]:
+            raise ModelFormatError(
+                f"{g.path}: metadata key {key('vocab_size')!r} is {vocab_size}, but tensor 'token_embd.weight' has "
+                f"{embd.shape[0]} rows"
+            )
         scaling_type = str(g.metadata.get(key("rope.scaling.type"), "none"))
         if "rope_freqs.weight" in g.tensors:
             scaling = RopeScaling("llama3")
         elif scaling_type == "linear":
-            scaling = RopeScaling("linear", float(g.require(key("rope.scaling.factor"))))
+            scaling = RopeScaling("linear", _positive(g, key("rope.scaling.factor")))
         elif scaling_type in ("none", ""):
             scaling = RopeScaling("none")
         else:
             raise UnsupportedModelError(f"{g.path}: rope scaling {scaling_type!r} is not supported")
+        _check_layers(g, n_layers, key("block_count"))
         return cls(
             architecture=arch,
-            n_layers=int(g.require(key("block_count"))),
+            n_layers=n_layers,
             d_model=d_model,
-            d_ff=int(g.require(key("feed_forward_length"))),
+            d_ff=_count(g, key("feed_forward_length")),
             n_heads=n_heads,
             n_kv_heads=n_kv_heads,
-            vocab_size=int(g.metadata.get(key("vocab_size"), embd.shape[0])),
-            context_length=int(g.require(key("context_length"))),
-            rope_theta=float(g.metadata.get(key("rope.freq_base"), 10000.0)),
-            rope_dim=int(g.metadata.get(key("rope.dimension_count"), d_model // n_heads)),
-            rms_eps=float(g.require(key("attention.layer_norm_rms_epsilon"))),
+            vocab_size=vocab_size,
+            context_length=_count(g, key("context_length")),
+            rope_theta=_positive(g, key("rope.freq_base"), default=10000.0),
+            rope_dim=rope_dim,
+            rms_eps=_positive(g, key("attention.layer_norm_rms_epsilon")),
             rope_scaling=scaling,
             tied_embeddings="output.weight" not in g.tensors,
         )
+
+
+def _value(g: GGUFFile, key: str, default: Any) -> Any:
+    """The value of `key`, which is required where there is no default."""
+    return g.require(key) if default is None else g.metadata.get(key, default)
+
+
+def _shown(value: Any) -> str:
+    """A metadata value for a one-line message: its type where that is the problem, never a whole array."""
+    if isinstance(value, bool):
+        return f"the bool {value}"
+    if isinstance(value, str):
+        return f"the string {value[:40]!r}" + ("..." if len(value) > 40 else "")
+    if isinstance(value, list):
+        return f"an array of {len(value)} values"
+    return repr(value)
+
+
+def _count(g: GGUFFile, key: str, default: int | None = None) -> int:
+    """A positive integer hyper-parameter (a bool is not one), at most _LARGEST."""
+    value = _value(g, key, default)
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ModelFormatError(f"{g.path}: metadata key {key!r} must be a positive integer, got {_shown(value)}")
+    if value > _LARGEST:
+        raise ModelFormatError(f"{g.path}: metadata key {key!r} must be at most {_LARGEST}, got {value}")
+    return value
+
+
+def _positive(g: GGUFFile, key: str, default: float | None = None) -> float:
+    """A positive finite number hyper-parameter (an integer is accepted, a bool is not)."""
+    value = _value(g, key, default)
+    if isinstance(value, bool) or not isinstance(value, int | float) or not (0 < value and math.isfinite(value)):
+        raise ModelFormatError(f"{g.path}: metadata key {key!r} must be a positive finite number, got {_shown(value)}")
+    return float(value)
+
+
+def _check_layers(g: GGUFFile, n_layers: int, key: str) -> None:
+    """Every block tensor belongs to a layer below the layer count: the extent index sizes its layer table by the
+    highest block number it sees, and a block the config does not run is a file that disagrees with itself."""
+    for name in g.tensors:
+        layer = layer_of(name)
+        if layer is not None and layer >= n_layers:
+            raise ModelFormatError(
+                f"{g.path}: tensor {name!r} belongs to block {layer}, but metadata key {key!r} is {n_layers}"
+            )
