@@ -43,7 +43,7 @@ pub fn validate(checks: &[Check], extents: &[Extent]) -> Result<()> {
             _ => merged.push((start, end)),
         }
     }
-    for check in checks {
+    for check in checks.iter().filter(|c| c.length > 0) {
         let end = check.dest_offset.checked_add(check.length);
         let covered = end.is_some_and(|end| {
             let i = merged.partition_point(|&(start, _)| start <= check.dest_offset);

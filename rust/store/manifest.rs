@@ -97,6 +97,18 @@ impl Manifest {
                     t.name, t.rows, t.shape
                 )));
             }
+            // The bytes must be what the type makes of the shape: rows of whole blocks.
+            let Some(ggml) = crate::gguf::ggml_type(t.ggml_type) else {
+                return Err(bad(format!("tensor {:?} has unknown ggml type {}", t.name, t.ggml_type)));
+            };
+            let width = t.shape[t.shape.len() - 1];
+            let expected = rows.checked_mul(width / ggml.block * ggml.type_size);
+            if width == 0 || width % ggml.block != 0 || expected != Some(t.nbytes) {
+                return Err(bad(format!(
+                    "tensor {:?}: {} bytes of {} do not encode shape {:?}",
+                    t.name, t.nbytes, ggml.name, t.shape
+                )));
+            }
         }
         let index = ExtentIndex::new(path, manifest.tensors.iter().map(TensorRecord::span).collect())?;
         let indexed: Vec<LayerRecord> = (0..index.n_layers())

@@ -67,6 +67,7 @@ class StoreFile(ModelFileBase):
             raise ModelFormatError(str(e)) from None
         self.version: int = version
         self.metadata: dict[str, Any] = json.loads(metadata_json)
+        _check_text(self.metadata, self.path)
         self.tensors: dict[str, TensorInfo] = {
             name: TensorInfo(name, self._qtype(name, ggml_type), tuple(shape), offset, nbytes)
             for name, ggml_type, shape, offset, nbytes in table
@@ -91,6 +92,24 @@ class StoreFile(ModelFileBase):
             verify_tensor(self.index, name, data)
             self._verified.add(name)
         return data
+
+
+def _check_text(value: Any, path: Path, key: str = "") -> None:
+    """Every string of the manifest's metadata is text: JSON can escape a lone surrogate (\\udcff), which no
+    tokenizer or template can encode. Lists of strings (vocabularies) are checked in one join."""
+    try:
+        if isinstance(value, str):
+            value.encode()
+        elif isinstance(value, list) and all(isinstance(v, str) for v in value):
+            "".join(value).encode()
+        elif isinstance(value, (list, dict)):
+            if isinstance(value, dict):
+                "".join(value).encode()  # the keys
+            items = value.items() if isinstance(value, dict) else enumerate(value)
+            for k, v in items:
+                _check_text(v, path, f"{key}[{k!r}]" if key else str(k))
+    except UnicodeEncodeError:
+        raise ModelFormatError(f"{path}: metadata key {key!r} holds a string that is not valid Unicode") from None
 
 
 def verify_tensor(index: _core.ExtentIndex, name: str, data: np.ndarray) -> None:
