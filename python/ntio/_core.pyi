@@ -13,6 +13,11 @@ HUGE_PAGE: int  # staging pools of at least this many bytes are mapped in whole 
 Extent = tuple[int, int, int]
 """(file_offset, length, dest_offset), in bytes."""
 
+Check = tuple[str, int, int, int, int]
+"""(tensor, file_offset, dest_offset, length, xxh3-64): after a batch's bytes land, its reader's I/O side hashes
+destination bytes [dest_offset, dest_offset + length) and fails the batch (ReadError naming tensor and offset, errno
+None) if they differ. A check must lie in bytes the batch's extents write."""
+
 class ReadError(OSError):
     """Open or read failed, or an extent reaches past end of file (never zero-filled)."""
     path: str
@@ -35,7 +40,8 @@ class Reader:
     """One open file and one I/O backend. Safe to share between threads; blocking calls release the GIL."""
 
     def __init__(self, path: str | PathLike[str], backend: str | None = None, queue_depth: int = 32,
-                 request_size: int = 1 << 20) -> None: ...
+                 request_size: int = 1 << 20, faults: str | None = None) -> None:
+        """faults: fault injection for tests, e.g. "eio@1048576,short" (default: env NTIO_INJECT_FAULTS)."""
     @property
     def backend(self) -> str: ...  # "io_uring" | "pread" | "buffered"
     @property
@@ -48,11 +54,12 @@ class Reader:
     def queue_depth(self) -> int: ...
     @property
     def request_size(self) -> int: ...  # rounded up to the alignment
-    def read(self, extents: list[Extent], slot: Slot) -> None: ...
-    def submit(self, extents: list[Extent], slot: Slot) -> ReadHandle: ...
-    def read_into(self, extents: list[Extent], dest: Buffer) -> None:
+    def read(self, extents: list[Extent], slot: Slot, checks: list[Check] | None = None) -> None: ...
+    def submit(self, extents: list[Extent], slot: Slot, checks: list[Check] | None = None) -> ReadHandle: ...
+    def read_into(self, extents: list[Extent], dest: Buffer, checks: list[Check] | None = None) -> None:
         """Read into `dest`, a writable C-contiguous buffer of any element type (extents are in bytes), and wait."""
-    def submit_into(self, extents: list[Extent], dest: Buffer, owner: Any = None) -> ReadHandle:
+    def submit_into(self, extents: list[Extent], dest: Buffer, owner: Any = None,
+                    checks: list[Check] | None = None) -> ReadHandle:
         """Start reading into `dest`; the handle holds its buffer until the read has ended and the handle is gone.
         `owner` is what `handle.owner` reports (default: the object `dest` exports from)."""
 
@@ -140,6 +147,7 @@ class ExtentIndex:
     def layer_extents(self, layer: int) -> list[FileExtent]: ...  # tensors < 4096 B apart share one extent
     def tensor_extent(self, name: str) -> FileExtent: ...
     def row_extent(self, name: str, start: int, stop: int) -> FileExtent: ...  # rows [start, stop)
+    def checksum(self, name: str) -> int | None: ...  # the xxh3-64 the file records (None in a GGUF)
     def verify(self, name: str, data: Buffer) -> None:
         """Check a whole tensor's bytes (a C-contiguous buffer) against its checksum (StoreFormatError); no-op for a
         GGUF."""
@@ -150,6 +158,17 @@ def store_header(manifest_offset: int, manifest: bytes) -> bytes: ...  # the 409
 def plan_store_layout(groups: list[list[int]]) -> list[list[int]]:
     """Offsets for tensor sizes grouped (globals, layer 0, layer 1, ...): 4096-aligned, each group contiguous."""
 def checksum(data: Buffer) -> int: ...  # xxh3-64 of a C-contiguous buffer's bytes
+
+# -- GGUF (`rust/gguf_bindings.rs`) -------------------------------------------------------------------------------
+
+class GGUFFormatError(ValueError):
+    """A malformed GGUF header (one line naming the file, the key or tensor, and the byte offset)."""
+
+def parse_gguf(path: str | PathLike[str], data: Buffer) -> tuple[
+        int, int, int, list[tuple[str, Any]], list[tuple[str, int, list[int], int, int]]]:
+    """Parse the GGUF whose bytes are `data` (the mapped file; `path` names it in errors), bounded by its size:
+    (version, alignment, data_offset, [(key, value)] in file order, [(name, ggml_type, dims in ne order, absolute
+    offset, nbytes)])."""
 
 # -- benchmarks (`rust/bench_bindings.rs`) -----------------------------------------------------------------------
 
