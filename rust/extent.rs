@@ -364,4 +364,56 @@ mod tests {
             }
         ));
     }
+
+    mod properties {
+        use super::*;
+        use proptest::prelude::*;
+
+        proptest! {
+            #![proptest_config(ProptestConfig::with_cases(2000))]
+
+            /// Whatever the extents, validation refuses or the plan delivers every byte of every
+            /// extent exactly where it belongs, with aligned requests that stay in the destination.
+            #[test]
+            fn validated_extents_plan_into_aligned_requests_covering_every_byte(
+                raw in proptest::collection::vec((0u64..20_000, 0usize..9_000, 0usize..20_000), 0..6),
+                file_size in 0u64..30_000,
+                capacity in 0usize..30_000,
+                dest_addr in (0usize..4).prop_map(|k| k * 512),
+            ) {
+                let extents: Vec<Extent> = raw.iter().map(|&(f, l, d)| ext(f, l, d)).collect();
+                if validate(&extents, Path::new("f"), file_size, capacity).is_err() {
+                    return Ok(());
+                }
+                let overlap = |a: &Extent, b: &Extent| {
+                    a.dest_offset < b.dest_offset + b.length && b.dest_offset < a.dest_offset + a.length
+                };
+                if extents.iter().enumerate().any(|(i, a)| extents[..i].iter().any(|b| overlap(a, b))) {
+                    return Ok(()); // two extents writing the same destination byte: either may win
+                }
+                let g = Geometry { alignment: 4096, request_size: 8192 };
+                let requests = plan(&extents, g, dest_addr);
+                let mut delivered = vec![None::<u64>; capacity];
+                for r in &requests {
+                    prop_assert!(r.file_offset % 4096 == 0 && r.len % 4096 == 0 && r.len <= 8192);
+                    prop_assert!(r.needed <= r.len);
+                    let (skip, dest) = match r.target {
+                        Target::Direct { dest_offset } => {
+                            prop_assert!((dest_addr + dest_offset) % 4096 == 0 && dest_offset + r.len <= capacity);
+                            (0, dest_offset)
+                        }
+                        Target::Bounce { skip, dest_offset } => (skip, dest_offset),
+                    };
+                    for i in skip..r.needed {
+                        delivered[dest + i - skip] = Some(r.file_offset + i as u64);
+                    }
+                }
+                for e in extents {
+                    for i in 0..e.length {
+                        prop_assert_eq!(delivered[e.dest_offset + i], Some(e.file_offset + i as u64));
+                    }
+                }
+            }
+        }
+    }
 }

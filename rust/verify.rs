@@ -192,7 +192,8 @@ mod tests {
             "{message}"
         );
         assert!(
-            message.starts_with("/models/m.ntio: checksum mismatch in tensor 'blk.0.ffn_up.weight'"),
+            message
+                .starts_with("/models/m.ntio: checksum mismatch in tensor 'blk.0.ffn_up.weight'"),
             "{message}"
         );
     }

@@ -143,4 +143,40 @@ mod tests {
             Err(StoreError::BadManifest { .. })
         ));
     }
+
+    mod properties {
+        use super::*;
+        use proptest::prelude::*;
+
+        proptest! {
+            #![proptest_config(ProptestConfig::with_cases(2000))]
+
+            /// Any page and file size: an error of one line, or a header whose manifest lies
+            /// after the header page and inside the file.
+            #[test]
+            fn any_page_decodes_to_a_consistent_header_or_one_line(
+                words in proptest::collection::vec(any::<u64>(), 0..7),
+                edit in any::<bool>(),
+                file_size in any::<u64>(),
+            ) {
+                let mut page = if edit { HEADER.encode() } else { MAGIC.to_vec() };
+                for (i, w) in words.iter().enumerate() {
+                    let at = 8 + 8 * i;
+                    if at + 8 <= page.len() {
+                        page[at..at + 8].copy_from_slice(&w.to_le_bytes());
+                    } else {
+                        page.extend(w.to_le_bytes());
+                    }
+                }
+                match Header::decode(&page, Path::new("s.ntio"), file_size) {
+                    Ok(h) => {
+                        let end = h.manifest_offset.checked_add(h.manifest_length);
+                        prop_assert!(h.manifest_offset >= HEADER_SIZE as u64);
+                        prop_assert!(end.is_some_and(|end| end <= file_size));
+                    }
+                    Err(e) => prop_assert!(!e.to_string().contains('\n')),
+                }
+            }
+        }
+    }
 }

@@ -77,9 +77,17 @@ impl Manifest {
             return Err(bad("metadata is not an object".into()));
         }
         for t in &manifest.tensors {
-            let rows = t.shape.iter().rev().skip(1).try_fold(1u64, |n, &d| n.checked_mul(d));
+            let rows = t
+                .shape
+                .iter()
+                .rev()
+                .skip(1)
+                .try_fold(1u64, |n, &d| n.checked_mul(d));
             let Some(rows) = rows else {
-                return Err(bad(format!("tensor {:?}: shape {:?} overflows", t.name, t.shape)));
+                return Err(bad(format!(
+                    "tensor {:?}: shape {:?} overflows",
+                    t.name, t.shape
+                )));
             };
             let end = t.offset.checked_add(t.nbytes);
             if t.offset < HEADER_SIZE as u64
@@ -99,7 +107,10 @@ impl Manifest {
             }
             // The bytes must be what the type makes of the shape: rows of whole blocks.
             let Some(ggml) = crate::gguf::ggml_type(t.ggml_type) else {
-                return Err(bad(format!("tensor {:?} has unknown ggml type {}", t.name, t.ggml_type)));
+                return Err(bad(format!(
+                    "tensor {:?} has unknown ggml type {}",
+                    t.name, t.ggml_type
+                )));
             };
             let width = t.shape[t.shape.len() - 1];
             let expected = rows.checked_mul(width / ggml.block * ggml.type_size);
@@ -110,7 +121,10 @@ impl Manifest {
                 )));
             }
         }
-        let index = ExtentIndex::new(path, manifest.tensors.iter().map(TensorRecord::span).collect())?;
+        let index = ExtentIndex::new(
+            path,
+            manifest.tensors.iter().map(TensorRecord::span).collect(),
+        )?;
         let indexed: Vec<LayerRecord> = (0..index.n_layers())
             .map(|layer| match index.layer_extents(layer)?.as_slice() {
                 [(offset, length)] => Ok(LayerRecord {
@@ -165,11 +179,17 @@ mod tests {
 
     #[test]
     fn parses_a_valid_manifest_into_an_index() {
-        let text = manifest(&format!("{EMBD}, {NORM}"), r#"{"offset": 8192, "length": 128}"#);
+        let text = manifest(
+            &format!("{EMBD}, {NORM}"),
+            r#"{"offset": 8192, "length": 128}"#,
+        );
         let (m, index) = Manifest::parse(text.as_bytes(), &HEADER, Path::new("m.ntio")).unwrap();
         assert_eq!(m.tensors.len(), 2);
         assert_eq!(index.layer_extents(0).unwrap(), vec![(8192, 128)]);
-        assert_eq!(index.row_extent("token_embd.weight", 1, 3).unwrap(), (4096 + 34, 68));
+        assert_eq!(
+            index.row_extent("token_embd.weight", 1, 3).unwrap(),
+            (4096 + 34, 68)
+        );
     }
 
     #[test]
@@ -179,13 +199,34 @@ mod tests {
         let cases = [
             ("not json".to_string(), "invalid JSON"),
             (manifest(EMBD, ""), ""),
-            (manifest(&format!("{EMBD}, {NORM}"), ""), "layer table disagrees"),
-            (manifest(&EMBD.replace("4096", "4100"), ""), "not an aligned extent"),
-            (manifest(&NORM.replace("8192", "16384"), layer), "not an aligned extent"),
-            (manifest(&EMBD.replace("\"rows\": 4", "\"rows\": 3"), ""), "has 3 rows"),
-            (manifest(EMBD, "").replace("\"layouts\"", "\"extra\": 1, \"layouts\""), "unknown field"),
-            (manifest(EMBD, "").replace("\"format_version\": 1", "\"format_version\": 2"), "disagrees with the header"),
-            (manifest(EMBD, "").replace("{\"general.architecture\": \"llama\"}", "[]"), "not an object"),
+            (
+                manifest(&format!("{EMBD}, {NORM}"), ""),
+                "layer table disagrees",
+            ),
+            (
+                manifest(&EMBD.replace("4096", "4100"), ""),
+                "not an aligned extent",
+            ),
+            (
+                manifest(&NORM.replace("8192", "16384"), layer),
+                "not an aligned extent",
+            ),
+            (
+                manifest(&EMBD.replace("\"rows\": 4", "\"rows\": 3"), ""),
+                "has 3 rows",
+            ),
+            (
+                manifest(EMBD, "").replace("\"layouts\"", "\"extra\": 1, \"layouts\""),
+                "unknown field",
+            ),
+            (
+                manifest(EMBD, "").replace("\"format_version\": 1", "\"format_version\": 2"),
+                "disagrees with the header",
+            ),
+            (
+                manifest(EMBD, "").replace("{\"general.architecture\": \"llama\"}", "[]"),
+                "not an object",
+            ),
         ];
         for (text, reason) in cases {
             match Manifest::parse(text.as_bytes(), &HEADER, p) {
@@ -194,6 +235,55 @@ mod tests {
                     !reason.is_empty() && err.to_string().contains(reason),
                     "{err} (wanted {reason:?})"
                 ),
+            }
+        }
+    }
+
+    mod properties {
+        use super::*;
+        use proptest::prelude::*;
+
+        proptest! {
+            #![proptest_config(ProptestConfig::with_cases(2000))]
+
+            /// A valid manifest with one number or one byte replaced: a one-line error naming the
+            /// file, or an index whose every tensor is an aligned, in-bounds extent of its shape.
+            #[test]
+            fn mutated_manifests_are_refused_in_one_line_or_consistent(
+                number in any::<u64>(),
+                nth in 0usize..40,
+                byte in any::<(usize, u8)>(),
+                use_byte in any::<bool>(),
+            ) {
+                let layer = r#"{"offset": 8192, "length": 128}"#;
+                let text = manifest(&format!("{EMBD}, {NORM}"), layer);
+                let mutated = if use_byte {
+                    let mut bytes = text.clone().into_bytes();
+                    let at = byte.0 % bytes.len();
+                    bytes[at] = byte.1;
+                    bytes
+                } else {
+                    // Replace the nth run of digits with `number`.
+                    let runs: Vec<(usize, usize)> = text
+                        .char_indices()
+                        .filter(|&(i, c)| c.is_ascii_digit() && !text[..i].ends_with(|p: char| p.is_ascii_digit()))
+                        .map(|(i, _)| (i, text[i..].find(|c: char| !c.is_ascii_digit()).map_or(text.len(), |n| i + n)))
+                        .collect();
+                    let (start, end) = runs[nth % runs.len()];
+                    format!("{}{number}{}", &text[..start], &text[end..]).into_bytes()
+                };
+                match Manifest::parse(&mutated, &HEADER, Path::new("m.ntio")) {
+                    Ok((m, index)) => {
+                        for t in &m.tensors {
+                            prop_assert!(t.offset % STORE_ALIGNMENT == 0 && t.offset + t.nbytes <= HEADER.manifest_offset);
+                            prop_assert!(index.tensor_extent(&t.name).is_ok());
+                        }
+                    }
+                    Err(e) => {
+                        let message = e.to_string();
+                        prop_assert!(message.starts_with("m.ntio: ") && !message.contains('\n'), "{}", message);
+                    }
+                }
             }
         }
     }
