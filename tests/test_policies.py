@@ -35,9 +35,9 @@ class ReaderSpy:
     def __init__(self, reader) -> None:
         self._reader, self.submitted = reader, []
 
-    def submit(self, extents, slot):
+    def submit(self, extents, slot, checks=None):
         self.submitted.append(list(extents))
-        return self._reader.submit(extents, slot)
+        return self._reader.submit(extents, slot, checks)
 
 
 @dataclass
