@@ -33,7 +33,8 @@ from ntio import _core
 from ntio.models.config import ModelConfig
 from ntio.fetch import resolve_model
 from ntio.formats.model_file import layer_extents, open_model_file
-from ntio.runtime.tiers import available_ram, parse_size
+from ntio.runtime.memory import ram_room
+from ntio.runtime.tiers import parse_size
 
 CGROUP_NAME = "ntio-stream-bound"
 
@@ -247,7 +248,7 @@ def main() -> None:
         models.append(path)
     result = {"benchmark": "stream_bound", "tokens": args.tokens, "rounds": args.rounds, "models": []}
     for path in models:
-        fits = path.stat().st_size < 0.5 * available_ram()
+        fits = path.stat().st_size < 0.5 * ram_room().available
         entry = bound_rounds(path, args.rounds, args.tokens, resident=fits)
         limit = parse_size(args.limit, "--limit") if args.limit else 0
         if limit and path.stat().st_size > limit:  # only a model bigger than the limit shows what tiers buy

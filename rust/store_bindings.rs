@@ -1,5 +1,5 @@
 //! Python bindings of the store and the extent index (`ntio._core`): `open_store`, `ExtentIndex`,
-//! `store_header`, `plan_store_layout`, `checksum`. `ntio.formats.store` is the Python facade.
+//! `store_header`, `plan_store_layout`, `checksum`, `piece_checksums`, `Hasher`. `ntio.formats.store` is the Python facade.
 
 use std::path::PathBuf;
 
@@ -107,7 +107,12 @@ impl ExtentIndex {
 fn open_store(
     py: Python<'_>,
     path: PathBuf,
-) -> PyResult<(u32, String, Vec<(String, u32, Vec<u64>, u64, u64)>, ExtentIndex)> {
+) -> PyResult<(
+    u32,
+    String,
+    Vec<(String, u32, Vec<u64>, u64, u64)>,
+    ExtentIndex,
+)> {
     let (manifest, index) = py.detach(|| store::open(&path))?;
     let tensors = manifest
         .tensors
@@ -149,6 +154,55 @@ fn checksum(py: Python<'_>, data: &Bound<'_, PyAny>) -> PyResult<u64> {
     Ok(py.detach(|| store::checksum(bytes)))
 }
 
+/// xxh3-64 of each `piece_nbytes` piece of buffer `data`, in order, the last one possibly shorter (a
+/// table's rows, a tensor's chunks; GIL released).
+#[pyfunction]
+fn piece_checksums(
+    py: Python<'_>,
+    data: &Bound<'_, PyAny>,
+    piece_nbytes: usize,
+) -> PyResult<Vec<u64>> {
+    let lent = Lent::bytes(data, "data", Access::Read)?;
+    // SAFETY: the caller's contract with its own Python code: nothing writes `data` during the call.
+    let bytes = unsafe { lent.as_slice() };
+    if piece_nbytes == 0 {
+        return Err(PyValueError::new_err(
+            "piece_checksums: piece_nbytes must be > 0",
+        ));
+    }
+    Ok(py.detach(|| bytes.chunks(piece_nbytes).map(store::checksum).collect()))
+}
+
+/// xxh3-64 of bytes given piece by piece: `update(buffer)` in order, then `digest()` equals `checksum` of
+/// their concatenation (a tensor verified a window at a time, never held whole).
+#[pyclass(module = "ntio._core")]
+struct Hasher {
+    state: xxhash_rust::xxh3::Xxh3,
+}
+
+#[pymethods]
+impl Hasher {
+    #[new]
+    fn new() -> Self {
+        Self {
+            state: xxhash_rust::xxh3::Xxh3::new(),
+        }
+    }
+
+    fn update(&mut self, py: Python<'_>, data: &Bound<'_, PyAny>) -> PyResult<()> {
+        let lent = Lent::bytes(data, "data", Access::Read)?;
+        // SAFETY: the caller's contract with its own Python code: nothing writes `data` during the call.
+        let bytes = unsafe { lent.as_slice() };
+        let state = &mut self.state;
+        py.detach(|| state.update(bytes));
+        Ok(())
+    }
+
+    fn digest(&self) -> u64 {
+        self.state.digest()
+    }
+}
+
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     let py = m.py();
     m.add("StoreFormatError", py.get_type::<StoreFormatError>())?;
@@ -160,5 +214,7 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(store_header, m)?)?;
     m.add_function(wrap_pyfunction!(plan_store_layout, m)?)?;
     m.add_function(wrap_pyfunction!(checksum, m)?)?;
+    m.add_function(wrap_pyfunction!(piece_checksums, m)?)?;
+    m.add_class::<Hasher>()?;
     Ok(())
 }

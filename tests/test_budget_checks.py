@@ -7,7 +7,7 @@ import pytest
 
 import ntio
 from ntio.errors import OptionError
-from ntio.runtime import tiers
+from ntio.runtime import memory
 from tests.test_cli import assert_user_error, ntio as run_cli
 
 HUGE = 1 << 40
@@ -37,18 +37,27 @@ def test_context_beyond_the_model_is_refused_naming_the_flag(smollm2_path, tmp_p
 
 
 def test_reclaimable_page_cache_counts_as_room(tmp_path, monkeypatch):
-    # A v1 memory cgroup whose usage is mostly inactive file pages (as after `import torch`).
+    # A v1 memory cgroup whose usage is mostly file pages (as after `import torch`): only anonymous and kernel
+    # memory (usage minus the file LRU lists) and this process's own resident file pages are taken from the limit.
     group = tmp_path / "memory" / "job"
     group.mkdir(parents=True)
     (group / "memory.limit_in_bytes").write_text(f"{1500 << 20}\n")
     (group / "memory.usage_in_bytes").write_text(f"{1400 << 20}\n")
-    (group / "memory.stat").write_text(f"cache {900 << 20}\ntotal_inactive_file {800 << 20}\nrss {500 << 20}\n")
-    real_path = tiers.Path
+    (group / "memory.stat").write_text(
+        f"cache {900 << 20}\nrss {500 << 20}\ntotal_inactive_file {800 << 20}\ntotal_active_file {100 << 20}\n")
+    (tmp_path / "cgroup").write_text("4:memory:/job\n")
+    (tmp_path / "meminfo").write_text(f"MemTotal: {32 << 20} kB\nMemAvailable: {16 << 20} kB\n")
+    (tmp_path / "smaps_rollup").write_text("Rss: 548180 kB\nPss_Anon: 305452 kB\nPss_File: 245760 kB\n")
+    real_path = memory.Path
+    fake = {"/proc/self/cgroup": "cgroup", "/sys/fs/cgroup/memory": "memory", "/proc/meminfo": "meminfo",
+            "/proc/self/smaps_rollup": "smaps_rollup"}
 
     def fake_path(p, *rest):
-        mapped = {"/proc/self/cgroup": tmp_path / "cgroup", "/sys/fs/cgroup/memory": tmp_path / "memory"}
-        return real_path(mapped.get(str(p), p), *rest)
+        return real_path(tmp_path / fake[str(p)] if str(p) in fake else p, *rest)
 
-    (tmp_path / "cgroup").write_text("4:memory:/job\n")
-    monkeypatch.setattr(tiers, "Path", fake_path)
-    assert tiers._cgroup_memory_room() == (1500 - (1400 - 800)) << 20
+    monkeypatch.setattr(memory, "Path", fake_path)
+    room = memory.ram_room()
+    assert room.source == "cgroup v1 /job" and room.limit == 1500 << 20
+    assert room.unreclaimable == (1400 - 900) << 20 and room.own_file_pages == 240 << 20
+    assert room.available == (1500 - 500 - 240) << 20
+    assert room.default_budget == room.available - (64 << 20)  # 5% of 760 MiB is less than the 64 MiB floor

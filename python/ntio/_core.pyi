@@ -158,6 +158,12 @@ def store_header(manifest_offset: int, manifest: bytes) -> bytes: ...  # the 409
 def plan_store_layout(groups: list[list[int]]) -> list[list[int]]:
     """Offsets for tensor sizes grouped (globals, layer 0, layer 1, ...): 4096-aligned, each group contiguous."""
 def checksum(data: Buffer) -> int: ...  # xxh3-64 of a C-contiguous buffer's bytes
+def piece_checksums(data: Buffer, piece_nbytes: int) -> list[int]: ...  # xxh3-64 of each piece, the last maybe shorter
+
+class Hasher:
+    """xxh3-64 of bytes given piece by piece: `digest()` equals `checksum` of everything given to `update`."""
+    def update(self, data: Buffer) -> None: ...
+    def digest(self) -> int: ...
 
 # -- GGUF (`rust/gguf_bindings.rs`) -------------------------------------------------------------------------------
 

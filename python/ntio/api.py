@@ -13,15 +13,14 @@ import math
 import os
 import time
 from collections.abc import Iterator, Sequence
-import dataclasses
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 from ntio.models.config import ModelConfig
-from ntio.runtime.budget import make_plan, memory_needs
+from ntio.runtime.budget import plan_memory
 from ntio.runtime.engine import Engine
 from ntio.runtime.kv_cache import KVCache
 from ntio.errors import ContextOverflowError, NtioError, OptionError
@@ -29,10 +28,12 @@ from ntio.fetch import resolve_model
 from ntio.decoding.generation import Sampler, SamplingParams, generate_ids
 from ntio.formats.model_file import open_model_file
 from ntio.text.tokenizer import Tokenizer
-from ntio.runtime.loader import LayerLoader, ProgressCallback, auto_prefetch_depth
+from ntio.runtime.loader import LayerLoader, ProgressCallback
 from ntio.policies.base import LoadPolicy
 from ntio.runtime.stats import StreamStats
 from ntio.models.weights import WeightLayout, load_global_weights
+
+_log = logging.getLogger("ntio")
 
 KV_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -104,28 +105,19 @@ class LLM:
         self.tokenizer = tokenizer if shared else Tokenizer.from_gguf(self.file)
         layout = WeightLayout(self.file, self.config)
         self.device = torch.device(device)
-        capacity = self.config.context_length if max_context is None else max_context
-        if not 1 <= capacity <= self.config.context_length:
-            raise OptionError("max_context", f"{capacity} is outside 1..{self.config.context_length}, the model's "
-                                             f"context length")
-        if layer_group_size < 1:
-            raise OptionError("layer_group_size", f"must be >= 1, got {layer_group_size}")
-        needs = memory_needs(layout, capacity, KV_DTYPES[kv_dtype], layer_group_size, staging_slots=1)
-        if sync:
-            depth = 0
-        elif prefetch_depth is None:
-            depth = auto_prefetch_depth(needs.largest_group())
-        elif prefetch_depth < 1:
-            raise OptionError("prefetch_depth", f"must be >= 1, got {prefetch_depth}")
-        else:
-            depth = prefetch_depth
-        needs = dataclasses.replace(needs, staging_slots=depth + 1)
-        self.plan = make_plan(needs, cuda=self.device.type == "cuda", tiers=tiers,
-                              gpu_memory_budget=gpu_memory_budget, ram_budget=ram_budget)
+        self.memory = plan_memory(layout, cuda=self.device.type == "cuda", kv_dtype=KV_DTYPES[kv_dtype],
+                                  max_context=max_context, tiers=tiers, gpu_memory_budget=gpu_memory_budget,
+                                  ram_budget=ram_budget, group_size=layer_group_size, prefetch_depth=prefetch_depth,
+                                  sync=sync)
+        if self.memory.notice:
+            _log.warning(self.memory.notice)
+        self.plan, capacity, depth = self.memory.plan, self.memory.capacity, self.memory.prefetch_depth
         with torch.inference_mode():
             self.loader = LayerLoader(layout, self.plan, self.device, group_size=layer_group_size, prefetch_depth=depth,
                                       backend=io_backend, on_progress=on_progress, policy=policy, verify=verify)
-            globals_ = load_global_weights(layout, self.loader.read_tensor, self.device)
+            token_rows = self.loader.disk_rows(layout.token_embd) if self.plan.embedding == "C" else None
+            globals_ = load_global_weights(layout, self.loader.read_tensor, self.device, token_rows,
+                                           head_resident=self.plan.head == "A")
         kv = KVCache(self.config, capacity, KV_DTYPES[kv_dtype], self.device)
         self.engine = Engine(self.config, globals_, self.loader, kv, threads=threads)
 
@@ -134,7 +126,7 @@ class LLM:
 
         It shares this model's tokenizer (and so its chat template) when the two files have the same vocabulary,
         and has its own engine: KV cache, scratch buffers, threads, loader and policy. Its memory is its own slice:
-        `ram_budget` / `gpu_memory_budget` as given, else 90% of what is available once this model is loaded.
+        `ram_budget` / `gpu_memory_budget` as given, else what is still available once this model is loaded.
         Options as for `ntio.load`.
         """
         return LLM(resolve_model(model), tokenizer=self.tokenizer, **options)
@@ -267,8 +259,7 @@ class LLM:
             window = ids[start : start + ctx]
             if window.numel() < 2:
                 break
-            logits = self.engine.forward(window, 0, all_logits=True)
-            total_nll += float(F.cross_entropy(logits[:-1].float(), window[1:], reduction="sum"))
+            total_nll += float(self.engine.nll(window, 0).sum())
             count += window.numel() - 1
         return Perplexity(perplexity=math.exp(total_nll / count), n_tokens=count, ctx=ctx)
 

@@ -1,4 +1,4 @@
-"""`ntio` command line: generate, chat, perplexity, info, convert, fetch.
+"""`ntio` command line: generate, chat, perplexity, info, plan, convert, fetch.
 
 Every model argument (`-m`, MODEL) is a file or a name from `ntio fetch --list`, fetched on first use.
 
@@ -9,6 +9,7 @@ User errors (`NtioError`) print one line on stderr and exit 1; click's usage err
 from __future__ import annotations
 
 import json
+import logging
 import sys
 from collections import Counter
 from pathlib import Path
@@ -36,8 +37,18 @@ def _user_message(e: NtioError) -> str:
     return message.replace("gpu_memory_budget", "--gpu-memory-budget").replace("ram_budget", "--ram-budget")
 
 
+def _show_notices() -> None:
+    """The library's notices (logger "ntio", warnings and up) as one stderr line each."""
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("ntio: note: %(message)s"))
+    log = logging.getLogger("ntio")
+    log.addHandler(handler)
+    log.propagate = False
+
+
 class _Group(click.Group):
     def invoke(self, ctx: click.Context):
+        _show_notices()
         try:
             return super().invoke(ctx)
         except NtioError as e:
@@ -73,7 +84,7 @@ def _model_options(f):
     f = click.option("--threads", type=click.IntRange(min=1), help="CPU threads for compute (default: all)")(f)
     f = click.option("--kv-dtype", type=click.Choice(["float32", "float16", "bfloat16"]), default="float32",
                      show_default=True, help="KV cache dtype")(f)
-    f = click.option("--ctx-size", type=click.IntRange(min=1), help="KV cache capacity in tokens (default: the model's context length)")(f)
+    f = click.option("--ctx-size", type=click.IntRange(min=1), help="KV cache capacity in tokens (default: the model's context up to 4096, less when the memory budget cannot hold its KV cache)")(f)
     f = click.option("-m", "--model", type=MODEL_ARG, metavar="PATH|NAME", help=MODEL_HELP)(f)
     return f
 
@@ -255,6 +266,54 @@ def info(model, as_json) -> None:
         elif key == "tensor_types":
             value = ", ".join(f"{k}×{n}" for k, n in value.items())
         click.echo(f"{key:24} {value}")
+
+
+@main.command()
+@click.argument("model", type=MODEL_ARG, metavar="MODEL")
+@click.option("--ctx-size", type=click.IntRange(min=1), help="KV cache capacity in tokens (default as for generate)")
+@click.option("--ram-budget", help="Host memory for the model (default: what this process can still use)")
+@click.option("--gpu-memory-budget", help="Device memory for the model (default: 90% of free)")
+@click.option("--tiers", default="auto", show_default=True, help="As for generate")
+@click.option("--device", default="cpu", show_default=True)
+@click.option("--kv-dtype", type=click.Choice(["float32", "float16", "bfloat16"]), default="float32", show_default=True)
+@click.option("--layer-group-size", type=click.IntRange(min=1), default=1, show_default=True)
+@click.option("--prefetch-depth", type=click.IntRange(min=1))
+@click.option("--json", "as_json", is_flag=True)
+def plan(model, ctx_size, ram_budget, gpu_memory_budget, tiers, device, kv_dtype, layer_group_size, prefetch_depth,
+         as_json) -> None:
+    """Where MODEL's parts would live within the memory budgets, what each costs, the minimum, and the bytes read per
+    token; nothing is loaded."""
+    from ntio.api import KV_DTYPES
+    from ntio.fetch import resolve_model
+    from ntio.formats.model_file import open_model_file
+    from ntio.models.config import ModelConfig
+    from ntio.models.weights import WeightLayout
+    from ntio.runtime.budget import plan_memory
+    from ntio.runtime.tiers import format_size
+
+    g = open_model_file(resolve_model(model))
+    layout = WeightLayout(g, ModelConfig.from_gguf(g))
+    memory = plan_memory(layout, cuda=device.startswith("cuda"), kv_dtype=KV_DTYPES[kv_dtype], max_context=ctx_size,
+                         tiers=tiers, gpu_memory_budget=gpu_memory_budget, ram_budget=ram_budget,
+                         group_size=layer_group_size, prefetch_depth=prefetch_depth)
+    report = {"model": str(g.path), **memory.report(), "notice": memory.notice}
+    if as_json:
+        click.echo(json.dumps(report))
+        return
+    if memory.notice:
+        click.echo(f"ntio: note: {memory.notice}", err=True)
+    budget = "given" if report["budget_source"] == "ram_budget" else f"measured: {report['budget_source']}"
+    click.echo(f"model          {g.path} ({format_size(report['model_bytes'])} of weights)")
+    click.echo(f"budget         {format_size(report['ram_budget'])} of RAM ({budget})" + (
+        f", {format_size(report['device_budget'])} of device memory" if device.startswith("cuda") else ""))
+    click.echo(f"context        {report['context']} tokens ({kv_dtype} KV cache)")
+    click.echo(f"tiers          {report['tiers']}; token embedding {'resident' if report['token_embedding'] == 'A' else 'on disk (rows read on demand)'}")
+    for part, nbytes in report["parts"].items():
+        click.echo(f"  {part:22} {format_size(nbytes):>12}")
+    click.echo(f"  {'total':22} {format_size(report['total']):>12}   (minimum, every layer streamed: "
+               f"{format_size(report['minimum'])})")
+    click.echo(f"read per token {format_size(report['bytes_read_per_token'])}" + (
+        f" (read-ahead {report['prefetch_depth']} groups)" if report["prefetch_depth"] else ""))
 
 
 @main.command()

@@ -14,6 +14,7 @@ import contextvars
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Protocol
 
 import gguf
 import torch
@@ -33,6 +34,10 @@ class EncodedMatrix:
     @property
     def row_nbytes(self) -> int:
         return self.raw.numel() // self.shape[0]
+
+    def encoded_rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows `ids` [T] of the encoding: [T, row_nbytes] uint8."""
+        return self.raw.view(self.shape[0], self.row_nbytes)[ids]
 
 
 def fuse_adjacent(matrices: list[EncodedMatrix]) -> list[EncodedMatrix]:
@@ -172,7 +177,17 @@ def linear_concat(x: torch.Tensor, ws: list[EncodedMatrix]) -> torch.Tensor:
     return torch.cat([linear(x, w) for w in ws], dim=-1)
 
 
-def embedding(ids: torch.Tensor, table: EncodedMatrix) -> torch.Tensor:
+class RowSource(Protocol):
+    """An encoded [V, D] table whose rows are fetched by id: an `EncodedMatrix`, or rows read from disk on demand
+    (ntio.runtime.disk_rows)."""
+
+    qtype: gguf.GGMLQuantizationType
+    shape: tuple[int, int]
+
+    def encoded_rows(self, ids: torch.Tensor) -> torch.Tensor: ...
+
+
+def embedding(ids: torch.Tensor, table: RowSource) -> torch.Tensor:
     """Rows `ids` [T] of an encoded [V, D] table, dequantized: [T, D] float32. Only the T rows are decoded."""
-    rows = table.raw.view(table.shape[0], table.row_nbytes)[ids]
+    rows = table.encoded_rows(ids)
     return quant.dequantize(rows.reshape(-1), table.qtype, (ids.shape[0], table.shape[1]))

@@ -49,9 +49,9 @@ class LayerWeights:
 class GlobalWeights:
     """Weights outside the blocks; always resident."""
 
-    token_embd: EncodedMatrix  # [V, D]
+    token_embd: ops.RowSource  # [V, D]: resident (an EncodedMatrix) or rows read on demand
     output_norm: torch.Tensor  # [D] float32
-    output: EncodedMatrix  # [V, D]; the same matrix as token_embd when embeddings are tied
+    output: EncodedMatrix | None  # [V, D] (token_embd itself when tied); None: streamed (LayerSource.head_chunks)
     inv_freq: torch.Tensor  # [rope_dim/2] RoPE inverse frequencies, scaling already applied
 
 
@@ -192,6 +192,3 @@ def pre_norm_block(
     return h + swiglu(rms_norm(h, w.ffn_norm, cfg.rms_eps), w, taps)
 
 
-def output_logits(h: torch.Tensor, g: GlobalWeights, cfg: ModelConfig) -> torch.Tensor:
-    """h: [T, D] -> logits [T, V]."""
-    return ops.linear(rms_norm(h, g.output_norm, cfg.rms_eps), g.output)

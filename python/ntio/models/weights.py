@@ -107,9 +107,13 @@ def encoded_block(
 
 
 def load_global_weights(
-    layout: WeightLayout, read: Callable[[TensorInfo], RawTensor], device: torch.device | str = "cpu"
+    layout: WeightLayout, read: Callable[[TensorInfo], RawTensor], device: torch.device | str = "cpu",
+    token_embd: ops.RowSource | None = None, head_resident: bool = True,
 ) -> GlobalWeights:
-    """The always-resident weights; read(info) gives a tensor's encoded bytes in host memory."""
+    """The weights outside the blocks; read(info) gives a tensor's encoded bytes in host memory.
+
+    token_embd: the embedding's rows from elsewhere (read on demand) instead of the resident table; head_resident
+    False: the output head streams (GlobalWeights.output is None), and a tied table must then come as token_embd."""
 
     def matrix(info: TensorInfo) -> EncodedMatrix:
         return EncodedMatrix(read(info).to(device), info.qtype, info.shape)
@@ -117,11 +121,16 @@ def load_global_weights(
     def decoded(info: TensorInfo) -> torch.Tensor:
         return quant.dequantize(read(info).to(device), info.qtype, info.shape)
 
-    token_embd = matrix(layout.token_embd)
+    tied = layout.output is None
+    if tied and (token_embd is None) != head_resident:
+        raise ValueError("a tied token embedding is the output head: both resident, or both read from disk")
+    output = matrix(layout.output or layout.token_embd) if head_resident else None
+    if token_embd is None:
+        token_embd = output if tied else matrix(layout.token_embd)
     return GlobalWeights(
         token_embd=token_embd,
         output_norm=decoded(layout.output_norm),
-        output=token_embd if layout.output is None else matrix(layout.output),
+        output=output,
         inv_freq=rope_inverse_frequencies(
             layout.cfg, decoded(layout.rope_freqs) if layout.rope_freqs is not None else None
         ).to(device),

@@ -1,14 +1,16 @@
 """What a model needs in memory, and the tier plan that fits it into the user's budgets.
 
-Budgets cover what ntio allocates for the model: always-resident weights (token embedding, output head, norms),
-the KV cache, activations (bounded: prefill runs in chunks of `engine.PREFILL_CHUNK` tokens and dequantized
-products in row chunks of `ops.SCRATCH_BYTES`), the staging slots when anything streams, and the tier A/B
-layers. The Python interpreter and its libraries (about 0.5 GB with torch), the parsed metadata and the tokenizer
-(about 30 MB for a 49k-token vocabulary) come on top.
+Budgets cover what ntio allocates for the model: the output head and norms (always resident), the token embedding
+(resident, or its rows read on demand), the KV cache, activations (bounded: prefill runs in chunks of
+`engine.PREFILL_CHUNK` tokens, dequantized products in row chunks of `ops.SCRATCH_BYTES`, logits for the one position
+generation samples or `engine.LOGITS_BYTES` of scored positions at a time), the staging slots when anything streams,
+and the tier A/B layers. The Python interpreter and its libraries, the parsed metadata and the tokenizer are
+already allocated when the default budget is measured (ntio.runtime.memory), so they are not in it.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -16,17 +18,25 @@ import torch
 from ntio import _core
 from ntio.kernels import ops
 from ntio.models.config import ModelConfig
-from ntio.runtime.engine import PREFILL_CHUNK
+from ntio.runtime.engine import LOGITS_BYTES, PREFILL_CHUNK
 from ntio.errors import OptionError
-from ntio.runtime.tiers import TierPlan, available_ram, format_size, parse_size, parse_tier_spec, plan_tiers
+from ntio.runtime.memory import ram_room
+from ntio.runtime.tiers import TierPlan, format_size, parse_size, parse_tier_spec, plan_tiers
 from ntio.models.weights import WeightLayout
+from ntio.runtime.loader import auto_prefetch_depth
 
 _ALIGN = 4096
+
+# The KV cache's capacity when none is asked for: the model's context up to this many tokens (a 128k-context model's
+# full cache would take more than its weights), fewer when the budget cannot hold it.
+DEFAULT_CONTEXT = 4096
 
 
 @dataclass(frozen=True)
 class MemoryNeeds:
-    globals: int  # encoded token embedding (+ untied head) and float32 norms
+    globals: int  # float32 norms: always resident
+    head: int  # the output head (with tied embeddings, the one table that is also the token embedding)
+    token_embd: int  # an untied token embedding, resident or on disk (0 when tied: it is the head)
     kv_cache: int
     activations: int
     layers: list[int]  # bytes of each packed block buffer
@@ -41,9 +51,11 @@ class MemoryNeeds:
             largest = max(largest, sum(_aligned(self.layers[i]) for i in group if tiers is None or tiers[i] != "A"))
         return largest
 
-    def staging(self, tiers: list[str] | None = None) -> int:
-        """The staging slots, each one largest group."""
-        total = self.staging_slots * self.largest_group(tiers)
+    def staging(self, tiers: list[str] | None = None, head_streamed: bool = True) -> int:
+        """The staging slots, each one largest group or head chunk (at most the largest group of all layers:
+        `loader.LayerLoader` cuts the head so)."""
+        head_chunk = min(_aligned(self.head), self.largest_group()) if head_streamed else 0
+        total = self.staging_slots * max(self.largest_group(tiers), head_chunk)
         huge = _core.HUGE_PAGE  # pools this large are mapped in whole huge pages
         return -(-total // huge) * huge if total >= huge else total
 
@@ -56,61 +68,91 @@ def memory_needs(
     layout: WeightLayout, capacity: int, kv_dtype: torch.dtype, group_size: int, staging_slots: int
 ) -> MemoryNeeds:
     cfg: ModelConfig = layout.cfg
-    globals_ = layout.token_embd.nbytes + layout.output_norm.n_elements * 4
-    if layout.output is not None:
-        globals_ += layout.output.nbytes
+    head = layout.token_embd if layout.output is None else layout.output
+    token_embd = 0 if layout.output is None else layout.token_embd.nbytes
     kv = 2 * cfg.n_layers * cfg.n_kv_heads * capacity * cfg.head_dim * torch.empty(0, dtype=kv_dtype).element_size()
     tokens = min(capacity, PREFILL_CHUNK)
-    per_token = 3 * cfg.d_model + cfg.q_width + 2 * cfg.kv_width + 2 * cfg.d_ff + cfg.vocab_size
-    activations = ops.SCRATCH_BYTES + 4 * tokens * per_token
+    per_token = 3 * cfg.d_model + cfg.q_width + 2 * cfg.kv_width + 2 * cfg.d_ff
+    logits = max(4 * cfg.vocab_size, LOGITS_BYTES)
+    activations = ops.SCRATCH_BYTES + 4 * tokens * per_token + logits
     layers = [layout.block_nbytes(i) + len(layout.blocks[i]) * _ALIGN for i in range(cfg.n_layers)]
-    return MemoryNeeds(globals_, kv, activations, layers, group_size, staging_slots)
+    norms = layout.output_norm.n_elements * 4
+    return MemoryNeeds(norms, head.nbytes, token_embd, kv, activations, layers, group_size, staging_slots)
 
 
-def make_plan(
-    needs: MemoryNeeds,
-    *,
-    cuda: bool,
-    tiers: str = "auto",
-    gpu_memory_budget: str | int | None = None,
-    ram_budget: str | int | None = None,
-) -> TierPlan:
-    """The forced plan (--tiers A|B|C|spec), or the one `plan_tiers` computes from the budgets.
+@dataclass(frozen=True)
+class Budgets:
+    device: int  # bytes for tier A (on CPU the device is host RAM: the RAM budget)
+    ram: int
+    ram_source: str  # "ram_budget" when given, else what bounded the measured room (ntio.runtime.memory)
 
-    Default budgets: 90% of free device memory; 90% of MemAvailable (capped by the cgroup's memory.max).
-    """
+
+def budgets(*, cuda: bool, gpu_memory_budget: str | int | None = None, ram_budget: str | int | None = None) -> Budgets:
+    """The budgets given, or the defaults: 90% of free device memory; the RAM this process can still use, less a
+    little headroom (`memory.RamRoom.default_budget`)."""
+    if ram_budget is not None:
+        ram, source = parse_size(ram_budget, "ram_budget"), "ram_budget"
+    else:
+        room = ram_room()
+        ram, source = room.default_budget, room.source
+    if not cuda:
+        return Budgets(ram, ram, source)
+    if gpu_memory_budget is not None:
+        return Budgets(parse_size(gpu_memory_budget, "gpu_memory_budget"), ram, source)
+    return Budgets(int(0.9 * torch.cuda.mem_get_info()[0]), ram, source)
+
+
+def minimum(needs: MemoryNeeds) -> int:
+    """Bytes the leanest plan needs on the compute device (on CPU: in RAM): every layer and the head streamed, the
+    token embedding on disk."""
+    return needs.globals + needs.kv_cache + needs.activations + needs.staging()
+
+
+def fitted_context(needs_at: Callable[[int], MemoryNeeds], capacity: int, budget: int) -> int:
+    """The largest KV capacity <= `capacity` whose leanest plan fits in `budget` (0: not even one position)."""
+    low, high = 0, capacity
+    while low < high:
+        mid = (low + high + 1) // 2
+        if minimum(needs_at(mid)) <= budget:
+            low = mid
+        else:
+            high = mid - 1
+    return low
+
+
+def make_plan(needs: MemoryNeeds, budget: Budgets, *, cuda: bool, tiers: str = "auto") -> TierPlan:
+    """The forced plan (--tiers A|B|C|spec), or the one `plan_tiers` computes from the budgets. A forced plan that
+    streams a layer streams the output head too and leaves the token embedding on disk."""
     forced = parse_tier_spec(tiers, len(needs.layers))
     reserved = needs.globals + needs.kv_cache + needs.activations
-    ram = parse_size(ram_budget, "ram_budget") if ram_budget is not None else int(0.9 * available_ram())
-    if cuda:
-        free = torch.cuda.mem_get_info()[0]
-        device = parse_size(gpu_memory_budget, "gpu_memory_budget") if gpu_memory_budget is not None else int(0.9 * free)
-    else:
-        device = ram
     if forced is not None:
         if not cuda:
             forced = ["A" if t == "B" else t for t in forced]  # on CPU host RAM is the device
-        _check_forced(needs, forced, tiers, cuda=cuda, device_budget=device, ram_budget=ram)
-        return TierPlan(forced, None, None, reserved if cuda else 0, 0 if cuda else reserved)
+        head = "C" if "C" in forced else "A"
+        _check_forced(needs, forced, head, tiers, cuda=cuda, device_budget=budget.device, ram_budget=budget.ram)
+        return TierPlan(forced, None, None, reserved if cuda else 0, 0 if cuda else reserved, head, head)
     return plan_tiers(
         needs.layers,
         cuda=cuda,
-        device_budget=device,
-        ram_budget=ram,
+        device_budget=budget.device,
+        ram_budget=budget.ram,
         reserved_device=reserved if cuda else 0,
         reserved_ram=0 if cuda else reserved,
         staging_bytes=needs.staging(),
+        head_bytes=needs.head,
+        embedding_bytes=needs.token_embd,
     )
 
 
-def _check_forced(needs: MemoryNeeds, forced: list[str], spec: str, *, cuda: bool, device_budget: int,
-                  ram_budget: int) -> None:
+def _check_forced(needs: MemoryNeeds, forced: list[str], head: str, spec: str, *, cuda: bool,
+                  device_budget: int, ram_budget: int) -> None:
     """A forced plan must fit its budgets too: the reserve (globals, KV cache, activations), its resident layers
     and, when anything streams, the staging slots (on CUDA in host RAM and on the device)."""
     resident = sum(n for n, t in zip(needs.layers, forced) if t == "A")
     host_layers = sum(n for n, t in zip(needs.layers, forced) if t == "B")
     staging = needs.staging(forced) if any(t != "A" for t in forced) else 0
-    reserved = needs.globals + needs.kv_cache + needs.activations
+    globals_ = needs.head + needs.token_embd if head == "A" else 0
+    reserved = needs.globals + globals_ + needs.kv_cache + needs.activations
     demands = [("device memory", "gpu_memory_budget", reserved + resident + staging, device_budget),
                ("host memory", "ram_budget", host_layers + staging, ram_budget)] if cuda else [
               ("host memory", "ram_budget", reserved + resident + staging, ram_budget)]
@@ -120,6 +162,76 @@ def _check_forced(needs: MemoryNeeds, forced: list[str], spec: str, *, cuda: boo
                 "tiers",
                 f"{spec!r} needs {format_size(need)} of {memory} but {option} is {format_size(budget)} "
                 f"(KV cache {format_size(needs.kv_cache)}: a smaller max_context shrinks it; always-resident weights "
-                f"{format_size(needs.globals)}, resident layers {format_size(resident + host_layers)}, staging "
+                f"{format_size(needs.globals + globals_)}, resident layers {format_size(resident + host_layers)}, staging "
                 f"{format_size(staging)})",
             )
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    """Everything decided about memory before a weight is read: budgets, context, read-ahead and the tier plan."""
+
+    needs: MemoryNeeds
+    budget: Budgets
+    plan: TierPlan
+    capacity: int  # KV cache positions
+    prefetch_depth: int  # streamed groups read ahead (0: each group read when needed)
+    notice: str | None  # said once to the user: the default context was shrunk to fit
+
+    def report(self) -> dict:
+        """What each part costs and where it lives (`ntio plan`, `--json`); bytes."""
+        needs, plan = self.needs, self.plan
+        resident = [n for n, t in zip(needs.layers, plan.tiers) if t != "C"]
+        streamed = [n for n, t in zip(needs.layers, plan.tiers) if t == "C"]
+        head_streamed = plan.head == "C"
+        staging = needs.staging(plan.tiers, head_streamed) if streamed or head_streamed else 0
+        embedding = needs.token_embd if plan.embedding == "A" else 0
+        parts = {"norms": needs.globals, "output head": 0 if head_streamed else needs.head, "token embedding": embedding,
+                 "kv cache": needs.kv_cache, "activations": needs.activations, "staging": staging,
+                 "resident layers": sum(resident)}
+        return {
+            "tiers": plan.describe(), "layers_per_tier": plan.counts, "output_head": plan.head,
+            "token_embedding": plan.embedding,
+            "context": self.capacity, "prefetch_depth": self.prefetch_depth if streamed or head_streamed else 0,
+            "ram_budget": self.budget.ram, "device_budget": self.budget.device, "budget_source": self.budget.ram_source,
+            "parts": parts, "total": sum(parts.values()), "minimum": minimum(needs),
+            # and, with the embedding on disk, one row (a few KB) per token
+            "bytes_read_per_token": sum(streamed) + (needs.head if head_streamed else 0),
+            "model_bytes": sum(needs.layers) + needs.globals + needs.head + needs.token_embd,
+        }
+
+
+def plan_memory(layout: WeightLayout, *, cuda: bool, kv_dtype: torch.dtype, max_context: int | None = None,
+                tiers: str = "auto", gpu_memory_budget: str | int | None = None, ram_budget: str | int | None = None,
+                group_size: int = 1, prefetch_depth: int | None = None, sync: bool = False) -> MemoryPlan:
+    """Budgets, KV capacity, read-ahead and tier plan for a model, in that order.
+
+    The context is `max_context`, or the model's up to DEFAULT_CONTEXT, shrunk (with a notice) until the leanest plan
+    fits the budget; the read-ahead is `prefetch_depth`, or `loader.auto_prefetch_depth` of the largest group."""
+    cfg = layout.cfg
+    if max_context is not None and not 1 <= max_context <= cfg.context_length:
+        raise OptionError("max_context", f"{max_context} is outside 1..{cfg.context_length}, the model's context length")
+    if group_size < 1:
+        raise OptionError("layer_group_size", f"must be >= 1, got {group_size}")
+    if prefetch_depth is not None and prefetch_depth < 1:
+        raise OptionError("prefetch_depth", f"must be >= 1, got {prefetch_depth}")
+    budget = budgets(cuda=cuda, gpu_memory_budget=gpu_memory_budget, ram_budget=ram_budget)
+    if sync:
+        depth = 0
+    elif prefetch_depth is None:
+        depth = auto_prefetch_depth(memory_needs(layout, 1, kv_dtype, group_size, 1).largest_group())
+    else:
+        depth = prefetch_depth
+
+    def needs_at(capacity: int) -> MemoryNeeds:
+        return memory_needs(layout, capacity, kv_dtype, group_size, staging_slots=depth + 1)
+
+    capacity, notice = max_context or min(cfg.context_length, DEFAULT_CONTEXT), None
+    if max_context is None and tiers == "auto":
+        fitted = fitted_context(needs_at, capacity, budget.device)
+        if 0 < fitted < capacity:
+            notice = (f"the context is {fitted} tokens, not {capacity}: a KV cache of {capacity} does not fit in the "
+                      f"memory budget ({format_size(budget.device)}); max_context (--ctx-size) asks for a size")
+            capacity = fitted
+    needs = needs_at(capacity)
+    return MemoryPlan(needs, budget, make_plan(needs, budget, cuda=cuda, tiers=tiers), capacity, depth, notice)

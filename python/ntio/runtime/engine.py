@@ -6,6 +6,7 @@ which asks its load policy before each read what to load. The family's block fun
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
 from typing import Protocol
 
 import torch
@@ -13,12 +14,16 @@ import torch
 from ntio.errors import ContextOverflowError
 from ntio.kernels import cpu_kernels, ops
 from ntio.models.config import ModelConfig
-from ntio.models.layers import GlobalWeights, LayerWeights, causal_mask, output_logits, rope_tables
+from ntio.kernels.ops import EncodedMatrix
+from ntio.models.layers import GlobalWeights, LayerWeights, causal_mask, rms_norm, rope_tables
 from ntio.policies.base import LOAD_ALL, SKIP, LoadDecision, LoadPolicy, Observation
 from ntio.runtime.kv_cache import KVCache
 
 # Longer inputs run as several forward passes of at most this many tokens, which bounds activation memory.
 PREFILL_CHUNK = 512
+# Scoring (`Engine.nll`) makes logits for this many bytes of positions at a time, never [T, V] at once: a 512-token
+# window of a 128k vocabulary would take 262 MB.
+LOGITS_BYTES = 16 << 20
 
 
 class LayerSource(Protocol):
@@ -32,6 +37,9 @@ class LayerSource(Protocol):
         """The layer's weights, or None when the policy skips it."""
 
     def end_forward(self) -> None: ...
+
+    def head_chunks(self) -> Iterator[tuple[int, EncodedMatrix]]:
+        """A streamed output head in row chunks (first row, rows [R, D]); used when the head is not resident."""
 
 
 def _decision(w: LayerWeights | None) -> LoadDecision:
@@ -62,6 +70,45 @@ class Engine:
         start_pos may be below the cache length: the cache is cropped there first (the new tokens replace what
         was cached from start_pos on).
         """
+        if all_logits:
+            return torch.cat(self._run(tokens, start_pos, lambda h, _: self._logits(self._final_norm(h))))
+        return self._run(tokens, start_pos, lambda h, _: self._logits(self._final_norm(h[-1:]))[0])[-1]
+
+    @torch.inference_mode()
+    def nll(self, tokens: torch.Tensor, start_pos: int) -> torch.Tensor:
+        """-log p(tokens[i+1] | tokens[:i+1]) for i in 0..T-2: [T-1] float32, with the forward as in `forward`.
+
+        Logits are made for LOGITS_BYTES at a time (positions x one chunk of the head's rows) and folded into a
+        running log-sum-exp, so memory stays small for any vocabulary, and a streamed head is read once per pass."""
+        targets = tokens[1:]
+
+        def score(h: torch.Tensor, first: int) -> torch.Tensor:  # h: [t, D] of positions first .. first+t-1
+            x = self._final_norm(h[: targets.shape[0] - first])  # [n, D]: the last position has no target
+            target = targets[first : first + x.shape[0]]
+            peak = torch.full((x.shape[0],), -torch.inf, device=x.device)  # running max logit per position
+            total = torch.zeros_like(peak)  # running sum of exp(logit - peak)
+            picked = torch.zeros_like(peak)  # the target's logit
+            for row0, chunk in self._head():  # every chunk, even with no position to score: the stream reads them
+                rows = max(1, LOGITS_BYTES // (4 * chunk.shape[0]))
+                for i in range(0, x.shape[0], rows):
+                    logits = ops.linear(x[i : i + rows], chunk)  # [r, R]
+                    new_peak = torch.maximum(peak[i : i + rows], logits.max(dim=1).values)
+                    total[i : i + rows] = (total[i : i + rows] * (peak[i : i + rows] - new_peak).exp()
+                                           + (logits - new_peak[:, None]).exp().sum(dim=1))
+                    peak[i : i + rows] = new_peak
+                    local = target[i : i + rows] - row0
+                    inside = (local >= 0) & (local < chunk.shape[0])
+                    picked[i : i + rows] += torch.where(
+                        inside, logits.gather(1, local.clamp(0, chunk.shape[0] - 1)[:, None])[:, 0], 0.0)
+            return peak + total.log() - picked
+
+        return torch.cat(self._run(tokens, start_pos, score))
+
+    def _run(self, tokens: torch.Tensor, start_pos: int, project: Callable[[torch.Tensor, int], torch.Tensor]
+             ) -> list[torch.Tensor]:
+        """The layers over tokens [T] in chunks of at most PREFILL_CHUNK; project(h, i) maps each chunk's final
+        hidden states [t, D] (of tokens i .. i+t-1) to what the caller keeps, inside the step's thread and scratch
+        settings."""
         n_tokens = tokens.shape[0]
         end = start_pos + n_tokens
         if n_tokens == 0:
@@ -74,25 +121,38 @@ class Engine:
         self.kv.crop(min(start_pos, self.kv.length))
         if start_pos != self.kv.length:
             raise ValueError(f"start_pos {start_pos} leaves a gap after the {self.kv.length} cached positions")
-        if n_tokens > PREFILL_CHUNK:
-            chunks = [
-                self.forward(tokens[i : i + PREFILL_CHUNK], start_pos + i, all_logits=all_logits)
-                for i in range(0, n_tokens, PREFILL_CHUNK)
-            ]
-            return torch.cat(chunks) if all_logits else chunks[-1]
+        out = []
+        for first in range(0, n_tokens, PREFILL_CHUNK):
+            chunk, pos = tokens[first : first + PREFILL_CHUNK], start_pos + first
+            ids = chunk.tolist()  # before any compute is queued: no wait on the device
+            attention_work = self.cfg.n_heads * (pos + chunk.shape[0]) * self.cfg.head_dim
+            with (
+                ops.step_threads(self.device, chunk.shape[0], attention_work, self.threads),
+                cpu_kernels.using_threads(self.threads),
+                ops.using_scratch(self.scratch),
+            ):
+                out.append(self._forward_chunk(chunk, pos, lambda h: project(h, first)))
+            self.kv.commit(pos, ids)
+        return out
 
-        ids = tokens.tolist()  # before any compute is queued: no wait on the device
-        attention_work = self.cfg.n_heads * end * self.cfg.head_dim
-        with (
-            ops.step_threads(self.device, n_tokens, attention_work, self.threads),
-            cpu_kernels.using_threads(self.threads),
-            ops.using_scratch(self.scratch),
-        ):
-            logits = self._forward_chunk(tokens, start_pos, all_logits)
-        self.kv.commit(start_pos, ids)
-        return logits
+    def _final_norm(self, h: torch.Tensor) -> torch.Tensor:
+        return rms_norm(h, self.globals.output_norm, self.cfg.rms_eps)
 
-    def _forward_chunk(self, tokens: torch.Tensor, start_pos: int, all_logits: bool) -> torch.Tensor:
+    def _head(self) -> Iterator[tuple[int, EncodedMatrix]]:
+        """The output head in row chunks (first row, rows [R, D]): itself when resident, else streamed chunks
+        (`LayerSource.head_chunks`, all of which a forward must take)."""
+        if self.globals.output is not None:
+            return iter([(0, self.globals.output)])
+        return self.layers.head_chunks()
+
+    def _logits(self, x: torch.Tensor) -> torch.Tensor:
+        """x: [t, D] normed final hidden states -> logits [t, V]."""
+        return torch.cat([ops.linear(x, chunk) for _, chunk in self._head()], dim=1)
+
+    def _forward_chunk(self, tokens: torch.Tensor, start_pos: int, project: Callable[[torch.Tensor], torch.Tensor]
+                       ) -> torch.Tensor:
+        """tokens [T] (T <= PREFILL_CHUNK) through every layer, then project(final hidden states [T, D]) while the
+        forward's reads are still open (a streamed head is read in it)."""
         cfg, n_tokens, kv = self.cfg, tokens.shape[0], self.kv
         end = start_pos + n_tokens
         block = cfg.family.block
@@ -113,8 +173,6 @@ class Engine:
                 if observed:
                     gate = taps.get("ffn_gate") if taps is not None else None
                     policy.observe(Observation(layer, start_pos, h_in, h, _decision(w), gate))
+            return project(h)
         finally:
             self.layers.end_forward()
-        if not all_logits:
-            return output_logits(h[-1:], self.globals, cfg)[0]
-        return output_logits(h, self.globals, cfg)

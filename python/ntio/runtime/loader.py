@@ -8,6 +8,11 @@ the default keeps about READ_AHEAD_BYTES in flight). On CPU the graph computes s
 the slot's bytes (no copy, no dequantization for decode); on CUDA each group's B and C bytes are copied to a device
 buffer on a copy stream, and the compute stream waits on that copy's event.
 
+The output head streams like a layer when the plan says so (`plan.head == "C"`): it is cut into row chunks of at most
+one layer group's bytes, each a streamed unit after the last layer (units n_layers, n_layers + 1, ...), read ahead
+in the same order and slots; `head_chunks()` gives them to the engine. Token embedding rows are read on demand
+(`disk_rows`) when the plan leaves the table on disk.
+
 Every block, whatever its tier, is built from the same kind of buffer (one layer packed by `plan_layer_read`), so
 all tiers run the same ops on the same bytes: streamed and resident results are bit-identical.
 
@@ -22,40 +27,46 @@ naming file and offset (errors.read_error).
 With `verify` (the default), every tensor of an ntio store that a read brings in whole, resident or streamed, is
 checked against the store's xxh3-64 checksum on the reader's I/O thread before the read completes: a mismatch fails
 the read (ModelFormatError naming file, tensor and offset) and nothing is computed on the bad bytes. A subset read
-verifies the tensors it reads whole; the partly read gate/up rows are not covered by a per-tensor checksum. GGUF
-files record no checksums (their structure is validated when parsed).
+verifies the tensors it reads whole; the partly read gate/up rows are not covered by a per-tensor checksum. Tensors
+read in pieces (head chunks, embedding rows) are read once whole at start-up, a window at a time, checked against
+the store's checksum and hashed piece by piece; every later read of a piece is checked against its hash. GGUF files
+record no checksums (their structure is validated when parsed).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from ntio import _core
-from ntio.errors import NtioError, OptionError, read_error
+from ntio.errors import ModelFormatError, NtioError, OptionError, read_error
 from ntio.formats.gguf_file import TensorInfo
 from ntio.io import Check, read_into, slot_array
-from ntio.formats.model_file import plan_layer_read, plan_subset_read, row_extent, tensor_checks
+from ntio.formats.model_file import extent_index, plan_layer_read, plan_subset_read, row_extent, tensor_checks
+from ntio.kernels.ops import EncodedMatrix
 from ntio.models.layers import LayerWeights
-from ntio.policies.base import LoadDecision, LoadPolicy
+from ntio.policies.base import LOAD_ALL, LoadDecision, LoadPolicy
 from ntio.policies.dense import DensePolicy
+from ntio.runtime.disk_rows import DiskRows
 from ntio.runtime.stats import ForwardStats, StreamStats
 from ntio.runtime.tiers import TierPlan
 from ntio.models.weights import BlockVectors, WeightLayout, decode_vectors, encoded_block
 
 _ALIGN = 4096  # staging offsets keep each layer's file alignment, so O_DIRECT lands in place
+_HASH_WINDOW = 32 << 20  # bytes read at a time when a tensor is verified whole to take its pieces' hashes
 
 # Default read-ahead: enough streamed groups to keep about this many bytes in flight, so that small layers (SmolLM2:
 # 2.2 MB) still keep the disk's queue full while one group computes and another completes. All-C SmolLM2 on this
-# project's VM: 8 groups ahead reached 0.68-0.84 of the I/O bound, 12 reached 1.0 (benches/RESULTS.md). Large
-# layers (an 8B layer is 123 MB) get the minimum, double buffering plus one.
+# project's VM: 8 groups ahead reached 0.68-0.84 of the I/O bound, 12 reached 1.0 (benches/RESULTS.md). Layers of
+# READ_AHEAD_BYTES or more (Qwen2.5-1.5B: 28 MB, an 8B layer: 123 MB) get double buffering: one group read while one
+# computes, which keeps that many bytes in flight; a deeper read-ahead would only take RAM from resident layers.
 READ_AHEAD_BYTES = 24 << 20
-MIN_PREFETCH_DEPTH, MAX_PREFETCH_DEPTH = 2, 16
+MIN_PREFETCH_DEPTH, MAX_PREFETCH_DEPTH = 1, 16
 
 
 def auto_prefetch_depth(group_bytes: int) -> int:
@@ -143,6 +154,7 @@ class LayerLoader:
         except OSError as e:
             raise read_error(e) from None
         self._reads = [_plan_layer(layout, i, verify) for i in range(cfg.n_layers)]
+        self.n_layers = cfg.n_layers
 
         # Resident tiers, read once: A onto the device; B into host RAM (pinned on CUDA; on CPU B is just RAM).
         self._resident: dict[int, LayerWeights] = {}
@@ -161,7 +173,7 @@ class LayerLoader:
                 self._resident[layer] = self._weights(layer, buf.to(device))
             self._progress("load", n, len(resident) + len(host_only))
 
-        # Streamed groups and their staging slots.
+        # Streamed groups and their staging slots; then the head's chunks, one unit and group each.
         self.groups: list[_Group] = []
         for start in range(0, cfg.n_layers, group_size):
             layers = list(range(start, min(start + group_size, cfg.n_layers)))
@@ -171,6 +183,10 @@ class LayerLoader:
                 offsets[layer] = end
                 end += -(-self._reads[layer].nbytes // _ALIGN) * _ALIGN
             self.groups.append(_Group(layers, streamed, offsets, end))
+        self._head_rows: dict[int, tuple[int, int]] = {}  # head unit -> its rows [start, stop) of the output head
+        if plan.head == "C":
+            chunk = max(-(-sum(self._reads[i].nbytes for i in g.layers) // _ALIGN) * _ALIGN for g in self.groups)
+            self._plan_head(layout.output or layout.token_embd, chunk)
         self._group_of = [g for g, grp in enumerate(self.groups) for _ in grp.layers]
         self._streamed_groups = [g for g, grp in enumerate(self.groups) if grp.streamed]
         slot_size = max((grp.nbytes for grp in self.groups), default=0)
@@ -196,6 +212,42 @@ class LayerLoader:
         self._dropped_group: int | None = None  # group of the current forward whose read was dropped
         self._busy_until = 0.0  # end of the reads counted so far: reads overlap, so busy time is their union
         self._blocks: dict[int, LayerWeights] = {}  # streamed layers of the current group
+        self._head: dict[int, EncodedMatrix] = {}  # the current group's head chunk, when it is one
+
+    def _plan_head(self, info: TensorInfo, chunk_bytes: int) -> None:
+        """Cut the output head into row chunks of at most `chunk_bytes` (one layer group), each a streamed unit with
+        its own group, checked against chunk hashes taken from one verified read now."""
+        row_nbytes = info.nbytes // info.shape[0]
+        rows = max(1, chunk_bytes // row_nbytes)
+        sums = self.piece_checksums(info, rows * row_nbytes)
+        for k, start in enumerate(range(0, info.shape[0], rows)):
+            stop, unit = min(start + rows, info.shape[0]), len(self._reads)
+            nbytes = (stop - start) * row_nbytes
+            offset = info.offset + start * row_nbytes
+            checks = {} if sums is None else {"output": (info.name, offset, 0, nbytes, sums[k])}
+            self._reads.append(_LayerRead([(offset, nbytes, 0)], nbytes, {"output": 0}, checks))
+            self._head_rows[unit] = (start, stop)
+            self.groups.append(_Group([unit], [unit], {unit: 0}, -(-nbytes // _ALIGN) * _ALIGN))
+
+    def piece_checksums(self, info: TensorInfo, piece_nbytes: int) -> list[int] | None:
+        """xxh3-64 of each `piece_nbytes` piece of tensor `info` (the last maybe shorter), from one read of the whole
+        tensor a window at a time, checked against the store's checksum of it; None without `verify` or a checksum
+        (GGUF). Memory: one window (~max(32 MiB, one piece))."""
+        expected = extent_index(self.layout.file).checksum(info.name) if self.verify else None
+        if expected is None:
+            return None
+        window = max(1, _HASH_WINDOW // piece_nbytes) * piece_nbytes
+        hasher, sums = _core.Hasher(), []
+        for start in range(0, info.nbytes, window):
+            n = min(window, info.nbytes - start)
+            head = (info.offset + start) % _ALIGN
+            piece = self._read_now([(info.offset + start, n, head)], head + n, [])[head:].numpy()
+            hasher.update(piece)
+            sums += _core.piece_checksums(piece, piece_nbytes)
+        if hasher.digest() != expected:
+            raise ModelFormatError(f"{self.layout.file.path}: checksum mismatch in tensor {info.name!r} (extent at "
+                                   f"offset {info.offset}, {info.nbytes} bytes): the file is corrupt or was changed")
+        return sums
 
     # -- SPEC-006 interface ----------------------------------------------------------------------------------
 
@@ -250,6 +302,7 @@ class LayerLoader:
             self._computed[self._current[1]].record()  # later H2D copies into these device bytes wait for this
         for layer in self.groups[group].streamed:
             self._blocks.pop(layer, None)
+            self._head.pop(layer, None)
         self._current = None
 
     # -- LayerSource (the engine's side) ---------------------------------------------------------------------
@@ -278,15 +331,27 @@ class LayerLoader:
         if self._current is None or self._current[0] != group:
             if self._drop_unwanted(group):
                 return None
-            self.load_group(group)
-            if self.cuda:
-                torch.cuda.current_stream(self.device).wait_event(self._copied[self._current[1]])
-            # Read ahead the next streamed groups in use order, wrapping around to the next forward's first ones.
-            order = [g for g in self._streamed_groups if g > group] + [g for g in self._streamed_groups if g <= group]
-            for ahead, later in enumerate(order[: self.prefetch_depth], start=1):
-                if not self.prefetch_async(later, ahead):
-                    break
+            self._make_current(group)
         return self._blocks.get(layer)  # None: skipped (by the decision at submit, or no longer wanted)
+
+    def head_chunks(self) -> Iterator[tuple[int, EncodedMatrix]]:
+        """A streamed output head, chunk by chunk in row order: (first row, the chunk's rows [R, D]). Each chunk is
+        valid until the next is asked for."""
+        for unit, (start, _) in self._head_rows.items():
+            group = self._group_of[unit]
+            if self._current is None or self._current[0] != group:
+                self._make_current(group)
+            yield start, self._head[unit]
+
+    def _make_current(self, group: int) -> None:
+        self.load_group(group)
+        if self.cuda:
+            torch.cuda.current_stream(self.device).wait_event(self._copied[self._current[1]])
+        # Read ahead the next streamed groups in use order, wrapping around to the next forward's first ones.
+        order = [g for g in self._streamed_groups if g > group] + [g for g in self._streamed_groups if g <= group]
+        for ahead, later in enumerate(order[: self.prefetch_depth], start=1):
+            if not self.prefetch_async(later, ahead):
+                break
 
     def __del__(self) -> None:
         if getattr(self, "_slots", None):  # not closed yet (and construction got as far as the slots)
@@ -302,6 +367,7 @@ class LayerLoader:
         self._pending.clear()
         self._dropped.clear()
         self._blocks.clear()
+        self._head.clear()
         self._current = None
         if self.cuda:
             for t in self._slot_bytes:
@@ -392,7 +458,7 @@ class LayerLoader:
         for layer in grp.streamed:
             if layer in self._host:
                 continue  # tier B on CUDA: in pinned host memory, nothing to read; decided when the group loads
-            decisions[layer] = decision = self.policy.decide(layer, ahead)
+            decisions[layer] = decision = LOAD_ALL if layer in self._head_rows else self.policy.decide(layer, ahead)
             base = grp.offsets[layer]
             layer_extents = self._layer_extents(layer, decision)
             extents += [(off, length, base + dest) for off, length, dest in layer_extents]
@@ -428,11 +494,18 @@ class LayerLoader:
             if layer in self._host:
                 pending.decisions[layer] = self.policy.decide(layer, 0)
         decisions = pending.decisions
-        wanted = [i for i in grp.streamed if decisions[i].kind != "skip" and self.policy.still_wanted(i, decisions[i])]
+        wanted = [i for i in grp.streamed if i in self._head_rows or
+                  (decisions[i].kind != "skip" and self.policy.still_wanted(i, decisions[i]))]
         source = self._to_device(group, pending.index, wanted) if self.cuda else self._slot_bytes[pending.index]
         for layer in wanted:
             decision = decisions[layer]
             base = grp.offsets[layer]
+            if layer in self._head_rows:
+                start, stop = self._head_rows[layer]
+                info = self.layout.output or self.layout.token_embd
+                raw = source[base : base + self._reads[layer].nbytes]
+                self._head[layer] = EncodedMatrix(raw, info.qtype, (stop - start, info.shape[1]))
+                continue
             weights = self._weights(layer, source[base : base + self._reads[layer].nbytes], keep_vectors=True)
             self._blocks[layer] = weights if decision.kind == "all" else dataclasses.replace(weights, ffn_rows=decision.rows)
 
@@ -449,6 +522,11 @@ class LayerLoader:
         if self._forward is not None:
             self._forward.bytes_h2d += sum(self._reads[layer].nbytes for layer in layers)
         return dst
+
+    def disk_rows(self, info: TensorInfo) -> DiskRows:
+        """The encoded table `info` left on disk, its rows read on demand (with `verify`, checked against row hashes
+        taken from one verified read of the whole table now: ntio.runtime.disk_rows)."""
+        return DiskRows(self.reader, info, self.piece_checksums(info, info.nbytes // info.shape[0]), self.device)
 
     def read_tensor(self, info: TensorInfo) -> torch.Tensor:
         """One tensor's encoded bytes, read now into host memory (for the always-resident globals)."""

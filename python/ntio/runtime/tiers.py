@@ -5,15 +5,16 @@ Tiers:  A  resident on the compute device (on CPU the device is host memory);
         C  disk, read through the Rust reader at every use.
 `plan_tiers` fills A, then B, then C, in layer order, after reserving what every plan needs (always-resident
 globals, KV cache, activations, staging buffers). On CPU, A and B are the same memory, so the planner uses A.
+Every streamed layer and the streamed output head cost their bytes at every token, so any order of them saves the
+same per byte: the head goes first (one big unit), then layers in order; the token embedding, whose on-demand rows
+cost a few KB per token, is resident only when every layer and the head are and it still fits.
 A budget too small for the reserve plus one streamed group is an error that says the minimum.
 """
 
 from __future__ import annotations
 
-import os
 import re
 from dataclasses import dataclass
-from pathlib import Path
 
 from ntio.errors import OptionError
 
@@ -74,6 +75,11 @@ class TierPlan:
     ram_budget: int | None
     reserved_device: int  # bytes set aside before placing layers: globals, KV cache, activations, staging
     reserved_ram: int
+    # The output head: "A" resident, "C" streamed at every forward (in row chunks, like layers).
+    head: str = "A"
+    # The token embedding: "A" resident, "C" on disk (the rows a forward needs are read on demand). With tied
+    # embeddings it is the head's table, so it has the head's tier.
+    embedding: str = "A"
 
     def layers(self, tier: str) -> list[int]:
         return [i for i, t in enumerate(self.tiers) if t == tier]
@@ -100,19 +106,25 @@ def plan_tiers(
     reserved_device: int,
     reserved_ram: int,
     staging_bytes: int,
+    head_bytes: int = 0,
+    embedding_bytes: int = 0,
 ) -> TierPlan:
-    """Fill A, then B (CUDA only), then C in layer order.
+    """Fill A, then B (CUDA only), then C: the output head first, then layers in order.
 
-    reserved_*: bytes every plan needs on the device / in host RAM (globals, KV cache, activations);
-    staging_bytes: host (and on CUDA, device) memory for double-buffered streaming, needed only if a layer is
-    streamed. On CPU the device is host memory: `device_budget` is ignored and A draws on `ram_budget`.
+    reserved_*: bytes every plan needs on the device / in host RAM (norms, KV cache, activations);
+    staging_bytes: host (and on CUDA, device) memory for double-buffered streaming, needed only if a layer or the
+    head is streamed; head_bytes: the output head (0: resident, inside reserved_*); embedding_bytes: an untied token
+    embedding, which may stay on disk (0: tied, it is the head). On CPU the device is host memory: `device_budget`
+    is ignored and A draws on `ram_budget`.
     """
     if not cuda:
         device_budget = ram_budget
         reserved_device = reserved_ram
-    all_resident = reserved_device + sum(layer_bytes)
-    if all_resident <= device_budget and (not cuda or reserved_ram <= ram_budget):
-        return TierPlan(["A"] * len(layer_bytes), device_budget, ram_budget, reserved_device, reserved_ram)
+    budgets = (device_budget, ram_budget, reserved_device, reserved_ram)
+    no_streaming = reserved_device + sum(layer_bytes) + head_bytes
+    if no_streaming <= device_budget and (not cuda or reserved_ram <= ram_budget):
+        embedding = "A" if no_streaming + embedding_bytes <= device_budget else "C"
+        return TierPlan(["A"] * len(layer_bytes), *budgets, head="A", embedding=embedding)
     device_free = device_budget - reserved_device - staging_bytes if cuda else 0
     ram_free = ram_budget - reserved_ram - staging_bytes
     for option, budget, free in (("gpu_memory_budget", device_budget, device_free), ("ram_budget", ram_budget, ram_free)):
@@ -120,9 +132,14 @@ def plan_tiers(
             raise OptionError(
                 option,
                 f"{format_size(budget)} is too small: streaming this model needs at least "
-                f"{format_size(budget - free)} (always-resident weights, KV cache, activations and staging "
-                f"slots; a smaller max_context shrinks the KV cache)",
+                f"{format_size(budget - free)} (norms, KV cache, activations and staging slots; a smaller "
+                f"max_context shrinks the KV cache)",
             )
+    head = "C"
+    if cuda and head_bytes <= device_free:
+        head, device_free = "A", device_free - head_bytes
+    elif not cuda and head_bytes <= ram_free:
+        head, ram_free = "A", ram_free - head_bytes
     tiers = []
     for nbytes in layer_bytes:
         if cuda and nbytes <= device_free:
@@ -133,51 +150,5 @@ def plan_tiers(
             ram_free -= nbytes
         else:
             tiers.append("C")
-    return TierPlan(tiers, device_budget, ram_budget, reserved_device, reserved_ram)
-
-
-def available_ram() -> int:
-    """Bytes this process may still use: MemAvailable, capped by its cgroup's memory.max (minus what it uses)."""
-    available = None
-    for line in Path("/proc/meminfo").read_text().splitlines():
-        if line.startswith("MemAvailable:"):
-            available = int(line.split()[1]) * 1024
-    if available is None:
-        available = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
-    return min(available, _cgroup_memory_room())
-
-
-def _cgroup_memory_room() -> int:
-    """Limit minus the unreclaimable usage of this process's memory cgroup (v2 memory.max, or v1
-    memory.limit_in_bytes). The cgroup's usage counts page cache, most of it reclaimable: `import torch` alone
-    charges ~1.35 GB of which ~0.8 GB are its libraries' file pages, yet imports under a 500 MB cap
-    (../shared/DESIGN.md). Inactive file pages are subtracted, as the kernel reclaims them first."""
-    room = 1 << 62
-    for line in Path("/proc/self/cgroup").read_text().splitlines():
-        _, controllers, group = line.split(":", 2)
-        if controllers == "":  # v2 unified hierarchy
-            base, limit_file, usage_file = Path("/sys/fs/cgroup") / group.lstrip("/"), "memory.max", "memory.current"
-            inactive_key = "inactive_file"
-        elif "memory" in controllers.split(","):
-            base, limit_file, usage_file = (Path("/sys/fs/cgroup/memory") / group.lstrip("/"), "memory.limit_in_bytes",
-                                            "memory.usage_in_bytes")
-            inactive_key = "total_inactive_file"
-        else:
-            continue
-        try:
-            limit = (base / limit_file).read_text().strip()
-            if limit != "max":
-                usage = int((base / usage_file).read_text())
-                room = min(room, int(limit) - max(0, usage - _memory_stat(base, inactive_key)))
-        except (OSError, ValueError):
-            pass  # no memory controller mounted for this hierarchy
-    return room
-
-
-def _memory_stat(cgroup: Path, key: str) -> int:
-    """One counter of a cgroup's memory.stat (0 when absent)."""
-    for line in (cgroup / "memory.stat").read_text().splitlines():
-        name, _, value = line.partition(" ")
-        if name == key:
-            return int(value)
-    return 0
+    embedding = "C" if embedding_bytes else head
+    return TierPlan(tiers, *budgets, head=head, embedding=embedding)

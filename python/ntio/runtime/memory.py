@@ -1,0 +1,96 @@
+"""How much RAM this process can still use, measured rather than guessed.
+
+The room is the machine's MemAvailable or, inside a memory cgroup (v1 or v2), the cgroup's limit minus what the
+kernel cannot reclaim there (anonymous memory, kernel memory, shmem: the usage minus the file pages on its LRU
+lists), whichever is smaller; then minus the file-backed pages this process keeps resident (its libraries' code:
+torch's are ~240 MB), which count as reclaimable but which it needs. Page cache is room, not use: `import torch`
+alone charges ~1.35 GB to a cgroup, ~1 GB of it inactive file pages (../shared/DESIGN.md), and counting those as
+used once left a 1.5 GB cap with a 129 MiB budget.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+# The default RAM budget leaves this share of the room (at least HEADROOM_MIN bytes) to the allocator's slack, the
+# interpreter's growth and the page cache of the files being read.
+HEADROOM_SHARE, HEADROOM_MIN = 0.05, 64 << 20
+
+
+@dataclass(frozen=True)
+class RamRoom:
+    available: int  # bytes this process may still allocate
+    source: str  # what bounds it: "MemAvailable" or "cgroup v1 /path" / "cgroup v2 /path"
+    limit: int | None  # the cgroup's limit (None when no cgroup limit applies)
+    unreclaimable: int  # the cgroup's anonymous + kernel memory (0 without a cgroup limit)
+    own_file_pages: int  # this process's resident file-backed pages, subtracted from the room
+
+    @property
+    def default_budget(self) -> int:
+        return max(0, self.available - max(HEADROOM_MIN, int(HEADROOM_SHARE * self.available)))
+
+
+def ram_room() -> RamRoom:
+    """The RAM this process may still use, from /proc/meminfo and its memory cgroup (see the module's notes)."""
+    own = _own_file_pages()
+    best = RamRoom(max(0, _mem_available() - own), "MemAvailable", None, 0, own)
+    for source, limit, usage, file_pages in _cgroup_limits():
+        unreclaimable = max(0, usage - file_pages)
+        room = max(0, limit - unreclaimable - own)
+        if room < best.available:
+            best = RamRoom(room, source, limit, unreclaimable, own)
+    return best
+
+
+def _mem_available() -> int:
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        if line.startswith("MemAvailable:"):
+            return int(line.split()[1]) * 1024
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+
+
+def _cgroup_limits() -> list[tuple[str, int, int, int]]:
+    """(source, limit, usage, file pages on the LRU lists) of each memory cgroup of this process that has a limit."""
+    found = []
+    for line in Path("/proc/self/cgroup").read_text().splitlines():
+        _, controllers, group = line.split(":", 2)
+        if controllers == "":  # v2 unified hierarchy
+            version, base = "v2", Path("/sys/fs/cgroup") / group.lstrip("/")
+            limit_file, usage_file, file_keys = "memory.max", "memory.current", ("active_file", "inactive_file")
+        elif "memory" in controllers.split(","):
+            version, base = "v1", Path("/sys/fs/cgroup/memory") / group.lstrip("/")
+            limit_file, usage_file = "memory.limit_in_bytes", "memory.usage_in_bytes"
+            file_keys = ("total_active_file", "total_inactive_file")
+        else:
+            continue
+        try:
+            limit = (base / limit_file).read_text().strip()
+            if limit == "max" or int(limit) >= 1 << 60:  # v1 writes "no limit" as a huge number
+                continue
+            stat = _memory_stat(base)
+            found.append((f"cgroup {version} {group}", int(limit), int((base / usage_file).read_text()),
+                          sum(stat.get(key, 0) for key in file_keys)))
+        except (OSError, ValueError):
+            pass  # no memory controller mounted for this hierarchy
+    return found
+
+
+def _memory_stat(cgroup: Path) -> dict[str, int]:
+    stat = {}
+    for line in (cgroup / "memory.stat").read_text().splitlines():
+        name, _, value = line.partition(" ")
+        stat[name] = int(value)
+    return stat
+
+
+def _own_file_pages() -> int:
+    """Resident file-backed pages of this process (Pss_File of /proc/self/smaps_rollup; 0 where it is missing)."""
+    try:
+        for line in Path("/proc/self/smaps_rollup").read_text().splitlines():
+            if line.startswith("Pss_File:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
