@@ -38,7 +38,8 @@ def test_context_beyond_the_model_is_refused_naming_the_flag(smollm2_path, tmp_p
 
 def test_reclaimable_page_cache_counts_as_room(tmp_path, monkeypatch):
     # A v1 memory cgroup whose usage is mostly file pages (as after `import torch`): only anonymous and kernel
-    # memory (usage minus the file LRU lists) and this process's own resident file pages are taken from the limit.
+    # memory (usage minus the file LRU lists) and this process's own resident file pages (up to a bound) are taken
+    # from the limit.
     group = tmp_path / "memory" / "job"
     group.mkdir(parents=True)
     (group / "memory.limit_in_bytes").write_text(f"{1500 << 20}\n")
@@ -58,6 +59,6 @@ def test_reclaimable_page_cache_counts_as_room(tmp_path, monkeypatch):
     monkeypatch.setattr(memory, "Path", fake_path)
     room = memory.ram_room()
     assert room.source == "cgroup v1 /job" and room.limit == 1500 << 20
-    assert room.unreclaimable == (1400 - 900) << 20 and room.own_file_pages == 240 << 20
-    assert room.available == (1500 - 500 - 240) << 20
-    assert room.default_budget == room.available - (64 << 20)  # 5% of 760 MiB is less than the 64 MiB floor
+    assert room.unreclaimable == (1400 - 900) << 20 and room.own_file_pages == memory.LIBRARY_WORKING_SET
+    assert room.available == (1500 - 500) * 2**20 - memory.LIBRARY_WORKING_SET  # 240 MiB resident, 128 MiB kept
+    assert room.default_budget == room.available - (64 << 20)  # 5% of 872 MiB is less than the 64 MiB floor

@@ -73,12 +73,19 @@ def test_dense_policy_reads_exactly_the_whole_layer_plans(smollm2_path):
     m.engine.forward(ids, 0)
     n_layers = m.config.n_layers
     plans = [plan_layer_read(m.file, layer) for layer in range(n_layers)]
-    # Reads in layer order (wrapping into the next forward's read-ahead), each exactly one layer's whole plan.
-    assert len(spy.submitted) == n_layers + m.loader.prefetch_depth
+    # Reads in layer order, then the streamed head's chunks (wrapping into the next forward's read-ahead), each
+    # exactly one layer's whole plan or one chunk of the head's rows.
+    head = m.file.tensor("token_embd.weight")  # tied: the output head
+    row = head.nbytes // head.shape[0]
+    chunks = [[(head.offset + start * row, (stop - start) * row, 0)] for start, stop in m.loader._head_rows.values()]
+    units = [plan[0] for plan in plans] + chunks
+    assert sum(n for chunk in chunks for _, n, _ in chunk) == head.nbytes
+    assert len(spy.submitted) == len(units) + m.loader.prefetch_depth
     for i, extents in enumerate(spy.submitted):
-        assert extents == plans[i % n_layers][0]
-    per_layer = m.stats.summary()["bytes_read_per_layer"]
-    assert per_layer == {layer: sum(n for _, n, _ in plans[layer][0]) for layer in range(n_layers)}
+        assert extents == units[i % len(units)]
+    per_unit = m.stats.summary()["bytes_read_per_layer"]
+    assert per_unit == {unit: sum(n for _, n, _ in extents) for unit, extents in enumerate(units)}
+    per_layer = {layer: per_unit[layer] for layer in range(n_layers)}
     reference = gguf.GGUFReader(smollm2_path)
     for layer in range(n_layers):
         tensors = [t for t in reference.tensors if t.name.startswith(f"blk.{layer}.")]
@@ -158,7 +165,8 @@ def test_a_read_no_longer_wanted_is_skipped_like_a_skip(smollm2_path):
         assert torch.equal(a, b)
     assert bool(dropped.engine.kv.skipped[9, : len(ids) + 2].all())
     assert 9 in dropped.stats.summary()["bytes_read_per_layer"] and 9 not in skipped.stats.summary()["bytes_read_per_layer"]
-    assert len(waited) == 3 * (dropped.config.n_layers - 1)  # every streamed layer's read but layer 9's
+    n_head_chunks = len(dropped.loader._head_rows)  # tiers C streams the head too
+    assert len(waited) == 3 * (dropped.config.n_layers - 1 + n_head_chunks)  # every streamed read but layer 9's
 
 
 @torch.inference_mode()

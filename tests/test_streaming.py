@@ -67,8 +67,10 @@ def test_streamed_equals_resident(resident, smollm2_path, smollm2_store, source,
         stats = m.stats.summary()
         n_c = m.plan.counts["C"]
         assert stats["layers_per_tier"]["C"] == n_c
-        # Tier C is read at every use: a decode step reads exactly the C layers' bytes.
-        want = sum(m.loader._reads[i].nbytes for i in m.plan.layers("C"))
+        # Tier C is read at every use: a decode step reads exactly the C layers' bytes, and a streamed head's.
+        streamed = m.plan.layers("C") + list(m.loader._head_rows)
+        assert bool(m.loader._head_rows) == (m.plan.head == "C")
+        want = sum(m.loader._reads[i].nbytes for i in streamed)
         assert stats["bytes_read_per_token"] == want
     finally:
         m.close()

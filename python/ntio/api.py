@@ -119,7 +119,8 @@ class LLM:
             globals_ = load_global_weights(layout, self.loader.read_tensor, self.device, token_rows,
                                            head_resident=self.plan.head == "A")
         kv = KVCache(self.config, capacity, KV_DTYPES[kv_dtype], self.device)
-        self.engine = Engine(self.config, globals_, self.loader, kv, threads=threads)
+        self.engine = Engine(self.config, globals_, self.loader, kv, threads=threads,
+                             prefill_chunk=self.memory.prefill_chunk)
 
     def companion(self, model: str | os.PathLike[str], **options) -> LLM:
         """A second model that runs beside this one, e.g. a resident draft for speculative decoding.

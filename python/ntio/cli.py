@@ -84,7 +84,9 @@ def _model_options(f):
     f = click.option("--threads", type=click.IntRange(min=1), help="CPU threads for compute (default: all)")(f)
     f = click.option("--kv-dtype", type=click.Choice(["float32", "float16", "bfloat16"]), default="float32",
                      show_default=True, help="KV cache dtype")(f)
-    f = click.option("--ctx-size", type=click.IntRange(min=1), help="KV cache capacity in tokens (default: the model's context up to 4096, less when the memory budget cannot hold its KV cache)")(f)
+    f = click.option("--ctx-size", type=click.IntRange(min=1),
+                     help="KV cache capacity in tokens (default: the model's context up to 4096, less when the "
+                          "memory budget cannot hold its KV cache)")(f)
     f = click.option("-m", "--model", type=MODEL_ARG, metavar="PATH|NAME", help=MODEL_HELP)(f)
     return f
 
@@ -158,14 +160,17 @@ def generate(prompt, max_new_tokens, chat, system, temperature, top_k, top_p, re
             "model": str(m.path), "text": c.text, "token_ids": c.token_ids, "n_prompt_tokens": c.n_prompt_tokens,
             "n_generated_tokens": c.n_generated_tokens, "prefill_tok_s": round(c.prefill_tok_s, 3),
             "decode_tok_s": round(c.decode_tok_s, 3), "finish_reason": c.finish_reason,
-            "tiers": m.plan.describe(), "stats": stats,
+            "tiers": m.plan.describe(), "output_head": m.plan.head, "token_embedding": m.plan.embedding,
+            "memory": m.memory.report(), "stats": stats,
         }))
         return
     click.echo()
     click.echo(f"[{c.n_prompt_tokens} prompt tokens at {c.prefill_tok_s:.1f} tok/s, {c.n_generated_tokens} "
                f"generated at {c.decode_tok_s:.1f} tok/s, {c.finish_reason}]", err=True)
     if show_stats:
-        click.echo(f"[tiers {m.plan.describe()}; read {stats['bytes_read_per_token'] / 1e6:.1f} MB/token at "
+        placed = f"head {'resident' if m.plan.head == 'A' else 'streamed'}, embedding " + (
+            "resident" if m.plan.embedding == "A" else "rows on demand")
+        click.echo(f"[tiers {m.plan.describe()} ({placed}); read {stats['bytes_read_per_token'] / 1e6:.1f} MB/token at "
                    f"{stats['disk_gb_s']:.2f} GB/s; blocked on I/O {stats['io_wait_s']:.3f} s, computing "
                    f"{stats['compute_s']:.3f} s; overlap {stats['overlap_ratio']:.0%}]", err=True)
 
@@ -306,8 +311,11 @@ def plan(model, ctx_size, ram_budget, gpu_memory_budget, tiers, device, kv_dtype
     click.echo(f"model          {g.path} ({format_size(report['model_bytes'])} of weights)")
     click.echo(f"budget         {format_size(report['ram_budget'])} of RAM ({budget})" + (
         f", {format_size(report['device_budget'])} of device memory" if device.startswith("cuda") else ""))
-    click.echo(f"context        {report['context']} tokens ({kv_dtype} KV cache)")
-    click.echo(f"tiers          {report['tiers']}; token embedding {'resident' if report['token_embedding'] == 'A' else 'on disk (rows read on demand)'}")
+    click.echo(f"context        {report['context']} tokens ({kv_dtype} KV cache); prefill {report['prefill_chunk']} "
+               f"tokens per pass")
+    head = "resident" if report["output_head"] == "A" else "streamed at every token"
+    embedding = "resident" if report["token_embedding"] == "A" else "on disk (rows read on demand)"
+    click.echo(f"tiers          {report['tiers']}; output head {head}; token embedding {embedding}")
     for part, nbytes in report["parts"].items():
         click.echo(f"  {part:22} {format_size(nbytes):>12}")
     click.echo(f"  {'total':22} {format_size(report['total']):>12}   (minimum, every layer streamed: "

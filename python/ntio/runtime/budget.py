@@ -2,7 +2,7 @@
 
 Budgets cover what ntio allocates for the model: the output head and norms (always resident), the token embedding
 (resident, or its rows read on demand), the KV cache, activations (bounded: prefill runs in chunks of
-`engine.PREFILL_CHUNK` tokens, dequantized products in row chunks of `ops.SCRATCH_BYTES`, logits for the one position
+`engine.PREFILL_CHUNK` tokens or fewer, dequantized products in row chunks of `ops.SCRATCH_BYTES`, logits for the one position
 generation samples or `engine.LOGITS_BYTES` of scored positions at a time), the staging slots when anything streams,
 and the tier A/B layers. The Python interpreter and its libraries, the parsed metadata and the tokenizer are
 already allocated when the default budget is measured (ntio.runtime.memory), so they are not in it.
@@ -18,7 +18,7 @@ import torch
 from ntio import _core
 from ntio.kernels import ops
 from ntio.models.config import ModelConfig
-from ntio.runtime.engine import LOGITS_BYTES, PREFILL_CHUNK
+from ntio.runtime.engine import LOGITS_BYTES, MIN_PREFILL_CHUNK, PREFILL_CHUNK
 from ntio.errors import OptionError
 from ntio.runtime.memory import ram_room
 from ntio.runtime.tiers import TierPlan, format_size, parse_size, parse_tier_spec, plan_tiers
@@ -65,13 +65,14 @@ def _aligned(n: int) -> int:
 
 
 def memory_needs(
-    layout: WeightLayout, capacity: int, kv_dtype: torch.dtype, group_size: int, staging_slots: int
+    layout: WeightLayout, capacity: int, kv_dtype: torch.dtype, group_size: int, staging_slots: int,
+    prefill_chunk: int = PREFILL_CHUNK,
 ) -> MemoryNeeds:
     cfg: ModelConfig = layout.cfg
     head = layout.token_embd if layout.output is None else layout.output
     token_embd = 0 if layout.output is None else layout.token_embd.nbytes
     kv = 2 * cfg.n_layers * cfg.n_kv_heads * capacity * cfg.head_dim * torch.empty(0, dtype=kv_dtype).element_size()
-    tokens = min(capacity, PREFILL_CHUNK)
+    tokens = min(capacity, prefill_chunk)
     per_token = 3 * cfg.d_model + cfg.q_width + 2 * cfg.kv_width + 2 * cfg.d_ff
     logits = max(4 * cfg.vocab_size, LOGITS_BYTES)
     activations = ops.SCRATCH_BYTES + 4 * tokens * per_token + logits
@@ -175,6 +176,7 @@ class MemoryPlan:
     budget: Budgets
     plan: TierPlan
     capacity: int  # KV cache positions
+    prefill_chunk: int  # the most tokens one forward pass takes
     prefetch_depth: int  # streamed groups read ahead (0: each group read when needed)
     notice: str | None  # said once to the user: the default context was shrunk to fit
 
@@ -192,7 +194,7 @@ class MemoryPlan:
         return {
             "tiers": plan.describe(), "layers_per_tier": plan.counts, "output_head": plan.head,
             "token_embedding": plan.embedding,
-            "context": self.capacity, "prefetch_depth": self.prefetch_depth if streamed or head_streamed else 0,
+            "context": self.capacity, "prefill_chunk": self.prefill_chunk, "prefetch_depth": self.prefetch_depth if streamed or head_streamed else 0,
             "ram_budget": self.budget.ram, "device_budget": self.budget.device, "budget_source": self.budget.ram_source,
             "parts": parts, "total": sum(parts.values()), "minimum": minimum(needs),
             # and, with the embedding on disk, one row (a few KB) per token
@@ -206,8 +208,9 @@ def plan_memory(layout: WeightLayout, *, cuda: bool, kv_dtype: torch.dtype, max_
                 group_size: int = 1, prefetch_depth: int | None = None, sync: bool = False) -> MemoryPlan:
     """Budgets, KV capacity, read-ahead and tier plan for a model, in that order.
 
-    The context is `max_context`, or the model's up to DEFAULT_CONTEXT, shrunk (with a notice) until the leanest plan
-    fits the budget; the read-ahead is `prefetch_depth`, or `loader.auto_prefetch_depth` of the largest group."""
+    When the leanest plan does not fit an automatic plan's budget, the prefill chunk is halved (down to
+    MIN_PREFILL_CHUNK), then the context, unless `max_context` set it, shrinks (with a notice) from the model's up to
+    DEFAULT_CONTEXT. The read-ahead is `prefetch_depth`, or `loader.auto_prefetch_depth` of the largest group."""
     cfg = layout.cfg
     if max_context is not None and not 1 <= max_context <= cfg.context_length:
         raise OptionError("max_context", f"{max_context} is outside 1..{cfg.context_length}, the model's context length")
@@ -223,10 +226,13 @@ def plan_memory(layout: WeightLayout, *, cuda: bool, kv_dtype: torch.dtype, max_
     else:
         depth = prefetch_depth
 
-    def needs_at(capacity: int) -> MemoryNeeds:
-        return memory_needs(layout, capacity, kv_dtype, group_size, staging_slots=depth + 1)
+    capacity, notice, chunk = max_context or min(cfg.context_length, DEFAULT_CONTEXT), None, PREFILL_CHUNK
 
-    capacity, notice = max_context or min(cfg.context_length, DEFAULT_CONTEXT), None
+    def needs_at(capacity: int) -> MemoryNeeds:
+        return memory_needs(layout, capacity, kv_dtype, group_size, depth + 1, chunk)
+
+    while tiers == "auto" and chunk > MIN_PREFILL_CHUNK and minimum(needs_at(capacity)) > budget.device:
+        chunk //= 2
     if max_context is None and tiers == "auto":
         fitted = fitted_context(needs_at, capacity, budget.device)
         if 0 < fitted < capacity:
@@ -234,4 +240,4 @@ def plan_memory(layout: WeightLayout, *, cuda: bool, kv_dtype: torch.dtype, max_
                       f"memory budget ({format_size(budget.device)}); max_context (--ctx-size) asks for a size")
             capacity = fitted
     needs = needs_at(capacity)
-    return MemoryPlan(needs, budget, make_plan(needs, budget, cuda=cuda, tiers=tiers), capacity, depth, notice)
+    return MemoryPlan(needs, budget, make_plan(needs, budget, cuda=cuda, tiers=tiers), capacity, chunk, depth, notice)

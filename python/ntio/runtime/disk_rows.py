@@ -3,8 +3,9 @@
 
 Verification: a store records one checksum per tensor, which no row read can check. When the table is opened, it is
 read once whole (a window at a time), checked against that checksum, and hashed row by row (xxh3-64, 8 bytes per
-row: `LayerLoader.piece_checksums`); every row read later is checked against its row hash on the reader's I/O thread. A row that changes on disk after that is a
-ModelFormatError naming the tensor and the row's offset, never an embedding: as strong as the per-tensor check.
+row: `LayerLoader.piece_checksums`); every row read later is checked against its row hash on the reader's I/O
+thread. A row that changes on disk after that is a ModelFormatError naming the tensor and the row's offset, never an
+embedding: as strong as the per-tensor check.
 """
 
 from __future__ import annotations

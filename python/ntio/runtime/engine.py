@@ -19,8 +19,10 @@ from ntio.models.layers import GlobalWeights, LayerWeights, causal_mask, rms_nor
 from ntio.policies.base import LOAD_ALL, SKIP, LoadDecision, LoadPolicy, Observation
 from ntio.runtime.kv_cache import KVCache
 
-# Longer inputs run as several forward passes of at most this many tokens, which bounds activation memory.
-PREFILL_CHUNK = 512
+# Longer inputs run as several forward passes of at most this many tokens, which bounds activation memory (an 8B
+# model's take ~190 KB per token). A tight memory budget lowers it, down to MIN_PREFILL_CHUNK (ntio.runtime.budget):
+# a chunk is one pass over every streamed weight, so smaller chunks make long prompts read more.
+PREFILL_CHUNK, MIN_PREFILL_CHUNK = 512, 64
 # Scoring (`Engine.nll`) makes logits for this many bytes of positions at a time, never [T, V] at once: a 512-token
 # window of a 128k vocabulary would take 262 MB.
 LOGITS_BYTES = 16 << 20
@@ -51,16 +53,17 @@ def _decision(w: LayerWeights | None) -> LoadDecision:
 class Engine:
     """One model's forward pass. `threads`: its CPU threads (None: the process's), both torch's intra-op threads
     for its prefill steps and the Rust kernels' pool, set for each step and restored after it; `scratch`: its own
-    dequantization buffers."""
+    dequantization buffers; `prefill_chunk`: the most tokens one pass takes."""
 
     def __init__(self, cfg: ModelConfig, globals_: GlobalWeights, layers: LayerSource, kv: KVCache,
-                 *, threads: int | None = None) -> None:
+                 *, threads: int | None = None, prefill_chunk: int = PREFILL_CHUNK) -> None:
         self.cfg = cfg
         self.globals = globals_
         self.layers = layers
         self.kv = kv
         self.device = globals_.output_norm.device
         self.threads = threads
+        self.prefill_chunk = prefill_chunk
         self.scratch = ops.Scratch()
 
     @torch.inference_mode()
@@ -106,7 +109,7 @@ class Engine:
 
     def _run(self, tokens: torch.Tensor, start_pos: int, project: Callable[[torch.Tensor, int], torch.Tensor]
              ) -> list[torch.Tensor]:
-        """The layers over tokens [T] in chunks of at most PREFILL_CHUNK; project(h, i) maps each chunk's final
+        """The layers over tokens [T] in chunks of at most `prefill_chunk`; project(h, i) maps each chunk's final
         hidden states [t, D] (of tokens i .. i+t-1) to what the caller keeps, inside the step's thread and scratch
         settings."""
         n_tokens = tokens.shape[0]
@@ -122,8 +125,8 @@ class Engine:
         if start_pos != self.kv.length:
             raise ValueError(f"start_pos {start_pos} leaves a gap after the {self.kv.length} cached positions")
         out = []
-        for first in range(0, n_tokens, PREFILL_CHUNK):
-            chunk, pos = tokens[first : first + PREFILL_CHUNK], start_pos + first
+        for first in range(0, n_tokens, self.prefill_chunk):
+            chunk, pos = tokens[first : first + self.prefill_chunk], start_pos + first
             ids = chunk.tolist()  # before any compute is queued: no wait on the device
             attention_work = self.cfg.n_heads * (pos + chunk.shape[0]) * self.cfg.head_dim
             with (
@@ -151,7 +154,7 @@ class Engine:
 
     def _forward_chunk(self, tokens: torch.Tensor, start_pos: int, project: Callable[[torch.Tensor], torch.Tensor]
                        ) -> torch.Tensor:
-        """tokens [T] (T <= PREFILL_CHUNK) through every layer, then project(final hidden states [T, D]) while the
+        """tokens [T] (T <= prefill_chunk) through every layer, then project(final hidden states [T, D]) while the
         forward's reads are still open (a streamed head is read in it)."""
         cfg, n_tokens, kv = self.cfg, tokens.shape[0], self.kv
         end = start_pos + n_tokens

@@ -253,7 +253,8 @@ class LayerLoader:
 
     @property
     def num_groups(self) -> int:
-        return len(self.groups)
+        """Groups of layers (a streamed head's chunk groups come after them and are not counted)."""
+        return len(self.groups) - len(self._head_rows)
 
     @property
     def layers_per_group(self) -> int:

@@ -2,8 +2,8 @@
 
 The room is the machine's MemAvailable or, inside a memory cgroup (v1 or v2), the cgroup's limit minus what the
 kernel cannot reclaim there (anonymous memory, kernel memory, shmem: the usage minus the file pages on its LRU
-lists), whichever is smaller; then minus the file-backed pages this process keeps resident (its libraries' code:
-torch's are ~240 MB), which count as reclaimable but which it needs. Page cache is room, not use: `import torch`
+lists), whichever is smaller; then minus the file-backed pages this process keeps resident (its libraries' code),
+which count as reclaimable but some of which it needs, up to LIBRARY_WORKING_SET. Page cache is room, not use: `import torch`
 alone charges ~1.35 GB to a cgroup, ~1 GB of it inactive file pages (../shared/DESIGN.md), and counting those as
 used once left a 1.5 GB cap with a 129 MiB budget.
 """
@@ -17,6 +17,10 @@ from pathlib import Path
 # The default RAM budget leaves this share of the room (at least HEADROOM_MIN bytes) to the allocator's slack, the
 # interpreter's growth and the page cache of the files being read.
 HEADROOM_SHARE, HEADROOM_MIN = 0.05, 64 << 20
+# Of this process's resident file pages, at most this many are kept out of the room. After `import torch, ntio`
+# they are ~240 MB (Pss_File), most of them touched once while importing: the import itself runs in a 500 MB cgroup
+# with ~300 MB of that anonymous (../shared/DESIGN.md), and a decode step runs a small part of the libraries' code.
+LIBRARY_WORKING_SET = 128 << 20
 
 
 @dataclass(frozen=True)
@@ -25,7 +29,7 @@ class RamRoom:
     source: str  # what bounds it: "MemAvailable" or "cgroup v1 /path" / "cgroup v2 /path"
     limit: int | None  # the cgroup's limit (None when no cgroup limit applies)
     unreclaimable: int  # the cgroup's anonymous + kernel memory (0 without a cgroup limit)
-    own_file_pages: int  # this process's resident file-backed pages, subtracted from the room
+    own_file_pages: int  # this process's resident file-backed pages (up to LIBRARY_WORKING_SET leave the room)
 
     @property
     def default_budget(self) -> int:
@@ -34,7 +38,7 @@ class RamRoom:
 
 def ram_room() -> RamRoom:
     """The RAM this process may still use, from /proc/meminfo and its memory cgroup (see the module's notes)."""
-    own = _own_file_pages()
+    own = min(_own_file_pages(), LIBRARY_WORKING_SET)
     best = RamRoom(max(0, _mem_available() - own), "MemAvailable", None, 0, own)
     for source, limit, usage, file_pages in _cgroup_limits():
         unreclaimable = max(0, usage - file_pages)

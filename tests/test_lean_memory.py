@@ -1,0 +1,145 @@
+"""Bigger than RAM: the lean parts of a plan give the same answers as the resident model, stay verified, and the
+plan says what each part costs (`ntio plan`).
+
+The output head streamed in row chunks and token-embedding rows read on demand must give bit-identical logits and
+tokens (the same bytes through the same kernels); perplexity, scored through a running log-sum-exp over head chunks,
+must agree with torch's cross-entropy over the whole logits. Oracles: the resident model, torch's cross_entropy."""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+
+import gguf
+import pytest
+import torch
+import torch.nn.functional as F
+
+import ntio
+from ntio.errors import ModelFormatError
+from ntio.formats.store import StoreFile, convert
+from ntio.synth import SynthSpec, write_synthetic_gguf
+from tests.test_cli import assert_user_error, ntio as run_cli
+
+PROMPT = "The capital of France is"
+
+
+@pytest.fixture(scope="module")
+def untied(tmp_path_factory):
+    """A small synthetic model with an untied head (Q6_K) and embedding (Q8_0): both can leave RAM."""
+    spec = SynthSpec(n_layers=4, d_model=256, d_ff=512, n_heads=8, n_kv_heads=2, vocab_size=4096, seed=5,
+                     output_type=gguf.GGMLQuantizationType.Q6_K)
+    return write_synthetic_gguf(tmp_path_factory.mktemp("untied") / "untied.gguf", spec)
+
+
+@pytest.fixture(scope="module")
+def smollm2_store(smollm2_path, tmp_path_factory):
+    return convert(smollm2_path, tmp_path_factory.mktemp("store") / "smollm2.ntio")
+
+
+def _same_answers(path, ids, **lean):
+    ref = ntio.load(path, max_context=128, tiers="A")
+    m = ntio.load(path, max_context=128, **lean)
+    try:
+        assert torch.equal(m.engine.forward(ids, 0, all_logits=True), ref.engine.forward(ids, 0, all_logits=True))
+        tokens = m.generate(ids.tolist(), max_new_tokens=8).token_ids
+        assert tokens == ref.generate(ids.tolist(), max_new_tokens=8).token_ids
+        return m
+    finally:
+        ref.close()
+
+
+@pytest.mark.parametrize("options", [{"tiers": "C"}, {"tiers": "A:0-1,C:2-3", "layer_group_size": 2},
+                                     {"tiers": "C", "sync": True}])
+def test_untied_head_streamed_and_embedding_on_disk_equal_resident(untied, options):
+    ids = torch.randint(0, 4096, (19,), generator=torch.Generator().manual_seed(1))
+    m = _same_answers(untied, ids, **options)
+    assert (m.plan.head, m.plan.embedding) == ("C", "C")
+    assert m.engine.globals.output is None and len(m.loader._head_rows) >= 1
+    stats = m.stats.summary()
+    head_units = list(m.loader._head_rows)
+    assert all(stats["bytes_read_per_layer"][u] > 0 for u in head_units)  # the head was read at every forward
+    m.close()
+
+
+def test_tied_head_streams_with_the_embedding_rows_from_one_table(smollm2_path):
+    m = ntio.load(smollm2_path, max_context=128, tiers="C")
+    ids = torch.tensor(m.encode_prompt(PROMPT))
+    m.close()
+    m = _same_answers(smollm2_path, ids, tiers="C")
+    assert (m.plan.head, m.plan.embedding) == ("C", "C") and len(m.loader._head_rows) > 1
+    m.close()
+
+
+def test_auto_plan_streams_the_head_when_the_budget_is_lean(untied):
+    """A budget just above the minimum: the head cannot stay, layers fill what is left."""
+    from ntio.runtime.budget import minimum
+
+    probe = ntio.load(untied, max_context=128, tiers="A", prefetch_depth=1)  # staging: two layers, not the model
+    lean = minimum(probe.memory.needs) + 2 * probe.memory.needs.layers[0]
+    probe.close()
+    m = ntio.load(untied, max_context=128, ram_budget=lean, prefetch_depth=1)
+    assert m.plan.head == "C" and m.plan.embedding == "C" and m.plan.counts["A"] == 2
+    report = m.memory.report()
+    assert report["total"] <= lean and report["parts"]["output head"] == 0
+    m.close()
+
+
+def test_scoring_with_a_streamed_head_matches_cross_entropy(untied):
+    ids = torch.randint(0, 4096, (40,), generator=torch.Generator().manual_seed(2))
+    ref = ntio.load(untied, max_context=64, tiers="A")
+    logits = ref.engine.forward(ids, 0, all_logits=True)
+    want = F.cross_entropy(logits[:-1], ids[1:], reduction="none")
+    for tiers in ("A", "C"):
+        m = ntio.load(untied, max_context=64, tiers=tiers)
+        got = m.engine.nll(ids, 0)
+        assert got.shape == want.shape
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        m.close()
+
+
+def test_a_row_changed_after_load_is_caught_naming_the_table(smollm2_store, tmp_path):
+    """Embedding rows and head chunks read later are checked against hashes taken when the store was opened."""
+    bad = shutil.copy(smollm2_store, tmp_path / "bad.ntio")
+    m = ntio.load(bad, max_context=128, tiers="C")
+    assert m.plan.embedding == "C"
+    ids = m.encode_prompt(PROMPT)
+    info = StoreFile(bad).tensor("token_embd.weight")
+    row = info.nbytes // info.shape[0]
+    with open(bad, "r+b") as f:  # flip a byte of the first prompt token's row
+        f.seek(info.offset + ids[0] * row + 5)
+        byte = f.read(1)[0]
+        f.seek(info.offset + ids[0] * row + 5)
+        f.write(bytes([byte ^ 0x20]))
+    with pytest.raises(ModelFormatError, match=r"bad\.ntio: checksum mismatch in tensor 'token_embd\.weight'"):
+        m.generate(ids, max_new_tokens=2)
+    m.close()
+    with pytest.raises(ModelFormatError, match=r"checksum mismatch in tensor 'token_embd\.weight'"):
+        ntio.load(bad, max_context=128, tiers="C")  # and at load: the whole table is checked first
+
+
+def test_default_context_is_4096_and_shrinks_to_fit_with_a_notice(smollm2_path, caplog):
+    m = ntio.load(smollm2_path)
+    assert m.engine.kv.capacity == 4096 and m.config.context_length == 8192
+    m.close()
+    with caplog.at_level(logging.WARNING, logger="ntio"):
+        m = ntio.load(smollm2_path, ram_budget="150MB")
+    assert 0 < m.engine.kv.capacity < 4096
+    assert any(f"the context is {m.engine.kv.capacity} tokens, not 4096" in r.message for r in caplog.records)
+    m.close()
+
+
+def test_plan_command_text_and_json(smollm2_path):
+    out = run_cli("plan", str(smollm2_path), "--ctx-size", "512", "--ram-budget", "150MB", "--json")
+    assert out.returncode == 0, out.stderr
+    report = json.loads(out.stdout)
+    assert report["context"] == 512 and report["ram_budget"] == 150_000_000 and report["budget_source"] == "ram_budget"
+    assert report["total"] <= 150_000_000 and report["minimum"] <= report["total"]
+    assert report["total"] == sum(report["parts"].values())
+    n_layers = sum(report["layers_per_tier"].values())
+    assert n_layers == 30 and report["layers_per_tier"]["C"] > 0 and report["bytes_read_per_token"] > 0
+    text = run_cli("plan", str(smollm2_path), "--ctx-size", "512", "--ram-budget", "150MB")
+    assert text.returncode == 0 and "minimum, every layer streamed" in text.stdout and "kv cache" in text.stdout
+    small = run_cli("plan", str(smollm2_path), "--ctx-size", "512", "--ram-budget", "20MB")
+    assert_user_error(small, "--ram-budget 19.07 MiB is too small: streaming this model needs at least")
