@@ -1,11 +1,12 @@
 """What a model needs in memory, and the tier plan that fits it into the user's budgets.
 
-Budgets cover what ntio allocates for the model: the output head and norms (always resident), the token embedding
-(resident, or its rows read on demand), the KV cache, activations (bounded: prefill runs in chunks of
-`engine.PREFILL_CHUNK` tokens or fewer, dequantized products in row chunks of `ops.SCRATCH_BYTES`, logits for the one position
-generation samples or `engine.LOGITS_BYTES` of scored positions at a time), the staging slots when anything streams,
-and the tier A/B layers. The Python interpreter and its libraries, the parsed metadata and the tokenizer are
-already allocated when the default budget is measured (ntio.runtime.memory), so they are not in it.
+Budgets cover what ntio allocates for the model: the norms, the output head (resident, or streamed in row chunks
+like a layer), the token embedding (resident, or its rows read on demand), the KV cache, activations (bounded:
+prefill runs in chunks of `engine.PREFILL_CHUNK` tokens or fewer, dequantized products in row chunks of
+`ops.SCRATCH_BYTES`, logits for the one position generation samples or `engine.LOGITS_BYTES` of scored positions at
+a time), the staging slots when anything streams, and the tier A/B layers. The Python interpreter and its libraries,
+the parsed metadata and the tokenizer are already allocated when the default budget is measured
+(ntio.runtime.memory), so they are not in it.
 """
 
 from __future__ import annotations
@@ -163,8 +164,8 @@ def _check_forced(needs: MemoryNeeds, forced: list[str], head: str, spec: str, *
                 "tiers",
                 f"{spec!r} needs {format_size(need)} of {memory} but {option} is {format_size(budget)} "
                 f"(KV cache {format_size(needs.kv_cache)}: a smaller max_context shrinks it; always-resident weights "
-                f"{format_size(needs.globals + globals_)}, resident layers {format_size(resident + host_layers)}, staging "
-                f"{format_size(staging)})",
+                f"{format_size(needs.globals + globals_)}, resident layers {format_size(resident + host_layers)}, "
+                f"staging {format_size(staging)})",
             )
 
 
@@ -188,14 +189,15 @@ class MemoryPlan:
         head_streamed = plan.head == "C"
         staging = needs.staging(plan.tiers, head_streamed) if streamed or head_streamed else 0
         embedding = needs.token_embd if plan.embedding == "A" else 0
-        parts = {"norms": needs.globals, "output head": 0 if head_streamed else needs.head, "token embedding": embedding,
-                 "kv cache": needs.kv_cache, "activations": needs.activations, "staging": staging,
-                 "resident layers": sum(resident)}
+        parts = {"norms": needs.globals, "output head": 0 if head_streamed else needs.head,
+                 "token embedding": embedding, "kv cache": needs.kv_cache, "activations": needs.activations,
+                 "staging": staging, "resident layers": sum(resident)}
         return {
             "tiers": plan.describe(), "layers_per_tier": plan.counts, "output_head": plan.head,
-            "token_embedding": plan.embedding,
-            "context": self.capacity, "prefill_chunk": self.prefill_chunk, "prefetch_depth": self.prefetch_depth if streamed or head_streamed else 0,
-            "ram_budget": self.budget.ram, "device_budget": self.budget.device, "budget_source": self.budget.ram_source,
+            "token_embedding": plan.embedding, "context": self.capacity, "prefill_chunk": self.prefill_chunk,
+            "prefetch_depth": self.prefetch_depth if streamed or head_streamed else 0,
+            "ram_budget": self.budget.ram, "device_budget": self.budget.device,
+            "budget_source": self.budget.ram_source,
             "parts": parts, "total": sum(parts.values()), "minimum": minimum(needs),
             # and, with the embedding on disk, one row (a few KB) per token
             "bytes_read_per_token": sum(streamed) + (needs.head if head_streamed else 0),
@@ -213,7 +215,8 @@ def plan_memory(layout: WeightLayout, *, cuda: bool, kv_dtype: torch.dtype, max_
     DEFAULT_CONTEXT. The read-ahead is `prefetch_depth`, or `loader.auto_prefetch_depth` of the largest group."""
     cfg = layout.cfg
     if max_context is not None and not 1 <= max_context <= cfg.context_length:
-        raise OptionError("max_context", f"{max_context} is outside 1..{cfg.context_length}, the model's context length")
+        raise OptionError("max_context",
+                          f"{max_context} is outside 1..{cfg.context_length}, the model's context length")
     if group_size < 1:
         raise OptionError("layer_group_size", f"must be >= 1, got {group_size}")
     if prefetch_depth is not None and prefetch_depth < 1:
