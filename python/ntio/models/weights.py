@@ -56,6 +56,11 @@ class WeightLayout:
             )
         return info
 
+    @property
+    def head(self) -> TensorInfo:
+        """The output head's tensor: `output`, or the token embedding when they are tied."""
+        return self.output if self.output is not None else self.token_embd
+
     def block_nbytes(self, layer: int) -> int:
         return sum(info.nbytes for info in self.blocks[layer].values())
 
@@ -124,7 +129,7 @@ def load_global_weights(
     tied = layout.output is None
     if tied and (token_embd is None) != head_resident:
         raise ValueError("a tied token embedding is the output head: both resident, or both read from disk")
-    output = matrix(layout.output or layout.token_embd) if head_resident else None
+    output = matrix(layout.head) if head_resident else None
     if token_embd is None:
         token_embd = output if tied else matrix(layout.token_embd)
     return GlobalWeights(

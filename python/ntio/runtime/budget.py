@@ -70,7 +70,6 @@ def memory_needs(
     prefill_chunk: int = PREFILL_CHUNK,
 ) -> MemoryNeeds:
     cfg: ModelConfig = layout.cfg
-    head = layout.token_embd if layout.output is None else layout.output
     token_embd = 0 if layout.output is None else layout.token_embd.nbytes
     kv = 2 * cfg.n_layers * cfg.n_kv_heads * capacity * cfg.head_dim * torch.empty(0, dtype=kv_dtype).element_size()
     tokens = min(capacity, prefill_chunk)
@@ -79,7 +78,7 @@ def memory_needs(
     activations = ops.SCRATCH_BYTES + 4 * tokens * per_token + logits
     layers = [layout.block_nbytes(i) + len(layout.blocks[i]) * _ALIGN for i in range(cfg.n_layers)]
     norms = layout.output_norm.n_elements * 4
-    return MemoryNeeds(norms, head.nbytes, token_embd, kv, activations, layers, group_size, staging_slots)
+    return MemoryNeeds(norms, layout.head.nbytes, token_embd, kv, activations, layers, group_size, staging_slots)
 
 
 @dataclass(frozen=True)

@@ -154,7 +154,6 @@ class LayerLoader:
         except OSError as e:
             raise read_error(e) from None
         self._reads = [_plan_layer(layout, i, verify) for i in range(cfg.n_layers)]
-        self.n_layers = cfg.n_layers
 
         # Resident tiers, read once: A onto the device; B into host RAM (pinned on CUDA; on CPU B is just RAM).
         self._resident: dict[int, LayerWeights] = {}
@@ -186,7 +185,7 @@ class LayerLoader:
         self._head_rows: dict[int, tuple[int, int]] = {}  # head unit -> its rows [start, stop) of the output head
         if plan.head == "C":
             chunk = max(-(-sum(self._reads[i].nbytes for i in g.layers) // _ALIGN) * _ALIGN for g in self.groups)
-            self._plan_head(layout.output or layout.token_embd, chunk)
+            self._plan_head(layout.head, chunk)
         self._group_of = [g for g, grp in enumerate(self.groups) for _ in grp.layers]
         self._streamed_groups = [g for g, grp in enumerate(self.groups) if grp.streamed]
         slot_size = max((grp.nbytes for grp in self.groups), default=0)
@@ -503,7 +502,7 @@ class LayerLoader:
             base = grp.offsets[layer]
             if layer in self._head_rows:
                 start, stop = self._head_rows[layer]
-                info = self.layout.output or self.layout.token_embd
+                info = self.layout.head
                 raw = source[base : base + self._reads[layer].nbytes]
                 self._head[layer] = EncodedMatrix(raw, info.qtype, (stop - start, info.shape[1]))
                 continue
