@@ -12,11 +12,13 @@ import logging
 import shutil
 
 import gguf
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
 
 import ntio
+from ntio import _core
 from ntio.errors import ModelFormatError
 from ntio.formats.store import StoreFile, convert
 from ntio.synth import SynthSpec, write_synthetic_gguf
@@ -143,3 +145,19 @@ def test_plan_command_text_and_json(smollm2_path):
     assert text.returncode == 0 and "minimum, every layer streamed" in text.stdout and "kv cache" in text.stdout
     small = run_cli("plan", str(smollm2_path), "--ctx-size", "512", "--ram-budget", "20MB")
     assert_user_error(small, "--ram-budget 19.07 MiB is too small: streaming this model needs at least")
+
+
+def test_piece_hashes_match_the_file_bytes_in_one_pass(smollm2_store):
+    """Chunk and row hashes taken while the table is verified whole agree with hashing the file's bytes directly,
+    for chunk sizes that divide the hashing window and that do not; a tied table streamed as head chunks gets its
+    row hashes from that same pass."""
+    m = ntio.load(smollm2_store, max_context=64, tiers="C")
+    info = m.loader.layout.token_embd
+    assert set(m.loader._row_checksums) == {info.name}  # hashed with the head's chunks, not read again
+    row = info.nbytes // info.shape[0]
+    data = np.fromfile(smollm2_store, dtype=np.uint8, count=info.nbytes, offset=info.offset)
+    for chunk in (row * 7, row * 3571, row * 40000, info.nbytes):
+        chunks, rows = m.loader.piece_checksums(info, chunk, row)
+        assert chunks == [_core.checksum(data[i : i + chunk]) for i in range(0, data.size, chunk)]
+        assert rows == [_core.checksum(data[i : i + row]) for i in range(0, data.size, row)]
+    m.close()

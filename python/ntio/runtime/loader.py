@@ -183,6 +183,7 @@ class LayerLoader:
                 end += -(-self._reads[layer].nbytes // _ALIGN) * _ALIGN
             self.groups.append(_Group(layers, streamed, offsets, end))
         self._head_rows: dict[int, tuple[int, int]] = {}  # head unit -> its rows [start, stop) of the output head
+        self._row_checksums: dict[str, list[int]] = {}  # tensor -> its rows' hashes, taken with the head's chunks
         if plan.head == "C":
             chunk = max(-(-sum(self._reads[i].nbytes for i in g.layers) // _ALIGN) * _ALIGN for g in self.groups)
             self._plan_head(layout.head, chunk)
@@ -215,10 +216,15 @@ class LayerLoader:
 
     def _plan_head(self, info: TensorInfo, chunk_bytes: int) -> None:
         """Cut the output head into row chunks of at most `chunk_bytes` (one layer group), each a streamed unit with
-        its own group, checked against chunk hashes taken from one verified read now."""
+        its own group, checked against chunk hashes taken from one verified read now (with a tied table left on disk,
+        the same read hashes its rows for `disk_rows`)."""
         row_nbytes = info.nbytes // info.shape[0]
         rows = max(1, chunk_bytes // row_nbytes)
-        sums = self.piece_checksums(info, rows * row_nbytes)
+        tied_rows = self.plan.embedding == "C" and info is self.layout.token_embd
+        hashed = self.piece_checksums(info, rows * row_nbytes, *([row_nbytes] if tied_rows else []))
+        sums = None if hashed is None else hashed[0]
+        if tied_rows and hashed is not None:
+            self._row_checksums[info.name] = hashed[1]
         for k, start in enumerate(range(0, info.shape[0], rows)):
             stop, unit = min(start + rows, info.shape[0]), len(self._reads)
             nbytes = (stop - start) * row_nbytes
@@ -228,22 +234,36 @@ class LayerLoader:
             self._head_rows[unit] = (start, stop)
             self.groups.append(_Group([unit], [unit], {unit: 0}, -(-nbytes // _ALIGN) * _ALIGN))
 
-    def piece_checksums(self, info: TensorInfo, piece_nbytes: int) -> list[int] | None:
-        """xxh3-64 of each `piece_nbytes` piece of tensor `info` (the last maybe shorter), from one read of the whole
-        tensor a window at a time, checked against the store's checksum of it; None without `verify` or a checksum
-        (GGUF). Memory: one window (~max(32 MiB, one piece))."""
+    def piece_checksums(self, info: TensorInfo, *sizes: int) -> list[list[int]] | None:
+        """For each size, the xxh3-64 of every piece of that many bytes of tensor `info` (the last maybe shorter), all
+        from one read of the whole tensor a window at a time, checked against the store's checksum of it; None
+        without `verify` or a checksum (GGUF). Memory: one window, a multiple of the row size near _HASH_WINDOW.
+        Sizes that divide the window are hashed there in one call; others (chunks of many rows) are streamed."""
         expected = extent_index(self.layout.file).checksum(info.name) if self.verify else None
         if expected is None:
             return None
-        window = max(1, _HASH_WINDOW // piece_nbytes) * piece_nbytes
-        hasher, sums = _core.Hasher(), []
+        row_nbytes = info.nbytes // info.shape[0]
+        window = max(1, _HASH_WINDOW // row_nbytes) * row_nbytes
+        whole, sums = _core.Hasher(), [[] for _ in sizes]
+        streams = [_core.Hasher() for _ in sizes]  # the piece being hashed, for sizes that do not divide the window
         for start in range(0, info.nbytes, window):
             n = min(window, info.nbytes - start)
             head = (info.offset + start) % _ALIGN
-            piece = self._read_now([(info.offset + start, n, head)], head + n, [])[head:].numpy()
-            hasher.update(piece)
-            sums += _core.piece_checksums(piece, piece_nbytes)
-        if hasher.digest() != expected:
+            data = self._read_now([(info.offset + start, n, head)], head + n, [])[head:].numpy()
+            whole.update(data)
+            for i, size in enumerate(sizes):
+                if window % size == 0:
+                    sums[i] += _core.piece_checksums(data, size)
+                    continue
+                at = 0
+                while at < n:  # feed the piece that [start + at, ...) belongs to, closing it at its end
+                    take = min(n - at, size - (start + at) % size)
+                    streams[i].update(data[at : at + take])
+                    at += take
+                    if (start + at) % size == 0 or start + at == info.nbytes:
+                        sums[i].append(streams[i].digest())
+                        streams[i] = _core.Hasher()
+        if whole.digest() != expected:
             raise ModelFormatError(f"{self.layout.file.path}: checksum mismatch in tensor {info.name!r} (extent at "
                                    f"offset {info.offset}, {info.nbytes} bytes): the file is corrupt or was changed")
         return sums
@@ -525,8 +545,12 @@ class LayerLoader:
 
     def disk_rows(self, info: TensorInfo) -> DiskRows:
         """The encoded table `info` left on disk, its rows read on demand (with `verify`, checked against row hashes
-        taken from one verified read of the whole table now: ntio.runtime.disk_rows)."""
-        return DiskRows(self.reader, info, self.piece_checksums(info, info.nbytes // info.shape[0]), self.device)
+        taken from one verified read of the whole table: now, or with the streamed head's when it is that table)."""
+        sums = self._row_checksums.get(info.name)
+        if sums is None:
+            hashed = self.piece_checksums(info, info.nbytes // info.shape[0])
+            sums = None if hashed is None else hashed[0]
+        return DiskRows(self.reader, info, sums, self.device)
 
     def read_tensor(self, info: TensorInfo) -> torch.Tensor:
         """One tensor's encoded bytes, read now into host memory (for the always-resident globals)."""
