@@ -150,7 +150,8 @@ class Engine:
 
     def _logits(self, x: torch.Tensor) -> torch.Tensor:
         """x: [t, D] normed final hidden states -> logits [t, V]."""
-        return torch.cat([ops.linear(x, chunk) for _, chunk in self._head()], dim=1)
+        parts = [ops.linear(x, chunk) for _, chunk in self._head()]
+        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
 
     def _forward_chunk(self, tokens: torch.Tensor, start_pos: int, project: Callable[[torch.Tensor], torch.Tensor]
                        ) -> torch.Tensor:
