@@ -21,6 +21,11 @@ import ntio
 from ntio import _core
 from ntio.errors import ModelFormatError
 from ntio.formats.store import StoreFile, convert
+from ntio.formats.model_file import open_model_file
+from ntio.models.config import ModelConfig
+from ntio.models.weights import WeightLayout
+from ntio.runtime.budget import minimum, plan_memory
+from ntio.runtime.tiers import parse_tier_spec
 from ntio.synth import SynthSpec, write_synthetic_gguf
 from tests.test_cli import assert_user_error, ntio as run_cli
 
@@ -40,6 +45,18 @@ def smollm2_store(smollm2_path, tmp_path_factory):
     return convert(smollm2_path, tmp_path_factory.mktemp("store") / "smollm2.ntio")
 
 
+def lean(path, **options):
+    """`options` (forced tiers) with the smallest RAM budget they fit in: the leanest plan's minimum plus the forced
+    resident layers, which leaves no room for the output head or the token embedding."""
+    g = open_model_file(path)
+    layout = WeightLayout(g, ModelConfig.from_gguf(g))
+    needs = plan_memory(layout, cuda=False, kv_dtype=torch.float32, max_context=128,
+                        group_size=options.get("layer_group_size", 1), sync=options.get("sync", False)).needs
+    tiers = parse_tier_spec(options["tiers"], layout.cfg.n_layers)
+    resident = sum(n for n, t in zip(needs.layers, tiers) if t == "A")
+    return {**options, "ram_budget": minimum(needs) + resident}
+
+
 def _same_answers(path, ids, **lean):
     ref = ntio.load(path, max_context=128, tiers="A")
     m = ntio.load(path, max_context=128, **lean)
@@ -56,7 +73,7 @@ def _same_answers(path, ids, **lean):
                                      {"tiers": "C", "sync": True}])
 def test_untied_head_streamed_and_embedding_on_disk_equal_resident(untied, options):
     ids = torch.randint(0, 4096, (19,), generator=torch.Generator().manual_seed(1))
-    m = _same_answers(untied, ids, **options)
+    m = _same_answers(untied, ids, **lean(untied, **options))
     assert (m.plan.head, m.plan.embedding) == ("C", "C")
     assert m.engine.globals.output is None and len(m.loader._head_rows) >= 1
     stats = m.stats.summary()
@@ -69,32 +86,42 @@ def test_tied_head_streams_with_the_embedding_rows_from_one_table(smollm2_path):
     m = ntio.load(smollm2_path, max_context=128, tiers="C")
     ids = torch.tensor(m.encode_prompt(PROMPT))
     m.close()
-    m = _same_answers(smollm2_path, ids, tiers="C")
+    m = _same_answers(smollm2_path, ids, **lean(smollm2_path, tiers="C"))
     assert (m.plan.head, m.plan.embedding) == ("C", "C") and len(m.loader._head_rows) > 1
+    m.close()
+
+
+def test_forced_tiers_keep_the_head_and_embedding_resident_where_they_fit(untied):
+    m = ntio.load(untied, max_context=128, tiers="C")
+    assert (m.plan.head, m.plan.embedding) == ("A", "A") and not m.loader._head_rows
+    m.close()
+    budget = lean(untied, tiers="C")["ram_budget"]
+    needs = m.memory.needs
+    m = ntio.load(untied, max_context=128, tiers="C", ram_budget=budget + needs.head + needs.largest_group())
+    assert (m.plan.head, m.plan.embedding) == ("A", "C")  # room for the head (and no staging for it), not the table
     m.close()
 
 
 def test_auto_plan_streams_the_head_when_the_budget_is_lean(untied):
     """A budget just above the minimum: the head cannot stay, layers fill what is left."""
-    from ntio.runtime.budget import minimum
-
     probe = ntio.load(untied, max_context=128, tiers="A", prefetch_depth=1)  # staging: two layers, not the model
-    lean = minimum(probe.memory.needs) + 2 * probe.memory.needs.layers[0]
+    budget = minimum(probe.memory.needs) + 2 * probe.memory.needs.layers[0]
     probe.close()
-    m = ntio.load(untied, max_context=128, ram_budget=lean, prefetch_depth=1)
+    m = ntio.load(untied, max_context=128, ram_budget=budget, prefetch_depth=1)
     assert m.plan.head == "C" and m.plan.embedding == "C" and m.plan.counts["A"] == 2
     report = m.memory.report()
-    assert report["total"] <= lean and report["parts"]["output head"] == 0
+    assert report["total"] <= budget and report["parts"]["output head"] == 0
     m.close()
 
 
 def test_scoring_with_a_streamed_head_matches_cross_entropy(untied):
     ids = torch.randint(0, 4096, (40,), generator=torch.Generator().manual_seed(2))
-    ref = ntio.load(untied, max_context=64, tiers="A")
+    ref = ntio.load(untied, max_context=128, tiers="A")
     logits = ref.engine.forward(ids, 0, all_logits=True)
     want = F.cross_entropy(logits[:-1], ids[1:], reduction="none")
-    for tiers in ("A", "C"):
-        m = ntio.load(untied, max_context=64, tiers=tiers)
+    for options in ({"tiers": "A"}, lean(untied, tiers="C")):
+        m = ntio.load(untied, max_context=128, **options)
+        assert m.plan.head == ("C" if options["tiers"] == "C" else "A")
         got = m.engine.nll(ids, 0)
         assert got.shape == want.shape
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
@@ -104,7 +131,8 @@ def test_scoring_with_a_streamed_head_matches_cross_entropy(untied):
 def test_a_row_changed_after_load_is_caught_naming_the_table(smollm2_store, tmp_path):
     """Embedding rows and head chunks read later are checked against hashes taken when the store was opened."""
     bad = shutil.copy(smollm2_store, tmp_path / "bad.ntio")
-    m = ntio.load(bad, max_context=128, tiers="C")
+    options = lean(bad, tiers="C")
+    m = ntio.load(bad, max_context=128, **options)
     assert m.plan.embedding == "C"
     ids = m.encode_prompt(PROMPT)
     info = StoreFile(bad).tensor("token_embd.weight")
@@ -118,7 +146,7 @@ def test_a_row_changed_after_load_is_caught_naming_the_table(smollm2_store, tmp_
         m.generate(ids, max_new_tokens=2)
     m.close()
     with pytest.raises(ModelFormatError, match=r"checksum mismatch in tensor 'token_embd\.weight'"):
-        ntio.load(bad, max_context=128, tiers="C")  # and at load: the whole table is checked first
+        ntio.load(bad, max_context=128, **options)  # and at load: the whole table is checked first
 
 
 def test_default_context_is_4096_and_shrinks_to_fit_with_a_notice(smollm2_path, caplog):
@@ -151,7 +179,7 @@ def test_piece_hashes_match_the_file_bytes_in_one_pass(smollm2_store):
     """Chunk and row hashes taken while the table is verified whole agree with hashing the file's bytes directly,
     for chunk sizes that divide the hashing window and that do not; a tied table streamed as head chunks gets its
     row hashes from that same pass."""
-    m = ntio.load(smollm2_store, max_context=64, tiers="C")
+    m = ntio.load(smollm2_store, max_context=128, **lean(smollm2_store, tiers="C"))
     info = m.loader.layout.token_embd
     assert set(m.loader._row_checksums) == {info.name}  # hashed with the head's chunks, not read again
     row = info.nbytes // info.shape[0]

@@ -122,16 +122,17 @@ def fitted_context(needs_at: Callable[[int], MemoryNeeds], capacity: int, budget
 
 
 def make_plan(needs: MemoryNeeds, budget: Budgets, *, cuda: bool, tiers: str = "auto") -> TierPlan:
-    """The forced plan (--tiers A|B|C|spec), or the one `plan_tiers` computes from the budgets. A forced plan that
-    streams a layer streams the output head too and leaves the token embedding on disk."""
+    """The forced plan (--tiers A|B|C|spec), or the one `plan_tiers` computes from the budgets. A forced plan places
+    the layers as told; the output head, then the token embedding, stay resident where they fit beside them."""
     forced = parse_tier_spec(tiers, len(needs.layers))
     reserved = needs.globals + needs.kv_cache + needs.activations
     if forced is not None:
         if not cuda:
             forced = ["A" if t == "B" else t for t in forced]  # on CPU host RAM is the device
-        head = "C" if "C" in forced else "A"
-        _check_forced(needs, forced, head, tiers, cuda=cuda, device_budget=budget.device, ram_budget=budget.ram)
-        return TierPlan(forced, None, None, reserved if cuda else 0, 0 if cuda else reserved, head, head)
+        head, embedding = _place_globals(needs, forced, budget.device)
+        _check_forced(needs, forced, head, embedding, tiers, cuda=cuda, device_budget=budget.device,
+                      ram_budget=budget.ram)
+        return TierPlan(forced, None, None, reserved if cuda else 0, 0 if cuda else reserved, head, embedding)
     return plan_tiers(
         needs.layers,
         cuda=cuda,
@@ -145,14 +146,28 @@ def make_plan(needs: MemoryNeeds, budget: Budgets, *, cuda: bool, tiers: str = "
     )
 
 
-def _check_forced(needs: MemoryNeeds, forced: list[str], head: str, spec: str, *, cuda: bool,
+def _place_globals(needs: MemoryNeeds, forced: list[str], device_budget: int) -> tuple[str, str]:
+    """Tiers of the output head and the token embedding beside forced layer tiers: resident (head first) while the
+    device budget holds them, else streamed / on disk (a tied table goes where the head goes)."""
+    resident = sum(n for n, t in zip(needs.layers, forced) if t == "A")
+    used = needs.globals + needs.kv_cache + needs.activations + resident
+    if any(t != "A" for t in forced):
+        used += needs.staging(forced, head_streamed=False)
+    if used + needs.head > device_budget:
+        return "C", "C"
+    return "A", "A" if used + needs.head + needs.token_embd <= device_budget else "C"
+
+
+def _check_forced(needs: MemoryNeeds, forced: list[str], head: str, embedding: str, spec: str, *, cuda: bool,
                   device_budget: int, ram_budget: int) -> None:
-    """A forced plan must fit its budgets too: the reserve (globals, KV cache, activations), its resident layers
-    and, when anything streams, the staging slots (on CUDA in host RAM and on the device)."""
+    """A forced plan must fit its budgets too: the reserve (norms, KV cache, activations), a resident head and
+    embedding, its resident layers and, when anything streams, the staging slots (on CUDA in host RAM and on the
+    device)."""
     resident = sum(n for n, t in zip(needs.layers, forced) if t == "A")
     host_layers = sum(n for n, t in zip(needs.layers, forced) if t == "B")
-    staging = needs.staging(forced) if any(t != "A" for t in forced) else 0
-    globals_ = needs.head + needs.token_embd if head == "A" else 0
+    streams = any(t != "A" for t in forced) or head == "C"
+    staging = needs.staging(forced, head_streamed=head == "C") if streams else 0
+    globals_ = (needs.head if head == "A" else 0) + (needs.token_embd if embedding == "A" else 0)
     reserved = needs.globals + globals_ + needs.kv_cache + needs.activations
     demands = [("device memory", "gpu_memory_budget", reserved + resident + staging, device_budget),
                ("host memory", "ram_budget", host_layers + staging, ram_budget)] if cuda else [
