@@ -1,6 +1,9 @@
-"""ntio.kernels.cpu_kernels against an independent reference: gguf-py's `gguf.quants.dequantize` (numpy) then a float64
-matmul, and against `F.linear` on ntio's float32 dequantized weights; relative L2 error <= 1e-5 for every type,
-shape and batch size, on random well-formed blocks and on the real SmolLM2-135M-Instruct tensors."""
+"""ntio.kernels.cpu_kernels against an independent reference: gguf-py's `gguf.quants.dequantize` (numpy) of the
+weights, then a float64 matmul, on random well-formed blocks and on the real SmolLM2-135M-Instruct tensors, for every
+type, shape, batch size and kernel set:
+  * 8-bit activations (the default): against the float64 product with x rounded through gguf-py's own Q8_0
+    quantizer (`quantize` then `dequantize`): the kernels' integer sums are exact, so relative L2 error <= 1e-5;
+  * float32 activations (`int8=False`): against x itself, and against `F.linear` on ntio's dequantized weights."""
 
 from __future__ import annotations
 
@@ -32,32 +35,69 @@ def rel(a: torch.Tensor | np.ndarray, b: torch.Tensor | np.ndarray) -> float:
     return float(np.linalg.norm(a - b) / np.linalg.norm(b))
 
 
-def check(raw: np.ndarray, qtype: T, shape: tuple[int, int], t: int, rng: np.random.Generator, **kw) -> None:
+DENSE = {T.F32, T.F16, T.BF16}  # always take float32 activations
+
+
+def q8_rounded(x: np.ndarray) -> np.ndarray:
+    """x [t, k] through gguf-py's Q8_0 quantizer and back: what the 8-bit kernels multiply the weights with."""
+    return np.asarray(ref_dequantize(gguf.quants.quantize(x, T.Q8_0), T.Q8_0), np.float64).reshape(x.shape)
+
+
+def check(raw: np.ndarray, qtype: T, shape: tuple[int, int], t: int, rng: np.random.Generator, isa: str = "best"
+          ) -> None:
     n, k = shape
     byte_shape = gguf.quants.quant_shape_to_byte_shape(shape, qtype)
     w64 = np.asarray(ref_dequantize(raw.reshape(byte_shape), qtype), np.float64).reshape(shape)
-    x = torch.from_numpy(rng.standard_normal((t, k), dtype=np.float32))
+    x = rng.standard_normal((t, k), dtype=np.float32)
     raw_t = torch.from_numpy(np.ascontiguousarray(raw).reshape(-1))
-    y = cpu_kernels.quantized_linear(x, raw_t, qtype, shape, **kw)
+    y = cpu_kernels.quantized_linear(torch.from_numpy(x), raw_t, qtype, shape, isa=isa)
     assert y.shape == (t, n) and y.dtype == torch.float32
-    assert rel(y, x.double().numpy() @ w64.T) <= TOL
-    assert rel(y, F.linear(x, quant.dequantize(raw_t, qtype, shape))) <= TOL
+    x_seen = x.astype(np.float64) if qtype in DENSE else q8_rounded(x)
+    assert rel(y, x_seen @ w64.T) <= TOL
+    y = cpu_kernels.quantized_linear(torch.from_numpy(x), raw_t, qtype, shape, isa=isa, int8=False)
+    assert rel(y, x.astype(np.float64) @ w64.T) <= TOL
+    assert rel(y, F.linear(torch.from_numpy(x), quant.dequantize(raw_t, qtype, shape))) <= TOL
 
 
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda q: q.name)
-@pytest.mark.parametrize("t", [1, 2, 5, 16])
+@pytest.mark.parametrize("t", [1, 2, 5, 16, 32])
 def test_random_blocks_match_the_reference(qtype: T, t: int) -> None:
     rng = np.random.default_rng([int(qtype), t])
     for shape in shapes(qtype):
         check(quant.random_quantized(qtype, shape, rng), qtype, shape, t, rng)
 
 
+@pytest.mark.parametrize("isa", ["scalar", "avx2"])
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda q: q.name)
-def test_portable_kernels_match_the_reference(qtype: T) -> None:
+def test_each_kernel_set_matches_the_reference(qtype: T, isa: str) -> None:
+    if isa == "avx2" and not has_isa("avx2"):
+        pytest.skip("this CPU has no AVX2")
     rng = np.random.default_rng(int(qtype))
     shape = shapes(qtype)[0]
-    for t in (1, 5):
-        check(quant.random_quantized(qtype, shape, rng), qtype, shape, t, rng, scalar=True)
+    for t in (1, 5, 9):
+        check(quant.random_quantized(qtype, shape, rng), qtype, shape, t, rng, isa=isa)
+
+
+def has_isa(name: str) -> bool:
+    try:
+        _core.check_kernel_isa(name)
+    except ValueError:
+        return False
+    return True
+
+
+def test_activation_codes_are_q8_0s_to_the_bit() -> None:
+    """A Q8_0 weight row equal to e_j picks x̂_j: every activation the kernels see is gguf-py's Q8_0 rounding of x,
+    including ties (x/d exactly halfway) and all-zero groups."""
+    k = 64
+    x = np.random.default_rng(9).standard_normal((3, k), dtype=np.float32)
+    x[1, :32] = 0.0  # an all-zero group
+    x[2, :32] = (np.arange(32, dtype=np.float32) - 15.5) / 8  # d = 1/8 exactly (max 127/8): x/d = c + 0.5, ties
+    x[2, 0] = 127 / 8
+    eye = gguf.quants.quantize(np.eye(k, dtype=np.float32), T.Q8_0)  # row j: 1.0 at j (d = 1/127 in f16, q 127)
+    w = np.asarray(ref_dequantize(eye, T.Q8_0), np.float64).reshape(k, k)
+    y = cpu_kernels.quantized_linear(torch.from_numpy(x), torch.from_numpy(eye.reshape(-1)), T.Q8_0, (k, k))
+    np.testing.assert_allclose(y.numpy(), q8_rounded(x) @ w.T, rtol=1e-6, atol=0)
 
 
 @pytest.mark.parametrize("qtype", [T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0], ids=lambda q: q.name)
@@ -71,11 +111,11 @@ def test_gguf_py_quantized_blocks(qtype: T) -> None:
 @pytest.mark.parametrize("qtype", [T.Q4_1, T.Q4_0, T.Q8_0, T.Q5_0, T.Q5_1, T.Q4_K, T.Q5_K, T.Q6_K],
                          ids=lambda q: q.name)
 def test_every_batch_size_on_an_odd_row_count(qtype: T) -> None:
-    # every activation-row tiling of the SIMD kernels (t = 1..16), with an odd number of output rows
+    # every activation-row tiling of the SIMD kernels (t = 1..32), with an odd number of output rows
     rng = np.random.default_rng([int(qtype), 99])
     shape = (331, 512)
     raw = quant.random_quantized(qtype, shape, rng)
-    for t in range(1, 17):
+    for t in range(1, cpu_kernels.MAX_ROWS + 1):
         check(raw, qtype, shape, t, rng)
 
 
@@ -137,8 +177,10 @@ def test_errors() -> None:
         cpu_kernels.quantized_linear(torch.randn(64, 2).t(), raw, T.Q4_1, (8, 64))
     with pytest.raises(ValueError, match="float32"):
         cpu_kernels.quantized_linear(x.double(), raw, T.Q4_1, (8, 64))
-    with pytest.raises(ValueError, match="1 to 16"):
-        cpu_kernels.quantized_linear(torch.randn(17, 64), raw, T.Q4_1, (8, 64))
+    with pytest.raises(ValueError, match="1 to 32"):
+        cpu_kernels.quantized_linear(torch.randn(33, 64), raw, T.Q4_1, (8, 64))
+    with pytest.raises(ValueError, match="unknown CPU kernel set 'sse9'"):
+        cpu_kernels.quantized_linear(x, raw, T.Q4_1, (8, 64), isa="sse9")
     with pytest.raises(ValueError, match="columns"):
         cpu_kernels.quantized_linear(torch.randn(2, 32), raw, T.Q4_1, (8, 64))
     with pytest.raises(ValueError, match="out must have shape"):

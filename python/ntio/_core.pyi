@@ -110,14 +110,17 @@ KERNEL_MAX_T: int
 """Most activation rows per `quantized_matmul` call."""
 
 def quantized_matmul(x: Buffer, t: int, k: int, raw: Buffer, qtype: int, n: int, out: Buffer, *,
-                     scalar: bool = False) -> None:
+                     isa: str = "best", int8: bool = True) -> None:
     """out [t, n] = x [t, k] @ W.T, W [n, k] GGUF-encoded as ggml type `qtype` in `raw` (GIL released).
 
     x: t * k float32; raw: uint8, exactly W's encoded size; out: t * n float32, writable, sharing no memory with x
     or raw; all C-contiguous buffers (numpy arrays; torch tensors via `.numpy()`). BufferError (a ValueError)
     naming the argument for a wrong element type, layout, writability or overlap; ValueError for an unsupported
-    type or sizes that do not match; `scalar=True` forces the portable kernels.
+    type, sizes that do not match, or a kernel set this CPU lacks. isa: `best`, `avx512`, `avx2` or `scalar`;
+    int8: activations of quantized types quantized per 32 elements as Q8_0 (integer products), else float32.
     """
+def check_kernel_isa(name: str) -> None:
+    """ValueError unless kernel set `name` (`best`, `avx512`, `avx2`, `scalar`) exists and this CPU runs it."""
 def set_kernel_threads(n: int) -> None:
     """Use `n` kernel threads (0: one per available CPU)."""
 def kernel_threads() -> int: ...

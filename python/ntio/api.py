@@ -25,6 +25,7 @@ from ntio.runtime.engine import Engine
 from ntio.runtime.kv_cache import KVCache
 from ntio.errors import ContextOverflowError, NtioError, OptionError
 from ntio.fetch import resolve_model
+from ntio.kernels.cpu_kernels import KernelChoice
 from ntio.decoding.generation import Sampler, SamplingParams, generate_ids
 from ntio.formats.model_file import open_model_file
 from ntio.text.tokenizer import Tokenizer
@@ -73,7 +74,11 @@ class LLM:
 
     verify (default True): every tensor of an ntio store is checked against its checksum each time it is read
     (resident layers once, streamed layers at every read, on the reader's I/O thread); a corrupt tensor is a
-    ModelFormatError and no token is computed from it. GGUF files carry no checksums."""
+    ModelFormatError and no token is computed from it. GGUF files carry no checksums.
+
+    cpu_activations (default "int8"): what quantized weights meet in the CPU kernels: activations quantized to 8
+    bits per 32 elements and integer products, as llama.cpp (fast), or "float32" (the reference, ~1e-6 of
+    transformers' float32). NTIO_CPU_KERNELS (best, avx512, avx2, scalar) forces a kernel set."""
 
     def __init__(
         self,
@@ -94,7 +99,9 @@ class LLM:
         threads: int | None = None,
         tokenizer: Tokenizer | None = None,
         verify: bool = True,
+        cpu_activations: str = "int8",
     ) -> None:
+        kernels = KernelChoice.from_env(cpu_activations)
         if kv_dtype not in KV_DTYPES:
             raise OptionError("kv_dtype", f"must be one of {', '.join(KV_DTYPES)}, got {kv_dtype!r}")
         self.path = Path(path)
@@ -120,7 +127,7 @@ class LLM:
                                            head_resident=self.plan.head == "A")
         kv = KVCache(self.config, capacity, KV_DTYPES[kv_dtype], self.device)
         self.engine = Engine(self.config, globals_, self.loader, kv, threads=threads,
-                             prefill_chunk=self.memory.prefill_chunk)
+                             prefill_chunk=self.memory.prefill_chunk, kernels=kernels)
 
     def companion(self, model: str | os.PathLike[str], **options) -> LLM:
         """A second model that runs beside this one, e.g. a resident draft for speculative decoding.

@@ -24,8 +24,9 @@ MODEL_HELP = ("GGUF model or ntio store, or a model name from `ntio fetch --list
 MODEL_ARG = click.Path(dir_okay=False)
 
 
-# OptionError names a library parameter; each has a CLI flag of the same name (`top_p` -> `--top-p`) but these.
-_FLAGS = {"max_context": "--ctx-size"}
+# OptionError names a library parameter; each has a CLI flag of the same name (`top_p` -> `--top-p`) but these
+# (an environment variable keeps its name).
+_FLAGS = {"max_context": "--ctx-size", "NTIO_CPU_KERNELS": "NTIO_CPU_KERNELS"}
 
 
 def _user_message(e: NtioError) -> str:
@@ -60,11 +61,15 @@ class _Group(click.Group):
 
 
 _MODEL_OPTIONS = ("model", "ctx_size", "kv_dtype", "threads", "device", "tiers", "gpu_memory_budget", "ram_budget",
-                  "layer_group_size", "prefetch_depth", "sync", "io_backend", "verify")
+                  "layer_group_size", "prefetch_depth", "sync", "io_backend", "verify", "cpu_activations")
 
 
 def _model_options(f):
     """Options shared by every command that loads a model; the command passes them on with `_load(**opts)`."""
+    f = click.option("--cpu-activations", type=click.Choice(["int8", "float32"]), default="int8", show_default=True,
+                     help="What quantized weights meet in the CPU kernels: 8-bit activations and integer products "
+                          "(as llama.cpp), or float32 (the reference path); env NTIO_CPU_KERNELS=best|avx512|avx2|"
+                          "scalar forces a kernel set")(f)
     f = click.option("--verify/--no-verify", default=True, show_default=True,
                      help="Check every tensor of an ntio store against its checksum whenever it is read")(f)
     f = click.option("--io-backend", type=click.Choice(["io_uring", "pread", "buffered"]),
@@ -92,7 +97,7 @@ def _model_options(f):
 
 
 def _load(model, ctx_size, kv_dtype, threads, device, tiers, gpu_memory_budget, ram_budget, layer_group_size,
-          prefetch_depth, sync, io_backend, verify):
+          prefetch_depth, sync, io_backend, verify, cpu_activations):
     import torch
 
     from ntio.api import load
@@ -110,7 +115,7 @@ def _load(model, ctx_size, kv_dtype, threads, device, tiers, gpu_memory_budget, 
         return load(model, device=device, kv_dtype=kv_dtype, max_context=ctx_size, tiers=tiers,
                     gpu_memory_budget=gpu_memory_budget, ram_budget=ram_budget, layer_group_size=layer_group_size,
                     prefetch_depth=prefetch_depth, sync=sync, io_backend=io_backend, threads=threads, verify=verify,
-                    on_progress=lambda what, done, total: bar.update(task, completed=done, total=total))
+                    cpu_activations=cpu_activations, on_progress=lambda what, done, total: bar.update(task, completed=done, total=total))
 
 
 def _split(opts: dict) -> dict:

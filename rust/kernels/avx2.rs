@@ -1,5 +1,10 @@
-//! AVX2 + FMA (+ F16C) row kernels: the structure of `dot.rs` with codes decoded 32 at a time into four
-//! 8-lane float32 vectors and one vector accumulator per activation row.
+//! AVX2 + FMA (+ F16C) row kernels: the structure of `dot.rs` with each group's 32 codes decoded once into one
+//! 32-byte vector, then met by every activation row of a tile:
+//! - integer kernels (`int`): `maddubs` (u8 x i8 -> i16 pairs) and `madd` (-> i32) against the activations'
+//!   8-bit codes, one float conversion and FMA per group and row; symmetric types go through the sign trick
+//!   (|w| times x with w's sign), affine ones multiply their unsigned codes directly and add m·Σx;
+//! - float kernels (`quantized`, `dense`): codes widened to four 8-lane float32 vectors, FMAs against float32
+//!   activations (the reference path for differential tests).
 //!
 //! Everything here is `unsafe` with `#[target_feature]`: `matmul` hands these kernels out only after
 //! `available()` has confirmed the CPU features at run time.
@@ -18,8 +23,34 @@ pub fn available() -> bool {
 
 /// A block format whose group codes decode with AVX2.
 pub trait SimdFormat: Format {
-    /// Codes of group `g` of the block at `b` (`Self::BYTES` readable bytes), as float32 elements 0..32.
-    unsafe fn simd_codes(b: *const u8, g: usize) -> [__m256; 4];
+    /// Codes of group `g` of the block at `b` (`Self::BYTES` readable bytes), byte j = element j: re-centred
+    /// int8 for symmetric types, uint8 for affine ones (as `Format::codes`).
+    unsafe fn code_bytes(b: *const u8, g: usize) -> __m256i;
+
+    /// `Format::scales` of the block at `b` (`Self::BYTES` bytes), with F16C conversions where written.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn simd_scales(b: &[u8], d: &mut [f32; MAX_SUBS], m: &mut [f32; MAX_SUBS]) {
+        Self::scales(b, d, m)
+    }
+
+    /// How the integer kernels scale group `g` (block at `b`, scales `d` from `Format::scales`): i16
+    /// multipliers for `madd`'s 16 pair-sums, and a float scale. One scale per group: ones and d[g].
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn group_scale(_b: *const u8, g: usize, d: &[f32; MAX_SUBS]) -> (__m256i, f32) {
+        (_mm256_set1_epi16(1), d[g])
+    }
+}
+
+/// `F::code_bytes` as float32 elements 0..32.
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn float_codes<F: SimdFormat>(b: *const u8, g: usize) -> [__m256; 4] {
+    // SAFETY: the caller's contract is `code_bytes`'s.
+    let q = unsafe { F::code_bytes(b, g) };
+    if F::AFFINE {
+        widen32::<false>(q)
+    } else {
+        widen32::<true>(q)
+    }
 }
 
 /// A dense float type loadable 8 elements at a time.
@@ -32,6 +63,12 @@ pub trait SimdDense: Dense {
 pub fn quantized<F: SimdFormat>() -> RowKernel {
     // SAFETY: `matmul` selects this kernel only when `available()` returned true.
     |a, row, y| unsafe { quantized_row::<F>(a, row, y) }
+}
+
+/// The integer row kernel for block format `F` (8-bit activations). Call only if `available()`.
+pub fn int<F: SimdFormat>() -> RowKernel {
+    // SAFETY: `matmul` selects this kernel only when `available()` returned true.
+    |a, row, y| unsafe { int_row::<F>(a, row, y) }
 }
 
 /// The row kernel for dense type `D`. Call only if `available()`.
@@ -78,7 +115,7 @@ unsafe fn quantized_tile<F: SimdFormat, const R: usize>(
         F::scales(b, &mut d, &mut m);
         for g in 0..groups {
             // SAFETY: `b` holds F::BYTES bytes.
-            let c = unsafe { F::simd_codes(b.as_ptr(), g) };
+            let c = unsafe { float_codes::<F>(b.as_ptr(), g) };
             let gi = bi * groups + g;
             for r in 0..R {
                 // SAFETY: `matmul` checked x.len() == t * k and row.len() == k / BLOCK * BYTES, so group gi of
@@ -104,6 +141,179 @@ unsafe fn quantized_tile<F: SimdFormat, const R: usize>(
         y[r] = hsum(acc[r]) + macc[r];
     }
     R
+}
+
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn int_row<F: SimdFormat>(a: &Activations, row: &[u8], y: &mut [f32; MAX_T]) {
+    // Tiles of 8 or 4 activation rows reduce their rows' integer sums into one vector and scale all rows with one
+    // FMA per group; 1 or 2 rows keep a vector accumulator per row (two per row, alternating groups, so that
+    // T = 1 is not bound by FMA latency). The weight row is re-read from L1 cache for each tile.
+    let mut t0 = 0;
+    while t0 < a.t {
+        let out = &mut y[t0..];
+        // SAFETY: (all four) same contract as this function; t0 + R <= a.t.
+        t0 += match a.t - t0 {
+            8.. => unsafe { int_tile8::<F>(a, row, t0, out) },
+            4..=7 => unsafe { int_tile4::<F>(a, row, t0, out) },
+            2..=3 => unsafe { int_rows::<F, 2>(a, row, t0, out) },
+            _ => unsafe { int_rows::<F, 1>(a, row, t0, out) },
+        };
+    }
+}
+
+/// One group of one activation row against weight codes `w` (|w| in `wu`), with lane multipliers `mv`:
+/// 8 i32 lanes whose sum is Σ mv·w·x over the group's 32 elements.
+///
+/// # Safety
+/// `x` must have 32 readable bytes.
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+unsafe fn group_dot<F: SimdFormat>(w: __m256i, wu: __m256i, mv: __m256i, x: *const i8) -> __m256i {
+    // SAFETY: guaranteed by the caller.
+    let x = unsafe { _mm256_loadu_si256(x.cast()) };
+    // maddubs multiplies unsigned by signed bytes: symmetric codes go in as |w|, their sign onto x.
+    let x = if F::AFFINE { x } else { _mm256_sign_epi8(x, w) };
+    _mm256_madd_epi16(_mm256_maddubs_epi16(wu, x), mv)
+}
+
+/// The codes of group `g` of block `b` as `group_dot` takes them: (w, |w| or w, lane multipliers, float scale).
+///
+/// # Safety
+/// `b` must have `F::BYTES` readable bytes.
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+unsafe fn group_codes<F: SimdFormat>(b: *const u8, g: usize, d: &[f32; MAX_SUBS]) -> (__m256i, __m256i, __m256i, f32) {
+    // SAFETY: guaranteed by the caller.
+    let (w, (mv, dg)) = unsafe { (F::code_bytes(b, g), F::group_scale(b, g, d)) };
+    let wu = if F::AFFINE { w } else { _mm256_sign_epi8(w, w) };
+    (w, wu, mv, dg)
+}
+
+/// y[0..R] for activation rows t0..t0 + R (R = 1 or 2), two accumulators per row (`acc`, `next`: swapped
+/// after each group, a register rename); returns R.
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn int_rows<F: SimdFormat, const R: usize>(a: &Activations, row: &[u8], t0: usize, y: &mut [f32]) -> usize {
+    let q8 = a.q8();
+    let (mut d, mut m) = ([0f32; MAX_SUBS], [0f32; MAX_SUBS]);
+    let (mut acc, mut next) = ([_mm256_setzero_ps(); R], [_mm256_setzero_ps(); R]);
+    let (mut macc, mut mnext) = ([0f32; R], [0f32; R]);
+    let groups = F::BLOCK / GROUP;
+    let gs = a.k / GROUP;
+    for (bi, b) in row.chunks_exact(F::BYTES).enumerate() {
+        // SAFETY: `b` holds F::BYTES bytes.
+        unsafe { F::simd_scales(b, &mut d, &mut m) };
+        for g in 0..groups {
+            // SAFETY: `b` holds F::BYTES bytes.
+            let (w, wu, mv, dg) = unsafe { group_codes::<F>(b.as_ptr(), g, &d) };
+            let gi = bi * groups + g;
+            for r in 0..R {
+                let ti = t0 + r;
+                // SAFETY: `matmul` quantized t * k codes (t0 + r < t) and checked row.len() == k / BLOCK * BYTES,
+                // so group gi of row ti is inside them.
+                let dot = unsafe { group_dot::<F>(w, wu, mv, q8.codes.as_ptr().add(ti * a.k + gi * GROUP)) };
+                let scale = _mm256_set1_ps(dg * q8.scales[ti * gs + gi]);
+                acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), scale, acc[r]);
+                if F::AFFINE {
+                    macc[r] += m[g] * q8.sums[ti * gs + gi];
+                }
+            }
+            std::mem::swap(&mut acc, &mut next);
+            std::mem::swap(&mut macc, &mut mnext);
+        }
+    }
+    for r in 0..R {
+        y[r] = hsum(_mm256_add_ps(acc[r], next[r])) + macc[r] + mnext[r];
+    }
+    R
+}
+
+/// y[0..8] for activation rows t0..t0 + 8: per group, the 8 rows' integer sums reduced into one vector, scaled
+/// by the rows' activation scales (one load: `scales_by_group`) and the weight scale; returns 8.
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn int_tile8<F: SimdFormat>(a: &Activations, row: &[u8], t0: usize, y: &mut [f32]) -> usize {
+    let q8 = a.q8();
+    let (mut d, mut m) = ([0f32; MAX_SUBS], [0f32; MAX_SUBS]);
+    let (mut acc, mut macc) = (_mm256_setzero_ps(), _mm256_setzero_ps());
+    let groups = F::BLOCK / GROUP;
+    let xs: [*const i8; 8] = std::array::from_fn(|r| q8.codes[(t0 + r) * a.k..].as_ptr());
+    for (bi, b) in row.chunks_exact(F::BYTES).enumerate() {
+        // SAFETY: `b` holds F::BYTES bytes.
+        unsafe { F::simd_scales(b, &mut d, &mut m) };
+        for g in 0..groups {
+            // SAFETY: `b` holds F::BYTES bytes.
+            let (w, wu, mv, dg) = unsafe { group_codes::<F>(b.as_ptr(), g, &d) };
+            let gi = bi * groups + g;
+            // SAFETY: as in `int_rows`; the by-group tables hold t entries per group and t0 + 8 <= t.
+            let (dots, dx, sx) = unsafe {
+                (
+                    std::array::from_fn(|r| group_dot::<F>(w, wu, mv, xs[r].add(gi * GROUP))),
+                    _mm256_loadu_ps(q8.scales_by_group.as_ptr().add(gi * a.t + t0)),
+                    _mm256_loadu_ps(q8.sums_by_group.as_ptr().add(gi * a.t + t0)),
+                )
+            };
+            acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(reduce8(dots)), _mm256_mul_ps(dx, _mm256_set1_ps(dg)), acc);
+            if F::AFFINE {
+                macc = _mm256_fmadd_ps(sx, _mm256_set1_ps(m[g]), macc);
+            }
+        }
+    }
+    // SAFETY: y has at least 8 elements (t0 + 8 <= t <= MAX_T).
+    unsafe { _mm256_storeu_ps(y.as_mut_ptr(), _mm256_add_ps(acc, macc)) };
+    8
+}
+
+/// As `int_tile8` for 4 rows; returns 4.
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn int_tile4<F: SimdFormat>(a: &Activations, row: &[u8], t0: usize, y: &mut [f32]) -> usize {
+    let q8 = a.q8();
+    let (mut d, mut m) = ([0f32; MAX_SUBS], [0f32; MAX_SUBS]);
+    let (mut acc, mut macc) = (_mm_setzero_ps(), _mm_setzero_ps());
+    let groups = F::BLOCK / GROUP;
+    let xs: [*const i8; 4] = std::array::from_fn(|r| q8.codes[(t0 + r) * a.k..].as_ptr());
+    for (bi, b) in row.chunks_exact(F::BYTES).enumerate() {
+        // SAFETY: `b` holds F::BYTES bytes.
+        unsafe { F::simd_scales(b, &mut d, &mut m) };
+        for g in 0..groups {
+            // SAFETY: `b` holds F::BYTES bytes.
+            let (w, wu, mv, dg) = unsafe { group_codes::<F>(b.as_ptr(), g, &d) };
+            let gi = bi * groups + g;
+            // SAFETY: as in `int_tile8`, with t0 + 4 <= t.
+            let (dots, dx, sx) = unsafe {
+                (
+                    std::array::from_fn(|r| group_dot::<F>(w, wu, mv, xs[r].add(gi * GROUP))),
+                    _mm_loadu_ps(q8.scales_by_group.as_ptr().add(gi * a.t + t0)),
+                    _mm_loadu_ps(q8.sums_by_group.as_ptr().add(gi * a.t + t0)),
+                )
+            };
+            acc = _mm_fmadd_ps(_mm_cvtepi32_ps(reduce4(dots)), _mm_mul_ps(dx, _mm_set1_ps(dg)), acc);
+            if F::AFFINE {
+                macc = _mm_fmadd_ps(sx, _mm_set1_ps(m[g]), macc);
+            }
+        }
+    }
+    // SAFETY: y has at least 4 elements (t0 + 4 <= t <= MAX_T).
+    unsafe { _mm_storeu_ps(y.as_mut_ptr(), _mm_add_ps(acc, macc)) };
+    4
+}
+
+/// Lane r of the result: the sum of the 8 lanes of v[r].
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+fn reduce8(v: [__m256i; 8]) -> __m256i {
+    // hadd(hadd(v0, v1), hadd(v2, v3)) = [Σ v0[0..4], Σ v1[0..4], Σ v2[0..4], Σ v3[0..4] | the same over 4..8]
+    let h0 = _mm256_hadd_epi32(_mm256_hadd_epi32(v[0], v[1]), _mm256_hadd_epi32(v[2], v[3]));
+    let h1 = _mm256_hadd_epi32(_mm256_hadd_epi32(v[4], v[5]), _mm256_hadd_epi32(v[6], v[7]));
+    let lo = _mm256_permute2x128_si256(h0, h1, 0x20);
+    let hi = _mm256_permute2x128_si256(h0, h1, 0x31);
+    _mm256_add_epi32(lo, hi)
+}
+
+/// Lane r of the result: the sum of the 8 lanes of v[r].
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+fn reduce4(v: [__m256i; 4]) -> __m128i {
+    let h = _mm256_hadd_epi32(_mm256_hadd_epi32(v[0], v[1]), _mm256_hadd_epi32(v[2], v[3]));
+    _mm_add_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1))
 }
 
 #[target_feature(enable = "avx2,fma,f16c")]
@@ -159,10 +369,10 @@ fn widen32<const SIGNED: bool>(v: __m256i) -> [__m256; 4] {
     [a, b, c, e]
 }
 
-/// Q4_x/Q5_x codes of one block: 16 bytes of nibbles at `qs` (element j < 16: low nibble of byte j, else high
-/// nibble of byte j - 16), plus bit j of `qh` as bit 4 (Q5 types), minus `offset`.
+/// Q4_x/Q5_x codes of one block as 32 bytes: 16 bytes of nibbles at `qs` (element j < 16: low nibble of byte
+/// j, else high nibble of byte j - 16), plus bit j of `qh` as bit 4 (Q5 types), minus `offset`.
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn legacy<const SIGNED: bool>(qs: *const u8, qh: Option<u32>, offset: i8) -> [__m256; 4] {
+unsafe fn legacy(qs: *const u8, qh: Option<u32>, offset: i8) -> __m256i {
     // SAFETY: the caller passes 16 readable bytes at `qs`.
     let v = unsafe { _mm_loadu_si128(qs.cast()) };
     let nib = _mm_set1_epi8(0x0F);
@@ -183,9 +393,7 @@ unsafe fn legacy<const SIGNED: bool>(qs: *const u8, qh: Option<u32>, offset: i8)
             *half = _mm_or_si128(*half, _mm_and_si128(set, _mm_set1_epi8(0x10)));
         }
     }
-    let [a, b] = widen16::<SIGNED>(_mm_sub_epi8(halves[0], _mm_set1_epi8(offset)));
-    let [c, e] = widen16::<SIGNED>(_mm_sub_epi8(halves[1], _mm_set1_epi8(offset)));
-    [a, b, c, e]
+    _mm256_sub_epi8(_mm256_set_m128i(halves[1], halves[0]), _mm256_set1_epi8(offset))
 }
 
 /// `(v >> shift) & mask` on every byte of 32.
@@ -195,6 +403,17 @@ fn bits32(v: __m256i, shift: usize, mask: i8) -> __m256i {
         _mm256_srl_epi16(v, _mm_cvtsi32_si128(shift as i32)),
         _mm256_set1_epi8(mask),
     )
+}
+
+/// The two little-endian halves at `p` (4 readable bytes), as float32 (F16C: exact).
+///
+/// # Safety
+/// `p` must have 4 readable bytes.
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn halves_at(p: *const u8) -> [f32; 2] {
+    // SAFETY: guaranteed by the caller.
+    let v = _mm_cvtph_ps(_mm_cvtsi32_si128(unsafe { p.cast::<i32>().read_unaligned() }));
+    [_mm_cvtss_f32(v), _mm_cvtss_f32(_mm_movehdup_ps(v))]
 }
 
 /// 32 unaligned bytes at `p`.
@@ -207,63 +426,88 @@ unsafe fn load32(p: *const u8) -> __m256i {
     unsafe { _mm256_loadu_si256(p.cast()) }
 }
 
-// SAFETY (all `codes` below): the caller passes `Self::BYTES` readable bytes at `b`; every offset read is within
-// the block layout documented in `blocks.rs`.
+// SAFETY (all `code_bytes` below): the caller passes `Self::BYTES` readable bytes at `b`; every offset read is
+// within the block layout documented in `blocks.rs`.
 impl SimdFormat for blocks::Q8_0 {
     #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn simd_codes(b: *const u8, _g: usize) -> [__m256; 4] {
-        unsafe { widen32::<true>(load32(b.add(2))) }
+    unsafe fn simd_scales(b: &[u8], d: &mut [f32; MAX_SUBS], _m: &mut [f32; MAX_SUBS]) {
+        [d[0], _] = unsafe { halves_at(b.as_ptr()) };
+    }
+
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn code_bytes(b: *const u8, _g: usize) -> __m256i {
+        unsafe { load32(b.add(2)) }
     }
 }
 
 impl SimdFormat for blocks::Q4_0 {
     #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn simd_codes(b: *const u8, _g: usize) -> [__m256; 4] {
-        unsafe { legacy::<true>(b.add(2), None, 8) }
+    unsafe fn simd_scales(b: &[u8], d: &mut [f32; MAX_SUBS], _m: &mut [f32; MAX_SUBS]) {
+        [d[0], _] = unsafe { halves_at(b.as_ptr()) };
+    }
+
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn code_bytes(b: *const u8, _g: usize) -> __m256i {
+        unsafe { legacy(b.add(2), None, 8) }
     }
 }
 
 impl SimdFormat for blocks::Q4_1 {
     #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn simd_codes(b: *const u8, _g: usize) -> [__m256; 4] {
-        unsafe { legacy::<false>(b.add(4), None, 0) }
+    unsafe fn simd_scales(b: &[u8], d: &mut [f32; MAX_SUBS], m: &mut [f32; MAX_SUBS]) {
+        [d[0], m[0]] = unsafe { halves_at(b.as_ptr()) };
+    }
+
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn code_bytes(b: *const u8, _g: usize) -> __m256i {
+        unsafe { legacy(b.add(4), None, 0) }
     }
 }
 
 impl SimdFormat for blocks::Q5_0 {
     #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn simd_codes(b: *const u8, _g: usize) -> [__m256; 4] {
-        unsafe { legacy::<true>(b.add(6), Some(b.add(2).cast::<u32>().read_unaligned()), 16) }
+    unsafe fn simd_scales(b: &[u8], d: &mut [f32; MAX_SUBS], _m: &mut [f32; MAX_SUBS]) {
+        [d[0], _] = unsafe { halves_at(b.as_ptr()) };
+    }
+
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn code_bytes(b: *const u8, _g: usize) -> __m256i {
+        unsafe { legacy(b.add(6), Some(b.add(2).cast::<u32>().read_unaligned()), 16) }
     }
 }
 
 impl SimdFormat for blocks::Q5_1 {
     #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn simd_codes(b: *const u8, _g: usize) -> [__m256; 4] {
-        unsafe { legacy::<false>(b.add(8), Some(b.add(4).cast::<u32>().read_unaligned()), 0) }
+    unsafe fn simd_scales(b: &[u8], d: &mut [f32; MAX_SUBS], m: &mut [f32; MAX_SUBS]) {
+        [d[0], m[0]] = unsafe { halves_at(b.as_ptr()) };
+    }
+
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn code_bytes(b: *const u8, _g: usize) -> __m256i {
+        unsafe { legacy(b.add(8), Some(b.add(4).cast::<u32>().read_unaligned()), 0) }
     }
 }
 
 impl SimdFormat for blocks::Q4K {
     #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn simd_codes(b: *const u8, g: usize) -> [__m256; 4] {
+    unsafe fn code_bytes(b: *const u8, g: usize) -> __m256i {
         let qs = unsafe { load32(b.add(16 + 32 * (g / 2))) };
-        widen32::<false>(bits32(qs, 4 * (g % 2), 0x0F))
+        bits32(qs, 4 * (g % 2), 0x0F)
     }
 }
 
 impl SimdFormat for blocks::Q5K {
     #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn simd_codes(b: *const u8, g: usize) -> [__m256; 4] {
+    unsafe fn code_bytes(b: *const u8, g: usize) -> __m256i {
         let (qs, qh) = unsafe { (load32(b.add(48 + 32 * (g / 2))), load32(b.add(16))) };
         let high = _mm256_slli_epi16(bits32(qh, g, 1), 4);
-        widen32::<false>(_mm256_or_si256(bits32(qs, 4 * (g % 2), 0x0F), high))
+        _mm256_or_si256(bits32(qs, 4 * (g % 2), 0x0F), high)
     }
 }
 
 impl SimdFormat for blocks::Q6K {
     #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn simd_codes(b: *const u8, g: usize) -> [__m256; 4] {
+    unsafe fn code_bytes(b: *const u8, g: usize) -> __m256i {
         let (h, t) = (g / 4, g % 4);
         let (ql, qh) = unsafe {
             (
@@ -273,7 +517,18 @@ impl SimdFormat for blocks::Q6K {
         };
         let high = _mm256_slli_epi16(bits32(qh, 2 * t, 3), 4);
         let q = _mm256_or_si256(bits32(ql, 4 * (t / 2), 0x0F), high);
-        widen32::<true>(_mm256_sub_epi8(q, _mm256_set1_epi8(32)))
+        _mm256_sub_epi8(q, _mm256_set1_epi8(32))
+    }
+
+    /// Two sub-blocks of 16 per group: their int8 scales multiply the pair-sums of elements 0..16 (i16 lanes
+    /// 0-7) and 16..32 (lanes 8-15) inside `madd`; the float scale is the block's d. (|pair-sum| <= 2·32·127
+    /// and |scale| <= 128: each i32 lane stays below 2^21.)
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn group_scale(b: *const u8, g: usize, _d: &[f32; MAX_SUBS]) -> (__m256i, f32) {
+        let (s0, s1) = unsafe { (*b.add(192 + 2 * g) as i8, *b.add(193 + 2 * g) as i8) };
+        let block = unsafe { std::slice::from_raw_parts(b, Self::BYTES) };
+        let mv = _mm256_set_m128i(_mm_set1_epi16(i16::from(s1)), _mm_set1_epi16(i16::from(s0)));
+        (mv, blocks::f16_at(block, 208))
     }
 }
 

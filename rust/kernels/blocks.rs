@@ -34,17 +34,19 @@ pub trait Dense {
     fn get(row: &[u8], i: usize) -> f32;
 }
 
-/// The little-endian IEEE half at byte `at` of `b`, exactly, as float32 (cheap enough to call per block).
+/// The little-endian IEEE half at byte `at` of `b`, exactly, as float32 (cheap enough to call per block: no
+/// branch but the select for inf/nan).
+#[inline(always)]
 pub(crate) fn f16_at(b: &[u8], at: usize) -> f32 {
-    let h = u16::from_le_bytes([b[at], b[at + 1]]);
-    let sign = u32::from(h & 0x8000) << 16;
-    let em = u32::from(h & 0x7FFF);
+    let h = u32::from(u16::from_le_bytes([b[at], b[at + 1]]));
+    let (sign, em) = ((h & 0x8000) << 16, h & 0x7FFF);
+    // Normals and subnormals: the half's bits in float32's exponent/mantissa place, times 2^112 to rebias the
+    // exponent from 15 to 127 (exact: subnormal halves land on normal floats).
+    let finite = (f32::from_bits(em << 13) * f32::from_bits((127 + 112) << 23)).to_bits();
     let magnitude = if em >= 0x7C00 {
         em << 13 | 0x7F80_0000 // inf / nan: exponent all ones, payload kept
-    } else if em >= 0x0400 {
-        (em << 13) + (112 << 23) // normal: rebias the exponent from 15 to 127
     } else {
-        (em as f32 * (1.0 / 16_777_216.0)).to_bits() // subnormal (or zero): mantissa * 2^-24, exact
+        finite
     };
     f32::from_bits(sign | magnitude)
 }

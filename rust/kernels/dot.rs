@@ -35,6 +35,38 @@ pub fn quantized_row<F: Format>(a: &Activations, row: &[u8], y: &mut [f32; MAX_T
     *y = acc;
 }
 
+/// The integer kernels' reference: y[t] = Σ_groups ( Σ_parts d[s]·dx·Σ q·qx  +  m[g]·Σx̂ ), with qx, dx the
+/// activations' 8-bit codes and scale and Σx̂ = dx·Σqx (`q8`); Σ q·qx is an exact integer sum.
+pub fn int_row<F: Format>(a: &Activations, row: &[u8], y: &mut [f32; MAX_T]) {
+    let (mut d, mut m) = ([0f32; MAX_SUBS], [0f32; MAX_SUBS]);
+    let mut q = [0i32; GROUP];
+    let mut acc = [0f32; MAX_T];
+    let groups = F::BLOCK / GROUP;
+    let q8 = a.q8();
+    for (bi, b) in row.chunks_exact(F::BYTES).enumerate() {
+        F::scales(b, &mut d, &mut m);
+        for g in 0..groups {
+            F::codes(b, g, &mut q);
+            let gi = bi * groups + g;
+            for (ti, acc) in acc[..a.t].iter_mut().enumerate() {
+                let (x, dx) = (q8.group(ti, gi), q8.scale(ti, gi));
+                for (p, (q, x)) in q
+                    .chunks_exact(F::SUB)
+                    .zip(x.chunks_exact(F::SUB))
+                    .enumerate()
+                {
+                    let dot: i32 = q.iter().zip(x).map(|(&q, &x)| q * i32::from(x)).sum();
+                    *acc += d[g * GROUP / F::SUB + p] * dx * dot as f32;
+                }
+                if F::AFFINE {
+                    *acc += m[g] * q8.sum(ti, gi);
+                }
+            }
+        }
+    }
+    *y = acc;
+}
+
 /// y[t] = Σ_i w[i]·x[t, i] for a dense float row.
 pub fn dense_row<D: Dense>(a: &Activations, row: &[u8], y: &mut [f32; MAX_T]) {
     let mut acc = [0f32; MAX_T];

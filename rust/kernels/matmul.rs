@@ -1,4 +1,5 @@
-//! `quantized_matmul`: argument checks, kernel selection (AVX-512, AVX2 or scalar) and the thread pool.
+//! `quantized_matmul`: argument checks, activation quantization, kernel selection (AVX-512, AVX2 or scalar;
+//! integer or float) and the thread pool.
 //!
 //! Work is split across threads by output rows only: each output element is computed by one thread in a fixed
 //! order, so results do not depend on the number of threads.
@@ -10,13 +11,14 @@ use rayon::ThreadPool;
 
 use super::blocks::{self, Dense, Format, GROUP};
 use super::dot;
+use super::q8::Q8Rows;
 use super::rows::{Activations, RowKernel, MAX_T};
 
 /// Least work per task, in multiply-adds (weights x activation rows): about 40-80 us on one core (AVX-512: a
 /// 576 x 1536 Q4_1 matrix takes ~35 us, a 192 x 4096 Q4_K one ~60 us). Waking a second thread costs ~20 us, so
 /// smaller matrices run on the calling thread: on 2 cores, splitting SmolLM2's 576-wide matrices made decode
 /// 30% slower (67 vs 99 tok/s).
-const MIN_TASK_WORK: usize = 1 << 20;
+const MIN_TASK_WORK: usize = 1 << 18;
 /// Tasks per thread, so that uneven thread speeds even out.
 const TASKS_PER_THREAD: usize = 4;
 
@@ -83,67 +85,133 @@ impl QType {
         matches!(self, QType::Q4_1 | QType::Q5_1 | QType::Q4K | QType::Q5K)
     }
 
-    /// The row kernel for `isa`: the widest this CPU runs and the type has, down to scalar.
-    fn kernel(self, isa: Isa) -> RowKernel {
-        #[cfg(target_arch = "x86_64")]
-        {
-            if isa == Isa::Best && super::avx512::available() {
-                use super::avx512::quantized;
-                match self {
-                    QType::Q4_0 => return quantized::<blocks::Q4_0>(),
-                    QType::Q4_1 => return quantized::<blocks::Q4_1>(),
-                    QType::Q5_0 => return quantized::<blocks::Q5_0>(),
-                    QType::Q5_1 => return quantized::<blocks::Q5_1>(),
-                    QType::Q8_0 => return quantized::<blocks::Q8_0>(),
-                    QType::Q4K => return quantized::<blocks::Q4K>(),
-                    QType::Q5K => return quantized::<blocks::Q5K>(),
-                    QType::Q6K => return quantized::<blocks::Q6K>(),
-                    QType::F32 | QType::F16 | QType::BF16 => {} // dense rows: AVX2 below
-                }
-            }
-            if isa != Isa::Scalar && super::avx2::available() {
-                use super::avx2::{dense, quantized};
-                return match self {
-                    QType::F32 => dense::<blocks::F32>(),
-                    QType::F16 => dense::<blocks::F16>(),
-                    QType::BF16 => dense::<blocks::BF16>(),
-                    QType::Q4_0 => quantized::<blocks::Q4_0>(),
-                    QType::Q4_1 => quantized::<blocks::Q4_1>(),
-                    QType::Q5_0 => quantized::<blocks::Q5_0>(),
-                    QType::Q5_1 => quantized::<blocks::Q5_1>(),
-                    QType::Q8_0 => quantized::<blocks::Q8_0>(),
-                    QType::Q4K => quantized::<blocks::Q4K>(),
-                    QType::Q5K => quantized::<blocks::Q5K>(),
-                    QType::Q6K => quantized::<blocks::Q6K>(),
-                };
-            }
-        }
-        let _ = isa;
-        use dot::{dense_row as dense, quantized_row as quantized};
+    /// The row kernel for `isa` and `activations`: the widest this CPU runs and the type has, down to scalar.
+    /// Dense types always take float activations.
+    fn kernel(self, isa: Isa, activations: Activations8) -> RowKernel {
+        let int = activations == Activations8::Int8;
         match self {
-            QType::F32 => dense::<blocks::F32>,
-            QType::F16 => dense::<blocks::F16>,
-            QType::BF16 => dense::<blocks::BF16>,
-            QType::Q4_0 => quantized::<blocks::Q4_0>,
-            QType::Q4_1 => quantized::<blocks::Q4_1>,
-            QType::Q5_0 => quantized::<blocks::Q5_0>,
-            QType::Q5_1 => quantized::<blocks::Q5_1>,
-            QType::Q8_0 => quantized::<blocks::Q8_0>,
-            QType::Q4K => quantized::<blocks::Q4K>,
-            QType::Q5K => quantized::<blocks::Q5K>,
-            QType::Q6K => quantized::<blocks::Q6K>,
+            QType::F32 => dense_kernel::<blocks::F32>(isa),
+            QType::F16 => dense_kernel::<blocks::F16>(isa),
+            QType::BF16 => dense_kernel::<blocks::BF16>(isa),
+            QType::Q4_0 => quantized_kernel::<blocks::Q4_0>(isa, int),
+            QType::Q4_1 => quantized_kernel::<blocks::Q4_1>(isa, int),
+            QType::Q5_0 => quantized_kernel::<blocks::Q5_0>(isa, int),
+            QType::Q5_1 => quantized_kernel::<blocks::Q5_1>(isa, int),
+            QType::Q8_0 => quantized_kernel::<blocks::Q8_0>(isa, int),
+            QType::Q4K => quantized_kernel::<blocks::Q4K>(isa, int),
+            QType::Q5K => quantized_kernel::<blocks::Q5K>(isa, int),
+            QType::Q6K => quantized_kernel::<blocks::Q6K>(isa, int),
         }
     }
+
+    fn dense(self) -> bool {
+        matches!(self, QType::F32 | QType::F16 | QType::BF16)
+    }
+}
+
+/// A block format every kernel set decodes (on x86-64: the AVX2 and AVX-512 decoders too).
+#[cfg(target_arch = "x86_64")]
+trait Quantized: Format + super::avx2::SimdFormat + super::avx512::Avx512Format {}
+#[cfg(target_arch = "x86_64")]
+impl<F: Format + super::avx2::SimdFormat + super::avx512::Avx512Format> Quantized for F {}
+#[cfg(not(target_arch = "x86_64"))]
+trait Quantized: Format {}
+#[cfg(not(target_arch = "x86_64"))]
+impl<F: Format> Quantized for F {}
+
+/// A dense type every kernel set loads.
+#[cfg(target_arch = "x86_64")]
+trait DenseRow: Dense + super::avx2::SimdDense {}
+#[cfg(target_arch = "x86_64")]
+impl<D: Dense + super::avx2::SimdDense> DenseRow for D {}
+#[cfg(not(target_arch = "x86_64"))]
+trait DenseRow: Dense {}
+#[cfg(not(target_arch = "x86_64"))]
+impl<D: Dense> DenseRow for D {}
+
+/// The row kernel of format `F`: AVX-512 for float activations where allowed and present, else AVX2, else
+/// scalar; integer (8-bit activations) or float.
+fn quantized_kernel<F: Quantized>(isa: Isa, int: bool) -> RowKernel {
+    #[cfg(target_arch = "x86_64")]
+    {
+        if !int && matches!(isa, Isa::Best | Isa::Avx512) && super::avx512::available() {
+            return super::avx512::quantized::<F>();
+        }
+        if isa != Isa::Scalar && super::avx2::available() {
+            return if int {
+                super::avx2::int::<F>()
+            } else {
+                super::avx2::quantized::<F>()
+            };
+        }
+    }
+    let _ = isa;
+    if int {
+        dot::int_row::<F>
+    } else {
+        dot::quantized_row::<F>
+    }
+}
+
+/// The row kernel of dense type `D`: AVX2 unless scalar is asked for or the CPU lacks it.
+fn dense_kernel<D: DenseRow>(isa: Isa) -> RowKernel {
+    #[cfg(target_arch = "x86_64")]
+    if isa != Isa::Scalar && super::avx2::available() {
+        return super::avx2::dense::<D>();
+    }
+    let _ = isa;
+    dot::dense_row::<D>
 }
 
 /// Which row kernels run.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Isa {
-    /// AVX-512 (quantized types) or AVX2 + FMA, whichever is the widest this CPU has, else scalar.
+    /// The widest this CPU has: AVX-512 (float kernels of quantized types), AVX2 + FMA, else scalar.
     Best,
+    /// AVX-512 F/BW/VL float kernels where written (quantized types), AVX2 for the rest. Callers check
+    /// `Isa::available` first (`ntio._core.kernel_isa_available`).
+    Avx512,
     /// AVX2 + FMA where the CPU has them, else scalar (to test the AVX2 kernels on AVX-512 machines).
     Avx2,
     Scalar,
+}
+
+impl Isa {
+    /// The set named `name` (`best`, `avx512`, `avx2`, `scalar`), if there is one.
+    pub fn from_name(name: &str) -> Option<Isa> {
+        match name {
+            "best" => Some(Isa::Best),
+            "avx512" => Some(Isa::Avx512),
+            "avx2" => Some(Isa::Avx2),
+            "scalar" => Some(Isa::Scalar),
+            _ => None,
+        }
+    }
+
+    /// Whether this CPU runs the set: a forced set the CPU lacks is refused, never run into SIGILL.
+    pub fn available(self) -> bool {
+        #[cfg(target_arch = "x86_64")]
+        {
+            match self {
+                Isa::Best | Isa::Scalar => true,
+                Isa::Avx512 => super::avx512::available() && super::avx2::available(),
+                Isa::Avx2 => super::avx2::available(),
+            }
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        {
+            matches!(self, Isa::Best | Isa::Scalar)
+        }
+    }
+}
+
+/// How activations meet the weights.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Activations8 {
+    /// Quantized to 8 bits per 32-element group (`q8`), integer dot products (as llama.cpp): the default.
+    Int8,
+    /// float32 activations and float32 products: the reference path, exact to float32 rounding.
+    Float,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -159,7 +227,9 @@ fn mismatch(message: String) -> Result<(), KernelError> {
 }
 
 /// out [t, n] = x [t, k] · Wᵀ, W [n, k] encoded as `qtype` in `raw` (n rows of k / block blocks), float32
-/// accumulation. Size errors name the argument (`x`, `raw`, `out`).
+/// accumulation; quantized types take `activations` as given (dense types always float). Size errors name the
+/// argument (`x`, `raw`, `out`).
+#[allow(clippy::too_many_arguments)]
 pub fn quantized_matmul(
     x: &[f32],
     raw: &[u8],
@@ -169,6 +239,7 @@ pub fn quantized_matmul(
     k: usize,
     out: &mut [f32],
     isa: Isa,
+    activations: Activations8,
 ) -> Result<(), KernelError> {
     let (block, bytes) = qtype.block();
     if t == 0 || t > MAX_T {
@@ -206,13 +277,15 @@ pub fn quantized_matmul(
     if n == 0 {
         return Ok(());
     }
-    let sums = if qtype.affine() {
+    let int = activations == Activations8::Int8 && !qtype.dense();
+    let q8 = int.then(|| Q8Rows::quantize(x, k));
+    let sums = if qtype.affine() && !int {
         x.chunks_exact(GROUP).map(|g| g.iter().sum()).collect()
     } else {
         Vec::new()
     };
-    let a = Activations { x, sums, t, k };
-    let kernel = qtype.kernel(isa);
+    let a = Activations { x, sums, q8, t, k };
+    let kernel = qtype.kernel(isa, activations);
     let out_ptr = OutPtr(out.as_mut_ptr());
     let rows_fn = |rows: std::ops::Range<usize>| {
         let mut y = [0f32; MAX_T];
@@ -320,7 +393,7 @@ mod tests {
             .collect()
     }
 
-    fn run(qtype: QType, t: usize, n: usize, k: usize, isa: Isa) -> Vec<f32> {
+    fn run(qtype: QType, t: usize, n: usize, k: usize, isa: Isa, act: Activations8) -> Vec<f32> {
         let (block, size) = qtype.block();
         let w = bytes(n * k / block * size, 1);
         let x: Vec<f32> = bytes(t * k, 2)
@@ -328,20 +401,24 @@ mod tests {
             .map(|&b| f32::from(b) / 127.0 - 1.0)
             .collect();
         let mut out = vec![0f32; t * n];
-        quantized_matmul(&x, &w, qtype, t, n, k, &mut out, isa).unwrap();
+        quantized_matmul(&x, &w, qtype, t, n, k, &mut out, isa, act).unwrap();
         out
     }
 
     /// Every SIMD path (AVX-512 via `Best` where the CPU has it, AVX2) against the scalar kernels, per
-    /// activation row, for every type and every t: relative L2 error <= 1e-5 (float32 reassociation only).
+    /// activation row, for every type, both activation paths and every t: relative L2 error <= 1e-5 (float32
+    /// reassociation only: the integer sums are exact in both).
     #[test]
     fn simd_and_scalar_kernels_agree_for_every_type() {
         let (n, k) = (37, 768); // odd n; 3 K-quant blocks, 24 legacy blocks
-        for qtype in QType::ALL {
+        for (qtype, act) in QType::ALL
+            .into_iter()
+            .flat_map(|q| [(q, Activations8::Int8), (q, Activations8::Float)])
+        {
             for t in 1..=MAX_T {
-                let scalar = run(qtype, t, n, k, Isa::Scalar);
+                let scalar = run(qtype, t, n, k, Isa::Scalar, act);
                 for isa in [Isa::Best, Isa::Avx2] {
-                    let simd = run(qtype, t, n, k, isa);
+                    let simd = run(qtype, t, n, k, isa, act);
                     for (ti, (s, v)) in scalar.chunks(n).zip(simd.chunks(n)).enumerate() {
                         let norm = s.iter().map(|v| v * v).sum::<f32>().sqrt();
                         let diff = s
@@ -352,7 +429,7 @@ mod tests {
                             .sqrt();
                         assert!(
                             norm > 0.0 && diff <= 1e-5 * norm,
-                            "{qtype:?} {isa:?} t={t} row {ti}: {diff} vs {norm}"
+                            "{qtype:?} {act:?} {isa:?} t={t} row {ti}: {diff} vs {norm}"
                         );
                     }
                 }
@@ -363,9 +440,10 @@ mod tests {
     #[test]
     fn results_do_not_depend_on_the_thread_count() {
         set_threads(1).unwrap();
-        let one = run(QType::Q4_1, 5, 3000, 576, Isa::Best);
+        let int8 = Activations8::Int8;
+        let one = run(QType::Q4_1, 5, 3000, 576, Isa::Best, int8);
         set_threads(2).unwrap();
-        assert_eq!(one, run(QType::Q4_1, 5, 3000, 576, Isa::Best));
+        assert_eq!(one, run(QType::Q4_1, 5, 3000, 576, Isa::Best, int8));
     }
 
     #[test]
@@ -382,6 +460,7 @@ mod tests {
             64,
             &mut out,
             Isa::Best,
+            Activations8::Int8,
         )); // 80 bytes needed
         bad(quantized_matmul(
             &x,
@@ -392,6 +471,7 @@ mod tests {
             48,
             &mut out,
             Isa::Best,
+            Activations8::Int8,
         )); // k not whole blocks
         bad(quantized_matmul(
             &x,
@@ -402,6 +482,7 @@ mod tests {
             64,
             &mut out,
             Isa::Best,
+            Activations8::Int8,
         )); // no rows
         bad(quantized_matmul(
             &x,
@@ -412,7 +493,9 @@ mod tests {
             64,
             &mut out[..1],
             Isa::Best,
+            Activations8::Int8,
         ));
-        assert!(quantized_matmul(&x, &[0; 80], QType::Q4_1, 1, 2, 64, &mut out, Isa::Best).is_ok());
+        let ok = quantized_matmul(&x, &[0; 80], QType::Q4_1, 1, 2, 64, &mut out, Isa::Best, Activations8::Int8);
+        assert!(ok.is_ok());
     }
 }

@@ -1,11 +1,13 @@
 //! CPU matrix-vector kernels over GGUF-encoded weights: out [t, n] = x [t, k] · Wᵀ for small t, reading each
-//! weight block once per call, with float32 activations and float32 accumulation (no activation quantization).
+//! weight block once per call. By default activations are quantized to 8 bits per 32 elements (`q8`, llama.cpp's
+//! Q8_0) and meet the weight codes in integer dot products; float32 activations remain as the reference path.
 //!
 //! - `blocks`: block layouts, scale decoding and scalar code decoding per type;
+//! - `q8`: activation quantization;
 //! - `rows`: what every row kernel shares (the activations of a call, the row-kernel signature, `MAX_T`);
-//! - `dot`: portable scalar row kernels;
-//! - `avx2`: AVX2/FMA row kernels (x86-64, selected at run time);
-//! - `avx512`: AVX-512 row kernels for the block-quantized types (x86-64, selected at run time);
+//! - `dot`: portable scalar row kernels (integer and float);
+//! - `avx2`: AVX2/FMA row kernels, integer and float (x86-64, selected at run time);
+//! - `avx512`: AVX-512 float row kernels for the block-quantized types (x86-64, selected at run time);
 //! - `matmul`: the entry point, argument checks, kernel selection and the thread pool.
 //!
 //! Imports go one way: the row kernels (`dot`, `avx2`, `avx512`) use `blocks` and `rows`; `matmul` uses them all.
@@ -17,7 +19,8 @@ mod avx512;
 mod blocks;
 mod dot;
 mod matmul;
+mod q8;
 mod rows;
 
-pub use matmul::{quantized_matmul, set_threads, threads, Isa, KernelError, QType};
+pub use matmul::{quantized_matmul, set_threads, threads, Activations8, Isa, KernelError, QType};
 pub use rows::MAX_T;

@@ -3,18 +3,23 @@
 //! them from here, never from `matmul`, so imports go one way (kernels → rows, matmul → kernels).
 
 use super::blocks::GROUP;
+use super::q8::Q8Rows;
 
-/// Most activation rows per call (larger batches are better served by dequantize + dense matmul).
-pub const MAX_T: usize = 16;
+/// Most activation rows per call: a speculative verification pass of up to 31 drafts plus one (larger batches
+/// are better served by dequantize + dense matmul).
+pub const MAX_T: usize = 32;
 
 /// One output row for every activation row: `y[t]` for t < `a.t`, from the encoded weight row `row`.
 pub type RowKernel = fn(&Activations, &[u8], &mut [f32; MAX_T]);
 
-/// The activations of a call: x [t, k] row-major, and for affine types Σx of every 32-element group.
+/// The activations of a call: x [t, k] row-major, for affine types Σx of every 32-element group, and for the
+/// integer kernels x quantized per group.
 pub struct Activations<'a> {
     pub x: &'a [f32],
-    /// [t, k / GROUP] group sums (empty for symmetric and dense types).
+    /// [t, k / GROUP] group sums Σx for the float kernels of affine types (else empty).
     pub sums: Vec<f32>,
+    /// x as 8-bit codes (the integer kernels' input; None for the float kernels).
+    pub q8: Option<Q8Rows>,
     pub t: usize,
     pub k: usize,
 }
@@ -23,6 +28,11 @@ impl Activations<'_> {
     /// Elements of group `gi` of activation row `ti`.
     pub fn group(&self, ti: usize, gi: usize) -> &[f32] {
         &self.x[ti * self.k + gi * GROUP..][..GROUP]
+    }
+
+    /// The quantized activations; only the integer kernels call this, and `matmul` quantizes for them.
+    pub fn q8(&self) -> &Q8Rows {
+        self.q8.as_ref().expect("integer kernels are given quantized activations")
     }
 
     /// Σx over group `gi` of activation row `ti`.

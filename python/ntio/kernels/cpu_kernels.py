@@ -1,26 +1,63 @@
 """Matrix-vector products straight from GGUF-encoded weights on CPU (Rust kernels in `ntio._core`).
 
-For a few activation rows (decode, speculative verification: T <= 16) the product is memory-bound, so reading the
-encoded blocks (~4.5-8.5 bits per weight) instead of dequantized float32 weights is several times faster. The
-activations stay float32 and sums are float32 (each block computes d * Σ q·x + m * Σ x), so results agree with
-`F.linear(x, dequantize(raw))` to ~1e-6 relative. Larger batches: dequantize and use a dense matmul.
+For a few activation rows (decode, speculative verification: T <= 32) the product is memory-bound, so reading the
+encoded blocks (~4.5-8.5 bits per weight) instead of dequantized float32 weights is several times faster, and each
+weight block is decoded once per call for all T rows. Larger batches: dequantize and use a dense matmul.
+
+Numerics. By default (`int8=True`) the activations of quantized types are quantized per 32 elements exactly as
+llama.cpp's Q8_0 (d = max|x|/127 as float16, q = round(x/d)) and multiplied with the weight codes in exact integer
+sums, scaled per group in float32: the result equals `F.linear(dequantize_q8_0(quantize_q8_0(x)), W)` to ~1e-6
+relative, and differs from float32 activations by ~0.3-1% relative per product. `int8=False` keeps float32
+activations (d * Σ q·x + m * Σ x in float32): `F.linear(x, dequantize(raw))` to ~1e-6, the reference path.
+Dense types (F32/F16/BF16) always take float32 activations.
+
+Kernel sets: `best` (the widest this CPU runs), `avx512`, `avx2`, `scalar`; the environment variable
+NTIO_CPU_KERNELS forces one for an engine (`KernelChoice.from_env`), and a set the CPU lacks is refused.
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 
 import gguf
 import numpy as np
 import torch
 
 from ntio import _core
+from ntio.errors import OptionError
 
 T = gguf.GGMLQuantizationType
 
 KERNEL_TYPES: frozenset[gguf.GGMLQuantizationType] = frozenset(T(i) for i in _core.KERNEL_TYPES)
 MAX_ROWS: int = _core.KERNEL_MAX_T  # most activation rows per call
+
+
+ISA_ENV = "NTIO_CPU_KERNELS"
+ACTIVATIONS = ("int8", "float32")  # what quantized weights meet: 8-bit codes (default) or float32 (reference)
+
+
+@dataclass(frozen=True)
+class KernelChoice:
+    """Which CPU kernels an engine's products run: the instruction set and whether activations go to 8 bits."""
+
+    isa: str = "best"
+    int8: bool = True
+
+    @classmethod
+    def from_env(cls, activations: str = "int8") -> KernelChoice:
+        """The set named by NTIO_CPU_KERNELS (default `best`) with `activations` ("int8" or "float32"); an
+        unknown set, or one this CPU lacks, is an OptionError naming the variable."""
+        if activations not in ACTIVATIONS:
+            raise OptionError("cpu_activations", f"must be one of {', '.join(ACTIVATIONS)}, got {activations!r}")
+        isa = os.environ.get(ISA_ENV, "best").strip().lower() or "best"
+        try:
+            _core.check_kernel_isa(isa)
+        except ValueError as e:
+            raise OptionError(ISA_ENV, f"= {isa!r}: {e}") from None
+        return cls(isa, activations == "int8")
 
 
 def set_threads(n: int) -> None:
@@ -70,13 +107,15 @@ def _array(name: str, t: torch.Tensor) -> np.ndarray:
 
 
 def quantized_linear(x: torch.Tensor, raw: torch.Tensor, qtype: gguf.GGMLQuantizationType | int,
-                     shape: tuple[int, int], out: torch.Tensor | None = None, *, scalar: bool = False) -> torch.Tensor:
+                     shape: tuple[int, int], out: torch.Tensor | None = None, *, isa: str = "best",
+                     int8: bool = True) -> torch.Tensor:
     """x [T, K] float32 · Wᵀ -> [T, N] float32, with W of `shape` (N, K) given as its GGUF encoding `raw`.
 
     x: contiguous float32 CPU tensor, 1 <= T <= MAX_ROWS. raw: contiguous 1-D uint8 CPU tensor of exactly the
     encoded size. out: optional contiguous float32 [T, N] CPU tensor, not overlapping x or raw.
-    `scalar=True` forces the portable kernels (for tests). Errors: ValueError (`_core.BufferError` for a buffer
-    of the wrong dtype, layout or overlap) / TypeError naming the problem.
+    isa: the kernel set (`best`, `avx512`, `avx2`, `scalar`); int8: 8-bit activations (see the module's numerics).
+    Errors: ValueError (`_core.BufferError` for a buffer of the wrong dtype, layout or overlap; a kernel set this
+    CPU lacks) / TypeError naming the problem.
     """
     try:
         qt = T(int(qtype))
@@ -105,5 +144,5 @@ def quantized_linear(x: torch.Tensor, raw: torch.Tensor, qtype: gguf.GGMLQuantiz
             raise ValueError(f"out must have shape {(t, n)}, got {tuple(outa.shape)}")
     # The Rust binding checks dtypes, C-contiguity, out writable and overlapping neither x nor raw, and sizes; the
     # arrays' buffer exports hold the tensors' memory until it returns.
-    _core.quantized_matmul(xa, t, k, rawa, int(qt), n, outa, scalar=scalar)
+    _core.quantized_matmul(xa, t, k, rawa, int(qt), n, outa, isa=isa, int8=int8)
     return out

@@ -3,9 +3,11 @@
 Weights stay in their GGUF encoding (`EncodedMatrix`) wherever they live — resident, pinned, or just read into a
 staging slot — and each product picks how to run:
   * CPU, T <= cpu_kernels.MAX_ROWS, a type the Rust kernels decode: matrix-vector products straight from the
-    encoded blocks (decode is memory-bound: ~4.5-8.5 bits per weight read instead of 32);
+    encoded blocks (decode is memory-bound: ~4.5-8.5 bits per weight read instead of 32), with the running
+    engine's `KernelChoice` (`using_kernels`): by default 8-bit activations and integer sums, as llama.cpp;
   * otherwise (prefill, CUDA, other types): dequantize into a reusable float32 scratch buffer, then `F.linear`.
-Both compute in float32 with float32 sums, so they agree to ~1e-6 relative and with transformers' float32 to 1e-4.
+With float32 activations both agree to ~1e-6 relative and with transformers' float32 to 1e-4; with 8-bit ones the
+CPU kernels' products move by ~0.3-1% relative (ntio.kernels.cpu_kernels states the numerics).
 """
 
 from __future__ import annotations
@@ -113,6 +115,20 @@ def using_scratch(scratch: Scratch) -> Iterator[None]:
         _scratch.reset(token)
 
 
+# The CPU kernels products use: the running engine's (set by `using_kernels`), else the defaults.
+_kernels: contextvars.ContextVar[cpu_kernels.KernelChoice] = contextvars.ContextVar(
+    "ntio_kernels", default=cpu_kernels.KernelChoice())
+
+
+@contextmanager
+def using_kernels(choice: cpu_kernels.KernelChoice) -> Iterator[None]:
+    token = _kernels.set(choice)
+    try:
+        yield
+    finally:
+        _kernels.reset(token)
+
+
 def _dequantized_rows(w: EncodedMatrix, start: int, stop: int) -> torch.Tensor:
     """Rows [start, stop) of w as float32 [stop - start, K] in the active scratch buffer."""
     k = w.shape[1]
@@ -158,7 +174,8 @@ def uses_cpu_kernel(x: torch.Tensor, w: EncodedMatrix) -> bool:
 def linear(x: torch.Tensor, w: EncodedMatrix) -> torch.Tensor:
     """x: [T, K] float32 -> x @ Wᵀ: [T, N]."""
     if uses_cpu_kernel(x, w):
-        return cpu_kernels.quantized_linear(x.contiguous(), w.raw, w.qtype, w.shape)
+        choice = _kernels.get()
+        return cpu_kernels.quantized_linear(x.contiguous(), w.raw, w.qtype, w.shape, isa=choice.isa, int8=choice.int8)
     n, k = w.shape
     rows = max(1, SCRATCH_BYTES // (4 * k))
     if rows >= n:

@@ -53,10 +53,12 @@ def _decision(w: LayerWeights | None) -> LoadDecision:
 class Engine:
     """One model's forward pass. `threads`: its CPU threads (None: the process's), both torch's intra-op threads
     for its prefill steps and the Rust kernels' pool, set for each step and restored after it; `scratch`: its own
-    dequantization buffers; `prefill_chunk`: the most tokens one pass takes."""
+    dequantization buffers; `prefill_chunk`: the most tokens one pass takes; `kernels`: which CPU kernels its
+    products run (default: the best this CPU has, 8-bit activations)."""
 
     def __init__(self, cfg: ModelConfig, globals_: GlobalWeights, layers: LayerSource, kv: KVCache,
-                 *, threads: int | None = None, prefill_chunk: int = PREFILL_CHUNK) -> None:
+                 *, threads: int | None = None, prefill_chunk: int = PREFILL_CHUNK,
+                 kernels: cpu_kernels.KernelChoice = cpu_kernels.KernelChoice()) -> None:
         self.cfg = cfg
         self.globals = globals_
         self.layers = layers
@@ -65,6 +67,7 @@ class Engine:
         self.threads = threads
         self.prefill_chunk = prefill_chunk
         self.scratch = ops.Scratch()
+        self.kernels = kernels
 
     @torch.inference_mode()
     def forward(self, tokens: torch.Tensor, start_pos: int, *, all_logits: bool = False) -> torch.Tensor:
@@ -133,6 +136,7 @@ class Engine:
                 ops.step_threads(self.device, chunk.shape[0], attention_work, self.threads),
                 cpu_kernels.using_threads(self.threads),
                 ops.using_scratch(self.scratch),
+                ops.using_kernels(self.kernels),
             ):
                 out.append(self._forward_chunk(chunk, pos, lambda h: project(h, first)))
             self.kv.commit(pos, ids)

@@ -1,0 +1,117 @@
+//! Activations quantized to 8 bits per 32-element group, exactly as llama.cpp's (and gguf-py's) Q8_0 blocks:
+//! d = max|x| / 127 rounded to float16, codes q = round(x / d') with d' the float32 d before rounding (ties away
+//! from zero), so x ≈ x̂ = d·q. The integer kernels multiply weight codes with these codes and scale each group's
+//! integer sum once: a pass over the weights does one integer multiply-add per weight and row. Affine weight
+//! types (d·q + m) take Σx̂ = d·Σq per group, as llama.cpp's Q8_1, so every product is exactly W · x̂.
+
+use super::blocks::GROUP;
+
+/// x [t, k] as 8-bit codes with one scale per 32-element group.
+pub struct Q8Rows {
+    /// [t, k] codes in -127..=127, row-major.
+    pub codes: Vec<i8>,
+    /// [t, k / GROUP] scales (float16 values, held as float32).
+    pub scales: Vec<f32>,
+    /// [t, k / GROUP] Σx̂ = scale · Σcodes of each group (what affine weights' offsets multiply).
+    pub sums: Vec<f32>,
+    /// `scales` and `sums` transposed, [k / GROUP, t]: a tile of activation rows reads them as one vector.
+    pub scales_by_group: Vec<f32>,
+    pub sums_by_group: Vec<f32>,
+    k: usize,
+}
+
+impl Q8Rows {
+    /// Quantizes x [t, k] (k a multiple of GROUP).
+    pub fn quantize(x: &[f32], k: usize) -> Q8Rows {
+        debug_assert!(k % GROUP == 0 && x.len() % k == 0);
+        let mut codes = vec![0i8; x.len()];
+        let mut scales = Vec::with_capacity(x.len() / GROUP);
+        let mut sums = Vec::with_capacity(x.len() / GROUP);
+        for (x, q) in x.chunks_exact(GROUP).zip(codes.chunks_exact_mut(GROUP)) {
+            let amax = x.iter().fold(0f32, |m, v| m.max(v.abs()));
+            let d = amax / 127.0;
+            let id = if d == 0.0 { 0.0 } else { 1.0 / d };
+            for (q, &v) in q.iter_mut().zip(x) {
+                *q = (v * id).round() as i8; // |v * id| <= 127 (+ rounding), so the cast saturates nothing
+            }
+            let d = round_to_f16(d);
+            scales.push(d);
+            sums.push(d * q.iter().map(|&c| i32::from(c)).sum::<i32>() as f32);
+        }
+        let (t, groups) = (x.len() / k, k / GROUP);
+        let by_group = |v: &[f32]| (0..groups * t).map(|i| v[i % t * groups + i / t]).collect();
+        Q8Rows {
+            codes,
+            scales_by_group: by_group(&scales),
+            sums_by_group: by_group(&sums),
+            scales,
+            sums,
+            k,
+        }
+    }
+
+    /// Codes of group `gi` of activation row `ti`.
+    pub fn group(&self, ti: usize, gi: usize) -> &[i8] {
+        &self.codes[ti * self.k + gi * GROUP..][..GROUP]
+    }
+
+    /// Scale of group `gi` of activation row `ti`.
+    pub fn scale(&self, ti: usize, gi: usize) -> f32 {
+        self.scales[ti * (self.k / GROUP) + gi]
+    }
+
+    /// Σx̂ of group `gi` of activation row `ti`.
+    pub fn sum(&self, ti: usize, gi: usize) -> f32 {
+        self.sums[ti * (self.k / GROUP) + gi]
+    }
+}
+
+/// `v` (finite, >= 0, below 65520) rounded to the nearest float16 value, ties to even, as float32: the scale
+/// llama.cpp stores in a Q8_0 block.
+pub fn round_to_f16(v: f32) -> f32 {
+    const TWO_POW_24: f32 = 16_777_216.0;
+    if v < 1.0 / 16384.0 {
+        // Below 2^-14, the smallest normal float16: subnormals are multiples of 2^-24, and v * 2^24 < 2^10 is
+        // exact, so is rounding it.
+        return (v * TWO_POW_24).round_ties_even() / TWO_POW_24;
+    }
+    // Normal float16: keep 10 of float32's 23 mantissa bits, ties to even (a carry moves into the exponent).
+    let bits = v.to_bits();
+    let rem = bits & 0x1FFF;
+    let base = bits - rem;
+    let up = rem > 0x1000 || (rem == 0x1000 && base & 0x2000 != 0);
+    f32::from_bits(if up { base + 0x2000 } else { base })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn f16_rounding_matches_the_half_crate() {
+        let mut s = 7u64;
+        for i in 0..200_000u32 {
+            s = s.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+            // magnitudes from 2^-30 to 2^15, every mantissa pattern
+            let v = f32::from_bits(((s >> 40) as u32 & 0x007F_FFFF) | ((97 + i % 45) << 23));
+            let want = half::f16::from_f32(v).to_f32();
+            assert_eq!(round_to_f16(v).to_bits(), want.to_bits(), "{v:e}");
+        }
+        assert_eq!(round_to_f16(0.0), 0.0);
+    }
+
+    #[test]
+    fn codes_and_scales_reconstruct_the_group() {
+        let x: Vec<f32> = (0..64).map(|i| ((i * 37 % 64) as f32 - 31.5) * 0.1).collect();
+        let q = Q8Rows::quantize(&x, 64);
+        for gi in 0..2 {
+            let d = q.scale(0, gi);
+            assert!(q.group(0, gi).iter().any(|&c| c.abs() == 127));
+            for (c, v) in q.group(0, gi).iter().zip(&x[gi * 32..]) {
+                assert!((f32::from(*c) * d - v).abs() <= d * 0.51 + v.abs() * 1e-3);
+            }
+        }
+        let zero = Q8Rows::quantize(&[0.0; 32], 32);
+        assert!(zero.codes.iter().all(|&c| c == 0) && zero.scales == [0.0]);
+    }
+}
