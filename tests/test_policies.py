@@ -102,7 +102,7 @@ def test_dense_policy_reads_exactly_the_whole_layer_plans(smollm2_path):
 def test_skipped_layer_is_not_read_and_matches_transformers_without_it(smollm2_path, hf_smollm2):
     skip = 5
     policy = Scripted(table={skip: SKIP})
-    m = ntio.load(smollm2_path, max_context=64, tiers="C", policy=policy)
+    m = ntio.load(smollm2_path, max_context=64, tiers="C", policy=policy, cpu_activations="float32")
     ids = m.encode_prompt(PROMPT)
     m.stats.reset()
     got = m.engine.forward(torch.tensor(ids), 0, all_logits=True)
@@ -124,7 +124,7 @@ def test_ffn_row_subset_reads_less_and_matches_transformers_with_neurons_zeroed(
     layer, d_ff = 7, 1536
     rows = ((0, 256), (512, 1024), (1400, 1536))
     policy = Scripted(table={layer: LoadDecision.ffn_rows(rows)})
-    m = ntio.load(smollm2_path, max_context=64, tiers=tiers, policy=policy)
+    m = ntio.load(smollm2_path, max_context=64, tiers=tiers, policy=policy, cpu_activations="float32")
     ids = m.encode_prompt(PROMPT)
     m.stats.reset()
     got = m.engine.forward(torch.tensor(ids), 0, all_logits=True)

@@ -34,7 +34,7 @@ NEAR_TIE = 1e-3
 def pair(request):
     """(ntio model, transformers model) on the same file; one module-wide load of each per size."""
     path = request.getfixturevalue(request.param)
-    ours = ntio.load(path, max_context=1024)
+    ours = ntio.load(path, max_context=1024, cpu_activations="float32")
     yield ours, hf_model(path)
     ours.close()
 
