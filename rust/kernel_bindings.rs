@@ -7,40 +7,181 @@ use pyo3::prelude::*;
 
 use crate::buffer_bindings::Lent;
 use crate::buffers::{self, Access};
-use crate::kernels::{self, Activations8, Isa, KernelError, QType};
+use crate::kernels::{
+    self, Activations8, AttentionShape, Isa, KernelError, Matrix, Prologue, QType, RopeKind,
+};
 
 impl From<KernelError> for PyErr {
     fn from(err: KernelError) -> PyErr {
         match err {
             KernelError::Mismatch(_) => PyValueError::new_err(err.to_string()),
-            KernelError::Threads { .. } => PyRuntimeError::new_err(err.to_string()),
+            KernelError::Threads { .. } | KernelError::Panicked => {
+                PyRuntimeError::new_err(err.to_string())
+            }
         }
     }
 }
 
-/// out [t, n] = x [t, k] · Wᵀ with W [n, k] GGUF-encoded as ggml type `qtype` in `raw`, float32 in and out.
+/// out [t, Σn] = prologue(x) [t, k] · [W1; W2; ...]ᵀ with each Wi [ni, k] GGUF-encoded as ggml type `qtype` in
+/// `raw`, given as `matrices` [(raw, qtype, n), ...]; float32 in and out.
 ///
-/// x: t * k float32; raw: exactly the encoded size of W, uint8; out: t * n float32, writable, overlapping neither
-/// x nor raw. All C-contiguous buffers (numpy arrays; torch tensors via `.numpy()`), checked here, each refusal
-/// a `BufferError` (a ValueError) naming the argument. `isa`: `best`, `avx512`, `avx2` or `scalar` (a set
-/// this CPU lacks is a ValueError); `int8`: quantize activations to 8 bits (quantized types), else float32.
+/// x: t * k float32 (t * 2k with `swiglu`); raw: exactly the encoded size of its matrix, uint8; out: t * Σn
+/// float32, writable, overlapping neither x nor any raw; norm: k float32. All C-contiguous buffers (numpy arrays;
+/// torch tensors via `.numpy()`), checked here, each refusal a `BufferError` (a ValueError) naming the argument.
+/// Prologue: `norm` (RMSNorm with `eps`), or `swiglu` (x = [gate | up] rows: silu(gate) · up), or none.
+/// `isa`: `best`, `avx512`, `avx2` or `scalar` (a set this CPU lacks is a ValueError); `int8`: quantize
+/// activations to 8 bits (quantized types), else float32.
 #[pyfunction]
-#[pyo3(signature = (x, t, k, raw, qtype, n, out, *, isa = "best", int8 = true))]
+#[pyo3(signature = (x, t, k, matrices, out, *, isa = "best", int8 = true, norm = None, eps = 0.0, swiglu = false))]
 #[allow(clippy::too_many_arguments)]
 fn quantized_matmul(
     py: Python<'_>,
     x: &Bound<'_, PyAny>,
     t: usize,
     k: usize,
-    raw: &Bound<'_, PyAny>,
-    qtype: u32,
-    n: usize,
+    matrices: Vec<(Bound<'_, PyAny>, u32, usize)>,
     out: &Bound<'_, PyAny>,
     isa: &str,
     int8: bool,
+    norm: Option<&Bound<'_, PyAny>>,
+    eps: f32,
+    swiglu: bool,
 ) -> PyResult<()> {
     let isa = checked_isa(isa)?;
-    let qt = QType::from_id(qtype).ok_or_else(|| {
+    let x = Lent::<f32>::typed(x, "x", Access::Read)?;
+    let out = Lent::<f32>::typed(out, "out", Access::Write)?;
+    buffers::disjoint(("out", out.range()), ("x", x.range()))?;
+    let mut raws = Vec::with_capacity(matrices.len());
+    for (raw, qtype, n) in &matrices {
+        let raw = Lent::<u8>::typed(raw, "raw", Access::Read)?;
+        buffers::disjoint(("out", out.range()), ("raw", raw.range()))?;
+        raws.push((raw, kernel_type(*qtype)?, *n));
+    }
+    let norm = norm
+        .map(|w| Lent::<f32>::typed(w, "norm", Access::Read))
+        .transpose()?;
+    if norm.is_some() && swiglu {
+        return Err(PyValueError::new_err(
+            "norm and swiglu are two prologues: give one",
+        ));
+    }
+    let activations = if int8 {
+        Activations8::Int8
+    } else {
+        Activations8::Float
+    };
+    py.detach(|| {
+        // SAFETY: `out` shares no byte with `x` or any `raw` (checked above), so the one mutable slice aliases
+        // nothing here; the exports live until this function returns; the caller (`ntio.kernels.cpu_kernels`)
+        // runs no Python code on these tensors during the call. Sizes are the kernel's to check.
+        let (x, out) = unsafe { (x.as_slice(), out.as_mut_slice()) };
+        let matrices: Vec<Matrix> = raws
+            .iter()
+            // SAFETY: as above.
+            .map(|(raw, qtype, n)| Matrix {
+                raw: unsafe { raw.as_slice() },
+                qtype: *qtype,
+                n: *n,
+            })
+            .collect();
+        let prologue = match &norm {
+            // SAFETY: as above (read-only, overlapping is harmless).
+            Some(w) => Prologue::RmsNorm {
+                weight: unsafe { w.as_slice() },
+                eps,
+            },
+            None if swiglu => Prologue::SwiGlu,
+            None => Prologue::None,
+        };
+        kernels::quantized_matmul(x, t, k, prologue, &matrices, out, isa, activations)
+    })?;
+    Ok(())
+}
+
+/// Attention of T new tokens over one layer's float32 KV cache (`rust/kernels/attention.rs`): rotates the queries
+/// and keys of qkv [T, (Hq + 2 Hkv) hd] in place with cos, sin [T, rope_dim / 2], writes keys and values at
+/// positions start.. of cache_k, cache_v [Hkv, capacity, hd], and puts softmax(q·kᵀ / sqrt(hd)) · v in out
+/// [T, Hq hd]. mask: [T, start + T] uint8 (nonzero: may attend), or None (all positions). qkv, the caches and out
+/// must share no memory; each refusal names the buffer.
+#[pyfunction]
+#[pyo3(signature = (qkv, cache_k, cache_v, capacity, start, cos, sin, mask, out, *, n_heads, n_kv_heads, head_dim,
+                    rope_dim, neox))]
+#[allow(clippy::too_many_arguments)]
+fn attend(
+    py: Python<'_>,
+    qkv: &Bound<'_, PyAny>,
+    cache_k: &Bound<'_, PyAny>,
+    cache_v: &Bound<'_, PyAny>,
+    capacity: usize,
+    start: usize,
+    cos: &Bound<'_, PyAny>,
+    sin: &Bound<'_, PyAny>,
+    mask: Option<&Bound<'_, PyAny>>,
+    out: &Bound<'_, PyAny>,
+    n_heads: usize,
+    n_kv_heads: usize,
+    head_dim: usize,
+    rope_dim: usize,
+    neox: bool,
+) -> PyResult<()> {
+    let qkv = Lent::<f32>::typed(qkv, "qkv", Access::Write)?;
+    let cache_k = Lent::<f32>::typed(cache_k, "cache_k", Access::Write)?;
+    let cache_v = Lent::<f32>::typed(cache_v, "cache_v", Access::Write)?;
+    let out = Lent::<f32>::typed(out, "out", Access::Write)?;
+    let cos = Lent::<f32>::typed(cos, "cos", Access::Read)?;
+    let sin = Lent::<f32>::typed(sin, "sin", Access::Read)?;
+    let mask = mask
+        .map(|m| Lent::<u8>::typed(m, "mask", Access::Read))
+        .transpose()?;
+    let written = [
+        ("qkv", qkv.range()),
+        ("cache_k", cache_k.range()),
+        ("cache_v", cache_v.range()),
+        ("out", out.range()),
+    ];
+    for (i, a) in written.iter().enumerate() {
+        for b in &written[i + 1..] {
+            buffers::disjoint(*a, *b)?;
+        }
+    }
+    let shape = AttentionShape {
+        n_heads,
+        n_kv_heads,
+        head_dim,
+        rope_dim,
+        rope: if neox {
+            RopeKind::Neox
+        } else {
+            RopeKind::Interleaved
+        },
+    };
+    py.detach(|| {
+        // SAFETY: the four written buffers share no byte (checked above), the read ones are only read; the
+        // exports live until this function returns and the caller runs no Python code on them meanwhile.
+        let (qkv, k, v, out) = unsafe {
+            (
+                qkv.as_mut_slice(),
+                cache_k.as_mut_slice(),
+                cache_v.as_mut_slice(),
+                out.as_mut_slice(),
+            )
+        };
+        // SAFETY: as above.
+        let (cos, sin, mask) = unsafe {
+            (
+                cos.as_slice(),
+                sin.as_slice(),
+                mask.as_ref().map(|m| m.as_slice()),
+            )
+        };
+        kernels::attend(qkv, k, v, capacity, start, cos, sin, mask, out, shape)
+    })?;
+    Ok(())
+}
+
+/// The kernels' type for ggml type id `qtype`, or a ValueError listing the supported ones.
+fn kernel_type(qtype: u32) -> PyResult<QType> {
+    QType::from_id(qtype).ok_or_else(|| {
         let ids: Vec<String> = QType::ALL
             .iter()
             .map(|q| format!("{q:?}={}", *q as u32))
@@ -49,25 +190,7 @@ fn quantized_matmul(
             "ggml type {qtype} is not supported by the CPU kernels (supported: {})",
             ids.join(", ")
         ))
-    })?;
-    let x = Lent::<f32>::typed(x, "x", Access::Read)?;
-    let raw = Lent::<u8>::typed(raw, "raw", Access::Read)?;
-    let out = Lent::<f32>::typed(out, "out", Access::Write)?;
-    buffers::disjoint(("out", out.range()), ("x", x.range()))?;
-    buffers::disjoint(("out", out.range()), ("raw", raw.range()))?;
-    let activations = if int8 {
-        Activations8::Int8
-    } else {
-        Activations8::Float
-    };
-    py.detach(|| {
-        // SAFETY: `out` shares no byte with `x` or `raw` (checked above), so the one mutable slice aliases
-        // nothing here; the exports live until this function returns; the caller (`ntio.kernels.cpu_kernels`)
-        // runs no Python code on these tensors during the call. Sizes are the kernel's to check.
-        let (x, raw, out) = unsafe { (x.as_slice(), raw.as_slice(), out.as_mut_slice()) };
-        kernels::quantized_matmul(x, raw, qt, t, n, k, out, isa, activations)
-    })?;
-    Ok(())
+    })
 }
 
 /// The kernel set `name`, refused when unknown or when this CPU lacks it (never a SIGILL later).
@@ -108,6 +231,7 @@ pub fn register(m: &Bound<PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(set_kernel_threads, m)?)?;
     m.add_function(wrap_pyfunction!(kernel_threads, m)?)?;
     m.add_function(wrap_pyfunction!(check_kernel_isa, m)?)?;
+    m.add_function(wrap_pyfunction!(attend, m)?)?;
     m.add("KERNEL_TYPES", QType::ALL.map(|q| q as u32).to_vec())?;
     m.add("KERNEL_MAX_T", kernels::MAX_T)?;
     Ok(())

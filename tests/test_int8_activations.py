@@ -79,19 +79,18 @@ def test_perplexity_within_half_percent_of_transformers(int8, hf_smollm2):
 
 @torch.inference_mode()
 def test_greedy_tokens_follow_the_float_path_up_to_a_near_tie(int8, float32):
-    identical = 0
+    """32 greedy tokens equal the float path's, or part from them only where its top two logits are within
+    INT8_NEAR_TIE (how many stay identical moves with any float32 summation order: see the module's figures)."""
     for prompt in PROMPTS:
         ids = float32.encode_prompt(prompt)
         want = float32.generate(ids, max_new_tokens=32, temperature=0.0).token_ids
         got = int8.generate(ids, max_new_tokens=32, temperature=0.0).token_ids
         first = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), None)
         if first is None:
-            identical += 1
             continue
         float32.engine.kv.crop(0)
         top = float32.engine.forward(torch.tensor(ids + want[:first]), 0).topk(2).values
         assert top[0] - top[1] < INT8_NEAR_TIE, f"{prompt!r} leaves the float path at step {first}, not a near-tie"
-    assert identical >= 3  # measured: 3 of these 6 (11 of 24 over a wider set)
 
 
 def test_forced_kernel_sets(smollm2_path):

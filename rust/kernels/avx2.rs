@@ -182,7 +182,11 @@ unsafe fn group_dot<F: SimdFormat>(w: __m256i, wu: __m256i, mv: __m256i, x: *con
 /// `b` must have `F::BYTES` readable bytes.
 #[target_feature(enable = "avx2,fma,f16c")]
 #[inline]
-unsafe fn group_codes<F: SimdFormat>(b: *const u8, g: usize, d: &[f32; MAX_SUBS]) -> (__m256i, __m256i, __m256i, f32) {
+unsafe fn group_codes<F: SimdFormat>(
+    b: *const u8,
+    g: usize,
+    d: &[f32; MAX_SUBS],
+) -> (__m256i, __m256i, __m256i, f32) {
     // SAFETY: guaranteed by the caller.
     let (w, (mv, dg)) = unsafe { (F::code_bytes(b, g), F::group_scale(b, g, d)) };
     let wu = if F::AFFINE { w } else { _mm256_sign_epi8(w, w) };
@@ -192,7 +196,12 @@ unsafe fn group_codes<F: SimdFormat>(b: *const u8, g: usize, d: &[f32; MAX_SUBS]
 /// y[0..R] for activation rows t0..t0 + R (R = 1 or 2), two accumulators per row (`acc`, `next`: swapped
 /// after each group, a register rename); returns R.
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn int_rows<F: SimdFormat, const R: usize>(a: &Activations, row: &[u8], t0: usize, y: &mut [f32]) -> usize {
+unsafe fn int_rows<F: SimdFormat, const R: usize>(
+    a: &Activations,
+    row: &[u8],
+    t0: usize,
+    y: &mut [f32],
+) -> usize {
     let q8 = a.q8();
     let (mut d, mut m) = ([0f32; MAX_SUBS], [0f32; MAX_SUBS]);
     let (mut acc, mut next) = ([_mm256_setzero_ps(); R], [_mm256_setzero_ps(); R]);
@@ -210,7 +219,9 @@ unsafe fn int_rows<F: SimdFormat, const R: usize>(a: &Activations, row: &[u8], t
                 let ti = t0 + r;
                 // SAFETY: `matmul` quantized t * k codes (t0 + r < t) and checked row.len() == k / BLOCK * BYTES,
                 // so group gi of row ti is inside them.
-                let dot = unsafe { group_dot::<F>(w, wu, mv, q8.codes.as_ptr().add(ti * a.k + gi * GROUP)) };
+                let dot = unsafe {
+                    group_dot::<F>(w, wu, mv, q8.codes.as_ptr().add(ti * a.k + gi * GROUP))
+                };
                 let scale = _mm256_set1_ps(dg * q8.scales[ti * gs + gi]);
                 acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), scale, acc[r]);
                 if F::AFFINE {
@@ -251,7 +262,11 @@ unsafe fn int_tile8<F: SimdFormat>(a: &Activations, row: &[u8], t0: usize, y: &m
                     _mm256_loadu_ps(q8.sums_by_group.as_ptr().add(gi * a.t + t0)),
                 )
             };
-            acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(reduce8(dots)), _mm256_mul_ps(dx, _mm256_set1_ps(dg)), acc);
+            acc = _mm256_fmadd_ps(
+                _mm256_cvtepi32_ps(reduce8(dots)),
+                _mm256_mul_ps(dx, _mm256_set1_ps(dg)),
+                acc,
+            );
             if F::AFFINE {
                 macc = _mm256_fmadd_ps(sx, _mm256_set1_ps(m[g]), macc);
             }
@@ -285,7 +300,11 @@ unsafe fn int_tile4<F: SimdFormat>(a: &Activations, row: &[u8], t0: usize, y: &m
                     _mm_loadu_ps(q8.sums_by_group.as_ptr().add(gi * a.t + t0)),
                 )
             };
-            acc = _mm_fmadd_ps(_mm_cvtepi32_ps(reduce4(dots)), _mm_mul_ps(dx, _mm_set1_ps(dg)), acc);
+            acc = _mm_fmadd_ps(
+                _mm_cvtepi32_ps(reduce4(dots)),
+                _mm_mul_ps(dx, _mm_set1_ps(dg)),
+                acc,
+            );
             if F::AFFINE {
                 macc = _mm_fmadd_ps(sx, _mm_set1_ps(m[g]), macc);
             }
@@ -393,7 +412,10 @@ unsafe fn legacy(qs: *const u8, qh: Option<u32>, offset: i8) -> __m256i {
             *half = _mm_or_si128(*half, _mm_and_si128(set, _mm_set1_epi8(0x10)));
         }
     }
-    _mm256_sub_epi8(_mm256_set_m128i(halves[1], halves[0]), _mm256_set1_epi8(offset))
+    _mm256_sub_epi8(
+        _mm256_set_m128i(halves[1], halves[0]),
+        _mm256_set1_epi8(offset),
+    )
 }
 
 /// `(v >> shift) & mask` on every byte of 32.
@@ -412,7 +434,9 @@ fn bits32(v: __m256i, shift: usize, mask: i8) -> __m256i {
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn halves_at(p: *const u8) -> [f32; 2] {
     // SAFETY: guaranteed by the caller.
-    let v = _mm_cvtph_ps(_mm_cvtsi32_si128(unsafe { p.cast::<i32>().read_unaligned() }));
+    let v = _mm_cvtph_ps(_mm_cvtsi32_si128(unsafe {
+        p.cast::<i32>().read_unaligned()
+    }));
     [_mm_cvtss_f32(v), _mm_cvtss_f32(_mm_movehdup_ps(v))]
 }
 

@@ -6,19 +6,17 @@
 
 use std::sync::{Arc, RwLock};
 
-use rayon::prelude::*;
-use rayon::ThreadPool;
-
 use super::blocks::{self, Dense, Format, GROUP};
 use super::dot;
 use super::q8::Q8Rows;
 use super::rows::{Activations, RowKernel, MAX_T};
+use super::team::Team;
 
 /// Least work per task, in multiply-adds (weights x activation rows): about 40-80 us on one core (AVX-512: a
 /// 576 x 1536 Q4_1 matrix takes ~35 us, a 192 x 4096 Q4_K one ~60 us). Waking a second thread costs ~20 us, so
 /// smaller matrices run on the calling thread: on 2 cores, splitting SmolLM2's 576-wide matrices made decode
 /// 30% slower (67 vs 99 tok/s).
-const MIN_TASK_WORK: usize = 1 << 18;
+const MIN_TASK_WORK: usize = 1 << 15;
 /// Tasks per thread, so that uneven thread speeds even out.
 const TASKS_PER_THREAD: usize = 4;
 
@@ -220,53 +218,124 @@ pub enum KernelError {
     Mismatch(String),
     #[error("could not start {threads} kernel threads: {reason}")]
     Threads { threads: usize, reason: String },
+    #[error("a kernel task panicked (a bug in ntio's kernels)")]
+    Panicked,
 }
 
 fn mismatch(message: String) -> Result<(), KernelError> {
     Err(KernelError::Mismatch(message))
 }
 
-/// out [t, n] = x [t, k] · Wᵀ, W [n, k] encoded as `qtype` in `raw` (n rows of k / block blocks), float32
-/// accumulation; quantized types take `activations` as given (dense types always float). Size errors name the
-/// argument (`x`, `raw`, `out`).
-#[allow(clippy::too_many_arguments)]
+/// A weight matrix [n, k] in its GGUF encoding (n rows of k / block blocks), row-major.
+#[derive(Clone, Copy)]
+pub struct Matrix<'a> {
+    pub raw: &'a [u8],
+    pub qtype: QType,
+    pub n: usize,
+}
+
+/// What is done to the activations before the product, once for every matrix of the call.
+#[derive(Clone, Copy)]
+pub enum Prologue<'a> {
+    None,
+    /// RMSNorm of each row: x / sqrt(mean(x²) + eps) · weight [k].
+    RmsNorm {
+        weight: &'a [f32],
+        eps: f32,
+    },
+    /// x [t, 2k] holds [gate | up] rows: silu(gate) · up, [t, k] (SwiGLU's input to the down projection).
+    SwiGlu,
+}
+
+impl Prologue<'_> {
+    /// Floats per activation row given for `k` product columns.
+    fn row_len(&self, k: usize) -> usize {
+        match self {
+            Prologue::SwiGlu => 2 * k,
+            _ => k,
+        }
+    }
+
+    /// x [t, row_len] -> [t, k]: borrowed as is, or computed.
+    fn apply<'x>(&self, x: &'x [f32], t: usize, k: usize) -> std::borrow::Cow<'x, [f32]> {
+        match *self {
+            Prologue::None => std::borrow::Cow::Borrowed(x),
+            Prologue::RmsNorm { weight, eps } => {
+                let mut y = x.to_vec();
+                for row in y.chunks_exact_mut(k) {
+                    let mean = row.iter().map(|v| v * v).sum::<f32>() / k as f32;
+                    let scale = 1.0 / (mean + eps).sqrt();
+                    for (v, w) in row.iter_mut().zip(weight) {
+                        *v = *v * scale * w;
+                    }
+                }
+                std::borrow::Cow::Owned(y)
+            }
+            Prologue::SwiGlu => std::borrow::Cow::Owned(
+                x.chunks_exact(2 * k)
+                    .take(t)
+                    .flat_map(|row| {
+                        let (gate, up) = row.split_at(k);
+                        gate.iter()
+                            .zip(up)
+                            .map(|(&g, &u)| g / (1.0 + (-g).exp()) * u)
+                    })
+                    .collect(),
+            ),
+        }
+    }
+}
+
+/// out [t, Σn] = prologue(x) [t, k] · [W1; W2; ...]ᵀ: the matrices' outputs side by side, every matrix [n_i, k]
+/// GGUF-encoded, float32 accumulation; quantized types take `activations` as given (dense types always float),
+/// quantized once for all matrices. Size errors name the argument (`x`, `raw`, `out`, `norm`).
 pub fn quantized_matmul(
     x: &[f32],
-    raw: &[u8],
-    qtype: QType,
     t: usize,
-    n: usize,
     k: usize,
+    prologue: Prologue,
+    matrices: &[Matrix],
     out: &mut [f32],
     isa: Isa,
     activations: Activations8,
 ) -> Result<(), KernelError> {
-    let (block, bytes) = qtype.block();
     if t == 0 || t > MAX_T {
         return mismatch(format!(
             "t = {t} activation rows; the kernels take 1 to {MAX_T}"
         ));
     }
-    if k % block != 0 {
-        return mismatch(format!(
-            "k = {k} is not a multiple of the {qtype:?} block size {block}"
-        ));
+    for m in matrices {
+        let (block, bytes) = m.qtype.block();
+        if k % block != 0 {
+            return mismatch(format!(
+                "k = {k} is not a multiple of the {:?} block size {block}",
+                m.qtype
+            ));
+        }
+        if m.raw.len() != m.n * (k / block * bytes) {
+            return mismatch(format!(
+                "raw has {} bytes; {:?} weights [{}, {k}] take {} bytes",
+                m.raw.len(),
+                m.qtype,
+                m.n,
+                m.n * (k / block * bytes)
+            ));
+        }
     }
-    let row_bytes = k / block * bytes;
-    if raw.len() != n * row_bytes {
+    let row_len = prologue.row_len(k);
+    if x.len() != t * row_len {
         return mismatch(format!(
-            "raw has {} bytes; {qtype:?} weights [{n}, {k}] take {} bytes",
-            raw.len(),
-            n * row_bytes
-        ));
-    }
-    if x.len() != t * k {
-        return mismatch(format!(
-            "x has {} floats, [{t}, {k}] needs {}",
+            "x has {} floats, [{t}, {row_len}] needs {}",
             x.len(),
-            t * k
+            t * row_len
         ));
     }
+    if let Prologue::RmsNorm { weight, .. } = prologue {
+        if weight.len() != k {
+            return mismatch(format!("norm has {} floats, not k = {k}", weight.len()));
+        }
+    }
+    let n: usize = matrices.iter().map(|m| m.n).sum();
     if out.len() != t * n {
         return mismatch(format!(
             "out has {} floats, [{t}, {n}] needs {}",
@@ -277,68 +346,81 @@ pub fn quantized_matmul(
     if n == 0 {
         return Ok(());
     }
-    let int = activations == Activations8::Int8 && !qtype.dense();
-    let q8 = int.then(|| Q8Rows::quantize(x, k));
-    let sums = if qtype.affine() && !int {
-        x.chunks_exact(GROUP).map(|g| g.iter().sum()).collect()
-    } else {
-        Vec::new()
+    let x = prologue.apply(x, t, k);
+    let x = &x[..];
+    let int = activations == Activations8::Int8 && matrices.iter().any(|m| !m.qtype.dense());
+    let affine = matrices.iter().any(|m| m.qtype.affine());
+    let a = Activations {
+        x,
+        sums: if affine && activations == Activations8::Float {
+            x.chunks_exact(GROUP).map(|g| g.iter().sum()).collect()
+        } else {
+            Vec::new()
+        },
+        q8: int.then(|| Q8Rows::quantize(x, k)),
+        t,
+        k,
     };
-    let a = Activations { x, sums, q8, t, k };
-    let kernel = qtype.kernel(isa, activations);
+    // Each matrix: its kernel, encoded row length and first output column.
+    let plan: Vec<(RowKernel, usize, usize)> = matrices
+        .iter()
+        .scan(0, |first, m| {
+            let (block, bytes) = m.qtype.block();
+            let entry = (m.qtype.kernel(isa, activations), k / block * bytes, *first);
+            *first += m.n;
+            Some(entry)
+        })
+        .collect();
     let out_ptr = OutPtr(out.as_mut_ptr());
-    let rows_fn = |rows: std::ops::Range<usize>| {
+    // Output columns [start, stop) of the whole call, matrix by matrix.
+    let columns_fn = |columns: std::ops::Range<usize>| {
         let mut y = [0f32; MAX_T];
-        for r in rows {
-            kernel(&a, &raw[r * row_bytes..][..row_bytes], &mut y);
-            for (ti, &v) in y[..t].iter().enumerate() {
-                // SAFETY: ti < t and r < n, so ti * n + r is inside `out` (t * n floats, checked above); tasks
-                // own disjoint row ranges, so no two threads write the same element; `out` outlives the call.
-                unsafe { *out_ptr.at(ti * n + r) = v };
+        for (m, &(kernel, row_bytes, first)) in matrices.iter().zip(&plan) {
+            for c in columns.start.max(first)..columns.end.min(first + m.n) {
+                kernel(&a, &m.raw[(c - first) * row_bytes..][..row_bytes], &mut y);
+                for (ti, &v) in y[..t].iter().enumerate() {
+                    // SAFETY: ti < t and c < n, so ti * n + c is inside `out` (t * n floats, checked above);
+                    // tasks own disjoint column ranges, so no two threads write the same element; `out`
+                    // outlives the call.
+                    unsafe { *out_ptr.at(ti * n + c) = v };
+                }
             }
         }
     };
-    let pool = pool()?;
-    let threads = pool.current_num_threads();
-    // Equal tasks of at least MIN_TASK_WORK (at T = 1: a 576 x 576 matrix is one task; a 576 x 4096 Q4_K one, 2;
-    // the 49152 x 576 head, 8 of 6144 rows on 2 threads).
+    let team = team()?;
+    let threads = team.threads();
+    // Equal tasks of at least MIN_TASK_WORK multiply-adds, up to TASKS_PER_THREAD per thread.
     let tasks = (n * k * t / MIN_TASK_WORK).clamp(1, threads * TASKS_PER_THREAD);
-    let rows_per_task = n.div_ceil(tasks);
-    if threads == 1 || rows_per_task >= n {
-        rows_fn(0..n);
-    } else {
-        let tasks = n.div_ceil(rows_per_task);
-        pool.install(|| {
-            (0..tasks)
-                .into_par_iter()
-                .for_each(|i| rows_fn(i * rows_per_task..((i + 1) * rows_per_task).min(n)))
-        });
+    let per_task = n.div_ceil(tasks);
+    if threads == 1 || per_task >= n {
+        columns_fn(0..n);
+    } else if !team.run(n.div_ceil(per_task), &|i| {
+        columns_fn(i * per_task..((i + 1) * per_task).min(n))
+    }) {
+        return Err(KernelError::Panicked);
     }
     Ok(())
 }
 
 /// The output base pointer, shared by the tasks of one call (each writes its own elements).
 #[derive(Clone, Copy)]
-struct OutPtr(*mut f32);
+pub(super) struct OutPtr(pub(super) *mut f32);
 // SAFETY: tasks write disjoint elements (see `quantized_matmul`) and the buffer outlives the pool call.
 unsafe impl Send for OutPtr {}
 // SAFETY: as above.
 unsafe impl Sync for OutPtr {}
 
 impl OutPtr {
-    fn at(self, i: usize) -> *mut f32 {
+    pub(super) fn at(self, i: usize) -> *mut f32 {
         self.0.wrapping_add(i)
     }
 }
 
-/// The kernel thread pool; `None` until first used or sized by `set_threads`.
-static POOL: RwLock<Option<Arc<ThreadPool>>> = RwLock::new(None);
+/// The kernel threads; `None` until first used or sized by `set_threads`.
+static TEAM: RwLock<Option<Arc<Team>>> = RwLock::new(None);
 
-fn build_pool(threads: usize) -> Result<Arc<ThreadPool>, KernelError> {
-    rayon::ThreadPoolBuilder::new()
-        .num_threads(threads)
-        .thread_name(|i| format!("ntio-kernel-{i}"))
-        .build()
+fn build_team(threads: usize) -> Result<Arc<Team>, KernelError> {
+    Team::new(threads)
         .map(Arc::new)
         .map_err(|e| KernelError::Threads {
             threads,
@@ -346,33 +428,33 @@ fn build_pool(threads: usize) -> Result<Arc<ThreadPool>, KernelError> {
         })
 }
 
-fn pool() -> Result<Arc<ThreadPool>, KernelError> {
-    if let Some(pool) = POOL.read().unwrap_or_else(|e| e.into_inner()).as_ref() {
-        return Ok(Arc::clone(pool));
+pub(super) fn team() -> Result<Arc<Team>, KernelError> {
+    if let Some(team) = TEAM.read().unwrap_or_else(|e| e.into_inner()).as_ref() {
+        return Ok(Arc::clone(team));
     }
-    let mut slot = POOL.write().unwrap_or_else(|e| e.into_inner());
+    let mut slot = TEAM.write().unwrap_or_else(|e| e.into_inner());
     if slot.is_none() {
         let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
-        *slot = Some(build_pool(threads)?);
+        *slot = Some(build_team(threads)?);
     }
-    Ok(Arc::clone(slot.as_ref().expect("pool just set")))
+    Ok(Arc::clone(slot.as_ref().expect("team just set")))
 }
 
-/// Use `threads` kernel threads from now on (0: one per available CPU). Calls in flight keep their pool.
+/// Use `threads` kernel threads from now on (0: one per available CPU). Calls in flight keep their team.
 pub fn set_threads(threads: usize) -> Result<(), KernelError> {
     let threads = if threads == 0 {
         std::thread::available_parallelism().map_or(1, |n| n.get())
     } else {
         threads
     };
-    let pool = build_pool(threads)?;
-    *POOL.write().unwrap_or_else(|e| e.into_inner()) = Some(pool);
+    let team = build_team(threads)?;
+    *TEAM.write().unwrap_or_else(|e| e.into_inner()) = Some(team);
     Ok(())
 }
 
-/// Kernel threads in use.
+/// Kernel threads in use (the caller included).
 pub fn threads() -> usize {
-    pool().map_or(1, |p| p.current_num_threads())
+    team().map_or(1, |p| p.threads())
 }
 
 #[cfg(test)]
@@ -401,7 +483,8 @@ mod tests {
             .map(|&b| f32::from(b) / 127.0 - 1.0)
             .collect();
         let mut out = vec![0f32; t * n];
-        quantized_matmul(&x, &w, qtype, t, n, k, &mut out, isa, act).unwrap();
+        let m = Matrix { raw: &w, qtype, n };
+        quantized_matmul(&x, t, k, Prologue::None, &[m], &mut out, isa, act).unwrap();
         out
     }
 
@@ -448,54 +531,122 @@ mod tests {
 
     #[test]
     fn mismatched_sizes_are_errors() {
-        let mut out = vec![0f32; 2];
         let x = vec![0f32; 64];
+        let call = |raw: &[u8], t: usize, k: usize, prologue: Prologue, out: usize| {
+            let m = Matrix {
+                raw,
+                qtype: QType::Q4_1,
+                n: 2,
+            };
+            let mut out = vec![0f32; out];
+            quantized_matmul(
+                &x[..t.max(1) * k.min(64)],
+                t,
+                k,
+                prologue,
+                &[m],
+                &mut out,
+                Isa::Best,
+                Activations8::Int8,
+            )
+        };
         let bad = |r: Result<(), KernelError>| assert!(matches!(r, Err(KernelError::Mismatch(_))));
-        bad(quantized_matmul(
-            &x,
-            &[0; 39],
-            QType::Q4_1,
-            1,
-            2,
-            64,
-            &mut out,
-            Isa::Best,
-            Activations8::Int8,
-        )); // 80 bytes needed
-        bad(quantized_matmul(
-            &x,
+        bad(call(&[0; 39], 1, 64, Prologue::None, 2)); // 80 bytes needed
+        bad(call(&[0; 80], 1, 48, Prologue::None, 2)); // k not whole blocks
+        bad(call(&[0; 80], 0, 64, Prologue::None, 2)); // no rows
+        bad(call(&[0; 80], 1, 64, Prologue::None, 1)); // out too small
+        bad(call(&[0; 80], 1, 64, Prologue::SwiGlu, 2)); // SwiGLU takes [gate | up]: 128 floats a row
+        let norm = [1f32; 32];
+        bad(call(
             &[0; 80],
-            QType::Q4_1,
             1,
-            2,
-            48,
-            &mut out,
-            Isa::Best,
-            Activations8::Int8,
-        )); // k not whole blocks
-        bad(quantized_matmul(
-            &x,
-            &[0; 80],
-            QType::Q4_1,
-            0,
-            2,
             64,
-            &mut out,
-            Isa::Best,
-            Activations8::Int8,
-        )); // no rows
-        bad(quantized_matmul(
-            &x,
-            &[0; 80],
-            QType::Q4_1,
-            1,
+            Prologue::RmsNorm {
+                weight: &norm,
+                eps: 1e-5,
+            },
             2,
-            64,
-            &mut out[..1],
-            Isa::Best,
-            Activations8::Int8,
-        ));
-        let ok = quantized_matmul(&x, &[0; 80], QType::Q4_1, 1, 2, 64, &mut out, Isa::Best, Activations8::Int8);
-        assert!(ok.is_ok());
+        )); // norm of k floats
+        assert!(call(&[0; 80], 1, 64, Prologue::None, 2).is_ok());
+    }
+
+    /// Several matrices of different types in one call: each one's columns equal its own call's, and the
+    /// prologues equal the float32 formulas applied before a plain call.
+    #[test]
+    fn matrices_side_by_side_and_prologues() {
+        let (t, k) = (3, 256);
+        let x: Vec<f32> = bytes(2 * t * k, 2)
+            .iter()
+            .map(|&b| f32::from(b) / 127.0 - 1.0)
+            .collect();
+        let types = [QType::Q4K, QType::Q6K, QType::Q8_0];
+        let raws: Vec<Vec<u8>> = types
+            .iter()
+            .zip([5, 7, 9])
+            .map(|(q, n)| bytes(n * k / q.block().0 * q.block().1, n as u64))
+            .collect();
+        let ms: Vec<Matrix> = types
+            .iter()
+            .zip(&raws)
+            .zip([5, 7, 9])
+            .map(|((&qtype, raw), n)| Matrix { raw, qtype, n })
+            .collect();
+        let norm: Vec<f32> = (0..k).map(|i| 0.5 + i as f32 / k as f32).collect();
+        let gated: Vec<f32> = x
+            .chunks_exact(2 * k)
+            .flat_map(|r| (0..k).map(move |i| r[i] / (1.0 + (-r[i]).exp()) * r[k + i]))
+            .collect();
+        let normed: Vec<f32> = x[..t * k]
+            .chunks_exact(k)
+            .flat_map(|r| {
+                let s = 1.0 / (r.iter().map(|v| v * v).sum::<f32>() / k as f32 + 1e-5).sqrt();
+                r.iter().zip(&norm).map(move |(v, w)| v * s * w)
+            })
+            .collect();
+        let cases = [
+            (Prologue::None, &x[..t * k], &x[..t * k]),
+            (Prologue::SwiGlu, &x[..], &gated[..]),
+            (
+                Prologue::RmsNorm {
+                    weight: &norm,
+                    eps: 1e-5,
+                },
+                &x[..t * k],
+                &normed[..],
+            ),
+        ];
+        for (prologue, input, plain) in cases {
+            let mut all = vec![0f32; t * 21];
+            quantized_matmul(
+                input,
+                t,
+                k,
+                prologue,
+                &ms,
+                &mut all,
+                Isa::Best,
+                Activations8::Int8,
+            )
+            .unwrap();
+            let mut first = 0;
+            for m in &ms {
+                let mut one = vec![0f32; t * m.n];
+                quantized_matmul(
+                    plain,
+                    t,
+                    k,
+                    Prologue::None,
+                    &[*m],
+                    &mut one,
+                    Isa::Best,
+                    Activations8::Int8,
+                )
+                .unwrap();
+                for ti in 0..t {
+                    assert_eq!(&all[ti * 21 + first..][..m.n], &one[ti * m.n..][..m.n]);
+                }
+                first += m.n;
+            }
+        }
     }
 }

@@ -8,10 +8,13 @@
 //! - `dot`: portable scalar row kernels (integer and float);
 //! - `avx2`: AVX2/FMA row kernels, integer and float (x86-64, selected at run time);
 //! - `avx512`: AVX-512 float row kernels for the block-quantized types (x86-64, selected at run time);
-//! - `matmul`: the entry point, argument checks, kernel selection and the thread pool.
+//! - `attention`: RoPE, KV-cache writes and attention of a few new tokens (float32);
+//! - `team`: the kernel threads, which the calling thread joins;
+//! - `matmul`: the entry point, argument checks, kernel selection and work split.
 //!
 //! Imports go one way: the row kernels (`dot`, `avx2`, `avx512`) use `blocks` and `rows`; `matmul` uses them all.
 
+mod attention;
 #[cfg(target_arch = "x86_64")]
 mod avx2;
 #[cfg(target_arch = "x86_64")]
@@ -21,6 +24,10 @@ mod dot;
 mod matmul;
 mod q8;
 mod rows;
+mod team;
 
-pub use matmul::{quantized_matmul, set_threads, threads, Activations8, Isa, KernelError, QType};
+pub use attention::{attend, AttentionShape, RopeKind};
+pub use matmul::{
+    quantized_matmul, set_threads, threads, Activations8, Isa, KernelError, Matrix, Prologue, QType,
+};
 pub use rows::MAX_T;

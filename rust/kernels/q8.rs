@@ -91,7 +91,9 @@ mod tests {
     fn f16_rounding_matches_the_half_crate() {
         let mut s = 7u64;
         for i in 0..200_000u32 {
-            s = s.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+            s = s
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
             // magnitudes from 2^-30 to 2^15, every mantissa pattern
             let v = f32::from_bits(((s >> 40) as u32 & 0x007F_FFFF) | ((97 + i % 45) << 23));
             let want = half::f16::from_f32(v).to_f32();
@@ -102,7 +104,9 @@ mod tests {
 
     #[test]
     fn codes_and_scales_reconstruct_the_group() {
-        let x: Vec<f32> = (0..64).map(|i| ((i * 37 % 64) as f32 - 31.5) * 0.1).collect();
+        let x: Vec<f32> = (0..64)
+            .map(|i| ((i * 37 % 64) as f32 - 31.5) * 0.1)
+            .collect();
         let q = Q8Rows::quantize(&x, 64);
         for gi in 0..2 {
             let d = q.scale(0, gi);

@@ -32,7 +32,9 @@ impl Activations<'_> {
 
     /// The quantized activations; only the integer kernels call this, and `matmul` quantizes for them.
     pub fn q8(&self) -> &Q8Rows {
-        self.q8.as_ref().expect("integer kernels are given quantized activations")
+        self.q8
+            .as_ref()
+            .expect("integer kernels are given quantized activations")
     }
 
     /// Σx over group `gi` of activation row `ti`.

@@ -87,7 +87,7 @@ def using_threads(n: int | None) -> Iterator[None]:
         set_threads(before)
 
 
-_DTYPES = {"x": torch.float32, "raw": torch.uint8, "out": torch.float32}  # what each argument must be
+_DTYPES = {"x": torch.float32, "raw": torch.uint8, "out": torch.float32, "norm": torch.float32}  # what each must be
 
 
 def _array(name: str, t: torch.Tensor) -> np.ndarray:
@@ -117,32 +117,60 @@ def quantized_linear(x: torch.Tensor, raw: torch.Tensor, qtype: gguf.GGMLQuantiz
     Errors: ValueError (`_core.BufferError` for a buffer of the wrong dtype, layout or overlap; a kernel set this
     CPU lacks) / TypeError naming the problem.
     """
+    return fused_linear(x, [(raw, qtype, shape)], out, isa=isa, int8=int8)
+
+
+Weight = tuple[torch.Tensor, "gguf.GGMLQuantizationType | int", tuple[int, int]]  # (raw, qtype, (N, K))
+
+
+def fused_linear(x: torch.Tensor, weights: list[Weight], out: torch.Tensor | None = None, *,
+                 norm: torch.Tensor | None = None, eps: float = 0.0, swiglu: bool = False, isa: str = "best",
+                 int8: bool = True) -> torch.Tensor:
+    """prologue(x) [T, K] · [W1; W2; ...]ᵀ -> [T, ΣN]: several matrices of one input K, each (raw, qtype, (N, K))
+    as in `quantized_linear`, in one call that prepares (and quantizes) the activations once.
+
+    Prologue: `norm` [K] float32 applies RMSNorm (x / sqrt(mean(x²) + eps) · norm) to each row first; `swiglu`
+    takes x [T, 2K] as [gate | up] rows and multiplies silu(gate) · up. Errors as in `quantized_linear`.
+    """
+    xa = _array("x", x)
+    if xa.ndim != 2:
+        raise ValueError(f"x must be 2-D, got shape {xa.shape}")
+    t = xa.shape[0]
+    if not 1 <= t <= MAX_ROWS:
+        raise ValueError(f"x has {t} rows; the CPU kernels take 1 to {MAX_ROWS} (dequantize for more)")
+    k = weights[0][2][1]
+    if xa.shape[1] != (2 * k if swiglu else k):
+        raise ValueError(f"x has {xa.shape[1]} columns, the weights [N, {k}] need {2 * k if swiglu else k}")
+    matrices = []
+    for raw, qtype, (n, kw) in weights:
+        if kw != k:
+            raise ValueError(f"fused matrices must share K: {kw} != {k}")
+        rawa = _array("raw", raw)
+        if rawa.ndim != 1:
+            raise ValueError(f"raw must be 1-D, got shape {rawa.shape}")
+        matrices.append((rawa, _kernel_type(qtype), n))
+    total = sum(n for _, _, n in matrices)
+    if out is None:
+        outa = np.empty((t, total), np.float32)
+        out = torch.from_numpy(outa)  # ~1 us, vs ~4 us for torch.empty(...).numpy()
+    else:
+        outa = _array("out", out)
+        if outa.shape != (t, total):
+            raise ValueError(f"out must have shape {(t, total)}, got {tuple(outa.shape)}")
+    norma = None if norm is None else _array("norm", norm)
+    # The Rust binding checks dtypes, C-contiguity, out writable and overlapping neither x nor any raw, and sizes;
+    # the arrays' buffer exports hold the tensors' memory until it returns.
+    _core.quantized_matmul(xa, t, k, matrices, outa, isa=isa, int8=int8, norm=norma, eps=eps, swiglu=swiglu)
+    return out
+
+
+def _kernel_type(qtype: gguf.GGMLQuantizationType | int) -> int:
+    """The ggml id of a type the kernels decode, else a ValueError naming it."""
+    if qtype in KERNEL_TYPES:
+        return int(qtype)
     try:
         qt = T(int(qtype))
     except ValueError:
         raise ValueError(f"ggml type {int(qtype)} is not a known ggml type") from None
-    if qt not in KERNEL_TYPES:
-        names = ", ".join(sorted(t.name for t in KERNEL_TYPES))
-        raise ValueError(f"tensor type {qt.name} is not supported by the CPU kernels (supported: {names})")
-    n, k = (int(s) for s in shape)
-    xa, rawa = _array("x", x), _array("raw", raw)
-    if xa.ndim != 2:
-        raise ValueError(f"x must be 2-D, got shape {xa.shape}")
-    if rawa.ndim != 1:
-        raise ValueError(f"raw must be 1-D, got shape {rawa.shape}")
-    t = xa.shape[0]
-    if xa.shape[1] != k:
-        raise ValueError(f"x has {xa.shape[1]} columns, the weights {tuple(shape)} need {k}")
-    if not 1 <= t <= MAX_ROWS:
-        raise ValueError(f"x has {t} rows; the CPU kernels take 1 to {MAX_ROWS} (dequantize for more)")
-    if out is None:
-        outa = np.empty((t, n), np.float32)
-        out = torch.from_numpy(outa)  # ~1 us, vs ~4 us for torch.empty(...).numpy()
-    else:
-        outa = _array("out", out)
-        if outa.shape != (t, n):
-            raise ValueError(f"out must have shape {(t, n)}, got {tuple(outa.shape)}")
-    # The Rust binding checks dtypes, C-contiguity, out writable and overlapping neither x nor raw, and sizes; the
-    # arrays' buffer exports hold the tensors' memory until it returns.
-    _core.quantized_matmul(xa, t, k, rawa, int(qt), n, outa, isa=isa, int8=int8)
-    return out
+    names = ", ".join(sorted(t.name for t in KERNEL_TYPES))
+    raise ValueError(f"tensor type {qt.name} is not supported by the CPU kernels (supported: {names})")

@@ -19,9 +19,11 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import gguf
+import numpy as np
 import torch
 import torch.nn.functional as F
 
+from ntio import _core
 from ntio.kernels import cpu_kernels, quant
 
 
@@ -167,15 +169,22 @@ def step_threads(device: torch.device, n_tokens: int, attention_work: int, threa
         torch.set_num_threads(before)
 
 
-def uses_cpu_kernel(x: torch.Tensor, w: EncodedMatrix) -> bool:
-    return x.device.type == "cpu" and x.shape[0] <= cpu_kernels.MAX_ROWS and w.qtype in cpu_kernels.KERNEL_TYPES
+def uses_cpu_kernel(x: torch.Tensor, ws: list[EncodedMatrix]) -> bool:
+    return (x.device.type == "cpu" and x.shape[0] <= cpu_kernels.MAX_ROWS
+            and all(w.qtype in cpu_kernels.KERNEL_TYPES for w in ws))
+
+
+def _kernel_product(x: torch.Tensor, ws: list[EncodedMatrix], **prologue) -> torch.Tensor:
+    """The CPU kernels' product of x with the row-stacked ws, with the running engine's kernel choice."""
+    choice = _kernels.get()
+    return cpu_kernels.fused_linear(x.contiguous(), [(w.raw, w.qtype, w.shape) for w in ws], isa=choice.isa,
+                                    int8=choice.int8, **prologue)
 
 
 def linear(x: torch.Tensor, w: EncodedMatrix) -> torch.Tensor:
     """x: [T, K] float32 -> x @ Wᵀ: [T, N]."""
-    if uses_cpu_kernel(x, w):
-        choice = _kernels.get()
-        return cpu_kernels.quantized_linear(x.contiguous(), w.raw, w.qtype, w.shape, isa=choice.isa, int8=choice.int8)
+    if uses_cpu_kernel(x, [w]):
+        return _kernel_product(x, [w])
     n, k = w.shape
     rows = max(1, SCRATCH_BYTES // (4 * k))
     if rows >= n:
@@ -188,10 +197,56 @@ def linear(x: torch.Tensor, w: EncodedMatrix) -> torch.Tensor:
 
 
 def linear_concat(x: torch.Tensor, ws: list[EncodedMatrix]) -> torch.Tensor:
-    """x @ [W1; W2; ...]ᵀ for row-stacked matrices: [T, ΣN]."""
+    """x @ [W1; W2; ...]ᵀ for row-stacked matrices: [T, ΣN] (one kernel call on CPU)."""
     if len(ws) == 1:
         return linear(x, ws[0])
+    if uses_cpu_kernel(x, ws):
+        return _kernel_product(x, ws)
     return torch.cat([linear(x, w) for w in ws], dim=-1)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x: [T, D] -> x / sqrt(mean(x²) + eps) · weight [D]."""
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
+
+
+def normed_linear(x: torch.Tensor, weight: torch.Tensor, eps: float, ws: list[EncodedMatrix]) -> torch.Tensor:
+    """rms_norm(x, weight, eps) @ [W1; W2; ...]ᵀ: [T, ΣN]. On the CPU kernels the norm runs in the same call as the
+    products (no normed tensor is made)."""
+    if uses_cpu_kernel(x, ws):
+        return _kernel_product(x, ws, norm=weight, eps=eps)
+    return linear_concat(rms_norm(x, weight, eps), ws)
+
+
+def swiglu_linear(gate_up: torch.Tensor, w: EncodedMatrix) -> torch.Tensor:
+    """gate_up [T, 2F] = [gate | up] -> (silu(gate) · up) @ Wᵀ: [T, N]. On the CPU kernels the gating runs in the
+    same call as the product."""
+    if uses_cpu_kernel(gate_up, [w]):
+        return _kernel_product(gate_up, [w], swiglu=True)
+    gate, up = gate_up.chunk(2, dim=-1)
+    return linear(F.silu(gate) * up, w)
+
+
+def uses_cpu_attention(qkv: torch.Tensor, k_cache: torch.Tensor) -> bool:
+    return qkv.device.type == "cpu" and qkv.shape[0] <= cpu_kernels.MAX_ROWS and k_cache.dtype == torch.float32
+
+
+def cached_attention(qkv: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, start_pos: int,
+                     rope: tuple[torch.Tensor, torch.Tensor], mask: torch.Tensor | None,
+                     heads: tuple[int, int, int], *, neox: bool) -> torch.Tensor:
+    """One CPU kernel call (ntio._core.attend): RoPE on qkv's queries and keys (in place), their keys and values
+    written at start_pos.. of the float32 caches, and attention of each new query over the cache.
+
+    qkv: [T, (Hq + 2 Hkv) hd]; k_cache, v_cache: [Hkv, capacity, hd]; rope: cos, sin [T, rope_dim/2]; mask: [T, L]
+    bool or None (all L = start_pos + T positions); heads: (Hq, Hkv, hd). Returns [T, Hq hd]."""
+    n_heads, n_kv_heads, hd = heads
+    cos, sin = rope
+    out = torch.from_numpy(np.empty((qkv.shape[0], n_heads * hd), np.float32))
+    mask_u8 = None if mask is None else mask.contiguous().view(torch.uint8).numpy()
+    _core.attend(qkv.numpy(), k_cache.numpy(), v_cache.numpy(), k_cache.shape[1], start_pos, cos.contiguous().numpy(),
+                 sin.contiguous().numpy(), mask_u8, out.numpy(), n_heads=n_heads, n_kv_heads=n_kv_heads, head_dim=hd,
+                 rope_dim=2 * cos.shape[-1], neox=neox)
+    return out
 
 
 class RowSource(Protocol):

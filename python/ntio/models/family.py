@@ -48,7 +48,7 @@ class Family:
     @functools.cached_property
     def block(self) -> BlockFunction:
         """The pre-norm block of the shared layers with this family's RoPE; q/k/v biases come with the weights."""
-        return functools.partial(pre_norm_block, apply_rope=ROPE_KINDS[self.rope])
+        return functools.partial(pre_norm_block, rope_kind=self.rope)
 
     @property
     def parts(self) -> tuple[str, ...]:

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from ntio.kernels import ops
-from ntio.kernels.ops import EncodedMatrix
+from ntio.kernels.ops import EncodedMatrix, rms_norm
 
 if TYPE_CHECKING:
     from ntio.models.config import ModelConfig
@@ -85,10 +85,13 @@ def _with_tail(rotated: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
 
 
 def rope_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """RoPE on x: [T, H, hd] rotating pairs (x[2i], x[2i+1]) of the first rope_dim features (GPT-J style)."""
+    """RoPE on x: [T, H, hd] rotating pairs (x[2i], x[2i+1]) of the first rope_dim features (GPT-J style), as one
+    complex product (x[2i] + i·x[2i+1]) · (cos + i·sin): three tensor ops where real arithmetic takes ten."""
     rope_dim = 2 * cos.shape[-1]
-    pairs = x[..., :rope_dim].unflatten(-1, (-1, 2))  # [T, H, rope_dim/2, 2]
-    rotated = torch.stack(_rotated(pairs[..., 0], pairs[..., 1], cos, sin), dim=-1).flatten(-2)
+    pairs = x[..., :rope_dim].unflatten(-1, (-1, 2))  # [T, H, rope_dim/2, 2], a view
+    if pairs.storage_offset() % 2 or any(st % 2 for st in pairs.stride()[:-1]):
+        pairs = pairs.contiguous()  # view_as_complex needs whole complex numbers in place
+    rotated = torch.view_as_real(torch.view_as_complex(pairs) * torch.complex(cos, sin)[:, None, :]).flatten(-2)
     return _with_tail(rotated, x)
 
 
@@ -103,10 +106,6 @@ RopeFunction = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor
 ROPE_KINDS: dict[str, RopeFunction] = {"interleaved": rope_interleaved, "neox": rope_neox}
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
-
-
 def causal_mask(start_pos: int, n_tokens: int, device: torch.device) -> torch.Tensor | None:
     """[T, L] boolean mask, True where query t may attend key j (j <= start_pos + t); None for one token."""
     if n_tokens == 1:
@@ -117,7 +116,7 @@ def causal_mask(start_pos: int, n_tokens: int, device: torch.device) -> torch.Te
 
 
 def attention(
-    x: torch.Tensor,
+    h: torch.Tensor,
     w: LayerWeights,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
@@ -125,21 +124,27 @@ def attention(
     rope: tuple[torch.Tensor, torch.Tensor],
     mask: torch.Tensor | None,
     cfg: ModelConfig,
-    apply_rope: RopeFunction,
+    rope_kind: str,
 ) -> torch.Tensor:
-    """Grouped-query self-attention. x: [T, D] (normed) -> [T, D]; writes K/V for start_pos..start_pos+T-1.
+    """Grouped-query self-attention of rms_norm(h). h: [T, D] -> [T, D]; writes K/V for start_pos..start_pos+T-1.
 
-    k_cache, v_cache: [Hkv, capacity, hd] for this layer.
+    k_cache, v_cache: [Hkv, capacity, hd] for this layer; rope_kind: a key of ROPE_KINDS. A few tokens over a
+    float32 cache on the CPU take one kernel call (ops.cached_attention) for RoPE, the cache writes and attention.
     """
-    n_tokens, end, hd = x.shape[0], start_pos + x.shape[0], cfg.head_dim
-    qkv = ops.linear_concat(x, w.wqkv)  # [T, Q + 2 KV]
+    n_tokens, end, hd = h.shape[0], start_pos + h.shape[0], cfg.head_dim
+    qkv = ops.normed_linear(h, w.attn_norm, cfg.rms_eps, w.wqkv)  # [T, Q + 2 KV]
     if w.qkv_bias is not None:
         qkv = qkv + w.qkv_bias
-    q, k, v = qkv.split((cfg.q_width, cfg.kv_width, cfg.kv_width), dim=-1)
-    q = apply_rope(q.view(n_tokens, cfg.n_heads, hd), *rope)
-    k = apply_rope(k.view(n_tokens, cfg.n_kv_heads, hd), *rope)
+    if ops.uses_cpu_attention(qkv, k_cache):
+        attn = ops.cached_attention(qkv, k_cache, v_cache, start_pos, rope, mask, (cfg.n_heads, cfg.n_kv_heads, hd),
+                                    neox=rope_kind == "neox")  # [T, Hq hd]
+        return ops.linear(attn, w.wo)
+    qk_width = cfg.q_width + cfg.kv_width
+    # Query and key heads rotated together: [T, Hq + Hkv, hd]
+    qk = ROPE_KINDS[rope_kind](qkv[:, :qk_width].view(n_tokens, cfg.n_heads + cfg.n_kv_heads, hd), *rope)
+    q, k = qk.split((cfg.n_heads, cfg.n_kv_heads), dim=1)
     k_cache[:, start_pos:end] = k.transpose(0, 1)
-    v_cache[:, start_pos:end] = v.view(n_tokens, cfg.n_kv_heads, hd).transpose(0, 1)
+    v_cache[:, start_pos:end] = qkv[:, qk_width:].view(n_tokens, cfg.n_kv_heads, hd).transpose(0, 1)
     keys = k_cache[:, :end].to(q.dtype)  # [Hkv, L, hd]; a no-op view when the cache is in the compute dtype
     values = v_cache[:, :end].to(q.dtype)
     attn = F.scaled_dot_product_attention(
@@ -148,19 +153,20 @@ def attention(
     return ops.linear(attn.transpose(0, 1).reshape(n_tokens, cfg.q_width), w.wo)
 
 
-def swiglu(x: torch.Tensor, w: LayerWeights, taps: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
-    """SwiGLU feed-forward. x: [T, D] (normed) -> down(silu(gate x) * up x): [T, D].
+def swiglu(h: torch.Tensor, w: LayerWeights, eps: float, taps: dict[str, torch.Tensor] | None = None
+           ) -> torch.Tensor:
+    """SwiGLU feed-forward of x = rms_norm(h): [T, D] -> down(silu(gate x) * up x): [T, D].
 
     With `w.ffn_rows`, only those neurons are computed and the others count as 0 (the down projection is whole).
     taps["ffn_gate"] receives the gate pre-activations [T, F] (zeros for neurons not computed) when taps is given.
     """
     if w.ffn_rows is None:
-        gate, up = ops.linear_concat(x, w.w_gate_up).chunk(2, dim=-1)  # [T, F] each
+        gate_up = ops.normed_linear(h, w.ffn_norm, eps, w.w_gate_up)  # [T, 2F]: gate | up
     else:
-        gate, up = _sparse_gate_up(x, w)
+        gate_up = torch.cat(_sparse_gate_up(rms_norm(h, w.ffn_norm, eps), w), dim=-1)
     if taps is not None:
-        taps["ffn_gate"] = gate
-    return ops.linear(F.silu(gate) * up, w.w_down)
+        taps["ffn_gate"] = gate_up[:, : w.w_down.shape[1]]
+    return ops.swiglu_linear(gate_up, w.w_down)
 
 
 def _sparse_gate_up(x: torch.Tensor, w: LayerWeights) -> tuple[torch.Tensor, torch.Tensor]:
@@ -184,11 +190,11 @@ def pre_norm_block(
     rope: tuple[torch.Tensor, torch.Tensor],
     mask: torch.Tensor | None,
     cfg: ModelConfig,
-    apply_rope: RopeFunction,
+    rope_kind: str,
     taps: dict[str, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """h + attention(norm(h)), then + swiglu(norm(.)): [T, D] -> [T, D]."""
-    h = h + attention(rms_norm(h, w.attn_norm, cfg.rms_eps), w, k_cache, v_cache, start_pos, rope, mask, cfg, apply_rope)
-    return h + swiglu(rms_norm(h, w.ffn_norm, cfg.rms_eps), w, taps)
+    h = h + attention(h, w, k_cache, v_cache, start_pos, rope, mask, cfg, rope_kind)
+    return h + swiglu(h, w, cfg.rms_eps, taps)
 
 

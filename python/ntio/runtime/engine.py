@@ -15,7 +15,8 @@ from ntio.errors import ContextOverflowError
 from ntio.kernels import cpu_kernels, ops
 from ntio.models.config import ModelConfig
 from ntio.kernels.ops import EncodedMatrix
-from ntio.models.layers import GlobalWeights, LayerWeights, causal_mask, rms_norm, rope_tables
+from ntio.kernels.ops import rms_norm
+from ntio.models.layers import GlobalWeights, LayerWeights, causal_mask, rope_tables
 from ntio.policies.base import LOAD_ALL, SKIP, LoadDecision, LoadPolicy, Observation
 from ntio.runtime.kv_cache import KVCache
 
