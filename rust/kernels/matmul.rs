@@ -287,7 +287,7 @@ impl Prologue<'_> {
 }
 
 /// out [t, Σn] = prologue(x) [t, k] · [W1; W2; ...]ᵀ: the matrices' outputs side by side, every matrix [n_i, k]
-/// GGUF-encoded, float32 accumulation; quantized types take `activations` as given (dense types always float),
+/// GGUF-encoded, float32 accumulation, any t (rows go through the kernels in blocks of MAX_T); quantized types take `activations` as given (dense types always float),
 /// quantized once for all matrices. Size errors name the argument (`x`, `raw`, `out`, `norm`).
 pub fn quantized_matmul(
     x: &[f32],
@@ -299,10 +299,8 @@ pub fn quantized_matmul(
     isa: Isa,
     activations: Activations8,
 ) -> Result<(), KernelError> {
-    if t == 0 || t > MAX_T {
-        return mismatch(format!(
-            "t = {t} activation rows; the kernels take 1 to {MAX_T}"
-        ));
+    if t == 0 {
+        return mismatch("t = 0 activation rows; the kernels take at least 1".to_string());
     }
     for m in matrices {
         let (block, bytes) = m.qtype.block();
@@ -350,17 +348,21 @@ pub fn quantized_matmul(
     let x = &x[..];
     let int = activations == Activations8::Int8 && matrices.iter().any(|m| !m.qtype.dense());
     let affine = matrices.iter().any(|m| m.qtype.affine());
-    let a = Activations {
-        x,
-        sums: if affine && activations == Activations8::Float {
-            x.chunks_exact(GROUP).map(|g| g.iter().sum()).collect()
-        } else {
-            Vec::new()
-        },
-        q8: int.then(|| Q8Rows::quantize(x, k)),
-        t,
-        k,
-    };
+    // Blocks of up to MAX_T activation rows: each weight row meets every block while it is in L1 cache.
+    let blocks: Vec<Activations> = x
+        .chunks(MAX_T * k)
+        .map(|x| Activations {
+            x,
+            sums: if affine && activations == Activations8::Float {
+                x.chunks_exact(GROUP).map(|g| g.iter().sum()).collect()
+            } else {
+                Vec::new()
+            },
+            q8: int.then(|| Q8Rows::quantize(x, k)),
+            t: x.len() / k,
+            k,
+        })
+        .collect();
     // Each matrix: its kernel, encoded row length and first output column.
     let plan: Vec<(RowKernel, usize, usize)> = matrices
         .iter()
@@ -377,12 +379,15 @@ pub fn quantized_matmul(
         let mut y = [0f32; MAX_T];
         for (m, &(kernel, row_bytes, first)) in matrices.iter().zip(&plan) {
             for c in columns.start.max(first)..columns.end.min(first + m.n) {
-                kernel(&a, &m.raw[(c - first) * row_bytes..][..row_bytes], &mut y);
-                for (ti, &v) in y[..t].iter().enumerate() {
-                    // SAFETY: ti < t and c < n, so ti * n + c is inside `out` (t * n floats, checked above);
-                    // tasks own disjoint column ranges, so no two threads write the same element; `out`
-                    // outlives the call.
-                    unsafe { *out_ptr.at(ti * n + c) = v };
+                let row = &m.raw[(c - first) * row_bytes..][..row_bytes];
+                for (bi, a) in blocks.iter().enumerate() {
+                    kernel(a, row, &mut y);
+                    for (ti, &v) in y[..a.t].iter().enumerate() {
+                        // SAFETY: bi * MAX_T + ti < t and c < n, so the index is inside `out` (t * n floats,
+                        // checked above); tasks own disjoint column ranges, so no two threads write the same
+                        // element; `out` outlives the call.
+                        unsafe { *out_ptr.at((bi * MAX_T + ti) * n + c) = v };
+                    }
                 }
             }
         }
@@ -498,7 +503,7 @@ mod tests {
             .into_iter()
             .flat_map(|q| [(q, Activations8::Int8), (q, Activations8::Float)])
         {
-            for t in 1..=MAX_T {
+            for t in (1..=MAX_T).chain([2 * MAX_T + 7]) {
                 let scalar = run(qtype, t, n, k, Isa::Scalar, act);
                 for isa in [Isa::Best, Isa::Avx2] {
                     let simd = run(qtype, t, n, k, isa, act);

@@ -5,8 +5,8 @@
 use super::blocks::GROUP;
 use super::q8::Q8Rows;
 
-/// Most activation rows per call: a speculative verification pass of up to 31 drafts plus one (larger batches
-/// are better served by dequantize + dense matmul).
+/// Most activation rows a row kernel takes at once (a speculative verification pass of up to 31 drafts plus one);
+/// `matmul` runs longer inputs (prefill) through it in blocks while each weight row stays in L1 cache.
 pub const MAX_T: usize = 32;
 
 /// One output row for every activation row: `y[t]` for t < `a.t`, from the encoded weight row `row`.

@@ -2,7 +2,8 @@
 
 For a few activation rows (decode, speculative verification: T <= 32) the product is memory-bound, so reading the
 encoded blocks (~4.5-8.5 bits per weight) instead of dequantized float32 weights is several times faster, and each
-weight block is decoded once per call for all T rows. Larger batches: dequantize and use a dense matmul.
+weight block is decoded once per call for all T rows. Longer inputs (prefill) go through in blocks of MAX_ROWS rows
+while each weight row stays in L1 cache: integer products beat dequantizing to float32 for a dense matmul there too.
 
 Numerics. By default (`int8=True`) the activations of quantized types are quantized per 32 elements exactly as
 llama.cpp's Q8_0 (d = max|x|/127 as float16, q = round(x/d)) and multiplied with the weight codes in exact integer
@@ -32,7 +33,7 @@ from ntio.errors import OptionError
 T = gguf.GGMLQuantizationType
 
 KERNEL_TYPES: frozenset[gguf.GGMLQuantizationType] = frozenset(T(i) for i in _core.KERNEL_TYPES)
-MAX_ROWS: int = _core.KERNEL_MAX_T  # most activation rows per call
+MAX_ROWS: int = _core.KERNEL_MAX_T  # activation rows the kernels take at once (longer inputs run in such blocks)
 
 
 ISA_ENV = "NTIO_CPU_KERNELS"
@@ -111,7 +112,7 @@ def quantized_linear(x: torch.Tensor, raw: torch.Tensor, qtype: gguf.GGMLQuantiz
                      int8: bool = True) -> torch.Tensor:
     """x [T, K] float32 · Wᵀ -> [T, N] float32, with W of `shape` (N, K) given as its GGUF encoding `raw`.
 
-    x: contiguous float32 CPU tensor, 1 <= T <= MAX_ROWS. raw: contiguous 1-D uint8 CPU tensor of exactly the
+    x: contiguous float32 CPU tensor, T >= 1. raw: contiguous 1-D uint8 CPU tensor of exactly the
     encoded size. out: optional contiguous float32 [T, N] CPU tensor, not overlapping x or raw.
     isa: the kernel set (`best`, `avx512`, `avx2`, `scalar`); int8: 8-bit activations (see the module's numerics).
     Errors: ValueError (`_core.BufferError` for a buffer of the wrong dtype, layout or overlap; a kernel set this
@@ -136,8 +137,8 @@ def fused_linear(x: torch.Tensor, weights: list[Weight], out: torch.Tensor | Non
     if xa.ndim != 2:
         raise ValueError(f"x must be 2-D, got shape {xa.shape}")
     t = xa.shape[0]
-    if not 1 <= t <= MAX_ROWS:
-        raise ValueError(f"x has {t} rows; the CPU kernels take 1 to {MAX_ROWS} (dequantize for more)")
+    if t == 0:
+        raise ValueError("x has no rows")
     k = weights[0][2][1]
     if xa.shape[1] != (2 * k if swiglu else k):
         raise ValueError(f"x has {xa.shape[1]} columns, the weights [N, {k}] need {2 * k if swiglu else k}")

@@ -12,7 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from ntio.models.layers import ROPE_KINDS, pre_norm_block
+from ntio.models.layers import pre_norm_block
 
 if TYPE_CHECKING:
     import torch
