@@ -27,13 +27,14 @@ pub trait SimdFormat: Format {
     /// int8 for symmetric types, uint8 for affine ones (as `Format::codes`).
     unsafe fn code_bytes(b: *const u8, g: usize) -> __m256i;
 
-    /// `Format::scales` of the block at `b` (`Self::BYTES` bytes), with F16C conversions where written.
+    /// What the integer kernels read of `Format::scales` for the block at `b` (`Self::BYTES` bytes): d (or what
+    /// `group_scale` takes) and m, computed with F16C and vector instructions where written.
     #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn simd_scales(b: &[u8], d: &mut [f32; MAX_SUBS], m: &mut [f32; MAX_SUBS]) {
+    unsafe fn int_scales(b: &[u8], d: &mut [f32; MAX_SUBS], m: &mut [f32; MAX_SUBS]) {
         Self::scales(b, d, m)
     }
 
-    /// How the integer kernels scale group `g` (block at `b`, scales `d` from `Format::scales`): i16
+    /// How the integer kernels scale group `g` (block at `b`, `d` from `int_scales`): i16
     /// multipliers for `madd`'s 16 pair-sums, and a float scale. One scale per group: ones and d[g].
     #[target_feature(enable = "avx2,fma,f16c")]
     unsafe fn group_scale(_b: *const u8, g: usize, d: &[f32; MAX_SUBS]) -> (__m256i, f32) {
@@ -210,7 +211,7 @@ unsafe fn int_rows<F: SimdFormat, const R: usize>(
     let gs = a.k / GROUP;
     for (bi, b) in row.chunks_exact(F::BYTES).enumerate() {
         // SAFETY: `b` holds F::BYTES bytes.
-        unsafe { F::simd_scales(b, &mut d, &mut m) };
+        unsafe { F::int_scales(b, &mut d, &mut m) };
         for g in 0..groups {
             // SAFETY: `b` holds F::BYTES bytes.
             let (w, wu, mv, dg) = unsafe { group_codes::<F>(b.as_ptr(), g, &d) };
@@ -249,7 +250,7 @@ unsafe fn int_tile8<F: SimdFormat>(a: &Activations, row: &[u8], t0: usize, y: &m
     let xs: [*const i8; 8] = std::array::from_fn(|r| q8.codes[(t0 + r) * a.k..].as_ptr());
     for (bi, b) in row.chunks_exact(F::BYTES).enumerate() {
         // SAFETY: `b` holds F::BYTES bytes.
-        unsafe { F::simd_scales(b, &mut d, &mut m) };
+        unsafe { F::int_scales(b, &mut d, &mut m) };
         for g in 0..groups {
             // SAFETY: `b` holds F::BYTES bytes.
             let (w, wu, mv, dg) = unsafe { group_codes::<F>(b.as_ptr(), g, &d) };
@@ -287,7 +288,7 @@ unsafe fn int_tile4<F: SimdFormat>(a: &Activations, row: &[u8], t0: usize, y: &m
     let xs: [*const i8; 4] = std::array::from_fn(|r| q8.codes[(t0 + r) * a.k..].as_ptr());
     for (bi, b) in row.chunks_exact(F::BYTES).enumerate() {
         // SAFETY: `b` holds F::BYTES bytes.
-        unsafe { F::simd_scales(b, &mut d, &mut m) };
+        unsafe { F::int_scales(b, &mut d, &mut m) };
         for g in 0..groups {
             // SAFETY: `b` holds F::BYTES bytes.
             let (w, wu, mv, dg) = unsafe { group_codes::<F>(b.as_ptr(), g, &d) };
@@ -440,6 +441,40 @@ unsafe fn halves_at(p: *const u8) -> [f32; 2] {
     [_mm_cvtss_f32(v), _mm_cvtss_f32(_mm_movehdup_ps(v))]
 }
 
+/// Q4_K/Q5_K scales as `blocks::k_scales` gives them (d[s] = d·sc[s], m[s] = -(dmin·mn[s]), the same exact
+/// products), with the twelve 6-bit-packed bytes unpacked by 32-bit word operations into sc[0..8] | mn[0..8].
+///
+/// # Safety
+/// `b` must have 16 readable bytes.
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn k_scales(b: *const u8, d: &mut [f32; MAX_SUBS], m: &mut [f32; MAX_SUBS]) {
+    const LOW6: u32 = 0x3F3F_3F3F;
+    const LOW4: u32 = 0x0F0F_0F0F;
+    const LOW2: u32 = 0x0303_0303;
+    // SAFETY: guaranteed by the caller (d, dmin at 0..4, the packed scales at 4..16).
+    let ([dd, dmin], s) = unsafe {
+        (
+            halves_at(b),
+            [0, 1, 2].map(|i| b.add(4 + 4 * i).cast::<u32>().read_unaligned()),
+        )
+    };
+    // Word i of s holds bytes 4i..4i+4 of the packed field (see `blocks::k_scales` for the layout).
+    let words = [
+        s[0] & LOW6,                                      // sc[0..4]
+        (s[2] & LOW4) | ((s[0] >> 6) & LOW2) << 4,        // sc[4..8]
+        s[1] & LOW6,                                      // mn[0..4]
+        ((s[2] >> 4) & LOW4) | ((s[1] >> 6) & LOW2) << 4, // mn[4..8]
+    ];
+    // SAFETY: `words` is 16 bytes; d and m hold MAX_SUBS >= 8 floats.
+    unsafe {
+        let v = _mm_loadu_si128(words.as_ptr().cast());
+        let sc = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(v));
+        let mn = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(v, 8)));
+        _mm256_storeu_ps(d.as_mut_ptr(), _mm256_mul_ps(sc, _mm256_set1_ps(dd)));
+        _mm256_storeu_ps(m.as_mut_ptr(), _mm256_mul_ps(mn, _mm256_set1_ps(-dmin)));
+    }
+}
+
 /// 32 unaligned bytes at `p`.
 ///
 /// # Safety
@@ -454,7 +489,7 @@ unsafe fn load32(p: *const u8) -> __m256i {
 // within the block layout documented in `blocks.rs`.
 impl SimdFormat for blocks::Q8_0 {
     #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn simd_scales(b: &[u8], d: &mut [f32; MAX_SUBS], _m: &mut [f32; MAX_SUBS]) {
+    unsafe fn int_scales(b: &[u8], d: &mut [f32; MAX_SUBS], _m: &mut [f32; MAX_SUBS]) {
         [d[0], _] = unsafe { halves_at(b.as_ptr()) };
     }
 
@@ -466,7 +501,7 @@ impl SimdFormat for blocks::Q8_0 {
 
 impl SimdFormat for blocks::Q4_0 {
     #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn simd_scales(b: &[u8], d: &mut [f32; MAX_SUBS], _m: &mut [f32; MAX_SUBS]) {
+    unsafe fn int_scales(b: &[u8], d: &mut [f32; MAX_SUBS], _m: &mut [f32; MAX_SUBS]) {
         [d[0], _] = unsafe { halves_at(b.as_ptr()) };
     }
 
@@ -478,7 +513,7 @@ impl SimdFormat for blocks::Q4_0 {
 
 impl SimdFormat for blocks::Q4_1 {
     #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn simd_scales(b: &[u8], d: &mut [f32; MAX_SUBS], m: &mut [f32; MAX_SUBS]) {
+    unsafe fn int_scales(b: &[u8], d: &mut [f32; MAX_SUBS], m: &mut [f32; MAX_SUBS]) {
         [d[0], m[0]] = unsafe { halves_at(b.as_ptr()) };
     }
 
@@ -490,7 +525,7 @@ impl SimdFormat for blocks::Q4_1 {
 
 impl SimdFormat for blocks::Q5_0 {
     #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn simd_scales(b: &[u8], d: &mut [f32; MAX_SUBS], _m: &mut [f32; MAX_SUBS]) {
+    unsafe fn int_scales(b: &[u8], d: &mut [f32; MAX_SUBS], _m: &mut [f32; MAX_SUBS]) {
         [d[0], _] = unsafe { halves_at(b.as_ptr()) };
     }
 
@@ -502,7 +537,7 @@ impl SimdFormat for blocks::Q5_0 {
 
 impl SimdFormat for blocks::Q5_1 {
     #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn simd_scales(b: &[u8], d: &mut [f32; MAX_SUBS], m: &mut [f32; MAX_SUBS]) {
+    unsafe fn int_scales(b: &[u8], d: &mut [f32; MAX_SUBS], m: &mut [f32; MAX_SUBS]) {
         [d[0], m[0]] = unsafe { halves_at(b.as_ptr()) };
     }
 
@@ -514,6 +549,11 @@ impl SimdFormat for blocks::Q5_1 {
 
 impl SimdFormat for blocks::Q4K {
     #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn int_scales(b: &[u8], d: &mut [f32; MAX_SUBS], m: &mut [f32; MAX_SUBS]) {
+        unsafe { k_scales(b.as_ptr(), d, m) }
+    }
+
+    #[target_feature(enable = "avx2,fma,f16c")]
     unsafe fn code_bytes(b: *const u8, g: usize) -> __m256i {
         let qs = unsafe { load32(b.add(16 + 32 * (g / 2))) };
         bits32(qs, 4 * (g % 2), 0x0F)
@@ -521,6 +561,11 @@ impl SimdFormat for blocks::Q4K {
 }
 
 impl SimdFormat for blocks::Q5K {
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn int_scales(b: &[u8], d: &mut [f32; MAX_SUBS], m: &mut [f32; MAX_SUBS]) {
+        unsafe { k_scales(b.as_ptr(), d, m) }
+    }
+
     #[target_feature(enable = "avx2,fma,f16c")]
     unsafe fn code_bytes(b: *const u8, g: usize) -> __m256i {
         let (qs, qh) = unsafe { (load32(b.add(48 + 32 * (g / 2))), load32(b.add(16))) };
@@ -530,6 +575,12 @@ impl SimdFormat for blocks::Q5K {
 }
 
 impl SimdFormat for blocks::Q6K {
+    /// Only the block's d, in d[0]: `group_scale` reads each group's two int8 scales itself.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn int_scales(b: &[u8], d: &mut [f32; MAX_SUBS], _m: &mut [f32; MAX_SUBS]) {
+        d[0] = blocks::f16_at(b, 208);
+    }
+
     #[target_feature(enable = "avx2,fma,f16c")]
     unsafe fn code_bytes(b: *const u8, g: usize) -> __m256i {
         let (h, t) = (g / 4, g % 4);
@@ -548,11 +599,10 @@ impl SimdFormat for blocks::Q6K {
     /// 0-7) and 16..32 (lanes 8-15) inside `madd`; the float scale is the block's d. (|pair-sum| <= 2·32·127
     /// and |scale| <= 128: each i32 lane stays below 2^21.)
     #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn group_scale(b: *const u8, g: usize, _d: &[f32; MAX_SUBS]) -> (__m256i, f32) {
+    unsafe fn group_scale(b: *const u8, g: usize, d: &[f32; MAX_SUBS]) -> (__m256i, f32) {
         let (s0, s1) = unsafe { (*b.add(192 + 2 * g) as i8, *b.add(193 + 2 * g) as i8) };
-        let block = unsafe { std::slice::from_raw_parts(b, Self::BYTES) };
         let mv = _mm256_set_m128i(_mm_set1_epi16(i16::from(s1)), _mm_set1_epi16(i16::from(s0)));
-        (mv, blocks::f16_at(block, 208))
+        (mv, d[0])
     }
 }
 
