@@ -1,8 +1,10 @@
 """ntio.kernels.cpu_kernels against an independent reference: gguf-py's `gguf.quants.dequantize` (numpy) of the
 weights, then a float64 matmul, on random well-formed blocks and on the real SmolLM2-135M-Instruct tensors, for every
 type, shape, batch size and kernel set:
-  * 8-bit activations (the default): against the float64 product with x rounded through gguf-py's own Q8_0
-    quantizer (`quantize` then `dequantize`): the kernels' integer sums are exact, so relative L2 error <= 1e-5;
+  * 8-bit activations (the default): against the float64 product with x rounded as the kernels see it: through
+    gguf-py's own Q8_0 quantizer (`quantize` then `dequantize`) for the 32-element types, and in spans of 256 with
+    a float32 scale (`q8k_rounded`, llama.cpp's Q8_K span) for the K-quants; the kernels' integer sums are exact,
+    so relative L2 error <= 1e-5;
   * float32 activations (`int8=False`): against x itself, and against `F.linear` on ntio's dequantized weights."""
 
 from __future__ import annotations
@@ -43,6 +45,15 @@ def q8_rounded(x: np.ndarray) -> np.ndarray:
     return np.asarray(ref_dequantize(gguf.quants.quantize(x, T.Q8_0), T.Q8_0), np.float64).reshape(x.shape)
 
 
+def q8k_rounded(x: np.ndarray) -> np.ndarray:
+    """x [t, k] in spans of 256: d = max|x| / 127 (float32), codes round(x · (1/d)) with ties away from zero."""
+    spans = x.reshape(-1, 256)
+    d = np.abs(spans).max(axis=1, keepdims=True) / np.float32(127)
+    inv = np.divide(np.float32(1), d, out=np.zeros_like(d), where=d != 0)
+    codes = gguf.quants.np_roundf(spans * inv)
+    return (codes.astype(np.float64) * d.astype(np.float64)).reshape(x.shape)
+
+
 def check(raw: np.ndarray, qtype: T, shape: tuple[int, int], t: int, rng: np.random.Generator, isa: str = "best"
           ) -> None:
     n, k = shape
@@ -52,7 +63,7 @@ def check(raw: np.ndarray, qtype: T, shape: tuple[int, int], t: int, rng: np.ran
     raw_t = torch.from_numpy(np.ascontiguousarray(raw).reshape(-1))
     y = cpu_kernels.quantized_linear(torch.from_numpy(x), raw_t, qtype, shape, isa=isa)
     assert y.shape == (t, n) and y.dtype == torch.float32
-    x_seen = x.astype(np.float64) if qtype in DENSE else q8_rounded(x)
+    x_seen = x.astype(np.float64) if qtype in DENSE else q8k_rounded(x) if qtype in K_QUANTS else q8_rounded(x)
     assert rel(y, x_seen @ w64.T) <= TOL
     y = cpu_kernels.quantized_linear(torch.from_numpy(x), raw_t, qtype, shape, isa=isa, int8=False)
     assert rel(y, x.astype(np.float64) @ w64.T) <= TOL

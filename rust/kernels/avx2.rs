@@ -1,8 +1,9 @@
 //! AVX2 + FMA (+ F16C) row kernels: the structure of `dot.rs` with each group's 32 codes decoded once into one
 //! 32-byte vector, then met by every activation row of a tile:
-//! - integer kernels (`int`): `maddubs` (u8 x i8 -> i16 pairs) and `madd` (-> i32) against the activations'
-//!   8-bit codes, one float conversion and FMA per group and row; symmetric types go through the sign trick
-//!   (|w| times x with w's sign), affine ones multiply their unsigned codes directly and add m·Σx;
+//! - integer kernels (`int`): `maddubs` (u8 x i8 -> i16 pairs) and `madd` (-> i32, times the K-quants' integer
+//!   sub-scales) against the activations' 8-bit codes, one float conversion and FMA per weight block and row;
+//!   symmetric types go through the sign trick (|w| times x with w's sign), affine ones multiply their unsigned
+//!   codes directly and add m·Σx̂;
 //! - float kernels (`quantized`, `dense`): codes widened to four 8-lane float32 vectors, FMAs against float32
 //!   activations (the reference path for differential tests).
 //!
@@ -27,19 +28,16 @@ pub trait SimdFormat: Format {
     /// int8 for symmetric types, uint8 for affine ones (as `Format::codes`).
     unsafe fn code_bytes(b: *const u8, g: usize) -> __m256i;
 
-    /// What the integer kernels read of `Format::scales` for the block at `b` (`Self::BYTES` bytes): d (or what
-    /// `group_scale` takes) and m, computed with F16C and vector instructions where written.
-    #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn int_scales(b: &[u8], d: &mut [f32; MAX_SUBS], m: &mut [f32; MAX_SUBS]) {
-        Self::scales(b, d, m)
-    }
-
-    /// How the integer kernels scale group `g` (block at `b`, `d` from `int_scales`): i16
-    /// multipliers for `madd`'s 16 pair-sums, and a float scale. One scale per group: ones and d[g].
-    #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn group_scale(_b: *const u8, g: usize, d: &[f32; MAX_SUBS]) -> (__m256i, f32) {
-        (_mm256_set1_epi16(1), d[g])
-    }
+    /// What the integer kernels read of a block's scales.
+    type IntScales;
+    /// The scales of the block at `b` (`Self::BYTES` readable bytes).
+    unsafe fn int_scales(b: *const u8) -> Self::IntScales;
+    /// i16 multipliers of group `g`'s 16 pair-sums in `madd`: its integer sub-scales (K-quants), or ones.
+    unsafe fn multipliers(s: &Self::IntScales, g: usize) -> __m256i;
+    /// The float scale of the block's integer sum: weight = block_d · multiplier · q (+ m).
+    fn block_d(s: &Self::IntScales) -> f32;
+    /// Group `g`'s offset m (affine types only).
+    fn group_m(s: &Self::IntScales, g: usize) -> f32;
 }
 
 /// `F::code_bytes` as float32 elements 0..32.
@@ -146,16 +144,17 @@ unsafe fn quantized_tile<F: SimdFormat, const R: usize>(
 
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn int_row<F: SimdFormat>(a: &Activations, row: &[u8], y: &mut [f32; MAX_T]) {
-    // Tiles of 8 or 4 activation rows reduce their rows' integer sums into one vector and scale all rows with one
-    // FMA per group; 1 or 2 rows keep a vector accumulator per row (two per row, alternating groups, so that
-    // T = 1 is not bound by FMA latency). The weight row is re-read from L1 cache for each tile.
+    // A block's groups add their integer sums (scaled by integer sub-scales inside `madd`) before any float work:
+    // the activations come in spans of the block's size (`q8_for`), so one float scale serves the whole block.
+    // Tiles of 8 or 4 activation rows then reduce their rows' sums into one vector and scale all rows with one
+    // FMA; 1 or 2 rows keep a vector accumulator per row. The weight row is re-read from L1 cache for each tile.
     let mut t0 = 0;
     while t0 < a.t {
         let out = &mut y[t0..];
         // SAFETY: (all four) same contract as this function; t0 + R <= a.t.
         t0 += match a.t - t0 {
-            8.. => unsafe { int_tile8::<F>(a, row, t0, out) },
-            4..=7 => unsafe { int_tile4::<F>(a, row, t0, out) },
+            8.. => unsafe { int_tile::<F, 8>(a, row, t0, out) },
+            4..=7 => unsafe { int_tile::<F, 4>(a, row, t0, out) },
             2..=3 => unsafe { int_rows::<F, 2>(a, row, t0, out) },
             _ => unsafe { int_rows::<F, 1>(a, row, t0, out) },
         };
@@ -177,7 +176,7 @@ unsafe fn group_dot<F: SimdFormat>(w: __m256i, wu: __m256i, mv: __m256i, x: *con
     _mm256_madd_epi16(_mm256_maddubs_epi16(wu, x), mv)
 }
 
-/// The codes of group `g` of block `b` as `group_dot` takes them: (w, |w| or w, lane multipliers, float scale).
+/// Group `g` of the block at `b` as `group_dot` takes it: (w, |w| or w, multipliers).
 ///
 /// # Safety
 /// `b` must have `F::BYTES` readable bytes.
@@ -186,16 +185,16 @@ unsafe fn group_dot<F: SimdFormat>(w: __m256i, wu: __m256i, mv: __m256i, x: *con
 unsafe fn group_codes<F: SimdFormat>(
     b: *const u8,
     g: usize,
-    d: &[f32; MAX_SUBS],
-) -> (__m256i, __m256i, __m256i, f32) {
+    s: &F::IntScales,
+) -> (__m256i, __m256i, __m256i) {
     // SAFETY: guaranteed by the caller.
-    let (w, (mv, dg)) = unsafe { (F::code_bytes(b, g), F::group_scale(b, g, d)) };
+    let (w, mv) = unsafe { (F::code_bytes(b, g), F::multipliers(s, g)) };
     let wu = if F::AFFINE { w } else { _mm256_sign_epi8(w, w) };
-    (w, wu, mv, dg)
+    (w, wu, mv)
 }
 
-/// y[0..R] for activation rows t0..t0 + R (R = 1 or 2), two accumulators per row (`acc`, `next`: swapped
-/// after each group, a register rename); returns R.
+/// y[0..R] for activation rows t0..t0 + R (R = 1 or 2), two float accumulators per row (`acc`, `next`: swapped
+/// after each block, a register rename, so that one-group blocks are not bound by FMA latency); returns R.
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn int_rows<F: SimdFormat, const R: usize>(
     a: &Activations,
@@ -203,35 +202,37 @@ unsafe fn int_rows<F: SimdFormat, const R: usize>(
     t0: usize,
     y: &mut [f32],
 ) -> usize {
-    let q8 = a.q8();
-    let (mut d, mut m) = ([0f32; MAX_SUBS], [0f32; MAX_SUBS]);
+    let q8 = a.q8_for(F::BLOCK);
     let (mut acc, mut next) = ([_mm256_setzero_ps(); R], [_mm256_setzero_ps(); R]);
     let (mut macc, mut mnext) = ([0f32; R], [0f32; R]);
     let groups = F::BLOCK / GROUP;
-    let gs = a.k / GROUP;
+    let (spans, gs) = (a.k / F::BLOCK, a.k / GROUP);
     for (bi, b) in row.chunks_exact(F::BYTES).enumerate() {
         // SAFETY: `b` holds F::BYTES bytes.
-        unsafe { F::int_scales(b, &mut d, &mut m) };
+        let s = unsafe { F::int_scales(b.as_ptr()) };
+        let mut isum = [_mm256_setzero_si256(); R];
         for g in 0..groups {
             // SAFETY: `b` holds F::BYTES bytes.
-            let (w, wu, mv, dg) = unsafe { group_codes::<F>(b.as_ptr(), g, &d) };
+            let (w, wu, mv) = unsafe { group_codes::<F>(b.as_ptr(), g, &s) };
             let gi = bi * groups + g;
             for r in 0..R {
                 let ti = t0 + r;
                 // SAFETY: `matmul` quantized t * k codes (t0 + r < t) and checked row.len() == k / BLOCK * BYTES,
                 // so group gi of row ti is inside them.
-                let dot = unsafe {
-                    group_dot::<F>(w, wu, mv, q8.codes.as_ptr().add(ti * a.k + gi * GROUP))
-                };
-                let scale = _mm256_set1_ps(dg * q8.scales[ti * gs + gi]);
-                acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), scale, acc[r]);
+                let x = unsafe { q8.codes.as_ptr().add(ti * a.k + gi * GROUP) };
+                isum[r] = _mm256_add_epi32(isum[r], unsafe { group_dot::<F>(w, wu, mv, x) });
                 if F::AFFINE {
-                    macc[r] += m[g] * q8.sums[ti * gs + gi];
+                    macc[r] += F::group_m(&s, g) * q8.sums[ti * gs + gi];
                 }
             }
-            std::mem::swap(&mut acc, &mut next);
-            std::mem::swap(&mut macc, &mut mnext);
         }
+        let d = F::block_d(&s);
+        for r in 0..R {
+            let scale = _mm256_set1_ps(d * q8.scales[(t0 + r) * spans + bi]);
+            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[r]), scale, acc[r]);
+        }
+        std::mem::swap(&mut acc, &mut next);
+        std::mem::swap(&mut macc, &mut mnext);
     }
     for r in 0..R {
         y[r] = hsum(_mm256_add_ps(acc[r], next[r])) + macc[r] + mnext[r];
@@ -239,81 +240,50 @@ unsafe fn int_rows<F: SimdFormat, const R: usize>(
     R
 }
 
-/// y[0..8] for activation rows t0..t0 + 8: per group, the 8 rows' integer sums reduced into one vector, scaled
-/// by the rows' activation scales (one load: `scales_by_group`) and the weight scale; returns 8.
+/// y[0..R] for activation rows t0..t0 + R (R = 4 or 8): per block, the R rows' integer sums reduced into one
+/// vector, scaled by the rows' span scales (one load: `scales_by_span`) and the block's d; returns R.
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn int_tile8<F: SimdFormat>(a: &Activations, row: &[u8], t0: usize, y: &mut [f32]) -> usize {
-    let q8 = a.q8();
-    let (mut d, mut m) = ([0f32; MAX_SUBS], [0f32; MAX_SUBS]);
+unsafe fn int_tile<F: SimdFormat, const R: usize>(
+    a: &Activations,
+    row: &[u8],
+    t0: usize,
+    y: &mut [f32],
+) -> usize {
+    let q8 = a.q8_for(F::BLOCK);
     let (mut acc, mut macc) = (_mm256_setzero_ps(), _mm256_setzero_ps());
     let groups = F::BLOCK / GROUP;
-    let xs: [*const i8; 8] = std::array::from_fn(|r| q8.codes[(t0 + r) * a.k..].as_ptr());
+    let xs: [*const i8; R] = std::array::from_fn(|r| q8.codes[(t0 + r) * a.k..].as_ptr());
     for (bi, b) in row.chunks_exact(F::BYTES).enumerate() {
         // SAFETY: `b` holds F::BYTES bytes.
-        unsafe { F::int_scales(b, &mut d, &mut m) };
+        let s = unsafe { F::int_scales(b.as_ptr()) };
+        // Rows R..8 stay zero: one reduction serves both tile sizes.
+        let mut isum = [_mm256_setzero_si256(); 8];
         for g in 0..groups {
             // SAFETY: `b` holds F::BYTES bytes.
-            let (w, wu, mv, dg) = unsafe { group_codes::<F>(b.as_ptr(), g, &d) };
+            let (w, wu, mv) = unsafe { group_codes::<F>(b.as_ptr(), g, &s) };
             let gi = bi * groups + g;
-            // SAFETY: as in `int_rows`; the by-group tables hold t entries per group and t0 + 8 <= t.
-            let (dots, dx, sx) = unsafe {
-                (
-                    std::array::from_fn(|r| group_dot::<F>(w, wu, mv, xs[r].add(gi * GROUP))),
-                    _mm256_loadu_ps(q8.scales_by_group.as_ptr().add(gi * a.t + t0)),
-                    _mm256_loadu_ps(q8.sums_by_group.as_ptr().add(gi * a.t + t0)),
-                )
-            };
-            acc = _mm256_fmadd_ps(
-                _mm256_cvtepi32_ps(reduce8(dots)),
-                _mm256_mul_ps(dx, _mm256_set1_ps(dg)),
-                acc,
-            );
+            for r in 0..R {
+                // SAFETY: as in `int_rows`.
+                isum[r] = _mm256_add_epi32(isum[r], unsafe {
+                    group_dot::<F>(w, wu, mv, xs[r].add(gi * GROUP))
+                });
+            }
             if F::AFFINE {
-                macc = _mm256_fmadd_ps(sx, _mm256_set1_ps(m[g]), macc);
+                // SAFETY: the by-group table holds t entries per group and 8 more at its end, t0 + R <= t.
+                let sx = unsafe { _mm256_loadu_ps(q8.sums_by_group.as_ptr().add(gi * a.t + t0)) };
+                macc = _mm256_fmadd_ps(sx, _mm256_set1_ps(F::group_m(&s, g)), macc);
             }
         }
+        // SAFETY: as above, for the by-span table.
+        let dx = unsafe { _mm256_loadu_ps(q8.scales_by_span.as_ptr().add(bi * a.t + t0)) };
+        let d = _mm256_set1_ps(F::block_d(&s));
+        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(reduce8(isum)), _mm256_mul_ps(dx, d), acc);
     }
-    // SAFETY: y has at least 8 elements (t0 + 8 <= t <= MAX_T).
-    unsafe { _mm256_storeu_ps(y.as_mut_ptr(), _mm256_add_ps(acc, macc)) };
-    8
-}
-
-/// As `int_tile8` for 4 rows; returns 4.
-#[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn int_tile4<F: SimdFormat>(a: &Activations, row: &[u8], t0: usize, y: &mut [f32]) -> usize {
-    let q8 = a.q8();
-    let (mut d, mut m) = ([0f32; MAX_SUBS], [0f32; MAX_SUBS]);
-    let (mut acc, mut macc) = (_mm_setzero_ps(), _mm_setzero_ps());
-    let groups = F::BLOCK / GROUP;
-    let xs: [*const i8; 4] = std::array::from_fn(|r| q8.codes[(t0 + r) * a.k..].as_ptr());
-    for (bi, b) in row.chunks_exact(F::BYTES).enumerate() {
-        // SAFETY: `b` holds F::BYTES bytes.
-        unsafe { F::int_scales(b, &mut d, &mut m) };
-        for g in 0..groups {
-            // SAFETY: `b` holds F::BYTES bytes.
-            let (w, wu, mv, dg) = unsafe { group_codes::<F>(b.as_ptr(), g, &d) };
-            let gi = bi * groups + g;
-            // SAFETY: as in `int_tile8`, with t0 + 4 <= t.
-            let (dots, dx, sx) = unsafe {
-                (
-                    std::array::from_fn(|r| group_dot::<F>(w, wu, mv, xs[r].add(gi * GROUP))),
-                    _mm_loadu_ps(q8.scales_by_group.as_ptr().add(gi * a.t + t0)),
-                    _mm_loadu_ps(q8.sums_by_group.as_ptr().add(gi * a.t + t0)),
-                )
-            };
-            acc = _mm_fmadd_ps(
-                _mm_cvtepi32_ps(reduce4(dots)),
-                _mm_mul_ps(dx, _mm_set1_ps(dg)),
-                acc,
-            );
-            if F::AFFINE {
-                macc = _mm_fmadd_ps(sx, _mm_set1_ps(m[g]), macc);
-            }
-        }
-    }
-    // SAFETY: y has at least 4 elements (t0 + 4 <= t <= MAX_T).
-    unsafe { _mm_storeu_ps(y.as_mut_ptr(), _mm_add_ps(acc, macc)) };
-    4
+    let mut all = [0f32; 8];
+    // SAFETY: `all` holds 8 floats.
+    unsafe { _mm256_storeu_ps(all.as_mut_ptr(), _mm256_add_ps(acc, macc)) };
+    y[..R].copy_from_slice(&all[..R]);
+    R
 }
 
 /// Lane r of the result: the sum of the 8 lanes of v[r].
@@ -326,14 +296,6 @@ fn reduce8(v: [__m256i; 8]) -> __m256i {
     let lo = _mm256_permute2x128_si256(h0, h1, 0x20);
     let hi = _mm256_permute2x128_si256(h0, h1, 0x31);
     _mm256_add_epi32(lo, hi)
-}
-
-/// Lane r of the result: the sum of the 8 lanes of v[r].
-#[target_feature(enable = "avx2,fma,f16c")]
-#[inline]
-fn reduce4(v: [__m256i; 4]) -> __m128i {
-    let h = _mm256_hadd_epi32(_mm256_hadd_epi32(v[0], v[1]), _mm256_hadd_epi32(v[2], v[3]));
-    _mm_add_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1))
 }
 
 #[target_feature(enable = "avx2,fma,f16c")]
@@ -441,40 +403,6 @@ unsafe fn halves_at(p: *const u8) -> [f32; 2] {
     [_mm_cvtss_f32(v), _mm_cvtss_f32(_mm_movehdup_ps(v))]
 }
 
-/// Q4_K/Q5_K scales as `blocks::k_scales` gives them (d[s] = d·sc[s], m[s] = -(dmin·mn[s]), the same exact
-/// products), with the twelve 6-bit-packed bytes unpacked by 32-bit word operations into sc[0..8] | mn[0..8].
-///
-/// # Safety
-/// `b` must have 16 readable bytes.
-#[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn k_scales(b: *const u8, d: &mut [f32; MAX_SUBS], m: &mut [f32; MAX_SUBS]) {
-    const LOW6: u32 = 0x3F3F_3F3F;
-    const LOW4: u32 = 0x0F0F_0F0F;
-    const LOW2: u32 = 0x0303_0303;
-    // SAFETY: guaranteed by the caller (d, dmin at 0..4, the packed scales at 4..16).
-    let ([dd, dmin], s) = unsafe {
-        (
-            halves_at(b),
-            [0, 1, 2].map(|i| b.add(4 + 4 * i).cast::<u32>().read_unaligned()),
-        )
-    };
-    // Word i of s holds bytes 4i..4i+4 of the packed field (see `blocks::k_scales` for the layout).
-    let words = [
-        s[0] & LOW6,                                      // sc[0..4]
-        (s[2] & LOW4) | ((s[0] >> 6) & LOW2) << 4,        // sc[4..8]
-        s[1] & LOW6,                                      // mn[0..4]
-        ((s[2] >> 4) & LOW4) | ((s[1] >> 6) & LOW2) << 4, // mn[4..8]
-    ];
-    // SAFETY: `words` is 16 bytes; d and m hold MAX_SUBS >= 8 floats.
-    unsafe {
-        let v = _mm_loadu_si128(words.as_ptr().cast());
-        let sc = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(v));
-        let mn = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(v, 8)));
-        _mm256_storeu_ps(d.as_mut_ptr(), _mm256_mul_ps(sc, _mm256_set1_ps(dd)));
-        _mm256_storeu_ps(m.as_mut_ptr(), _mm256_mul_ps(mn, _mm256_set1_ps(-dmin)));
-    }
-}
-
 /// 32 unaligned bytes at `p`.
 ///
 /// # Safety
@@ -485,105 +413,155 @@ unsafe fn load32(p: *const u8) -> __m256i {
     unsafe { _mm256_loadu_si256(p.cast()) }
 }
 
-// SAFETY (all `code_bytes` below): the caller passes `Self::BYTES` readable bytes at `b`; every offset read is
-// within the block layout documented in `blocks.rs`.
-impl SimdFormat for blocks::Q8_0 {
-    #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn int_scales(b: &[u8], d: &mut [f32; MAX_SUBS], _m: &mut [f32; MAX_SUBS]) {
-        [d[0], _] = unsafe { halves_at(b.as_ptr()) };
-    }
+/// The legacy formats (one block = one group of 32): codes from `$codes` (with the block at `$b`), d (and m) the
+/// two halves at the block's start (for symmetric types the second is code bytes, never read as m).
+macro_rules! legacy_format {
+    ($t:ty, |$b:ident| $codes:expr) => {
+        impl SimdFormat for $t {
+            #[target_feature(enable = "avx2,fma,f16c")]
+            unsafe fn code_bytes($b: *const u8, _g: usize) -> __m256i {
+                // SAFETY: the caller passes `Self::BYTES` readable bytes; the offsets are the block layout's.
+                unsafe { $codes }
+            }
 
-    #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn code_bytes(b: *const u8, _g: usize) -> __m256i {
-        unsafe { load32(b.add(2)) }
+            type IntScales = [f32; 2];
+
+            #[target_feature(enable = "avx2,fma,f16c")]
+            unsafe fn int_scales(b: *const u8) -> [f32; 2] {
+                // SAFETY: every legacy block has at least 18 bytes.
+                unsafe { halves_at(b) }
+            }
+
+            #[target_feature(enable = "avx2,fma,f16c")]
+            unsafe fn multipliers(_s: &[f32; 2], _g: usize) -> __m256i {
+                _mm256_set1_epi16(1)
+            }
+
+            fn block_d(s: &[f32; 2]) -> f32 {
+                s[0]
+            }
+
+            fn group_m(s: &[f32; 2], _g: usize) -> f32 {
+                s[1]
+            }
+        }
+    };
+}
+
+legacy_format!(blocks::Q8_0, |b| load32(b.add(2)));
+legacy_format!(blocks::Q4_0, |b| legacy(b.add(2), None, 8));
+legacy_format!(blocks::Q4_1, |b| legacy(b.add(4), None, 0));
+legacy_format!(blocks::Q5_0, |b| legacy(
+    b.add(6),
+    Some(b.add(2).cast::<u32>().read_unaligned()),
+    16
+));
+legacy_format!(blocks::Q5_1, |b| legacy(
+    b.add(8),
+    Some(b.add(4).cast::<u32>().read_unaligned()),
+    0
+));
+
+/// Q4_K/Q5_K block scales: d, the 6-bit sub-scales sc[0..8] (multipliers) and m[g] = -(dmin·mn[g]).
+pub struct KScales {
+    d: f32,
+    sc: [u8; 8],
+    m: [f32; 8],
+}
+
+/// Q4_K/Q5_K scales (d, dmin at 0..4, twelve 6-bit-packed bytes at 4..16: see `blocks::k_scales`), unpacked by
+/// 32-bit word operations into sc[0..8] | mn[0..8].
+///
+/// # Safety
+/// `b` must have 16 readable bytes.
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn k_scales(b: *const u8) -> KScales {
+    const LOW6: u32 = 0x3F3F_3F3F;
+    const LOW4: u32 = 0x0F0F_0F0F;
+    const LOW2: u32 = 0x0303_0303;
+    // SAFETY: guaranteed by the caller.
+    let ([d, dmin], s) = unsafe {
+        (
+            halves_at(b),
+            [0, 1, 2].map(|i| b.add(4 + 4 * i).cast::<u32>().read_unaligned()),
+        )
+    };
+    // Word i of s holds bytes 4i..4i+4 of the packed field.
+    let sc = [s[0] & LOW6, (s[2] & LOW4) | ((s[0] >> 6) & LOW2) << 4];
+    let mn = [
+        s[1] & LOW6,
+        ((s[2] >> 4) & LOW4) | ((s[1] >> 6) & LOW2) << 4,
+    ];
+    let mut m = [0f32; 8];
+    // SAFETY: `mn` is 8 bytes; `m` holds 8 floats.
+    unsafe {
+        let mn = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(mn.as_ptr().cast())));
+        _mm256_storeu_ps(m.as_mut_ptr(), _mm256_mul_ps(mn, _mm256_set1_ps(-dmin)));
+    }
+    let [a, b] = sc.map(u32::to_le_bytes);
+    KScales {
+        d,
+        sc: [a[0], a[1], a[2], a[3], b[0], b[1], b[2], b[3]],
+        m,
     }
 }
 
-impl SimdFormat for blocks::Q4_0 {
-    #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn int_scales(b: &[u8], d: &mut [f32; MAX_SUBS], _m: &mut [f32; MAX_SUBS]) {
-        [d[0], _] = unsafe { halves_at(b.as_ptr()) };
-    }
+/// Q4_K and Q5_K: codes from `$codes` (with the block at `$b` and the group at `$g`), scales from `k_scales`.
+macro_rules! k_format {
+    ($t:ty, |$b:ident, $g:ident| $codes:expr) => {
+        impl SimdFormat for $t {
+            #[target_feature(enable = "avx2,fma,f16c")]
+            unsafe fn code_bytes($b: *const u8, $g: usize) -> __m256i {
+                // SAFETY: the caller passes `Self::BYTES` readable bytes; the offsets are the block layout's.
+                unsafe { $codes }
+            }
 
-    #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn code_bytes(b: *const u8, _g: usize) -> __m256i {
-        unsafe { legacy(b.add(2), None, 8) }
-    }
+            type IntScales = KScales;
+
+            #[target_feature(enable = "avx2,fma,f16c")]
+            unsafe fn int_scales(b: *const u8) -> KScales {
+                // SAFETY: the block has `Self::BYTES` >= 16 bytes.
+                unsafe { k_scales(b) }
+            }
+
+            #[target_feature(enable = "avx2,fma,f16c")]
+            unsafe fn multipliers(s: &KScales, g: usize) -> __m256i {
+                _mm256_set1_epi16(i16::from(s.sc[g]))
+            }
+
+            fn block_d(s: &KScales) -> f32 {
+                s.d
+            }
+
+            fn group_m(s: &KScales, g: usize) -> f32 {
+                s.m[g]
+            }
+        }
+    };
 }
 
-impl SimdFormat for blocks::Q4_1 {
-    #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn int_scales(b: &[u8], d: &mut [f32; MAX_SUBS], m: &mut [f32; MAX_SUBS]) {
-        [d[0], m[0]] = unsafe { halves_at(b.as_ptr()) };
-    }
+k_format!(blocks::Q4K, |b, g| bits32(
+    load32(b.add(16 + 32 * (g / 2))),
+    4 * (g % 2),
+    0x0F
+));
+k_format!(blocks::Q5K, |b, g| {
+    let (qs, qh) = (load32(b.add(48 + 32 * (g / 2))), load32(b.add(16)));
+    let high = _mm256_slli_epi16(bits32(qh, g, 1), 4);
+    _mm256_or_si256(bits32(qs, 4 * (g % 2), 0x0F), high)
+});
 
-    #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn code_bytes(b: *const u8, _g: usize) -> __m256i {
-        unsafe { legacy(b.add(4), None, 0) }
-    }
-}
-
-impl SimdFormat for blocks::Q5_0 {
-    #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn int_scales(b: &[u8], d: &mut [f32; MAX_SUBS], _m: &mut [f32; MAX_SUBS]) {
-        [d[0], _] = unsafe { halves_at(b.as_ptr()) };
-    }
-
-    #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn code_bytes(b: *const u8, _g: usize) -> __m256i {
-        unsafe { legacy(b.add(6), Some(b.add(2).cast::<u32>().read_unaligned()), 16) }
-    }
-}
-
-impl SimdFormat for blocks::Q5_1 {
-    #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn int_scales(b: &[u8], d: &mut [f32; MAX_SUBS], m: &mut [f32; MAX_SUBS]) {
-        [d[0], m[0]] = unsafe { halves_at(b.as_ptr()) };
-    }
-
-    #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn code_bytes(b: *const u8, _g: usize) -> __m256i {
-        unsafe { legacy(b.add(8), Some(b.add(4).cast::<u32>().read_unaligned()), 0) }
-    }
-}
-
-impl SimdFormat for blocks::Q4K {
-    #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn int_scales(b: &[u8], d: &mut [f32; MAX_SUBS], m: &mut [f32; MAX_SUBS]) {
-        unsafe { k_scales(b.as_ptr(), d, m) }
-    }
-
-    #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn code_bytes(b: *const u8, g: usize) -> __m256i {
-        let qs = unsafe { load32(b.add(16 + 32 * (g / 2))) };
-        bits32(qs, 4 * (g % 2), 0x0F)
-    }
-}
-
-impl SimdFormat for blocks::Q5K {
-    #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn int_scales(b: &[u8], d: &mut [f32; MAX_SUBS], m: &mut [f32; MAX_SUBS]) {
-        unsafe { k_scales(b.as_ptr(), d, m) }
-    }
-
-    #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn code_bytes(b: *const u8, g: usize) -> __m256i {
-        let (qs, qh) = unsafe { (load32(b.add(48 + 32 * (g / 2))), load32(b.add(16))) };
-        let high = _mm256_slli_epi16(bits32(qh, g, 1), 4);
-        _mm256_or_si256(bits32(qs, 4 * (g % 2), 0x0F), high)
-    }
+/// Q6_K block scales: d and the sixteen int8 sub-scales.
+pub struct Q6Scales {
+    d: f32,
+    sc: [i8; 16],
 }
 
 impl SimdFormat for blocks::Q6K {
-    /// Only the block's d, in d[0]: `group_scale` reads each group's two int8 scales itself.
-    #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn int_scales(b: &[u8], d: &mut [f32; MAX_SUBS], _m: &mut [f32; MAX_SUBS]) {
-        d[0] = blocks::f16_at(b, 208);
-    }
-
     #[target_feature(enable = "avx2,fma,f16c")]
     unsafe fn code_bytes(b: *const u8, g: usize) -> __m256i {
         let (h, t) = (g / 4, g % 4);
+        // SAFETY: the caller passes `Self::BYTES` readable bytes; the offsets are the block layout's.
         let (ql, qh) = unsafe {
             (
                 load32(b.add(64 * h + 32 * (t % 2))),
@@ -595,14 +573,36 @@ impl SimdFormat for blocks::Q6K {
         _mm256_sub_epi8(q, _mm256_set1_epi8(32))
     }
 
-    /// Two sub-blocks of 16 per group: their int8 scales multiply the pair-sums of elements 0..16 (i16 lanes
-    /// 0-7) and 16..32 (lanes 8-15) inside `madd`; the float scale is the block's d. (|pair-sum| <= 2·32·127
-    /// and |scale| <= 128: each i32 lane stays below 2^21.)
+    type IntScales = Q6Scales;
+
     #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn group_scale(b: *const u8, g: usize, d: &[f32; MAX_SUBS]) -> (__m256i, f32) {
-        let (s0, s1) = unsafe { (*b.add(192 + 2 * g) as i8, *b.add(193 + 2 * g) as i8) };
-        let mv = _mm256_set_m128i(_mm_set1_epi16(i16::from(s1)), _mm_set1_epi16(i16::from(s0)));
-        (mv, d[0])
+    unsafe fn int_scales(b: *const u8) -> Q6Scales {
+        // SAFETY: the block has 210 bytes: scales at 192..208, d at 208.
+        unsafe {
+            Q6Scales {
+                d: _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(i32::from(
+                    b.add(208).cast::<u16>().read_unaligned(),
+                )))),
+                sc: b.add(192).cast::<[i8; 16]>().read_unaligned(),
+            }
+        }
+    }
+
+    /// Two sub-blocks of 16 per group: their int8 scales multiply the pair-sums of elements 0..16 (i16 lanes
+    /// 0-7) and 16..32 (lanes 8-15) inside `madd`. (|pair-sum| <= 2·32·127 and |scale| <= 128: an i32 lane
+    /// stays below 2^21 per group, below 2^24 over a block's 8 groups.)
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn multipliers(s: &Q6Scales, g: usize) -> __m256i {
+        let (s0, s1) = (i16::from(s.sc[2 * g]), i16::from(s.sc[2 * g + 1]));
+        _mm256_set_m128i(_mm_set1_epi16(s1), _mm_set1_epi16(s0))
+    }
+
+    fn block_d(s: &Q6Scales) -> f32 {
+        s.d
+    }
+
+    fn group_m(_s: &Q6Scales, _g: usize) -> f32 {
+        0.0
     }
 }
 

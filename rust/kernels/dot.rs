@@ -36,13 +36,14 @@ pub fn quantized_row<F: Format>(a: &Activations, row: &[u8], y: &mut [f32; MAX_T
 }
 
 /// The integer kernels' reference: y[t] = Σ_groups ( Σ_parts d[s]·dx·Σ q·qx  +  m[g]·Σx̂ ), with qx, dx the
-/// activations' 8-bit codes and scale and Σx̂ = dx·Σqx (`q8`); Σ q·qx is an exact integer sum.
+/// activations' 8-bit codes and the scale of their span (`q8`, spans of the format's block) and Σx̂ = dx·Σqx;
+/// Σ q·qx is an exact integer sum.
 pub fn int_row<F: Format>(a: &Activations, row: &[u8], y: &mut [f32; MAX_T]) {
     let (mut d, mut m) = ([0f32; MAX_SUBS], [0f32; MAX_SUBS]);
     let mut q = [0i32; GROUP];
     let mut acc = [0f32; MAX_T];
     let groups = F::BLOCK / GROUP;
-    let q8 = a.q8();
+    let q8 = a.q8_for(F::BLOCK);
     for (bi, b) in row.chunks_exact(F::BYTES).enumerate() {
         F::scales(b, &mut d, &mut m);
         for g in 0..groups {

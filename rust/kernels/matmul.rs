@@ -346,7 +346,12 @@ pub fn quantized_matmul(
     }
     let x = prologue.apply(x, t, k);
     let x = &x[..];
-    let int = activations == Activations8::Int8 && matrices.iter().any(|m| !m.qtype.dense());
+    let int = activations == Activations8::Int8;
+    let legacy = int
+        && matrices
+            .iter()
+            .any(|m| !m.qtype.dense() && m.qtype.block().0 == GROUP);
+    let super_blocks = int && matrices.iter().any(|m| m.qtype.block().0 > GROUP);
     let affine = matrices.iter().any(|m| m.qtype.affine());
     // Blocks of up to MAX_T activation rows: each weight row meets every block while it is in L1 cache.
     let blocks: Vec<Activations> = x
@@ -358,7 +363,8 @@ pub fn quantized_matmul(
             } else {
                 Vec::new()
             },
-            q8: int.then(|| Q8Rows::quantize(x, k)),
+            q8: legacy.then(|| Q8Rows::q8_0(x, k)),
+            q8k: super_blocks.then(|| Q8Rows::q8_k(x, k)),
             t: x.len() / k,
             k,
         })

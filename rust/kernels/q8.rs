@@ -1,63 +1,87 @@
-//! Activations quantized to 8 bits per 32-element group, exactly as llama.cpp's (and gguf-py's) Q8_0 blocks:
-//! d = max|x| / 127 rounded to float16, codes q = round(x / d') with d' the float32 d before rounding (ties away
-//! from zero), so x ≈ x̂ = d·q. The integer kernels multiply weight codes with these codes and scale each group's
-//! integer sum once: a pass over the weights does one integer multiply-add per weight and row. Affine weight
-//! types (d·q + m) take Σx̂ = d·Σq per group, as llama.cpp's Q8_1, so every product is exactly W · x̂.
+//! Activations quantized to 8 bits per span of elements, as llama.cpp quantizes them for its integer dot products:
+//! - `Q8Rows::q8_0`: spans of 32, exactly llama.cpp's (and gguf-py's) Q8_0 blocks: d = max|x| / 127 rounded to
+//!   float16, codes q = round(x / d') with d' the float32 d before rounding (ties away from zero);
+//! - `Q8Rows::q8_k`: spans of 256 with a float32 d = max|x| / 127 (llama.cpp's Q8_K span, for the K-quants:
+//!   one scale per weight super-block, so a block's integer sums add up before any float work).
+//! Either way x ≈ x̂ = d·q. The integer kernels multiply weight codes with these codes and scale each span's
+//! integer sum once. Affine weight types (d·q + m) take Σx̂ = d·Σq per 32 elements, as llama.cpp's Q8_1 and
+//! Q8_K's bsums, so every product is exactly W · x̂.
 
 use super::blocks::GROUP;
 
-/// x [t, k] as 8-bit codes with one scale per 32-element group.
+/// x [t, k] as 8-bit codes with one scale per span.
 pub struct Q8Rows {
     /// [t, k] codes in -127..=127, row-major.
     pub codes: Vec<i8>,
-    /// [t, k / GROUP] scales (float16 values, held as float32).
+    /// [t, k / span] scales.
     pub scales: Vec<f32>,
-    /// [t, k / GROUP] Σx̂ = scale · Σcodes of each group (what affine weights' offsets multiply).
+    /// [t, k / GROUP] Σx̂ = scale · Σcodes of each 32 elements (what affine weights' offsets multiply).
     pub sums: Vec<f32>,
-    /// `scales` and `sums` transposed, [k / GROUP, t]: a tile of activation rows reads them as one vector.
-    pub scales_by_group: Vec<f32>,
+    /// `scales` and `sums` transposed, [k / span, t] and [k / GROUP, t], plus 8 zeros: a tile of up to 8
+    /// activation rows reads them as one vector.
+    pub scales_by_span: Vec<f32>,
     pub sums_by_group: Vec<f32>,
+    span: usize,
     k: usize,
 }
 
 impl Q8Rows {
-    /// Quantizes x [t, k] (k a multiple of GROUP).
-    pub fn quantize(x: &[f32], k: usize) -> Q8Rows {
-        debug_assert!(k % GROUP == 0 && x.len() % k == 0);
+    /// llama.cpp's Q8_0 of x [t, k] (k a multiple of 32).
+    pub fn q8_0(x: &[f32], k: usize) -> Q8Rows {
+        Q8Rows::quantize(x, k, GROUP, round_to_f16)
+    }
+
+    /// Spans of 256 with float32 scales, for the K-quants (k a multiple of 256).
+    pub fn q8_k(x: &[f32], k: usize) -> Q8Rows {
+        Q8Rows::quantize(x, k, 256, |d| d)
+    }
+
+    fn quantize(x: &[f32], k: usize, span: usize, stored: fn(f32) -> f32) -> Q8Rows {
+        debug_assert!(k % span == 0 && x.len() % k == 0);
         let mut codes = vec![0i8; x.len()];
-        let mut scales = Vec::with_capacity(x.len() / GROUP);
+        let mut scales = Vec::with_capacity(x.len() / span);
         let mut sums = Vec::with_capacity(x.len() / GROUP);
-        for (x, q) in x.chunks_exact(GROUP).zip(codes.chunks_exact_mut(GROUP)) {
+        for (x, q) in x.chunks_exact(span).zip(codes.chunks_exact_mut(span)) {
             let amax = x.iter().fold(0f32, |m, v| m.max(v.abs()));
             let d = amax / 127.0;
             let id = if d == 0.0 { 0.0 } else { 1.0 / d };
             for (q, &v) in q.iter_mut().zip(x) {
                 *q = (v * id).round() as i8; // |v * id| <= 127 (+ rounding), so the cast saturates nothing
             }
-            let d = round_to_f16(d);
+            let d = stored(d);
             scales.push(d);
-            sums.push(d * q.iter().map(|&c| i32::from(c)).sum::<i32>() as f32);
+            sums.extend(
+                q.chunks_exact(GROUP)
+                    .map(|g| d * g.iter().map(|&c| i32::from(c)).sum::<i32>() as f32),
+            );
         }
-        let (t, groups) = (x.len() / k, k / GROUP);
-        let by_group = |v: &[f32]| (0..groups * t).map(|i| v[i % t * groups + i / t]).collect();
+        let t = x.len() / k;
+        let by_column = |v: &[f32], columns: usize| {
+            let mut out: Vec<f32> = (0..columns * t)
+                .map(|i| v[i % t * columns + i / t])
+                .collect();
+            out.extend([0.0; 8]);
+            out
+        };
         Q8Rows {
             codes,
-            scales_by_group: by_group(&scales),
-            sums_by_group: by_group(&sums),
+            scales_by_span: by_column(&scales, k / span),
+            sums_by_group: by_column(&sums, k / GROUP),
             scales,
             sums,
+            span,
             k,
         }
     }
 
-    /// Codes of group `gi` of activation row `ti`.
+    /// Codes of group `gi` (32 elements) of activation row `ti`.
     pub fn group(&self, ti: usize, gi: usize) -> &[i8] {
         &self.codes[ti * self.k + gi * GROUP..][..GROUP]
     }
 
-    /// Scale of group `gi` of activation row `ti`.
+    /// Scale of the span holding group `gi` of activation row `ti`.
     pub fn scale(&self, ti: usize, gi: usize) -> f32 {
-        self.scales[ti * (self.k / GROUP) + gi]
+        self.scales[ti * (self.k / self.span) + gi * GROUP / self.span]
     }
 
     /// Σx̂ of group `gi` of activation row `ti`.
@@ -107,7 +131,7 @@ mod tests {
         let x: Vec<f32> = (0..64)
             .map(|i| ((i * 37 % 64) as f32 - 31.5) * 0.1)
             .collect();
-        let q = Q8Rows::quantize(&x, 64);
+        let q = Q8Rows::q8_0(&x, 64);
         for gi in 0..2 {
             let d = q.scale(0, gi);
             assert!(q.group(0, gi).iter().any(|&c| c.abs() == 127));
@@ -115,7 +139,7 @@ mod tests {
                 assert!((f32::from(*c) * d - v).abs() <= d * 0.51 + v.abs() * 1e-3);
             }
         }
-        let zero = Q8Rows::quantize(&[0.0; 32], 32);
+        let zero = Q8Rows::q8_0(&[0.0; 32], 32);
         assert!(zero.codes.iter().all(|&c| c == 0) && zero.scales == [0.0]);
     }
 }

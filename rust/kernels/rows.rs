@@ -18,8 +18,10 @@ pub struct Activations<'a> {
     pub x: &'a [f32],
     /// [t, k / GROUP] group sums Σx for the float kernels of affine types (else empty).
     pub sums: Vec<f32>,
-    /// x as 8-bit codes (the integer kernels' input; None for the float kernels).
+    /// x as 8-bit codes in spans of 32 (legacy types) and of 256 (K-quants): the integer kernels' input, each
+    /// made when a matrix of the call needs it.
     pub q8: Option<Q8Rows>,
+    pub q8k: Option<Q8Rows>,
     pub t: usize,
     pub k: usize,
 }
@@ -30,10 +32,11 @@ impl Activations<'_> {
         &self.x[ti * self.k + gi * GROUP..][..GROUP]
     }
 
-    /// The quantized activations; only the integer kernels call this, and `matmul` quantizes for them.
-    pub fn q8(&self) -> &Q8Rows {
-        self.q8
-            .as_ref()
+    /// The quantized activations whose span is `block` (a weight format's block: 32 or 256); only the integer
+    /// kernels call this, and `matmul` quantizes for them.
+    pub fn q8_for(&self, block: usize) -> &Q8Rows {
+        let q8 = if block == GROUP { &self.q8 } else { &self.q8k };
+        q8.as_ref()
             .expect("integer kernels are given quantized activations")
     }
 
