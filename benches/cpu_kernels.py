@@ -1,10 +1,14 @@
-"""CPU decode-step cost: `cpu_kernels.quantized_linear` on GGUF blocks vs `F.linear` on dequantized fp32 weights.
+"""CPU decode-step cost of the kernel pass: every matrix of a model once, for T activation rows, through
+`cpu_kernels.quantized_linear` with 8-bit activations (the default), with float32 activations (the reference
+path), and (synthetic model only) as `F.linear` on dequantized fp32 weights.
 
-Cache-cold like a real decode step: one pass runs every matrix of a SmolLM2-135M-shaped model once (30 layers of
-distinct Q4_1 matrices: fused q/k/v 960x576, o 576x576, fused gate+up 3072x576, down 576x1536; then the Q8_0
-49152x576 head), for T activation rows. Passes alternate A B A B; medians are reported. Prints JSON.
+Cache-cold like a real decode step. The model: `--model NAME|PATH` (a real GGUF: every layer matrix in file order,
+then the output head), or by default a SmolLM2-135M-shaped synthetic one (30 layers of distinct Q4_1 matrices:
+fused q/k/v 960x576, o 576x576, fused gate+up 3072x576, down 576x1536; then the Q8_0 49152x576 head). Passes
+alternate A B C A B C; medians are reported, with each T's cost relative to T = 1 (`vs_t1`: what a speculative
+verification pass of T tokens costs against one decode step). Prints JSON.
 
-    python benches/cpu_kernels.py [--threads 2] [--repeats 7] [--rows 1 8]
+    python benches/cpu_kernels.py [--model NAME|PATH] [--threads 2] [--repeats 7] [--rows 1 8 16]
 """
 
 from __future__ import annotations
@@ -26,7 +30,8 @@ LAYER_SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]
 HEAD = (T.Q8_0, (49152, 576))
 
 
-def build() -> list[tuple[T, tuple[int, int], torch.Tensor, torch.Tensor]]:
+def build() -> list[tuple[T, tuple[int, int], torch.Tensor, torch.Tensor | None]]:
+    """The synthetic SmolLM2-shaped matrices, each with its dequantized fp32 copy."""
     rng = np.random.default_rng(0)
     mats = [(T.Q4_1, s) for _ in range(LAYERS) for s in LAYER_SHAPES] + [HEAD]
     out = []
@@ -36,47 +41,66 @@ def build() -> list[tuple[T, tuple[int, int], torch.Tensor, torch.Tensor]]:
     return out
 
 
+def load(model: str) -> list[tuple[T, tuple[int, int], torch.Tensor, torch.Tensor | None]]:
+    """Every 2-D layer matrix of a real GGUF in file order, then the output head (the embedding when tied)."""
+    from ntio.fetch import resolve_model
+    from ntio.formats.gguf_file import GGUFFile
+
+    g = GGUFFile(resolve_model(model))
+    names = [n for n, info in g.tensors.items() if n.startswith("blk.") and len(info.shape) == 2]
+    names.append("output.weight" if "output.weight" in g.tensors else "token_embd.weight")
+    return [(T(g.tensors[n].qtype), tuple(g.tensors[n].shape), torch.from_numpy(np.array(g.tensor_bytes(n))), None)
+            for n in names]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=7)
-    ap.add_argument("--rows", type=int, nargs="+", default=[1, 8])
+    ap.add_argument("--rows", type=int, nargs="+", default=[1, 8, 16])
+    ap.add_argument("--model", help="a real GGUF (name or path) instead of the synthetic SmolLM2-shaped matrices")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     cpu_kernels.set_threads(args.threads)
-    mats = build()
-    result = {"threads": args.threads, "repeats": args.repeats, "matrices": len(mats),
-              "encoded_mb": round(sum(m[2].numel() for m in mats) / 1e6, 1),
-              "fp32_mb": round(sum(m[3].numel() * 4 for m in mats) / 1e6, 1), "rows": {}}
+    mats = load(args.model) if args.model else build()
+    result = {"model": args.model or "synthetic SmolLM2-shaped Q4_1", "threads": args.threads,
+              "repeats": args.repeats, "matrices": len(mats),
+              "encoded_mb": round(sum(m[2].numel() for m in mats) / 1e6, 1), "rows": {}}
     for t in args.rows:
         xs = {k: torch.randn(t, k) for k in {s[1] for _, s, _, _ in mats}}
         outs = [torch.empty(t, s[0]) for _, s, _, _ in mats]  # kernel outputs (F.linear allocates its own)
 
-        def kernel_pass() -> None:
+        def kernel_pass(int8: bool) -> None:
             for (qtype, shape, raw, _), out in zip(mats, outs):
-                cpu_kernels.quantized_linear(xs[shape[1]], raw, qtype, shape, out)
+                cpu_kernels.quantized_linear(xs[shape[1]], raw, qtype, shape, out, int8=int8)
 
         def dense_pass() -> None:
             for _, shape, _, w in mats:
                 F.linear(xs[shape[1]], w)
 
-        times: dict[str, list[float]] = {"kernel": [], "dense": []}
-        kernel_pass(), dense_pass()  # warm-up
+        passes = {"int8": lambda: kernel_pass(True), "float32_activations": lambda: kernel_pass(False)}
+        if mats[0][3] is not None:
+            passes["dense_fp32"] = dense_pass
+        times: dict[str, list[float]] = {name: [] for name in passes}
+        for fn in passes.values():
+            fn()  # warm-up
         for _ in range(args.repeats):
-            for name, fn in (("kernel", kernel_pass), ("dense", dense_pass)):
+            for name, fn in passes.items():
                 t0 = time.perf_counter()
                 fn()
                 times[name].append((time.perf_counter() - t0) * 1e3)
-        kernel_ms, dense_ms = statistics.median(times["kernel"]), statistics.median(times["dense"])
-        result["rows"][str(t)] = {"kernel_ms": round(kernel_ms, 2), "dense_fp32_ms": round(dense_ms, 2),
-                                  "speedup": round(dense_ms / kernel_ms, 2),
-                                  "kernel_ms_all": [round(v, 2) for v in times["kernel"]],
-                                  "dense_ms_all": [round(v, 2) for v in times["dense"]]}
-    # sanity: both passes compute the same thing
-    x = torch.randn(1, 576)
-    qtype, shape, raw, w = mats[2]
-    err = (cpu_kernels.quantized_linear(x, raw, qtype, shape) - F.linear(x, w)).norm() / F.linear(x, w).norm()
-    result["check_rel_err"] = float(err)
+        result["rows"][str(t)] = {f"{name}_ms": round(statistics.median(v), 2) for name, v in times.items()}
+        result["rows"][str(t)]["all_ms"] = {name: [round(x, 2) for x in v] for name, v in times.items()}
+    one = result["rows"].get("1")
+    if one:
+        for t, row in result["rows"].items():
+            row["int8_vs_t1"] = round(row["int8_ms"] / one["int8_ms"], 2)
+    # sanity: the 8-bit and float32-activation passes compute nearly the same thing
+    qtype, shape, raw, _ = mats[2]
+    x = torch.randn(1, shape[1])
+    want = cpu_kernels.quantized_linear(x, raw, qtype, shape, int8=False)
+    result["int8_vs_float_rel_err"] = float((cpu_kernels.quantized_linear(x, raw, qtype, shape) - want).norm()
+                                            / want.norm())
     print(json.dumps(result, indent=2))
 
 

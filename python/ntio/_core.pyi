@@ -109,18 +109,30 @@ KERNEL_TYPES: list[int]
 KERNEL_MAX_T: int
 """Most activation rows per `quantized_matmul` call."""
 
-def quantized_matmul(x: Buffer, t: int, k: int, raw: Buffer, qtype: int, n: int, out: Buffer, *,
-                     isa: str = "best", int8: bool = True) -> None:
-    """out [t, n] = x [t, k] @ W.T, W [n, k] GGUF-encoded as ggml type `qtype` in `raw` (GIL released).
+def quantized_matmul(x: Buffer, t: int, k: int, matrices: list[tuple[Buffer, int, int]], out: Buffer, *,
+                     isa: str = "best", int8: bool = True, norm: Buffer | None = None, eps: float = 0.0,
+                     swiglu: bool = False) -> None:
+    """out [t, Σn] = prologue(x) [t, k] @ [W1; W2; ...].T, each matrix given as (raw, ggml type id, n): W [n, k]
+    GGUF-encoded in raw (GIL released).
 
-    x: t * k float32; raw: uint8, exactly W's encoded size; out: t * n float32, writable, sharing no memory with x
-    or raw; all C-contiguous buffers (numpy arrays; torch tensors via `.numpy()`). BufferError (a ValueError)
-    naming the argument for a wrong element type, layout, writability or overlap; ValueError for an unsupported
-    type, sizes that do not match, or a kernel set this CPU lacks. isa: `best`, `avx512`, `avx2` or `scalar`;
-    int8: activations of quantized types quantized per 32 elements as Q8_0 (integer products), else float32.
+    x: t * k float32 (t * 2k with swiglu); raw: uint8, exactly W's encoded size; out: t * Σn float32, writable,
+    sharing no memory with x or any raw; norm: k float32; all C-contiguous buffers (numpy arrays; torch tensors via
+    `.numpy()`). Prologue: norm (RMSNorm of each row with eps), or swiglu (x rows are [gate | up]: silu(gate) *
+    up), or none. BufferError (a ValueError) naming the argument for a wrong element type, layout, writability or
+    overlap; ValueError for an unsupported type, sizes that do not match, or a kernel set this CPU lacks. isa:
+    `best`, `avx512`, `avx2` or `scalar`; int8: activations of quantized types quantized to 8 bits (Q8_0 spans of
+    32; spans of 256 for the K-quants) with integer products, else float32.
     """
 def check_kernel_isa(name: str) -> None:
     """ValueError unless kernel set `name` (`best`, `avx512`, `avx2`, `scalar`) exists and this CPU runs it."""
+def attend(qkv: Buffer, cache_k: Buffer, cache_v: Buffer, capacity: int, start: int, cos: Buffer, sin: Buffer,
+           mask: Buffer | None, out: Buffer, *, n_heads: int, n_kv_heads: int, head_dim: int, rope_dim: int,
+           neox: bool) -> None:
+    """Attention of T new tokens over one layer's float32 KV cache (GIL released): RoPE on qkv's queries and keys
+    [T, (Hq + 2 Hkv) hd] in place (cos, sin [T, rope_dim/2]; pairs (2i, 2i+1), or (i, i + rope_dim/2) if neox),
+    keys and values written at positions start.. of cache_k, cache_v [Hkv, capacity, hd], then out [T, Hq hd] =
+    softmax(q k^T / sqrt(hd)) v over the start + T cached positions (mask [T, start + T] uint8, nonzero: may
+    attend; None: all). qkv, the caches and out must share no memory; refusals name the buffer."""
 def set_kernel_threads(n: int) -> None:
     """Use `n` kernel threads (0: one per available CPU)."""
 def kernel_threads() -> int: ...
