@@ -234,5 +234,6 @@ pub fn register(m: &Bound<PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(attend, m)?)?;
     m.add("KERNEL_TYPES", QType::ALL.map(|q| q as u32).to_vec())?;
     m.add("KERNEL_MAX_T", kernels::MAX_T)?;
+    m.add("KERNEL_K_SPAN", kernels::K_SPAN)?;
     Ok(())
 }

@@ -2,9 +2,9 @@
 weights, then a float64 matmul, on random well-formed blocks and on the real SmolLM2-135M-Instruct tensors, for every
 type, shape, batch size and kernel set:
   * 8-bit activations (the default): against the float64 product with x rounded as the kernels see it: through
-    gguf-py's own Q8_0 quantizer (`quantize` then `dequantize`) for the 32-element types, and in spans of 256 with
-    a float32 scale (`q8k_rounded`, llama.cpp's Q8_K span) for the K-quants; the kernels' integer sums are exact,
-    so relative L2 error <= 1e-5;
+    gguf-py's own Q8_0 quantizer (`quantize` then `dequantize`) for the 32-element types, and in spans of 128 with
+    a float32 scale (`q8k_rounded`; llama.cpp's Q8_K takes 256) for the K-quants; the kernels' integer sums are
+    exact, so relative L2 error <= 1e-5;
   * float32 activations (`int8=False`): against x itself, and against `F.linear` on ntio's dequantized weights."""
 
 from __future__ import annotations
@@ -46,8 +46,8 @@ def q8_rounded(x: np.ndarray) -> np.ndarray:
 
 
 def q8k_rounded(x: np.ndarray) -> np.ndarray:
-    """x [t, k] in spans of 256: d = max|x| / 127 (float32), codes round(x · (1/d)) with ties away from zero."""
-    spans = x.reshape(-1, 256)
+    """x [t, k] in spans of KERNEL_K_SPAN: d = max|x| / 127 (float32), codes round(x · (1/d)), ties away from 0."""
+    spans = x.reshape(-1, _core.KERNEL_K_SPAN)
     d = np.abs(spans).max(axis=1, keepdims=True) / np.float32(127)
     inv = np.divide(np.float32(1), d, out=np.zeros_like(d), where=d != 0)
     codes = gguf.quants.np_roundf(spans * inv)

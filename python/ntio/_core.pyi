@@ -107,7 +107,9 @@ class Slot:
 KERNEL_TYPES: list[int]
 """ggml type ids `quantized_matmul` supports."""
 KERNEL_MAX_T: int
-"""Most activation rows per `quantized_matmul` call."""
+"""Activation rows the kernels take at once (longer inputs run in blocks of this many)."""
+KERNEL_K_SPAN: int
+"""Elements per activation scale for the K-quants (the 32-element types take 32)."""
 
 def quantized_matmul(x: Buffer, t: int, k: int, matrices: list[tuple[Buffer, int, int]], out: Buffer, *,
                      isa: str = "best", int8: bool = True, norm: Buffer | None = None, eps: float = 0.0,
@@ -121,7 +123,7 @@ def quantized_matmul(x: Buffer, t: int, k: int, matrices: list[tuple[Buffer, int
     up), or none. BufferError (a ValueError) naming the argument for a wrong element type, layout, writability or
     overlap; ValueError for an unsupported type, sizes that do not match, or a kernel set this CPU lacks. isa:
     `best`, `avx512`, `avx2` or `scalar`; int8: activations of quantized types quantized to 8 bits (Q8_0 spans of
-    32; spans of 256 for the K-quants) with integer products, else float32.
+    32; spans of 128 for the K-quants) with integer products, else float32.
     """
 def check_kernel_isa(name: str) -> None:
     """ValueError unless kernel set `name` (`best`, `avx512`, `avx2`, `scalar`) exists and this CPU runs it."""

@@ -1,7 +1,7 @@
 //! AVX2 + FMA (+ F16C) row kernels: the structure of `dot.rs` with each group's 32 codes decoded once into one
 //! 32-byte vector, then met by every activation row of a tile:
 //! - integer kernels (`int`): `maddubs` (u8 x i8 -> i16 pairs) and `madd` (-> i32, times the K-quants' integer
-//!   sub-scales) against the activations' 8-bit codes, one float conversion and FMA per weight block and row;
+//!   sub-scales) against the activations' 8-bit codes, one float conversion and FMA per activation span (32 or 128 elements) and row;
 //!   symmetric types go through the sign trick (|w| times x with w's sign), affine ones multiply their unsigned
 //!   codes directly and add m·Σx̂;
 //! - float kernels (`quantized`, `dense`): codes widened to four 8-lane float32 vectors, FMAs against float32
@@ -13,7 +13,7 @@
 use std::arch::x86_64::*;
 
 use super::blocks::{self, Dense, Format, GROUP, MAX_SUBS};
-use super::rows::{Activations, RowKernel, MAX_T};
+use super::rows::{activation_span, Activations, RowKernel, MAX_T};
 
 /// Whether this CPU runs the kernels of this module.
 pub fn available() -> bool {
@@ -144,8 +144,8 @@ unsafe fn quantized_tile<F: SimdFormat, const R: usize>(
 
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn int_row<F: SimdFormat>(a: &Activations, row: &[u8], y: &mut [f32; MAX_T]) {
-    // A block's groups add their integer sums (scaled by integer sub-scales inside `madd`) before any float work:
-    // the activations come in spans of the block's size (`q8_for`), so one float scale serves the whole block.
+    // The groups of an activation span (`activation_span`: 32 elements, or 128 of a K-quant block) add their
+    // integer sums (scaled by integer sub-scales inside `madd`) before any float work: one float scale per span.
     // Tiles of 8 or 4 activation rows then reduce their rows' sums into one vector and scale all rows with one
     // FMA; 1 or 2 rows keep a vector accumulator per row. The weight row is re-read from L1 cache for each tile.
     let mut t0 = 0;
@@ -194,7 +194,7 @@ unsafe fn group_codes<F: SimdFormat>(
 }
 
 /// y[0..R] for activation rows t0..t0 + R (R = 1 or 2), two float accumulators per row (`acc`, `next`: swapped
-/// after each block, a register rename, so that one-group blocks are not bound by FMA latency); returns R.
+/// after each span, a register rename, so that one-group spans are not bound by FMA latency); returns R.
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn int_rows<F: SimdFormat, const R: usize>(
     a: &Activations,
@@ -205,34 +205,37 @@ unsafe fn int_rows<F: SimdFormat, const R: usize>(
     let q8 = a.q8_for(F::BLOCK);
     let (mut acc, mut next) = ([_mm256_setzero_ps(); R], [_mm256_setzero_ps(); R]);
     let (mut macc, mut mnext) = ([0f32; R], [0f32; R]);
-    let groups = F::BLOCK / GROUP;
-    let (spans, gs) = (a.k / F::BLOCK, a.k / GROUP);
+    let span = activation_span(F::BLOCK);
+    let (groups, per_block, per_span) = (F::BLOCK / GROUP, F::BLOCK / span, span / GROUP);
+    let (spans, gs) = (a.k / span, a.k / GROUP);
     for (bi, b) in row.chunks_exact(F::BYTES).enumerate() {
         // SAFETY: `b` holds F::BYTES bytes.
         let s = unsafe { F::int_scales(b.as_ptr()) };
-        let mut isum = [_mm256_setzero_si256(); R];
-        for g in 0..groups {
-            // SAFETY: `b` holds F::BYTES bytes.
-            let (w, wu, mv) = unsafe { group_codes::<F>(b.as_ptr(), g, &s) };
-            let gi = bi * groups + g;
-            for r in 0..R {
-                let ti = t0 + r;
-                // SAFETY: `matmul` quantized t * k codes (t0 + r < t) and checked row.len() == k / BLOCK * BYTES,
-                // so group gi of row ti is inside them.
-                let x = unsafe { q8.codes.as_ptr().add(ti * a.k + gi * GROUP) };
-                isum[r] = _mm256_add_epi32(isum[r], unsafe { group_dot::<F>(w, wu, mv, x) });
-                if F::AFFINE {
-                    macc[r] += F::group_m(&s, g) * q8.sums[ti * gs + gi];
+        for sp in 0..per_block {
+            let mut isum = [_mm256_setzero_si256(); R];
+            for g in sp * per_span..(sp + 1) * per_span {
+                // SAFETY: `b` holds F::BYTES bytes.
+                let (w, wu, mv) = unsafe { group_codes::<F>(b.as_ptr(), g, &s) };
+                let gi = bi * groups + g;
+                for r in 0..R {
+                    let ti = t0 + r;
+                    // SAFETY: `matmul` quantized t * k codes (t0 + r < t) and checked row.len() == k / BLOCK * BYTES,
+                    // so group gi of row ti is inside them.
+                    let x = unsafe { q8.codes.as_ptr().add(ti * a.k + gi * GROUP) };
+                    isum[r] = _mm256_add_epi32(isum[r], unsafe { group_dot::<F>(w, wu, mv, x) });
+                    if F::AFFINE {
+                        macc[r] += F::group_m(&s, g) * q8.sums[ti * gs + gi];
+                    }
                 }
             }
+            let (d, si) = (F::block_d(&s), bi * per_block + sp);
+            for r in 0..R {
+                let scale = _mm256_set1_ps(d * q8.scales[(t0 + r) * spans + si]);
+                acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[r]), scale, acc[r]);
+            }
+            std::mem::swap(&mut acc, &mut next);
+            std::mem::swap(&mut macc, &mut mnext);
         }
-        let d = F::block_d(&s);
-        for r in 0..R {
-            let scale = _mm256_set1_ps(d * q8.scales[(t0 + r) * spans + bi]);
-            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[r]), scale, acc[r]);
-        }
-        std::mem::swap(&mut acc, &mut next);
-        std::mem::swap(&mut macc, &mut mnext);
     }
     for r in 0..R {
         y[r] = hsum(_mm256_add_ps(acc[r], next[r])) + macc[r] + mnext[r];
@@ -240,7 +243,7 @@ unsafe fn int_rows<F: SimdFormat, const R: usize>(
     R
 }
 
-/// y[0..R] for activation rows t0..t0 + R (R = 4 or 8): per block, the R rows' integer sums reduced into one
+/// y[0..R] for activation rows t0..t0 + R (R = 4 or 8): per span, the R rows' integer sums reduced into one
 /// vector, scaled by the rows' span scales (one load: `scales_by_span`) and the block's d; returns R.
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn int_tile<F: SimdFormat, const R: usize>(
@@ -251,33 +254,43 @@ unsafe fn int_tile<F: SimdFormat, const R: usize>(
 ) -> usize {
     let q8 = a.q8_for(F::BLOCK);
     let (mut acc, mut macc) = (_mm256_setzero_ps(), _mm256_setzero_ps());
-    let groups = F::BLOCK / GROUP;
+    let span = activation_span(F::BLOCK);
+    let (groups, per_block, per_span) = (F::BLOCK / GROUP, F::BLOCK / span, span / GROUP);
     let xs: [*const i8; R] = std::array::from_fn(|r| q8.codes[(t0 + r) * a.k..].as_ptr());
     for (bi, b) in row.chunks_exact(F::BYTES).enumerate() {
         // SAFETY: `b` holds F::BYTES bytes.
         let s = unsafe { F::int_scales(b.as_ptr()) };
-        // Rows R..8 stay zero: one reduction serves both tile sizes.
-        let mut isum = [_mm256_setzero_si256(); 8];
-        for g in 0..groups {
-            // SAFETY: `b` holds F::BYTES bytes.
-            let (w, wu, mv) = unsafe { group_codes::<F>(b.as_ptr(), g, &s) };
-            let gi = bi * groups + g;
-            for r in 0..R {
-                // SAFETY: as in `int_rows`.
-                isum[r] = _mm256_add_epi32(isum[r], unsafe {
-                    group_dot::<F>(w, wu, mv, xs[r].add(gi * GROUP))
-                });
+        for sp in 0..per_block {
+            // Rows R..8 stay zero: one reduction serves both tile sizes.
+            let mut isum = [_mm256_setzero_si256(); 8];
+            for g in sp * per_span..(sp + 1) * per_span {
+                // SAFETY: `b` holds F::BYTES bytes.
+                let (w, wu, mv) = unsafe { group_codes::<F>(b.as_ptr(), g, &s) };
+                let gi = bi * groups + g;
+                for r in 0..R {
+                    // SAFETY: as in `int_rows`.
+                    isum[r] = _mm256_add_epi32(isum[r], unsafe {
+                        group_dot::<F>(w, wu, mv, xs[r].add(gi * GROUP))
+                    });
+                }
+                if F::AFFINE {
+                    // SAFETY: the by-group table holds t entries per group and 8 more at its end, t0 + R <= t.
+                    let sx =
+                        unsafe { _mm256_loadu_ps(q8.sums_by_group.as_ptr().add(gi * a.t + t0)) };
+                    macc = _mm256_fmadd_ps(sx, _mm256_set1_ps(F::group_m(&s, g)), macc);
+                }
             }
-            if F::AFFINE {
-                // SAFETY: the by-group table holds t entries per group and 8 more at its end, t0 + R <= t.
-                let sx = unsafe { _mm256_loadu_ps(q8.sums_by_group.as_ptr().add(gi * a.t + t0)) };
-                macc = _mm256_fmadd_ps(sx, _mm256_set1_ps(F::group_m(&s, g)), macc);
-            }
+            // SAFETY: as above, for the by-span table.
+            let dx = unsafe {
+                _mm256_loadu_ps(
+                    q8.scales_by_span
+                        .as_ptr()
+                        .add((bi * per_block + sp) * a.t + t0),
+                )
+            };
+            let d = _mm256_set1_ps(F::block_d(&s));
+            acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(reduce8(isum)), _mm256_mul_ps(dx, d), acc);
         }
-        // SAFETY: as above, for the by-span table.
-        let dx = unsafe { _mm256_loadu_ps(q8.scales_by_span.as_ptr().add(bi * a.t + t0)) };
-        let d = _mm256_set1_ps(F::block_d(&s));
-        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(reduce8(isum)), _mm256_mul_ps(dx, d), acc);
     }
     let mut all = [0f32; 8];
     // SAFETY: `all` holds 8 floats.

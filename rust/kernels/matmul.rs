@@ -9,7 +9,7 @@ use std::sync::{Arc, RwLock};
 use super::blocks::{self, Dense, Format, GROUP};
 use super::dot;
 use super::q8::Q8Rows;
-use super::rows::{Activations, RowKernel, MAX_T};
+use super::rows::{activation_span, Activations, RowKernel, K_SPAN, MAX_T};
 use super::team::Team;
 
 /// Least work per task, in multiply-adds (weights x activation rows): about 40-80 us on one core (AVX-512: a
@@ -347,11 +347,11 @@ pub fn quantized_matmul(
     let x = prologue.apply(x, t, k);
     let x = &x[..];
     let int = activations == Activations8::Int8;
-    let legacy = int
-        && matrices
-            .iter()
-            .any(|m| !m.qtype.dense() && m.qtype.block().0 == GROUP);
-    let super_blocks = int && matrices.iter().any(|m| m.qtype.block().0 > GROUP);
+    // Which activation spans the matrices need (`activation_span`): 32 for the legacy types, K_SPAN for the
+    // K-quants (when it differs).
+    let span = |m: &&Matrix| (!m.qtype.dense()).then(|| activation_span(m.qtype.block().0));
+    let legacy = int && matrices.iter().any(|m| span(&m) == Some(GROUP));
+    let super_blocks = int && matrices.iter().any(|m| span(&m).is_some_and(|s| s > GROUP));
     let affine = matrices.iter().any(|m| m.qtype.affine());
     // Blocks of up to MAX_T activation rows: each weight row meets every block while it is in L1 cache.
     let blocks: Vec<Activations> = x
@@ -364,7 +364,7 @@ pub fn quantized_matmul(
                 Vec::new()
             },
             q8: legacy.then(|| Q8Rows::q8_0(x, k)),
-            q8k: super_blocks.then(|| Q8Rows::q8_k(x, k)),
+            q8k: super_blocks.then(|| Q8Rows::q8_k(x, k, K_SPAN)),
             t: x.len() / k,
             k,
         })

@@ -30,4 +30,4 @@ pub use attention::{attend, AttentionShape, RopeKind};
 pub use matmul::{
     quantized_matmul, set_threads, threads, Activations8, Isa, KernelError, Matrix, Prologue, QType,
 };
-pub use rows::MAX_T;
+pub use rows::{K_SPAN, MAX_T};

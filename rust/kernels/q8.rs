@@ -1,8 +1,8 @@
 //! Activations quantized to 8 bits per span of elements, as llama.cpp quantizes them for its integer dot products:
 //! - `Q8Rows::q8_0`: spans of 32, exactly llama.cpp's (and gguf-py's) Q8_0 blocks: d = max|x| / 127 rounded to
 //!   float16, codes q = round(x / d') with d' the float32 d before rounding (ties away from zero);
-//! - `Q8Rows::q8_k`: spans of 256 with a float32 d = max|x| / 127 (llama.cpp's Q8_K span, for the K-quants:
-//!   one scale per weight super-block, so a block's integer sums add up before any float work).
+//! - `Q8Rows::q8_k`: longer spans (`rows::K_SPAN`: 128; llama.cpp's Q8_K takes 256) with a float32 d = max|x| /
+//!   127, for the K-quants: a span's integer sums over several 32-element groups add up before any float work.
 //! Either way x ≈ x̂ = d·q. The integer kernels multiply weight codes with these codes and scale each span's
 //! integer sum once. Affine weight types (d·q + m) take Σx̂ = d·Σq per 32 elements, as llama.cpp's Q8_1 and
 //! Q8_K's bsums, so every product is exactly W · x̂.
@@ -31,9 +31,9 @@ impl Q8Rows {
         Q8Rows::quantize(x, k, GROUP, round_to_f16)
     }
 
-    /// Spans of 256 with float32 scales, for the K-quants (k a multiple of 256).
-    pub fn q8_k(x: &[f32], k: usize) -> Q8Rows {
-        Q8Rows::quantize(x, k, 256, |d| d)
+    /// Spans of `span` elements with float32 scales, for the K-quants (k a multiple of span).
+    pub fn q8_k(x: &[f32], k: usize, span: usize) -> Q8Rows {
+        Q8Rows::quantize(x, k, span, |d| d)
     }
 
     fn quantize(x: &[f32], k: usize, span: usize, stored: fn(f32) -> f32) -> Q8Rows {
