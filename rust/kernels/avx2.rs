@@ -38,6 +38,20 @@ pub trait SimdFormat: Format {
     fn block_d(s: &Self::IntScales) -> f32;
     /// Group `g`'s offset m (affine types only).
     fn group_m(s: &Self::IntScales, g: usize) -> f32;
+    /// The offsets of a block's 8 groups as one vector (affine 8-group types only).
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn group_ms(s: &Self::IntScales) -> __m256 {
+        _mm256_setr_ps(
+            Self::group_m(s, 0),
+            Self::group_m(s, 1),
+            Self::group_m(s, 2),
+            Self::group_m(s, 3),
+            Self::group_m(s, 4),
+            Self::group_m(s, 5),
+            Self::group_m(s, 6),
+            Self::group_m(s, 7),
+        )
+    }
 }
 
 /// `F::code_bytes` as float32 elements 0..32.
@@ -204,7 +218,8 @@ unsafe fn int_rows<F: SimdFormat, const R: usize>(
 ) -> usize {
     let q8 = a.q8_for(F::BLOCK);
     let (mut acc, mut next) = ([_mm256_setzero_ps(); R], [_mm256_setzero_ps(); R]);
-    let (mut macc, mut mnext) = ([0f32; R], [0f32; R]);
+    let (mut macc, mut mnext) = ([0f32; R], [0f32; R]); // offsets·Σx̂ of one-group blocks
+    let mut mvec = [_mm256_setzero_ps(); R]; // offsets·Σx̂ of 8-group blocks
     let span = activation_span(F::BLOCK);
     let (groups, per_block, per_span) = (F::BLOCK / GROUP, F::BLOCK / span, span / GROUP);
     let (spans, gs) = (a.k / span, a.k / GROUP);
@@ -218,14 +233,15 @@ unsafe fn int_rows<F: SimdFormat, const R: usize>(
                 let (w, wu, mv) = unsafe { group_codes::<F>(b.as_ptr(), g, &s) };
                 let gi = bi * groups + g;
                 for r in 0..R {
-                    let ti = t0 + r;
-                    // SAFETY: `matmul` quantized t * k codes (t0 + r < t) and checked row.len() == k / BLOCK * BYTES,
-                    // so group gi of row ti is inside them.
-                    let x = unsafe { q8.codes.as_ptr().add(ti * a.k + gi * GROUP) };
+                    // SAFETY: `matmul` quantized t * k codes (t0 + r < t) and checked row.len() == k / BLOCK *
+                    // BYTES, so group gi of row t0 + r is inside them.
+                    let x = unsafe { q8.codes.as_ptr().add((t0 + r) * a.k + gi * GROUP) };
                     isum[r] = _mm256_add_epi32(isum[r], unsafe { group_dot::<F>(w, wu, mv, x) });
-                    if F::AFFINE {
-                        macc[r] += F::group_m(&s, g) * q8.sums[ti * gs + gi];
-                    }
+                }
+            }
+            if F::AFFINE && groups == 1 {
+                for r in 0..R {
+                    macc[r] += F::group_m(&s, 0) * q8.sums[(t0 + r) * gs + bi];
                 }
             }
             let (d, si) = (F::block_d(&s), bi * per_block + sp);
@@ -236,9 +252,19 @@ unsafe fn int_rows<F: SimdFormat, const R: usize>(
             std::mem::swap(&mut acc, &mut next);
             std::mem::swap(&mut macc, &mut mnext);
         }
+        if F::AFFINE && groups == 8 {
+            // The K-quants' 8 offsets against the row's 8 group sums: one vector FMA per block and row.
+            let m = F::group_ms(&s);
+            for r in 0..R {
+                // SAFETY: the row's group sums hold the block's 8 groups (k / GROUP per row, checked sizes).
+                let sums =
+                    unsafe { _mm256_loadu_ps(q8.sums.as_ptr().add((t0 + r) * gs + bi * groups)) };
+                mvec[r] = _mm256_fmadd_ps(m, sums, mvec[r]);
+            }
+        }
     }
     for r in 0..R {
-        y[r] = hsum(_mm256_add_ps(acc[r], next[r])) + macc[r] + mnext[r];
+        y[r] = hsum(_mm256_add_ps(_mm256_add_ps(acc[r], next[r]), mvec[r])) + macc[r] + mnext[r];
     }
     R
 }
@@ -549,6 +575,12 @@ macro_rules! k_format {
             fn group_m(s: &KScales, g: usize) -> f32 {
                 s.m[g]
             }
+
+            #[target_feature(enable = "avx2,fma,f16c")]
+            unsafe fn group_ms(s: &KScales) -> __m256 {
+                // SAFETY: `m` holds 8 floats.
+                unsafe { _mm256_loadu_ps(s.m.as_ptr()) }
+            }
         }
     };
 }
@@ -564,11 +596,31 @@ k_format!(blocks::Q5K, |b, g| {
     _mm256_or_si256(bits32(qs, 4 * (g % 2), 0x0F), high)
 });
 
-/// Q6_K block scales: d and the sixteen int8 sub-scales.
+/// Q6_K block scales: d, and the sixteen int8 sub-scales as i16 lanes, the first eight in both 128-bit halves of
+/// `low`, the last eight in both halves of `high` (so that `multipliers` picks a group's two with one shuffle).
 pub struct Q6Scales {
     d: f32,
-    sc: [i8; 16],
+    low: __m256i,
+    high: __m256i,
 }
+
+/// `_mm256_shuffle_epi8` controls: for j in 0..4, i16 lane 2j of a 128-bit half into all 8 lanes of the low half,
+/// lane 2j + 1 into all 8 of the high half.
+const Q6_PICK: [[u8; 32]; 4] = {
+    let mut c = [[0u8; 32]; 4];
+    let mut j = 0;
+    while j < 4 {
+        let mut i = 0;
+        while i < 16 {
+            let lane = if i < 8 { 2 * j } else { 2 * j + 1 };
+            c[j][2 * i] = (2 * lane) as u8;
+            c[j][2 * i + 1] = (2 * lane + 1) as u8;
+            i += 1;
+        }
+        j += 1;
+    }
+    c
+};
 
 impl SimdFormat for blocks::Q6K {
     #[target_feature(enable = "avx2,fma,f16c")]
@@ -591,23 +643,29 @@ impl SimdFormat for blocks::Q6K {
     #[target_feature(enable = "avx2,fma,f16c")]
     unsafe fn int_scales(b: *const u8) -> Q6Scales {
         // SAFETY: the block has 210 bytes: scales at 192..208, d at 208.
-        unsafe {
-            Q6Scales {
-                d: _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(i32::from(
-                    b.add(208).cast::<u16>().read_unaligned(),
-                )))),
-                sc: b.add(192).cast::<[i8; 16]>().read_unaligned(),
-            }
+        let (sc, d) = unsafe {
+            (
+                _mm256_cvtepi8_epi16(_mm_loadu_si128(b.add(192).cast())),
+                b.add(208).cast::<u16>().read_unaligned(),
+            )
+        };
+        Q6Scales {
+            d: _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(i32::from(d)))),
+            low: _mm256_permute2x128_si256(sc, sc, 0x00),
+            high: _mm256_permute2x128_si256(sc, sc, 0x11),
         }
     }
 
     /// Two sub-blocks of 16 per group: their int8 scales multiply the pair-sums of elements 0..16 (i16 lanes
     /// 0-7) and 16..32 (lanes 8-15) inside `madd`. (|pair-sum| <= 2·32·127 and |scale| <= 128: an i32 lane
-    /// stays below 2^21 per group, below 2^24 over a block's 8 groups.)
+    /// stays below 2^21 per group, below 2^23 over a span of 4 groups.)
     #[target_feature(enable = "avx2,fma,f16c")]
     unsafe fn multipliers(s: &Q6Scales, g: usize) -> __m256i {
-        let (s0, s1) = (i16::from(s.sc[2 * g]), i16::from(s.sc[2 * g + 1]));
-        _mm256_set_m128i(_mm_set1_epi16(s1), _mm_set1_epi16(s0))
+        let source = if g < 4 { s.low } else { s.high };
+        // SAFETY: each control is 32 bytes.
+        _mm256_shuffle_epi8(source, unsafe {
+            _mm256_loadu_si256(Q6_PICK[g % 4].as_ptr().cast())
+        })
     }
 
     fn block_d(s: &Q6Scales) -> f32 {
