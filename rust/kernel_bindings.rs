@@ -8,7 +8,8 @@ use pyo3::prelude::*;
 use crate::buffer_bindings::Lent;
 use crate::buffers::{self, Access};
 use crate::kernels::{
-    self, Activations8, AttentionShape, Isa, KernelError, Matrix, Prologue, QType, RopeKind,
+    self, Activations8, AttentionShape, BlockCache, BlockSettings, BlockWeights, Isa, KernelError,
+    Matrix, Prologue, QType, RopeKind,
 };
 
 impl From<KernelError> for PyErr {
@@ -179,6 +180,145 @@ fn attend(
     Ok(())
 }
 
+/// A pre-norm decoder block over T new tokens (`rust/kernels/block.rs`): h [T, D] float32 updated in place,
+/// h += Wo · attention(rope(Wqkv · rms_norm(h) + qkv_bias)), then h += Wdown · swiglu(Wgate_up · rms_norm(h)).
+/// Matrices as in `quantized_matmul` ((raw, ggml type id, n)); the cache, rotation and mask as in `attend`.
+/// h and the caches are written and must share no memory with each other or any other buffer.
+#[pyfunction]
+#[pyo3(signature = (h, d, attn_norm, qkv, qkv_bias, wo, ffn_norm, gate_up, down, cache_k, cache_v, capacity, start,
+                    cos, sin, mask, *, eps, n_heads, n_kv_heads, head_dim, rope_dim, neox, isa = "best",
+                    int8 = true))]
+#[allow(clippy::too_many_arguments)]
+fn decoder_block(
+    py: Python<'_>,
+    h: &Bound<'_, PyAny>,
+    d: usize,
+    attn_norm: &Bound<'_, PyAny>,
+    qkv: Vec<(Bound<'_, PyAny>, u32, usize)>,
+    qkv_bias: Option<&Bound<'_, PyAny>>,
+    wo: (Bound<'_, PyAny>, u32, usize),
+    ffn_norm: &Bound<'_, PyAny>,
+    gate_up: Vec<(Bound<'_, PyAny>, u32, usize)>,
+    down: (Bound<'_, PyAny>, u32, usize),
+    cache_k: &Bound<'_, PyAny>,
+    cache_v: &Bound<'_, PyAny>,
+    capacity: usize,
+    start: usize,
+    cos: &Bound<'_, PyAny>,
+    sin: &Bound<'_, PyAny>,
+    mask: Option<&Bound<'_, PyAny>>,
+    eps: f32,
+    n_heads: usize,
+    n_kv_heads: usize,
+    head_dim: usize,
+    rope_dim: usize,
+    neox: bool,
+    isa: &str,
+    int8: bool,
+) -> PyResult<()> {
+    let isa = checked_isa(isa)?;
+    let h = Lent::<f32>::typed(h, "h", Access::Write)?;
+    let cache_k = Lent::<f32>::typed(cache_k, "cache_k", Access::Write)?;
+    let cache_v = Lent::<f32>::typed(cache_v, "cache_v", Access::Write)?;
+    let lend = |m: &(Bound<'_, PyAny>, u32, usize)| -> PyResult<(Lent<u8>, QType, usize)> {
+        Ok((
+            Lent::<u8>::typed(&m.0, "raw", Access::Read)?,
+            kernel_type(m.1)?,
+            m.2,
+        ))
+    };
+    let qkv = qkv.iter().map(lend).collect::<PyResult<Vec<_>>>()?;
+    let gate_up = gate_up.iter().map(lend).collect::<PyResult<Vec<_>>>()?;
+    let (wo, down) = (lend(&wo)?, lend(&down)?);
+    let floats =
+        |obj: &Bound<'_, PyAny>, name: &'static str| Lent::<f32>::typed(obj, name, Access::Read);
+    let (attn_norm, ffn_norm) = (
+        floats(attn_norm, "attn_norm")?,
+        floats(ffn_norm, "ffn_norm")?,
+    );
+    let (cos, sin) = (floats(cos, "cos")?, floats(sin, "sin")?);
+    let qkv_bias = qkv_bias.map(|b| floats(b, "qkv_bias")).transpose()?;
+    let mask = mask
+        .map(|m| Lent::<u8>::typed(m, "mask", Access::Read))
+        .transpose()?;
+    let written = [
+        ("h", h.range()),
+        ("cache_k", cache_k.range()),
+        ("cache_v", cache_v.range()),
+    ];
+    let mut read = vec![
+        ("attn_norm", attn_norm.range()),
+        ("ffn_norm", ffn_norm.range()),
+        ("cos", cos.range()),
+        ("sin", sin.range()),
+        ("raw", wo.0.range()),
+        ("raw", down.0.range()),
+    ];
+    read.extend(qkv.iter().chain(&gate_up).map(|m| ("raw", m.0.range())));
+    read.extend(qkv_bias.iter().map(|b| ("qkv_bias", b.range())));
+    read.extend(mask.iter().map(|m| ("mask", m.range())));
+    for (i, a) in written.iter().enumerate() {
+        for b in written[i + 1..].iter().chain(&read) {
+            buffers::disjoint(*a, *b)?;
+        }
+    }
+    let settings = BlockSettings {
+        eps,
+        attention: AttentionShape {
+            n_heads,
+            n_kv_heads,
+            head_dim,
+            rope_dim,
+            rope: if neox {
+                RopeKind::Neox
+            } else {
+                RopeKind::Interleaved
+            },
+        },
+        isa,
+        activations: if int8 {
+            Activations8::Int8
+        } else {
+            Activations8::Float
+        },
+    };
+    py.detach(|| {
+        // SAFETY: the written buffers (h, the caches) share no byte with each other or with any read buffer
+        // (checked above); the exports live until this function returns, and the caller runs no Python code on
+        // these tensors meanwhile.
+        unsafe {
+            fn matrix(m: &(Lent<u8>, QType, usize)) -> Matrix<'_> {
+                // SAFETY: see the enclosing block.
+                Matrix {
+                    raw: unsafe { m.0.as_slice() },
+                    qtype: m.1,
+                    n: m.2,
+                }
+            }
+            let weights = BlockWeights {
+                attn_norm: attn_norm.as_slice(),
+                qkv: qkv.iter().map(matrix).collect(),
+                qkv_bias: qkv_bias.as_ref().map(|b| b.as_slice()),
+                wo: matrix(&wo),
+                ffn_norm: ffn_norm.as_slice(),
+                gate_up: gate_up.iter().map(matrix).collect(),
+                down: matrix(&down),
+            };
+            let cache = BlockCache {
+                k: cache_k.as_mut_slice(),
+                v: cache_v.as_mut_slice(),
+                capacity,
+                start,
+                cos: cos.as_slice(),
+                sin: sin.as_slice(),
+                mask: mask.as_ref().map(|m| m.as_slice()),
+            };
+            kernels::decoder_block(h.as_mut_slice(), d, &weights, cache, settings)
+        }
+    })?;
+    Ok(())
+}
+
 /// The kernels' type for ggml type id `qtype`, or a ValueError listing the supported ones.
 fn kernel_type(qtype: u32) -> PyResult<QType> {
     QType::from_id(qtype).ok_or_else(|| {
@@ -232,6 +372,7 @@ pub fn register(m: &Bound<PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(kernel_threads, m)?)?;
     m.add_function(wrap_pyfunction!(check_kernel_isa, m)?)?;
     m.add_function(wrap_pyfunction!(attend, m)?)?;
+    m.add_function(wrap_pyfunction!(decoder_block, m)?)?;
     m.add("KERNEL_TYPES", QType::ALL.map(|q| q as u32).to_vec())?;
     m.add("KERNEL_MAX_T", kernels::MAX_T)?;
     m.add("KERNEL_K_SPAN", kernels::K_SPAN)?;

@@ -86,3 +86,27 @@ def test_qwen_draft_beside_its_target_shares_the_tokenizer(qwen15_path, qwen05_p
     draft_logits = draft.engine.forward(torch.tensor(ids), 0)
     assert draft_logits.shape == target.engine.forward(torch.tensor(ids), 0).shape  # one vocabulary, one id space
     assert draft.engine.kv.ids == target.engine.kv.ids == ids
+
+
+@pytest.mark.parametrize("cpu_activations", ["int8", "float32"])
+@torch.inference_mode()
+def test_one_call_blocks_equal_the_per_op_path(smollm2_path, qwen05_path, cpu_activations, monkeypatch):
+    """A decoder block as one kernel call (ops.decoder_block) gives the per-op path's logits bit for bit: the same
+    products, bias add, attention and residual adds in the same order. Llama (interleaved RoPE) and Qwen2 (NeoX
+    RoPE, q/k/v bias), a prefill of 7 tokens then single steps."""
+    for path in (smollm2_path, qwen05_path):
+        m = ntio.load(path, max_context=64, cpu_activations=cpu_activations)
+        ids = m.encode_prompt("The capital of France is")[:7]
+
+        def run() -> list[torch.Tensor]:
+            m.engine.kv.crop(0)
+            out = [m.engine.forward(torch.tensor(ids), 0, all_logits=True)]
+            out += [m.engine.forward(torch.tensor([t]), len(ids) + i) for i, t in enumerate((11, 12, 13))]
+            return out
+
+        fused = run()
+        with monkeypatch.context() as patch:
+            patch.setattr(ops, "uses_cpu_block", lambda *args: False)
+            per_op = run()
+        assert all(torch.equal(a, b) for a, b in zip(fused, per_op)), path
+        m.close()

@@ -9,6 +9,7 @@
 //! - `avx2`: AVX2/FMA row kernels, integer and float (x86-64, selected at run time);
 //! - `avx512`: AVX-512 float row kernels for the block-quantized types (x86-64, selected at run time);
 //! - `attention`: RoPE, KV-cache writes and attention of a few new tokens (float32);
+//! - `block`: a whole pre-norm decoder block (the products and attention above) in one call;
 //! - `team`: the kernel threads, which the calling thread joins;
 //! - `matmul`: the entry point, argument checks, kernel selection and work split.
 //!
@@ -19,6 +20,7 @@ mod attention;
 mod avx2;
 #[cfg(target_arch = "x86_64")]
 mod avx512;
+mod block;
 mod blocks;
 mod dot;
 mod matmul;
@@ -27,6 +29,7 @@ mod rows;
 mod team;
 
 pub use attention::{attend, AttentionShape, RopeKind};
+pub use block::{decoder_block, BlockCache, BlockSettings, BlockWeights};
 pub use matmul::{
     quantized_matmul, set_threads, threads, Activations8, Isa, KernelError, Matrix, Prologue, QType,
 };

@@ -268,6 +268,33 @@ def cached_attention(qkv: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
     return out
 
 
+def uses_cpu_block(h: torch.Tensor, k_cache: torch.Tensor, ws: list[EncodedMatrix]) -> bool:
+    """Whether a whole decoder block runs as one CPU kernel call (`decoder_block`)."""
+    return uses_cpu_attention(h, k_cache) and uses_cpu_kernel(h, ws)
+
+
+def decoder_block(h: torch.Tensor, norms: tuple[torch.Tensor, torch.Tensor], wqkv: list[EncodedMatrix],
+                  qkv_bias: torch.Tensor | None, wo: EncodedMatrix, w_gate_up: list[EncodedMatrix],
+                  w_down: EncodedMatrix, k_cache: torch.Tensor, v_cache: torch.Tensor, start_pos: int,
+                  rope: tuple[torch.Tensor, torch.Tensor], mask: torch.Tensor | None, eps: float,
+                  heads: tuple[int, int, int], *, neox: bool) -> torch.Tensor:
+    """A pre-norm block in one CPU kernel call (ntio._core.decoder_block): h + attention(rms_norm(h)), then
+    + swiglu(rms_norm(.)), with the same products and attention as the per-op path, bit for bit. h: [T, D]
+    (not modified) -> [T, D]; the other arguments as in `normed_linear`, `cached_attention` and `swiglu_linear`."""
+    choice = _kernels.get()
+    n_heads, n_kv_heads, hd = heads
+    cos, sin = rope
+    out = h.clone(memory_format=torch.contiguous_format)
+    mask_u8 = None if mask is None else mask.contiguous().view(torch.uint8).numpy()
+    _core.decoder_block(out.numpy(), h.shape[1], norms[0].numpy(), [w.kernel_arg for w in wqkv],
+                        None if qkv_bias is None else qkv_bias.numpy(), wo.kernel_arg, norms[1].numpy(),
+                        [w.kernel_arg for w in w_gate_up], w_down.kernel_arg, k_cache.numpy(), v_cache.numpy(),
+                        k_cache.shape[1], start_pos, cos.contiguous().numpy(), sin.contiguous().numpy(), mask_u8,
+                        eps=eps, n_heads=n_heads, n_kv_heads=n_kv_heads, head_dim=hd, rope_dim=2 * cos.shape[-1],
+                        neox=neox, isa=choice.isa, int8=choice.int8)
+    return out
+
+
 class RowSource(Protocol):
     """An encoded [V, D] table whose rows are fetched by id: an `EncodedMatrix`, or rows read from disk on demand
     (ntio.runtime.disk_rows)."""

@@ -193,7 +193,14 @@ def pre_norm_block(
     rope_kind: str,
     taps: dict[str, torch.Tensor] | None = None,
 ) -> torch.Tensor:
-    """h + attention(norm(h)), then + swiglu(norm(.)): [T, D] -> [T, D]."""
+    """h + attention(norm(h)), then + swiglu(norm(.)): [T, D] -> [T, D]. A few tokens on the CPU run the whole
+    block as one kernel call (the same products and attention, bit for bit) unless the FFN is a row subset or taps
+    are asked for."""
+    if (taps is None and w.ffn_rows is None
+            and ops.uses_cpu_block(h, k_cache, [*w.wqkv, w.wo, *w.w_gate_up, w.w_down])):
+        return ops.decoder_block(h, (w.attn_norm, w.ffn_norm), w.wqkv, w.qkv_bias, w.wo, w.w_gate_up, w.w_down,
+                                 k_cache, v_cache, start_pos, rope, mask, cfg.rms_eps,
+                                 (cfg.n_heads, cfg.n_kv_heads, cfg.head_dim), neox=rope_kind == "neox")
     h = h + attention(h, w, k_cache, v_cache, start_pos, rope, mask, cfg, rope_kind)
     return h + swiglu(h, w, cfg.rms_eps, taps)
 
