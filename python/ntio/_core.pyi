@@ -125,6 +125,15 @@ def quantized_matmul(x: Buffer, t: int, k: int, matrices: list[tuple[Buffer, int
     `best`, `avx512`, `avx2` or `scalar`; int8: activations of quantized types quantized to 8 bits (Q8_0 spans of
     32; spans of 128 for the K-quants) with integer products, else float32.
     """
+def decoder_block(h: Buffer, d: int, attn_norm: Buffer, qkv: list[tuple[Buffer, int, int]], qkv_bias: Buffer | None,
+                  wo: tuple[Buffer, int, int], ffn_norm: Buffer, gate_up: list[tuple[Buffer, int, int]],
+                  down: tuple[Buffer, int, int], cache_k: Buffer, cache_v: Buffer, capacity: int, start: int,
+                  cos: Buffer, sin: Buffer, mask: Buffer | None, *, eps: float, n_heads: int, n_kv_heads: int,
+                  head_dim: int, rope_dim: int, neox: bool, isa: str = "best", int8: bool = True) -> None:
+    """A pre-norm decoder block over T new tokens, h [T, D] float32 updated in place (GIL released):
+    h += Wo attention(rope(Wqkv rms_norm(h) + qkv_bias)), then h += Wdown swiglu(Wgate_up rms_norm(h)); matrices
+    as in `quantized_matmul`, cache, rotation and mask as in `attend`. h and the caches share no memory with each
+    other or any other buffer; refusals name the buffer."""
 def check_kernel_isa(name: str) -> None:
     """ValueError unless kernel set `name` (`best`, `avx512`, `avx2`, `scalar`) exists and this CPU runs it."""
 def attend(qkv: Buffer, cache_k: Buffer, cache_v: Buffer, capacity: int, start: int, cos: Buffer, sin: Buffer,
