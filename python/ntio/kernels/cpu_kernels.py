@@ -2,13 +2,16 @@
 
 For a few activation rows (decode, speculative verification: T <= 32) the product is memory-bound, so reading the
 encoded blocks (~4.5-8.5 bits per weight) instead of dequantized float32 weights is several times faster, and each
-weight block is decoded once per call for all T rows. Longer inputs (prefill) go through in blocks of MAX_ROWS rows
-while each weight row stays in L1 cache: integer products beat dequantizing to float32 for a dense matmul there too.
+weight block is decoded once per call for all T rows. Longer inputs go through in blocks of MAX_ROWS rows while each
+weight row stays in L1 cache (ntio.kernels.ops uses them up to 64 rows; longer prefill dequantizes for a dense
+matmul, which is faster there).
 
-Numerics. By default (`int8=True`) the activations of quantized types are quantized per 32 elements exactly as
-llama.cpp's Q8_0 (d = max|x|/127 as float16, q = round(x/d)) and multiplied with the weight codes in exact integer
-sums, scaled per group in float32: the result equals `F.linear(dequantize_q8_0(quantize_q8_0(x)), W)` to ~1e-6
-relative, and differs from float32 activations by ~0.3-1% relative per product. `int8=False` keeps float32
+Numerics. By default (`int8=True`) the activations of quantized types are quantized to 8 bits: per 32 elements
+exactly as llama.cpp's Q8_0 (d = max|x|/127 as float16, q = round(x/d)) for the 32-element types, per 128 elements
+with a float32 d for the K-quants (llama.cpp's Q8_K takes 256: 128 halves the perplexity cost at the same speed,
+benches/RESULTS.md). They meet the weight codes in exact integer sums, scaled per span in float32: the result equals
+`F.linear(x̂, W)` with x̂ the rounded activations to ~1e-6 relative, and differs from float32 activations by
+~0.3-1% relative per product. `int8=False` keeps float32
 activations (d * Σ q·x + m * Σ x in float32): `F.linear(x, dequantize(raw))` to ~1e-6, the reference path.
 Dense types (F32/F16/BF16) always take float32 activations.
 
