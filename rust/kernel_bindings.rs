@@ -66,11 +66,7 @@ fn quantized_matmul(
             "norm and swiglu are two prologues: give one",
         ));
     }
-    let activations = if int8 {
-        Activations8::Int8
-    } else {
-        Activations8::Float
-    };
+    let activations = activations(int8);
     py.detach(|| {
         // SAFETY: `out` shares no byte with `x` or any `raw` (checked above), so the one mutable slice aliases
         // nothing here; the exports live until this function returns; the caller (`ntio.kernels.cpu_kernels`)
@@ -140,22 +136,8 @@ fn attend(
         ("cache_v", cache_v.range()),
         ("out", out.range()),
     ];
-    for (i, a) in written.iter().enumerate() {
-        for b in &written[i + 1..] {
-            buffers::disjoint(*a, *b)?;
-        }
-    }
-    let shape = AttentionShape {
-        n_heads,
-        n_kv_heads,
-        head_dim,
-        rope_dim,
-        rope: if neox {
-            RopeKind::Neox
-        } else {
-            RopeKind::Interleaved
-        },
-    };
+    disjoint_writes(&written, &[])?;
+    let shape = attention_shape(n_heads, n_kv_heads, head_dim, rope_dim, neox);
     py.detach(|| {
         // SAFETY: the four written buffers share no byte (checked above), the read ones are only read; the
         // exports live until this function returns and the caller runs no Python code on them meanwhile.
@@ -257,30 +239,12 @@ fn decoder_block(
     read.extend(qkv.iter().chain(&gate_up).map(|m| ("raw", m.0.range())));
     read.extend(qkv_bias.iter().map(|b| ("qkv_bias", b.range())));
     read.extend(mask.iter().map(|m| ("mask", m.range())));
-    for (i, a) in written.iter().enumerate() {
-        for b in written[i + 1..].iter().chain(&read) {
-            buffers::disjoint(*a, *b)?;
-        }
-    }
+    disjoint_writes(&written, &read)?;
     let settings = BlockSettings {
         eps,
-        attention: AttentionShape {
-            n_heads,
-            n_kv_heads,
-            head_dim,
-            rope_dim,
-            rope: if neox {
-                RopeKind::Neox
-            } else {
-                RopeKind::Interleaved
-            },
-        },
+        attention: attention_shape(n_heads, n_kv_heads, head_dim, rope_dim, neox),
         isa,
-        activations: if int8 {
-            Activations8::Int8
-        } else {
-            Activations8::Float
-        },
+        activations: activations(int8),
     };
     py.detach(|| {
         // SAFETY: the written buffers (h, the caches) share no byte with each other or with any read buffer
@@ -316,6 +280,49 @@ fn decoder_block(
             kernels::decoder_block(h.as_mut_slice(), d, &weights, cache, settings)
         }
     })?;
+    Ok(())
+}
+
+/// 8-bit activations (integer products) or float32 ones.
+fn activations(int8: bool) -> Activations8 {
+    if int8 {
+        Activations8::Int8
+    } else {
+        Activations8::Float
+    }
+}
+
+/// The attention shape the bindings' keyword arguments describe.
+fn attention_shape(
+    n_heads: usize,
+    n_kv_heads: usize,
+    head_dim: usize,
+    rope_dim: usize,
+    neox: bool,
+) -> AttentionShape {
+    AttentionShape {
+        n_heads,
+        n_kv_heads,
+        head_dim,
+        rope_dim,
+        rope: if neox {
+            RopeKind::Neox
+        } else {
+            RopeKind::Interleaved
+        },
+    }
+}
+
+/// Refuses a written buffer that shares a byte with another written one or with a read one (named ranges).
+fn disjoint_writes(
+    written: &[(&'static str, (usize, usize))],
+    read: &[(&'static str, (usize, usize))],
+) -> PyResult<()> {
+    for (i, a) in written.iter().enumerate() {
+        for b in written[i + 1..].iter().chain(read) {
+            buffers::disjoint(*a, *b)?;
+        }
+    }
     Ok(())
 }
 
