@@ -12,10 +12,9 @@ use super::q8::Q8Rows;
 use super::rows::{activation_span, Activations, RowKernel, K_SPAN, MAX_T};
 use super::team::Team;
 
-/// Least work per task, in multiply-adds (weights x activation rows): about 40-80 us on one core (AVX-512: a
-/// 576 x 1536 Q4_1 matrix takes ~35 us, a 192 x 4096 Q4_K one ~60 us). Waking a second thread costs ~20 us, so
-/// smaller matrices run on the calling thread: on 2 cores, splitting SmolLM2's 576-wide matrices made decode
-/// 30% slower (67 vs 99 tok/s).
+/// Least work per task, in multiply-adds (weights x activation rows): ~5 us of integer kernel on one core. With
+/// the caller joining a spinning team (`team`), splitting is cheap: SmolLM2's T = 1 kernel pass on 2 threads took
+/// 7.2 ms at 2^14 and 2^15, 7.4 at 2^16, 8.8 at 2^18 (2026-11-24, AVX2 EPYC; rayon's pool had needed 2^20).
 const MIN_TASK_WORK: usize = 1 << 15;
 /// Tasks per thread, so that uneven thread speeds even out.
 const TASKS_PER_THREAD: usize = 4;
