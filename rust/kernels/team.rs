@@ -129,8 +129,15 @@ impl Team {
         }
         s.wake.notify_all();
         s.work(*generation, job);
+        // The last tasks are a worker's: spin for them, then give the CPU away between looks, in case the worker
+        // was preempted (by the reader's threads, say) and needs this core to finish.
+        let waiting = Instant::now();
         while s.done.load(Ordering::Acquire) < tasks {
-            std::hint::spin_loop();
+            if waiting.elapsed() < SPIN {
+                std::hint::spin_loop();
+            } else {
+                std::thread::yield_now();
+            }
         }
         !s.panicked.load(Ordering::Relaxed)
     }
