@@ -54,9 +54,17 @@ impl Manifest {
     /// Parse and check a manifest against its header: version, every tensor aligned and inside
     /// the data region, rows consistent with the shape, layer records equal to the index's.
     pub fn parse(bytes: &[u8], header: &Header, path: &Path) -> Result<(Self, ExtentIndex)> {
+        // Reasons quote the file's own strings (field and tensor names): control characters
+        // are escaped so the error stays one line.
         let bad = |reason: String| StoreError::BadManifest {
             path: path.to_path_buf(),
-            reason,
+            reason: reason
+                .chars()
+                .map(|c| match c.is_control() {
+                    true => c.escape_debug().to_string(),
+                    false => c.to_string(),
+                })
+                .collect(),
         };
         let manifest: Manifest =
             serde_json::from_slice(bytes).map_err(|e| bad(format!("invalid JSON: {e}")))?;
@@ -220,6 +228,11 @@ mod tests {
                 "unknown field",
             ),
             (
+                // A JSON escape puts a newline into the field name the error quotes.
+                manifest(EMBD, "").replacen("\"tensors\"", r#""t\nsors""#, 1),
+                "unknown field `t\\nsors`",
+            ),
+            (
                 manifest(EMBD, "").replace("\"format_version\": 1", "\"format_version\": 2"),
                 "disagrees with the header",
             ),
@@ -232,7 +245,9 @@ mod tests {
             match Manifest::parse(text.as_bytes(), &HEADER, p) {
                 Ok(_) => assert!(reason.is_empty(), "accepted: {text}"),
                 Err(err) => assert!(
-                    !reason.is_empty() && err.to_string().contains(reason),
+                    !reason.is_empty()
+                        && err.to_string().contains(reason)
+                        && !err.to_string().contains('\n'),
                     "{err} (wanted {reason:?})"
                 ),
             }
