@@ -160,15 +160,15 @@ unsafe fn quantized_tile<F: SimdFormat, const R: usize>(
 unsafe fn int_row<F: SimdFormat>(a: &Activations, row: &[u8], y: &mut [f32; MAX_T]) {
     // The groups of an activation span (`activation_span`: 32 elements, or 128 of a K-quant block) add their
     // integer sums (scaled by integer sub-scales inside `madd`) before any float work: one float scale per span.
-    // Tiles of 8 or 4 activation rows then reduce their rows' sums into one vector and scale all rows with one
-    // FMA; 1 or 2 rows keep a vector accumulator per row. The weight row is re-read from L1 cache for each tile.
+    // Tiles of 8, 4, 2 or 1 activation rows share each group's decoded codes; the weight row is re-read from L1
+    // cache for each tile.
     let mut t0 = 0;
     while t0 < a.t {
         let out = &mut y[t0..];
         // SAFETY: (all four) same contract as this function; t0 + R <= a.t.
         t0 += match a.t - t0 {
-            8.. => unsafe { int_tile::<F, 8>(a, row, t0, out) },
-            4..=7 => unsafe { int_tile::<F, 4>(a, row, t0, out) },
+            8.. => unsafe { int_rows::<F, 8>(a, row, t0, out) },
+            4..=7 => unsafe { int_rows::<F, 4>(a, row, t0, out) },
             2..=3 => unsafe { int_rows::<F, 2>(a, row, t0, out) },
             _ => unsafe { int_rows::<F, 1>(a, row, t0, out) },
         };
@@ -207,8 +207,12 @@ unsafe fn group_codes<F: SimdFormat>(
     (w, wu, mv)
 }
 
-/// y[0..R] for activation rows t0..t0 + R (R = 1 or 2), two float accumulators per row (`acc`, `next`: swapped
-/// after each span, a register rename, so that one-group spans are not bound by FMA latency); returns R.
+/// y[0..R] for activation rows t0..t0 + R (R = 1, 2, 4 or 8), one vector accumulator per row; returns R.
+///
+/// A row's arithmetic is the same for every R (each row has its own accumulators, summed in the same order):
+/// its result does not depend on how many rows share the pass, so a speculative verify pass over T tokens gives
+/// each token the logits a decode step gives it, bit for bit, and greedy speculation stays exact. (A tile that
+/// reduced its rows' span sums across lanes would save float work at R = 8 but round differently from R = 1.)
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn int_rows<F: SimdFormat, const R: usize>(
     a: &Activations,
@@ -217,8 +221,8 @@ unsafe fn int_rows<F: SimdFormat, const R: usize>(
     y: &mut [f32],
 ) -> usize {
     let q8 = a.q8_for(F::BLOCK);
-    let (mut acc, mut next) = ([_mm256_setzero_ps(); R], [_mm256_setzero_ps(); R]);
-    let (mut macc, mut mnext) = ([0f32; R], [0f32; R]); // offsets·Σx̂ of one-group blocks
+    let mut acc = [_mm256_setzero_ps(); R];
+    let mut macc = [0f32; R]; // offsets·Σx̂ of one-group blocks
     let mut mvec = [_mm256_setzero_ps(); R]; // offsets·Σx̂ of 8-group blocks
     let span = activation_span(F::BLOCK);
     let (groups, per_block, per_span) = (F::BLOCK / GROUP, F::BLOCK / span, span / GROUP);
@@ -249,8 +253,6 @@ unsafe fn int_rows<F: SimdFormat, const R: usize>(
                 let scale = _mm256_set1_ps(d * q8.scales[(t0 + r) * spans + si]);
                 acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[r]), scale, acc[r]);
             }
-            std::mem::swap(&mut acc, &mut next);
-            std::mem::swap(&mut macc, &mut mnext);
         }
         if F::AFFINE && groups == 8 {
             // The K-quants' 8 offsets against the row's 8 group sums: one vector FMA per block and row.
@@ -264,77 +266,9 @@ unsafe fn int_rows<F: SimdFormat, const R: usize>(
         }
     }
     for r in 0..R {
-        y[r] = hsum(_mm256_add_ps(_mm256_add_ps(acc[r], next[r]), mvec[r])) + macc[r] + mnext[r];
+        y[r] = hsum(_mm256_add_ps(acc[r], mvec[r])) + macc[r];
     }
     R
-}
-
-/// y[0..R] for activation rows t0..t0 + R (R = 4 or 8): per span, the R rows' integer sums reduced into one
-/// vector, scaled by the rows' span scales (one load: `scales_by_span`) and the block's d; returns R.
-#[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn int_tile<F: SimdFormat, const R: usize>(
-    a: &Activations,
-    row: &[u8],
-    t0: usize,
-    y: &mut [f32],
-) -> usize {
-    let q8 = a.q8_for(F::BLOCK);
-    let (mut acc, mut macc) = (_mm256_setzero_ps(), _mm256_setzero_ps());
-    let span = activation_span(F::BLOCK);
-    let (groups, per_block, per_span) = (F::BLOCK / GROUP, F::BLOCK / span, span / GROUP);
-    let xs: [*const i8; R] = std::array::from_fn(|r| q8.codes[(t0 + r) * a.k..].as_ptr());
-    for (bi, b) in row.chunks_exact(F::BYTES).enumerate() {
-        // SAFETY: `b` holds F::BYTES bytes.
-        let s = unsafe { F::int_scales(b.as_ptr()) };
-        for sp in 0..per_block {
-            // Rows R..8 stay zero: one reduction serves both tile sizes.
-            let mut isum = [_mm256_setzero_si256(); 8];
-            for g in sp * per_span..(sp + 1) * per_span {
-                // SAFETY: `b` holds F::BYTES bytes.
-                let (w, wu, mv) = unsafe { group_codes::<F>(b.as_ptr(), g, &s) };
-                let gi = bi * groups + g;
-                for r in 0..R {
-                    // SAFETY: as in `int_rows`.
-                    isum[r] = _mm256_add_epi32(isum[r], unsafe {
-                        group_dot::<F>(w, wu, mv, xs[r].add(gi * GROUP))
-                    });
-                }
-                if F::AFFINE {
-                    // SAFETY: the by-group table holds t entries per group and 8 more at its end, t0 + R <= t.
-                    let sx =
-                        unsafe { _mm256_loadu_ps(q8.sums_by_group.as_ptr().add(gi * a.t + t0)) };
-                    macc = _mm256_fmadd_ps(sx, _mm256_set1_ps(F::group_m(&s, g)), macc);
-                }
-            }
-            // SAFETY: as above, for the by-span table.
-            let dx = unsafe {
-                _mm256_loadu_ps(
-                    q8.scales_by_span
-                        .as_ptr()
-                        .add((bi * per_block + sp) * a.t + t0),
-                )
-            };
-            let d = _mm256_set1_ps(F::block_d(&s));
-            acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(reduce8(isum)), _mm256_mul_ps(dx, d), acc);
-        }
-    }
-    let mut all = [0f32; 8];
-    // SAFETY: `all` holds 8 floats.
-    unsafe { _mm256_storeu_ps(all.as_mut_ptr(), _mm256_add_ps(acc, macc)) };
-    y[..R].copy_from_slice(&all[..R]);
-    R
-}
-
-/// Lane r of the result: the sum of the 8 lanes of v[r].
-#[target_feature(enable = "avx2,fma,f16c")]
-#[inline]
-fn reduce8(v: [__m256i; 8]) -> __m256i {
-    // hadd(hadd(v0, v1), hadd(v2, v3)) = [Σ v0[0..4], Σ v1[0..4], Σ v2[0..4], Σ v3[0..4] | the same over 4..8]
-    let h0 = _mm256_hadd_epi32(_mm256_hadd_epi32(v[0], v[1]), _mm256_hadd_epi32(v[2], v[3]));
-    let h1 = _mm256_hadd_epi32(_mm256_hadd_epi32(v[4], v[5]), _mm256_hadd_epi32(v[6], v[7]));
-    let lo = _mm256_permute2x128_si256(h0, h1, 0x20);
-    let hi = _mm256_permute2x128_si256(h0, h1, 0x31);
-    _mm256_add_epi32(lo, hi)
 }
 
 #[target_feature(enable = "avx2,fma,f16c")]

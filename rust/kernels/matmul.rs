@@ -530,6 +530,31 @@ mod tests {
         }
     }
 
+    /// Each activation row's result is the same bits whatever the number of rows in the call (and so whichever
+    /// tile computes it): speculative verify passes rely on it for exact greedy output.
+    #[test]
+    fn a_rows_result_does_not_depend_on_how_many_rows_share_the_call() {
+        let (n, k) = (9, 768);
+        for (qtype, act) in QType::ALL
+            .into_iter()
+            .flat_map(|q| [(q, Activations8::Int8), (q, Activations8::Float)])
+        {
+            for isa in [Isa::Avx2, Isa::Scalar] {
+                let all = run(qtype, MAX_T + 8, n, k, isa, act);
+                for t in 1..=MAX_T + 8 {
+                    let some = run(qtype, t, n, k, isa, act);
+                    assert!(
+                        some.iter()
+                            .zip(&all)
+                            .all(|(a, b)| a.to_bits() == b.to_bits()),
+                        "{qtype:?} {act:?} {isa:?}: t={t} differs from t={}",
+                        MAX_T + 8
+                    );
+                }
+            }
+        }
+    }
+
     #[test]
     fn results_do_not_depend_on_the_thread_count() {
         set_threads(1).unwrap();

@@ -17,10 +17,6 @@ pub struct Q8Rows {
     pub scales: Vec<f32>,
     /// [t, k / GROUP] Σx̂ = scale · Σcodes of each 32 elements (what affine weights' offsets multiply).
     pub sums: Vec<f32>,
-    /// `scales` and `sums` transposed, [k / span, t] and [k / GROUP, t], plus 8 zeros: a tile of up to 8
-    /// activation rows reads them as one vector.
-    pub scales_by_span: Vec<f32>,
-    pub sums_by_group: Vec<f32>,
     span: usize,
     k: usize,
 }
@@ -55,18 +51,8 @@ impl Q8Rows {
                     .map(|g| d * g.iter().map(|&c| i32::from(c)).sum::<i32>() as f32),
             );
         }
-        let t = x.len() / k;
-        let by_column = |v: &[f32], columns: usize| {
-            let mut out: Vec<f32> = (0..columns * t)
-                .map(|i| v[i % t * columns + i / t])
-                .collect();
-            out.extend([0.0; 8]);
-            out
-        };
         Q8Rows {
             codes,
-            scales_by_span: by_column(&scales, k / span),
-            sums_by_group: by_column(&sums, k / GROUP),
             scales,
             sums,
             span,
