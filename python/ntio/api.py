@@ -27,6 +27,7 @@ from ntio.errors import ContextOverflowError, NtioError, OptionError
 from ntio.fetch import resolve_model
 from ntio.kernels.cpu_kernels import KernelChoice
 from ntio.decoding.generation import Sampler, SamplingParams, generate_ids
+from ntio.decoding.speculative import DraftLength, Drafters, DraftModel, PromptLookup, SpeculationStats, speculative_ids
 from ntio.formats.model_file import open_model_file
 from ntio.text.tokenizer import Tokenizer
 from ntio.runtime.loader import LayerLoader, ProgressCallback
@@ -48,6 +49,7 @@ class Completion:
     prefill_tok_s: float
     decode_tok_s: float
     finish_reason: str  # "stop" (a stop token or string), "length" (max_new_tokens or the context is full)
+    speculation: dict | None = None  # SpeculationStats.summary() when drafts were verified, else None
 
 
 @dataclass(frozen=True)
@@ -78,7 +80,11 @@ class LLM:
 
     cpu_activations (default "int8"): what quantized weights meet in the CPU kernels: activations quantized to 8
     bits per 32 elements and integer products, as llama.cpp (fast), or "float32" (the reference, ~1e-6 of
-    transformers' float32). NTIO_CPU_KERNELS (best, avx512, avx2, scalar) forces a kernel set."""
+    transformers' float32). NTIO_CPU_KERNELS (best, avx512, avx2, scalar) forces a kernel set.
+
+    draft: a small model with this one's vocabulary (a path or a name, e.g. qwen2.5-coder-0.5b for
+    qwen2.5-coder-1.5b), loaded beside it as a companion (`companion`: resident in what memory is left) and used
+    for speculative decoding by `stream` and `generate` (see ntio.decoding.speculative)."""
 
     def __init__(
         self,
@@ -100,6 +106,7 @@ class LLM:
         tokenizer: Tokenizer | None = None,
         verify: bool = True,
         cpu_activations: str = "int8",
+        draft: str | os.PathLike[str] | None = None,
     ) -> None:
         kernels = KernelChoice.from_env(cpu_activations)
         if kv_dtype not in KV_DTYPES:
@@ -128,6 +135,15 @@ class LLM:
         kv = KVCache(self.config, capacity, KV_DTYPES[kv_dtype], self.device)
         self.engine = Engine(self.config, globals_, self.loader, kv, threads=threads,
                              prefill_chunk=self.memory.prefill_chunk, kernels=kernels)
+        self.draft: LLM | None = None
+        self._draft_length = DraftLength()  # what passes cost and drafts earn, learnt across generations
+        if draft is not None:
+            self.draft = self.companion(draft, device=device, kv_dtype=kv_dtype, max_context=capacity, threads=threads,
+                                        io_backend=io_backend, verify=verify, cpu_activations=cpu_activations)
+            if self.draft.tokenizer is not self.tokenizer:
+                self.draft.close()
+                raise NtioError(f"draft model {self.draft.path} has a different vocabulary from {self.path}: its "
+                                f"tokens would mean other text (use a draft of the same model family)")
 
     def companion(self, model: str | os.PathLike[str], **options) -> LLM:
         """A second model that runs beside this one, e.g. a resident draft for speculative decoding.
@@ -146,6 +162,8 @@ class LLM:
     def close(self) -> None:
         """Drain in-flight reads and release staging memory (also done when the object is collected)."""
         self.loader.close()
+        if self.draft is not None:
+            self.draft.close()
 
     # -- prompts ---------------------------------------------------------------------------------------------
 
@@ -181,11 +199,23 @@ class LLM:
         repetition_penalty: float = 1.0,
         seed: int | None = None,
         stop: Sequence[str] = (),
+        lookup: bool = False,
+        use_draft: bool = True,
+        draft_tokens: int = 8,
     ) -> TokenStream:
-        """Generate lazily: iterate for text pieces; the stream's `.completion` holds the result at the end."""
+        """Generate lazily: iterate for text pieces; the stream's `.completion` holds the result at the end.
+
+        Speculative decoding verifies up to `draft_tokens` drafted tokens per target pass: drafts from the loaded
+        draft model (unless use_draft=False) and, with lookup=True, from n-gram matches in the context. Greedy
+        output is the same as without drafts; sampled output has the same distribution."""
         params = SamplingParams(temperature, top_k, top_p, repetition_penalty, seed)
         if max_new_tokens < 1:
             raise OptionError("max_new_tokens", f"must be >= 1, got {max_new_tokens}")
+        if draft_tokens < 1:
+            raise OptionError("draft_tokens", f"must be >= 1, got {draft_tokens}")
+        drafters = Drafters(PromptLookup() if lookup else None,
+                            DraftModel(self.draft.engine) if use_draft and self.draft is not None else None,
+                            self._draft_length)
         prompt_ids = self.encode_prompt(prompt, chat=chat, system=system)
         if not prompt_ids:
             raise NtioError("the prompt is empty (no tokens)")
@@ -194,7 +224,8 @@ class LLM:
                 f"the prompt has {len(prompt_ids)} tokens but the context holds {self.engine.kv.capacity} "
                 f"(model context_length {self.config.context_length})"
             )
-        return TokenStream(self._generate(prompt_ids, max_new_tokens, Sampler(params, self.device), tuple(stop)))
+        return TokenStream(self._generate(prompt_ids, max_new_tokens, Sampler(params, self.device), tuple(stop),
+                                          drafters, draft_tokens))
 
     def generate(self, prompt: str | Sequence[int], max_new_tokens: int = 128, **kwargs) -> Completion:
         """Generate and return the whole completion. Keyword arguments as for `stream`."""
@@ -205,16 +236,23 @@ class LLM:
         return stream.completion
 
     def _generate(
-        self, prompt_ids: list[int], max_new_tokens: int, sampler: Sampler, stop: tuple[str, ...]
+        self, prompt_ids: list[int], max_new_tokens: int, sampler: Sampler, stop: tuple[str, ...], drafters: Drafters,
+        draft_tokens: int,
     ) -> Iterator[str]:
         # Reuse the longest cached prefix, but always recompute at least the last prompt token for its logits.
         reuse = self.engine.kv.reusable_prefix(prompt_ids, limit=len(prompt_ids) - 1)
+        speculation = SpeculationStats() if drafters else None
+        if speculation is not None:
+            ids = speculative_ids(self.engine, prompt_ids, max_new_tokens, sampler, self.tokenizer.stop_ids, drafters,
+                                  draft_tokens, speculation, reuse)
+        else:
+            ids = generate_ids(self.engine, prompt_ids, max_new_tokens, sampler, self.tokenizer.stop_ids, reuse)
         detok = self.tokenizer.stream()
         stops = StopStrings(stop)
         text, generated, finish, hit = "", [], "length", False
         t0 = time.perf_counter()
         t_first = t0
-        for token in generate_ids(self.engine, prompt_ids, max_new_tokens, sampler, self.tokenizer.stop_ids, reuse):
+        for token in ids:
             if not generated:
                 t_first = time.perf_counter()
             generated.append(token)
@@ -244,6 +282,7 @@ class LLM:
             prefill_tok_s=(len(prompt_ids) - reuse) / max(t_first - t0, 1e-9),
             decode_tok_s=n_decoded / (t_end - t_first) if n_decoded > 0 else 0.0,
             finish_reason=finish,
+            speculation=speculation.summary() if speculation is not None else None,
         )
 
     # -- scoring ---------------------------------------------------------------------------------------------
@@ -302,6 +341,7 @@ def load(model: str | os.PathLike[str] | None = None, **options) -> LLM:
     sync, prefetch_depth, io_backend, on_progress, policy (a `ntio.policies.base.LoadPolicy`; default dense),
     threads (torch threads for this model's prefill steps; default the process's), tokenizer (one to share, used
     when it serves the file's vocabulary; see `LLM.companion`), verify (check a store's tensors against their
-    checksums whenever they are read; default True).
+    checksums whenever they are read; default True), cpu_activations, draft (a draft model for speculative
+    decoding).
     """
     return LLM(resolve_model(model), **options)

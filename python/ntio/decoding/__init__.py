@@ -1,1 +1,1 @@
-"""Decoding on top of the engine: sampling and the generation loop (later: speculative decoding)."""
+"""Decoding on top of the engine: sampling, the generation loop, and speculative decoding."""

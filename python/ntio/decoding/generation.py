@@ -49,8 +49,11 @@ class Sampler:
         """logits: [V] float; history: [n] int64 ids seen so far (prompt and generated) for the penalty."""
         if self.params.temperature == 0:
             return int(self.processed(logits, history).argmax())
-        probs = self.processed(logits, history).softmax(-1)
-        return int(torch.multinomial(probs, 1, generator=self.generator))
+        return int(torch.multinomial(self.probabilities(logits, history), 1, generator=self.generator))
+
+    def probabilities(self, logits: torch.Tensor, history: torch.Tensor) -> torch.Tensor:
+        """The distribution a sampled token is drawn from: [V] float32 (temperature > 0)."""
+        return self.processed(logits, history).softmax(-1)
 
     def processed(self, logits: torch.Tensor, history: torch.Tensor) -> torch.Tensor:
         """The logits sampling draws from: repetition penalty, then temperature, top-k and top-p (-inf = removed)."""

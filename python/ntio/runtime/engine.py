@@ -78,7 +78,9 @@ class Engine:
         was cached from start_pos on).
         """
         if all_logits:
-            return torch.cat(self._run(tokens, start_pos, lambda h, _: self._logits(self._final_norm(h))))
+            # One chunk needs no torch.cat (whose intra-op threads would then spin against the CPU kernels').
+            parts = self._run(tokens, start_pos, lambda h, _: self._logits(self._final_norm(h)))
+            return parts[0] if len(parts) == 1 else torch.cat(parts)
         return self._run(tokens, start_pos, lambda h, _: self._logits(self._final_norm(h[-1:]))[0])[-1]
 
     @torch.inference_mode()
