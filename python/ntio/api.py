@@ -202,12 +202,15 @@ class LLM:
         lookup: bool = False,
         use_draft: bool = True,
         draft_tokens: int = 8,
+        adaptive_draft: bool = True,
     ) -> TokenStream:
         """Generate lazily: iterate for text pieces; the stream's `.completion` holds the result at the end.
 
         Speculative decoding verifies up to `draft_tokens` drafted tokens per target pass: drafts from the loaded
-        draft model (unless use_draft=False) and, with lookup=True, from n-gram matches in the context. Greedy
-        output is the same as without drafts; sampled output has the same distribution."""
+        draft model (unless use_draft=False) and, with lookup=True, from n-gram matches in the context; each pass
+        drafts as many as its measured cost and the sources' acceptance make worthwhile (adaptive_draft=False:
+        always draft_tokens). Greedy output is the same as without drafts; sampled output has the same
+        distribution."""
         params = SamplingParams(temperature, top_k, top_p, repetition_penalty, seed)
         if max_new_tokens < 1:
             raise OptionError("max_new_tokens", f"must be >= 1, got {max_new_tokens}")
@@ -215,7 +218,7 @@ class LLM:
             raise OptionError("draft_tokens", f"must be >= 1, got {draft_tokens}")
         drafters = Drafters(PromptLookup() if lookup else None,
                             DraftModel(self.draft.engine) if use_draft and self.draft is not None else None,
-                            self._draft_length)
+                            self._draft_length if adaptive_draft else DraftLength(fixed=True))
         prompt_ids = self.encode_prompt(prompt, chat=chat, system=system)
         if not prompt_ids:
             raise NtioError("the prompt is empty (no tokens)")

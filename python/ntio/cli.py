@@ -97,7 +97,7 @@ def _model_options(f):
 
 
 def _load(model, ctx_size, kv_dtype, threads, device, tiers, gpu_memory_budget, ram_budget, layer_group_size,
-          prefetch_depth, sync, io_backend, verify, cpu_activations):
+          prefetch_depth, sync, io_backend, verify, cpu_activations, draft=None):
     import torch
 
     from ntio.api import load
@@ -115,7 +115,8 @@ def _load(model, ctx_size, kv_dtype, threads, device, tiers, gpu_memory_budget, 
         return load(model, device=device, kv_dtype=kv_dtype, max_context=ctx_size, tiers=tiers,
                     gpu_memory_budget=gpu_memory_budget, ram_budget=ram_budget, layer_group_size=layer_group_size,
                     prefetch_depth=prefetch_depth, sync=sync, io_backend=io_backend, threads=threads, verify=verify,
-                    cpu_activations=cpu_activations, on_progress=lambda what, done, total: bar.update(task, completed=done, total=total))
+                    cpu_activations=cpu_activations, draft=draft,
+                    on_progress=lambda what, done, total: bar.update(task, completed=done, total=total))
 
 
 def _split(opts: dict) -> dict:
@@ -133,6 +134,19 @@ def _sampling_options(f):
     return f
 
 
+def _speculation_options(f):
+    """Speculative decoding; the command passes --lookup and --draft-tokens to `stream`, --draft to `_load`."""
+    f = click.option("--draft-tokens", type=click.IntRange(min=1), default=8, show_default=True,
+                     help="Most drafted tokens one target pass verifies (fewer when drafts are not worth a pass)")(f)
+    f = click.option("--fixed-draft", is_flag=True,
+                     help="Always draft --draft-tokens tokens (default: as many as measured pass costs and "
+                          "acceptance make worthwhile)")(f)
+    f = click.option("--lookup", is_flag=True, help="Draft from n-gram matches in the context (prompt lookup)")(f)
+    f = click.option("--draft", metavar="PATH|NAME",
+                     help="Draft model with the same vocabulary, e.g. qwen2.5-coder-0.5b for qwen2.5-coder-1.5b")(f)
+    return f
+
+
 @click.group(cls=_Group)
 @click.version_option(package_name="ntio")
 def main() -> None:
@@ -146,14 +160,16 @@ def main() -> None:
 @click.option("--chat", is_flag=True, help="Wrap the prompt in the model's chat template")
 @click.option("--system", help="System message (with --chat)")
 @_sampling_options
+@_speculation_options
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object (with a stats object) instead of text")
 @click.option("--stats", "show_stats", is_flag=True, help="Print streaming statistics on stderr")
-def generate(prompt, max_new_tokens, chat, system, temperature, top_k, top_p, repetition_penalty, seed, stop, as_json,
-             show_stats, **opts) -> None:
+def generate(prompt, max_new_tokens, chat, system, temperature, top_k, top_p, repetition_penalty, seed, stop, draft,
+             lookup, fixed_draft, draft_tokens, as_json, show_stats, **opts) -> None:
     """Generate a continuation of PROMPT."""
-    m = _load(**_split(opts))
+    m = _load(**_split(opts), draft=draft)
     stream = m.stream(prompt, max_new_tokens, chat=chat, system=system, temperature=temperature, top_k=top_k,
-                      top_p=top_p, repetition_penalty=repetition_penalty, seed=seed, stop=stop)
+                      top_p=top_p, repetition_penalty=repetition_penalty, seed=seed, stop=stop, lookup=lookup,
+                      draft_tokens=draft_tokens, adaptive_draft=not fixed_draft)
     for piece in stream:
         if not as_json:
             click.echo(piece, nl=False)
@@ -166,7 +182,7 @@ def generate(prompt, max_new_tokens, chat, system, temperature, top_k, top_p, re
             "n_generated_tokens": c.n_generated_tokens, "prefill_tok_s": round(c.prefill_tok_s, 3),
             "decode_tok_s": round(c.decode_tok_s, 3), "finish_reason": c.finish_reason,
             "tiers": m.plan.describe(), "output_head": m.plan.head, "token_embedding": m.plan.embedding,
-            "memory": m.memory.report(), "stats": stats,
+            "memory": m.memory.report(), "stats": stats, "speculation": c.speculation,
         }))
         return
     click.echo()
@@ -178,6 +194,12 @@ def generate(prompt, max_new_tokens, chat, system, temperature, top_k, top_p, re
         click.echo(f"[tiers {m.plan.describe()} ({placed}); read {stats['bytes_read_per_token'] / 1e6:.1f} MB/token at "
                    f"{stats['disk_gb_s']:.2f} GB/s; blocked on I/O {stats['io_wait_s']:.3f} s, computing "
                    f"{stats['compute_s']:.3f} s; overlap {stats['overlap_ratio']:.0%}]", err=True)
+        if c.speculation is not None:
+            sp = c.speculation
+            sources = ", ".join(f"{s} {sp['accepted'].get(s, 0)}/{n} accepted" for s, n in sp["drafted"].items())
+            click.echo(f"[speculation: {sp['tokens_per_pass']:.2f} tokens per target pass ({sp['passes']} passes); "
+                       f"{sources or 'nothing drafted'}; drafting {sp['draft_s']:.3f} s, verifying "
+                       f"{sp['verify_s']:.3f} s]", err=True)
 
 
 @main.command()
@@ -185,9 +207,11 @@ def generate(prompt, max_new_tokens, chat, system, temperature, top_k, top_p, re
 @click.option("--system", help="System message")
 @click.option("-n", "--max-new-tokens", type=click.IntRange(min=1), default=512, show_default=True)
 @_sampling_options
-def chat(system, max_new_tokens, temperature, top_k, top_p, repetition_penalty, seed, stop, **opts) -> None:
+@_speculation_options
+def chat(system, max_new_tokens, temperature, top_k, top_p, repetition_penalty, seed, stop, draft, lookup, fixed_draft,
+         draft_tokens, **opts) -> None:
     """Chat interactively; replies stream as they are generated. /reset clears the history, /exit quits."""
-    m = _load(**_split(opts))
+    m = _load(**_split(opts), draft=draft)
     messages = [{"role": "system", "content": system}] if system else []
     interactive = sys.stdin.isatty()
     while True:
@@ -204,7 +228,8 @@ def chat(system, max_new_tokens, temperature, top_k, top_p, repetition_penalty, 
             continue
         messages.append({"role": "user", "content": user})
         stream = m.stream(m.encode_messages(messages), max_new_tokens, temperature=temperature, top_k=top_k,
-                          top_p=top_p, repetition_penalty=repetition_penalty, seed=seed, stop=stop)
+                          top_p=top_p, repetition_penalty=repetition_penalty, seed=seed, stop=stop, lookup=lookup,
+                          draft_tokens=draft_tokens, adaptive_draft=not fixed_draft)
         for piece in stream:
             click.echo(piece, nl=False)
         click.echo()

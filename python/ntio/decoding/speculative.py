@@ -84,11 +84,12 @@ class DraftLength:
     and a sizable part of t1 on the CPU with resident weights) plus k times the source's drafting cost per token; a
     source's tokens are accepted with probability a each until the first rejection, so a pass settles
     1 + a + ... + a^k tokens in expectation. Estimates decay (DECAY per pass) towards a prior of a = 1/2, so a source
-    found useless is tried again now and then."""
+    found useless is tried again now and then. fixed=True: always the most tokens asked for."""
 
     DECAY = 0.8
 
-    def __init__(self) -> None:
+    def __init__(self, *, fixed: bool = False) -> None:
+        self.fixed = fixed
         self.counts: dict[str, list[float]] = {}  # source -> [accepted tokens, rejections], decayed
         self.draft_cost: dict[str, float] = {}  # source -> seconds per drafted token (EMA)
         self.fit = [0.0] * 5  # decayed sums of 1, T, T^2, s, T*s over verify passes
@@ -108,6 +109,8 @@ class DraftLength:
         return max(ss / n - slope * (st / n - 1), 1e-9), slope
 
     def choose(self, source: str, most: int) -> int:
+        if self.fixed:
+            return most
         t1, t_row = self.pass_cost()
         a, per_token = self.acceptance(source), t_row + self.draft_cost.get(source, 0.0)
         rates = [sum(a**i for i in range(k + 1)) / (t1 + k * per_token) for k in range(most + 1)]
