@@ -247,7 +247,9 @@ def swiglu_linear(gate_up: torch.Tensor, w: EncodedMatrix) -> torch.Tensor:
 
 
 def uses_cpu_attention(qkv: torch.Tensor, k_cache: torch.Tensor) -> bool:
-    return qkv.device.type == "cpu" and qkv.shape[0] <= cpu_kernels.MAX_ROWS and k_cache.dtype == torch.float32
+    # Up to KERNEL_ROWS, with the products: a pass of that many tokens then gives each the bits a one-token
+    # step gives it (the kernels' rows do not depend on T), which speculative verify passes and prefix reuse need.
+    return qkv.device.type == "cpu" and qkv.shape[0] <= KERNEL_ROWS and k_cache.dtype == torch.float32
 
 
 def cached_attention(qkv: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, start_pos: int,

@@ -1,0 +1,90 @@
+"""Speculative decoding against plain decoding of the same loaded model, side by side: tokens per target pass and
+decode tok/s for each draft source, resident and all-C streamed. Greedy; every speculative run's tokens are checked
+against the plain run's (`identical`).
+
+Configurations alternate within each round (plain, then each source, per prompt); medians over rounds. Prints JSON.
+
+    python benches/speculative.py --model qwen2.5-coder-1.5b --draft qwen2.5-coder-0.5b --tiers auto C
+    python benches/speculative.py --model smollm2-135m --tiers auto C
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+
+import ntio
+from ntio.fetch import resolve_model
+
+# Chat prompts of three kinds: code, prose, and rewriting a given text (where prompt lookup has something to copy).
+PROMPTS = {
+    "code": [
+        "Write a Python function that checks whether a string is a palindrome, with a docstring and two tests.",
+        "Write a C function that reverses a singly linked list, with the struct definition.",
+    ],
+    "prose": [
+        "Explain in a short paragraph why the sky is blue.",
+    ],
+    "rewrite": [
+        "Rewrite this function with type hints and a docstring, keeping its body:\n\ndef mean(values):\n    total = 0\n"
+        "    for v in values:\n        total += v\n    return total / len(values) if values else 0.0\n",
+        "Correct the spelling in this text and return it: 'The quick brwon fox jumpd over the lazy dgo while the "
+        "farmer wacthed from his porch, drinking his mornign coffee.'",
+    ],
+}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--draft", help="draft model (same vocabulary)")
+    ap.add_argument("--tiers", nargs="+", default=["auto", "C"])
+    ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--draft-tokens", type=int, default=8)
+    args = ap.parse_args()
+
+    sources = {"lookup": dict(lookup=True, use_draft=False)}
+    if args.draft:
+        sources = {"model": dict(use_draft=True), "lookup": dict(lookup=True, use_draft=False),
+                   "model+lookup": dict(lookup=True, use_draft=True)}
+    report = {"model": str(resolve_model(args.model)), "draft": args.draft, "machine": platform.processor() or
+              platform.machine(), "tokens": args.tokens, "rounds": args.rounds, "draft_tokens": args.draft_tokens,
+              "results": {}}
+    for tiers in args.tiers:
+        m = ntio.load(args.model, tiers=tiers, draft=args.draft)
+        runs: dict[str, dict[str, list]] = {}
+        for _ in range(args.rounds):
+            for kind, prompts in PROMPTS.items():
+                for prompt in prompts:
+                    ids = m.encode_prompt(prompt, chat=True)
+                    # Every run prefills the whole prompt: a reused prefix would compute the prompt's last token
+                    # in another pass shape than a full prefill (past KERNEL_ROWS tokens, other rounding).
+                    m.engine.kv.crop(0)
+                    plain = m.generate(ids, args.tokens, use_draft=False)
+                    runs.setdefault(f"{kind}/plain", {}).setdefault("tok_s", []).append(plain.decode_tok_s)
+                    for name, options in sources.items():
+                        m.engine.kv.crop(0)
+                        c = m.generate(ids, args.tokens, draft_tokens=args.draft_tokens, **options)
+                        r = runs.setdefault(f"{kind}/{name}", {})
+                        r.setdefault("tok_s", []).append(c.decode_tok_s)
+                        r.setdefault("tokens_per_pass", []).append(c.speculation["tokens_per_pass"])
+                        r.setdefault("identical", []).append(c.token_ids == plain.token_ids)
+        m.close()
+        table = {}
+        for key, r in runs.items():
+            kind = key.split("/")[0]
+            entry = {"tok_s": round(statistics.median(r["tok_s"]), 2)}
+            if "tokens_per_pass" in r:
+                entry["tokens_per_pass"] = round(statistics.median(r["tokens_per_pass"]), 2)
+                entry["identical"] = all(r["identical"])
+                entry["vs_plain"] = round(entry["tok_s"] / statistics.median(runs[f"{kind}/plain"]["tok_s"]), 2)
+            table[key] = entry
+        report["results"][tiers] = table
+    print(json.dumps(report, indent=1))
+
+
+if __name__ == "__main__":
+    main()
