@@ -27,6 +27,7 @@ from ntio.errors import ContextOverflowError, NtioError, OptionError
 from ntio.fetch import resolve_model
 from ntio.kernels.cpu_kernels import KernelChoice
 from ntio.decoding.generation import Sampler, SamplingParams, generate_ids
+from ntio.decoding.self_draft import Calibration, SelfDraft, default_exit_layer, fingerprint
 from ntio.decoding.speculative import DraftLength, Drafters, DraftModel, PromptLookup, SpeculationStats, speculative_ids
 from ntio.formats.model_file import open_model_file
 from ntio.text.tokenizer import Tokenizer
@@ -84,7 +85,11 @@ class LLM:
 
     draft: a small model with this one's vocabulary (a path or a name, e.g. qwen2.5-coder-0.5b for
     qwen2.5-coder-1.5b), loaded beside it as a companion (`companion`: resident in what memory is left) and used
-    for speculative decoding by `stream` and `generate` (see ntio.decoding.speculative)."""
+    for speculative decoding by `stream` and `generate` (see ntio.decoding.speculative).
+
+    self_draft: a calibration file of this model's exit heads (`ntio calibrate`): its own first exit_layer + 1
+    layers draft instead (default exit layer: `self_draft.default_exit_layer`); those layers are kept resident
+    (a copy when they stream), and the output head must be resident."""
 
     def __init__(
         self,
@@ -107,6 +112,8 @@ class LLM:
         verify: bool = True,
         cpu_activations: str = "int8",
         draft: str | os.PathLike[str] | None = None,
+        self_draft: str | os.PathLike[str] | None = None,
+        exit_layer: int | None = None,
     ) -> None:
         kernels = KernelChoice.from_env(cpu_activations)
         if kv_dtype not in KV_DTYPES:
@@ -135,7 +142,10 @@ class LLM:
         kv = KVCache(self.config, capacity, KV_DTYPES[kv_dtype], self.device)
         self.engine = Engine(self.config, globals_, self.loader, kv, threads=threads,
                              prefill_chunk=self.memory.prefill_chunk, kernels=kernels)
+        if draft is not None and self_draft is not None:
+            raise OptionError("self_draft", "and draft are two draft models: give one")
         self.draft: LLM | None = None
+        self.self_draft = self._load_self_draft(self_draft, exit_layer) if self_draft is not None else None
         self._draft_length = DraftLength()  # what passes cost and drafts earn, learnt across generations
         if draft is not None:
             self.draft = self.companion(draft, device=device, kv_dtype=kv_dtype, max_context=capacity, threads=threads,
@@ -154,6 +164,20 @@ class LLM:
         Options as for `ntio.load`.
         """
         return LLM(resolve_model(model), tokenizer=self.tokenizer, **options)
+
+    def _load_self_draft(self, path: str | os.PathLike[str], exit_layer: int | None) -> SelfDraft:
+        calibration = Calibration.load(path, fingerprint(self.engine, self.tokenizer.vocabulary), self.config.d_model)
+        if exit_layer is None:
+            exit_layer = default_exit_layer(calibration, self.config.n_layers)
+        if exit_layer not in calibration.heads:
+            raise OptionError("exit_layer", f"{exit_layer} has no exit head in {path} (calibrated: "
+                                            f"{', '.join(map(str, sorted(calibration.heads)))})")
+        if self.engine.globals.output is None:
+            raise NtioError("self-speculation needs the output head resident, and the memory budget streams it "
+                            "(raise --ram-budget)")
+        with torch.inference_mode():
+            blocks = self.loader.resident_copies(exit_layer + 1)
+        return SelfDraft(self.engine, exit_layer, calibration.heads[exit_layer], blocks)
 
     @property
     def stats(self) -> StreamStats:
@@ -216,8 +240,8 @@ class LLM:
             raise OptionError("max_new_tokens", f"must be >= 1, got {max_new_tokens}")
         if draft_tokens < 1:
             raise OptionError("draft_tokens", f"must be >= 1, got {draft_tokens}")
-        drafters = Drafters(PromptLookup() if lookup else None,
-                            DraftModel(self.draft.engine) if use_draft and self.draft is not None else None,
+        model = DraftModel(self.draft.engine) if self.draft is not None else self.self_draft
+        drafters = Drafters(PromptLookup() if lookup else None, model if use_draft else None,
                             self._draft_length if adaptive_draft else DraftLength(fixed=True))
         prompt_ids = self.encode_prompt(prompt, chat=chat, system=system)
         if not prompt_ids:

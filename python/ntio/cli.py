@@ -1,4 +1,4 @@
-"""`ntio` command line: generate, chat, perplexity, info, plan, convert, fetch.
+"""`ntio` command line: generate, chat, calibrate, perplexity, info, plan, convert, fetch.
 
 Every model argument (`-m`, MODEL) is a file or a name from `ntio fetch --list`, fetched on first use.
 
@@ -97,7 +97,7 @@ def _model_options(f):
 
 
 def _load(model, ctx_size, kv_dtype, threads, device, tiers, gpu_memory_budget, ram_budget, layer_group_size,
-          prefetch_depth, sync, io_backend, verify, cpu_activations, draft=None):
+          prefetch_depth, sync, io_backend, verify, cpu_activations, **speculation):
     import torch
 
     from ntio.api import load
@@ -115,7 +115,7 @@ def _load(model, ctx_size, kv_dtype, threads, device, tiers, gpu_memory_budget, 
         return load(model, device=device, kv_dtype=kv_dtype, max_context=ctx_size, tiers=tiers,
                     gpu_memory_budget=gpu_memory_budget, ram_budget=ram_budget, layer_group_size=layer_group_size,
                     prefetch_depth=prefetch_depth, sync=sync, io_backend=io_backend, threads=threads, verify=verify,
-                    cpu_activations=cpu_activations, draft=draft,
+                    cpu_activations=cpu_activations, **speculation,
                     on_progress=lambda what, done, total: bar.update(task, completed=done, total=total))
 
 
@@ -135,16 +135,27 @@ def _sampling_options(f):
 
 
 def _speculation_options(f):
-    """Speculative decoding; the command passes --lookup and --draft-tokens to `stream`, --draft to `_load`."""
+    """Speculative decoding; the command passes --lookup, --fixed-draft and --draft-tokens to `stream`, the
+    draft models' options to `_load` (`_drafts`)."""
     f = click.option("--draft-tokens", type=click.IntRange(min=1), default=8, show_default=True,
                      help="Most drafted tokens one target pass verifies (fewer when drafts are not worth a pass)")(f)
     f = click.option("--fixed-draft", is_flag=True,
                      help="Always draft --draft-tokens tokens (default: as many as measured pass costs and "
                           "acceptance make worthwhile)")(f)
     f = click.option("--lookup", is_flag=True, help="Draft from n-gram matches in the context (prompt lookup)")(f)
+    f = click.option("--exit-layer", type=int, help="With --self-draft: the layer whose exit head drafts (default: "
+                                                    "the shallowest calibrated one past the middle)")(f)
+    f = click.option("--self-draft", type=click.Path(dir_okay=False), metavar="CALIBRATION",
+                     help="Self-speculation: the model's own first layers draft through this exit-head file "
+                          "(`ntio calibrate`)")(f)
     f = click.option("--draft", metavar="PATH|NAME",
                      help="Draft model with the same vocabulary, e.g. qwen2.5-coder-0.5b for qwen2.5-coder-1.5b")(f)
     return f
+
+
+def _drafts(opts: dict) -> dict:
+    """Pop the draft models' options out of a command's keyword arguments, for `_load`."""
+    return {k: opts.pop(k) for k in ("draft", "self_draft", "exit_layer")}
 
 
 @click.group(cls=_Group)
@@ -163,10 +174,11 @@ def main() -> None:
 @_speculation_options
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object (with a stats object) instead of text")
 @click.option("--stats", "show_stats", is_flag=True, help="Print streaming statistics on stderr")
-def generate(prompt, max_new_tokens, chat, system, temperature, top_k, top_p, repetition_penalty, seed, stop, draft,
-             lookup, fixed_draft, draft_tokens, as_json, show_stats, **opts) -> None:
+def generate(prompt, max_new_tokens, chat, system, temperature, top_k, top_p, repetition_penalty, seed, stop, lookup,
+             fixed_draft, draft_tokens, as_json, show_stats, **opts) -> None:
     """Generate a continuation of PROMPT."""
-    m = _load(**_split(opts), draft=draft)
+    drafts = _drafts(opts)
+    m = _load(**_split(opts), **drafts)
     stream = m.stream(prompt, max_new_tokens, chat=chat, system=system, temperature=temperature, top_k=top_k,
                       top_p=top_p, repetition_penalty=repetition_penalty, seed=seed, stop=stop, lookup=lookup,
                       draft_tokens=draft_tokens, adaptive_draft=not fixed_draft)
@@ -208,10 +220,11 @@ def generate(prompt, max_new_tokens, chat, system, temperature, top_k, top_p, re
 @click.option("-n", "--max-new-tokens", type=click.IntRange(min=1), default=512, show_default=True)
 @_sampling_options
 @_speculation_options
-def chat(system, max_new_tokens, temperature, top_k, top_p, repetition_penalty, seed, stop, draft, lookup, fixed_draft,
+def chat(system, max_new_tokens, temperature, top_k, top_p, repetition_penalty, seed, stop, lookup, fixed_draft,
          draft_tokens, **opts) -> None:
     """Chat interactively; replies stream as they are generated. /reset clears the history, /exit quits."""
-    m = _load(**_split(opts), draft=draft)
+    drafts = _drafts(opts)
+    m = _load(**_split(opts), **drafts)
     messages = [{"role": "system", "content": system}] if system else []
     interactive = sys.stdin.isatty()
     while True:
@@ -234,6 +247,47 @@ def chat(system, max_new_tokens, temperature, top_k, top_p, repetition_penalty, 
             click.echo(piece, nl=False)
         click.echo()
         messages.append({"role": "assistant", "content": stream.completion.text})
+
+
+@main.command()
+@_model_options
+@click.option("--corpus", required=True, type=click.Path(exists=True, dir_okay=False, path_type=Path),
+              help="Calibration text (UTF-8): a few thousand tokens like what the model will write")
+@click.option("-o", "--output", required=True, type=click.Path(dir_okay=False, path_type=Path),
+              help="Exit-head file to write")
+@click.option("--layers", help="Comma-separated layers to calibrate (default: every fourth, from a quarter deep)")
+@click.option("--tokens", type=click.IntRange(min=64), default=16384, show_default=True,
+              help="Most corpus tokens to fit on")
+@click.option("--ctx", type=click.IntRange(min=16), default=512, show_default=True, help="Window length in tokens")
+def calibrate(corpus, output, layers, tokens, ctx, **opts) -> None:
+    """Fit exit heads for self-speculation (`generate --self-draft FILE`): per layer, an affine map from its
+    hidden state to the last layer's, by ridge regression on CORPUS."""
+    from rich.console import Console
+    from rich.progress import Progress
+
+    from ntio.decoding.self_draft import calibrate as fit
+
+    try:
+        text = corpus.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise NtioError(f"{corpus}: not UTF-8 text ({e.reason} at byte {e.start})") from None
+    opts = _split(opts)
+    opts["ctx_size"] = opts["ctx_size"] or ctx
+    m = _load(**opts)
+    n_layers = m.config.n_layers
+    try:
+        chosen = ([int(x) for x in layers.split(",")] if layers
+                  else list(range(n_layers // 4 - 1, n_layers - 1, 4)) or [n_layers - 2])
+    except ValueError:
+        raise OptionError("layers", f"must be comma-separated layer numbers, got {layers!r}") from None
+    with Progress(console=Console(stderr=True), transient=True, disable=not sys.stderr.isatty()) as bar:
+        task = bar.add_task("calibrating exit heads", total=None)
+        result = fit(m, text, chosen, n_tokens=tokens, ctx=ctx,
+                     on_progress=lambda done, total: bar.update(task, completed=done, total=total))
+    result.save(output)
+    m.close()
+    click.echo(f"{output}: exit heads for layers {', '.join(map(str, sorted(result.heads)))} of {n_layers}, "
+               f"fitted on {result.n_tokens} tokens", err=True)
 
 
 @main.command()

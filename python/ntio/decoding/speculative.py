@@ -10,7 +10,8 @@ Drafters:
   * `PromptLookup`: the tokens that followed the latest earlier occurrence of the history's last n tokens (n from
     `max_ngram` down to 1): free, strong on text that copies from its context (code edits, quotes, summaries);
   * `DraftModel`: a small model with the target's vocabulary, run greedily (or sampling, with temperature) for k
-    steps on its own KV cache, which keeps what the target accepted.
+    steps on its own KV cache, which keeps what the target accepted;
+  * `self_draft.SelfDraft`: the target's own first layers and a calibrated exit head (self-speculation).
 With both, a lookup match of `PREFERRED_LOOKUP` tokens or more is taken (it costs nothing), otherwise the model's.
 
 Exactness. Greedy: every position is decided by the target's own sampler on the target's own logits, and a verify
@@ -27,12 +28,16 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from ntio.decoding.generation import Sampler
 from ntio.kernels.ops import KERNEL_ROWS
 from ntio.runtime.engine import Engine
+
+if TYPE_CHECKING:
+    from ntio.decoding.self_draft import SelfDraft
 
 # A lookup match this long is used even when a draft model is there: copying is that likely to go on.
 PREFERRED_LOOKUP = 3
@@ -196,7 +201,8 @@ class Drafters:
     """The sources of one generation, asked in turn (`propose`), each drafting as many tokens as `length` finds
     worth a pass."""
 
-    def __init__(self, lookup: PromptLookup | None, model: DraftModel | None, length: DraftLength) -> None:
+    def __init__(self, lookup: PromptLookup | None, model: DraftModel | SelfDraft | None, length: DraftLength
+                 ) -> None:
         self.lookup, self.model, self.length = lookup, model, length
 
     def __bool__(self) -> bool:

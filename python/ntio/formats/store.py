@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -25,7 +24,8 @@ import gguf
 import numpy as np
 
 from ntio import _core
-from ntio.errors import ModelFormatError, NtioError
+from ntio.errors import ModelFormatError
+from ntio.files import replacing
 from ntio.formats.gguf_file import GGUFFile, ModelFileBase, TensorInfo
 
 STORE_MAGIC: bytes = _core.STORE_MAGIC
@@ -137,49 +137,32 @@ def convert(source: str | os.PathLike[str], target: str | os.PathLike[str], prog
     groups = [globals_, *layers]
     offsets = _core.plan_store_layout([[t.nbytes for t in group] for group in groups])
     total = sum(t.nbytes for t in g.tensors.values())
-    try:
-        fd, tmp_name = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
-    except OSError as e:
-        raise NtioError(f"cannot write {target}: {e.strerror}") from None
-    tmp = Path(tmp_name)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            records, done = [], 0
-            for group_index, (group, group_offsets) in enumerate(zip(groups, offsets)):
-                for t, offset in zip(group, group_offsets):
-                    data = g.tensor_bytes(t.name)
-                    f.seek(offset)
-                    f.write(data)
-                    records.append({
-                        "name": t.name, "ggml_type": int(t.qtype), "shape": list(t.shape), "offset": offset,
-                        "nbytes": t.nbytes, "rows": tensor_rows(t), "layer": group_index - 1 if group_index else None,
-                        "checksum": checksum(data),
-                    })
-                    done += t.nbytes
-                    if progress:
-                        progress(done, total)
-            layer_table = []
-            for layer_offsets, group in zip(offsets[1:], layers):
-                end = layer_offsets[-1] + group[-1].nbytes
-                layer_table.append({"offset": layer_offsets[0], "length": end - layer_offsets[0]})
-            manifest = json.dumps({
-                "format_version": _core.STORE_FORMAT_VERSION, "metadata": g.metadata, "tensors": records,
-                "layers": layer_table, "layouts": {},
-            }, allow_nan=False).encode()
-            manifest_offset = -(-f.tell() // _core.STORE_ALIGNMENT) * _core.STORE_ALIGNMENT
-            f.seek(manifest_offset)
-            f.write(manifest)
-            f.seek(0)
-            f.write(_core.store_header(manifest_offset, manifest))
-            f.flush()
-            os.fsync(f.fileno())
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)
-        os.replace(tmp, target)
-    except BaseException as e:
-        tmp.unlink(missing_ok=True)
-        if isinstance(e, OSError):
-            raise NtioError(f"cannot write {target}: {e.strerror or e}") from None
-        raise
+    with replacing(target) as f:
+        records, done = [], 0
+        for group_index, (group, group_offsets) in enumerate(zip(groups, offsets)):
+            for t, offset in zip(group, group_offsets):
+                data = g.tensor_bytes(t.name)
+                f.seek(offset)
+                f.write(data)
+                records.append({
+                    "name": t.name, "ggml_type": int(t.qtype), "shape": list(t.shape), "offset": offset,
+                    "nbytes": t.nbytes, "rows": tensor_rows(t), "layer": group_index - 1 if group_index else None,
+                    "checksum": checksum(data),
+                })
+                done += t.nbytes
+                if progress:
+                    progress(done, total)
+        layer_table = []
+        for layer_offsets, group in zip(offsets[1:], layers):
+            end = layer_offsets[-1] + group[-1].nbytes
+            layer_table.append({"offset": layer_offsets[0], "length": end - layer_offsets[0]})
+        manifest = json.dumps({
+            "format_version": _core.STORE_FORMAT_VERSION, "metadata": g.metadata, "tensors": records,
+            "layers": layer_table, "layouts": {},
+        }, allow_nan=False).encode()
+        manifest_offset = -(-f.tell() // _core.STORE_ALIGNMENT) * _core.STORE_ALIGNMENT
+        f.seek(manifest_offset)
+        f.write(manifest)
+        f.seek(0)
+        f.write(_core.store_header(manifest_offset, manifest))
     return target

@@ -6,12 +6,13 @@ which asks its load policy before each read what to load. The family's block fun
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
 from typing import Protocol
 
 import torch
 
-from ntio.errors import ContextOverflowError
+from ntio.errors import ContextOverflowError, NtioError
 from ntio.kernels import cpu_kernels, ops
 from ntio.models.config import ModelConfig
 from ntio.kernels.ops import EncodedMatrix
@@ -134,16 +135,51 @@ class Engine:
         for first in range(0, n_tokens, self.prefill_chunk):
             chunk, pos = tokens[first : first + self.prefill_chunk], start_pos + first
             ids = chunk.tolist()  # before any compute is queued: no wait on the device
-            attention_work = self.cfg.n_heads * (pos + chunk.shape[0]) * self.cfg.head_dim
-            with (
-                ops.step_threads(self.device, chunk.shape[0], attention_work, self.threads),
-                cpu_kernels.using_threads(self.threads),
-                ops.using_scratch(self.scratch),
-                ops.using_kernels(self.kernels),
-            ):
+            with self._step(chunk.shape[0], pos + chunk.shape[0]):
                 out.append(self._forward_chunk(chunk, pos, lambda h: project(h, first)))
             self.kv.commit(pos, ids)
         return out
+
+    @contextlib.contextmanager
+    def _step(self, n_tokens: int, end: int) -> Iterator[None]:
+        """This engine's threads, scratch and kernels for a step over n_tokens new tokens ending at position end."""
+        attention_work = self.cfg.n_heads * end * self.cfg.head_dim
+        with (
+            ops.step_threads(self.device, n_tokens, attention_work, self.threads),
+            cpu_kernels.using_threads(self.threads),
+            ops.using_scratch(self.scratch),
+            ops.using_kernels(self.kernels),
+        ):
+            yield
+
+    @torch.inference_mode()
+    def early_exit(self, tokens: torch.Tensor, start_pos: int, blocks: Sequence[LayerWeights]) -> torch.Tensor:
+        """tokens [T] at positions start_pos.. through the first len(blocks) layers only, with these weights (a
+        self-draft's): their K/V are written for those layers, and the hidden states after the last [T, D] returned.
+        The cache's valid length does not change: the next full forward at these positions rewrites them."""
+        n_tokens, kv = tokens.shape[0], self.kv
+        end = start_pos + n_tokens
+        if end > kv.capacity:
+            raise ContextOverflowError(f"{end} tokens do not fit in the context of {kv.capacity} tokens")
+        if start_pos < kv.length or any(kv.layer_length[i] != start_pos for i in range(len(blocks))):
+            raise ValueError(f"early exit at {start_pos} does not continue the first {len(blocks)} layers' cache")
+        with self._step(n_tokens, end):
+            h = ops.embedding(tokens, self.globals.token_embd)
+            rope = rope_tables(self.globals.inv_freq, start_pos, n_tokens)
+            mask = causal_mask(start_pos, n_tokens, h.device)
+            for layer, w in enumerate(blocks):
+                layer_mask = kv.attention_mask(layer, mask, n_tokens, end)
+                h = self.cfg.family.block(h, w, kv.k[layer], kv.v[layer], start_pos, rope, layer_mask, self.cfg)
+                kv.record(layer, start_pos, n_tokens, skipped=False)
+        return h
+
+    @torch.inference_mode()
+    def head_logits(self, h: torch.Tensor) -> torch.Tensor:
+        """Hidden states [t, D] (before the final norm) -> logits [t, V], with a resident output head."""
+        if self.globals.output is None:
+            raise NtioError("the output head streams: logits outside a forward pass need it resident")
+        with self._step(h.shape[0], self.kv.length):
+            return self._logits(self._final_norm(h))
 
     def _final_norm(self, h: torch.Tensor) -> torch.Tensor:
         return rms_norm(h, self.globals.output_norm, self.cfg.rms_eps)

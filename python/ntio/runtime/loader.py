@@ -354,6 +354,19 @@ class LayerLoader:
             self._make_current(group)
         return self._blocks.get(layer)  # None: skipped (by the decision at submit, or no longer wanted)
 
+    def resident_copies(self, n_layers: int) -> list[LayerWeights]:
+        """The first n_layers' weights for as long as the caller keeps them: this loader's own for resident layers,
+        else a copy read now (checked like any read); for a self-draft, which runs those layers for every token."""
+        copies = []
+        for layer in range(n_layers):
+            weights = self._resident.get(layer)
+            if weights is None:
+                read = self._reads[layer]
+                buf = self._read_now(read.extents, read.nbytes, list(read.checks.values()))
+                weights = self._weights(layer, buf.to(self.device))
+            copies.append(weights)
+        return copies
+
     def head_chunks(self) -> Iterator[tuple[int, EncodedMatrix]]:
         """A streamed output head, chunk by chunk in row order: (first row, the chunk's rows [R, D]). Each chunk is
         valid until the next is asked for."""

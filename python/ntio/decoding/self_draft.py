@@ -1,0 +1,190 @@
+"""Self-speculation: the target's own first E layers draft, through an exit head calibrated offline.
+
+The exit head of layer E maps the residual stream after layer E, h_E [D], to an estimate of the stream after the
+last layer, h_L ≈ h_E·W + b (then the model's own final norm and output head make logits). W and b are fitted by
+ridge regression on a calibration text: W = I + Δ with Δ shrunk towards 0 (the prior "the remaining layers change
+nothing"), one fit per calibrated layer. `ntio calibrate` writes a calibration file; a drafter built on it runs the
+first E layers per drafted token from resident weights (the target's own when those layers are resident, else a
+copy read once: E layers of RAM) and writes their K/V into the target's cache, which the verify pass then rewrites.
+
+Calibration file (torch.save of plain tensors and numbers; loaded with weights_only=True): format, version, the
+model's fingerprint (architecture, sizes, vocabulary and output norm: a file calibrated for another model is
+refused), and per layer E its W [D, D] and b [D] in float32.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import os
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from ntio.decoding.generation import Sampler
+from ntio.decoding.speculative import Draft
+from ntio.errors import ModelFormatError, NtioError, OptionError
+from ntio.files import replacing
+from ntio.models.layers import LayerWeights
+from ntio.policies.base import LoadPolicy, Observation
+from ntio.runtime.engine import Engine
+
+FORMAT, VERSION = "ntio-exit-heads", 1
+# Ridge strength relative to the mean squared norm of h_E: small, the fits are well determined by a few thousand
+# tokens, but it keeps W near I where a direction is rare in the calibration text.
+RIDGE = 1e-3
+
+
+def fingerprint(engine: Engine, vocabulary: str) -> str:
+    """What identifies a model to its exit heads: architecture, sizes, vocabulary, and its output norm's values."""
+    cfg = engine.cfg
+    h = hashlib.sha256(f"{cfg.architecture}/{cfg.n_layers}/{cfg.d_model}/{cfg.vocab_size}/{vocabulary}".encode())
+    h.update(engine.globals.output_norm.detach().cpu().float().numpy().tobytes())
+    return h.hexdigest()[:32]
+
+
+@dataclass
+class Calibration:
+    """Exit heads of several layers of one model: layer E -> (W [D, D], b [D])."""
+
+    model: str  # fingerprint
+    heads: dict[int, tuple[torch.Tensor, torch.Tensor]]
+    n_tokens: int  # calibration tokens the fits saw
+
+    def save(self, path: str | os.PathLike[str]) -> None:
+        """Written whole or not at all (`ntio.files.replacing`)."""
+        path = Path(path)
+        payload = {"format": FORMAT, "version": VERSION, "model": self.model, "n_tokens": self.n_tokens,
+                   "layers": sorted(self.heads),
+                   "weights": {str(e): w.contiguous() for e, (w, _) in self.heads.items()},
+                   "biases": {str(e): b.contiguous() for e, (_, b) in self.heads.items()}}
+        with replacing(path) as f:
+            torch.save(payload, f)
+
+    @staticmethod
+    def load(path: str | os.PathLike[str], model: str, d_model: int) -> Calibration:
+        """Read a calibration file and check it is this model's (`model`: its fingerprint)."""
+        try:
+            payload = torch.load(path, map_location="cpu", weights_only=True)
+        except FileNotFoundError:
+            raise NtioError(f"{path}: no such calibration file") from None
+        except Exception as e:  # noqa: BLE001 - whatever the unpickler says, it is not our format
+            raise ModelFormatError(f"{path}: not an ntio calibration file ({type(e).__name__})") from None
+        if not isinstance(payload, dict) or payload.get("format") != FORMAT:
+            raise ModelFormatError(f"{path}: not an ntio calibration file")
+        if payload.get("version") != VERSION:
+            raise ModelFormatError(f"{path}: calibration format version {payload.get('version')}, not {VERSION}")
+        if payload.get("model") != model:
+            raise ModelFormatError(f"{path}: calibrated for another model (run `ntio calibrate` for this one)")
+        heads = {}
+        for e in payload["layers"]:
+            w, b = payload["weights"][str(e)], payload["biases"][str(e)]
+            if tuple(w.shape) != (d_model, d_model) or tuple(b.shape) != (d_model,):
+                raise ModelFormatError(f"{path}: layer {e}'s exit head is {tuple(w.shape)}, not ({d_model}, {d_model})")
+            heads[int(e)] = (w.float(), b.float())
+        return Calibration(model, heads, int(payload["n_tokens"]))
+
+
+class _HiddenStates(LoadPolicy):
+    """Loads everything; keeps the residual stream after each of `layers` (and after the last) of each forward."""
+
+    def __init__(self, layers: Sequence[int], last: int) -> None:
+        super().__init__()
+        self.layers, self.last = set(layers), last
+        self.seen: dict[int, torch.Tensor] = {}
+
+    def observe(self, obs: Observation) -> None:
+        if obs.layer in self.layers or obs.layer == self.last:
+            self.seen[obs.layer] = obs.h_out.detach().clone()
+
+
+def calibrate(llm, text: str, layers: Sequence[int], n_tokens: int = 8192, ctx: int = 512,
+              on_progress: Callable[[int, int], None] | None = None) -> Calibration:
+    """Fit exit heads for `layers` (each 0 <= E < n_layers - 1, counted as "after layer E") on up to n_tokens
+    tokens of `text`, in windows of ctx tokens. on_progress(done, total) after each window."""
+    cfg = llm.config
+    bad = [e for e in layers if not 0 <= e < cfg.n_layers - 1]
+    if not layers or bad:
+        raise OptionError("layers", f"must be layers 0..{cfg.n_layers - 2} (after which the head exits), got "
+                                    f"{bad or 'none'}")
+    ids = llm.tokenizer.encode(text)
+    if len(ids) < 64:
+        raise NtioError(f"the calibration text has {len(ids)} tokens; at least 64 are needed (a few thousand fit well)")
+    ids = ids[:n_tokens]
+    ctx = min(ctx, llm.engine.kv.capacity)
+    recorder = _HiddenStates(layers, cfg.n_layers - 1)
+    d = cfg.d_model
+    # Normal equations of [h_E, 1] -> h_L - h_E, accumulated in float64 over windows.
+    gram = {e: torch.zeros(d + 1, d + 1, dtype=torch.float64) for e in layers}
+    cross = {e: torch.zeros(d + 1, d, dtype=torch.float64) for e in layers}
+    policy, llm.loader.policy = llm.loader.policy, recorder
+    windows = range(0, len(ids), ctx)
+    try:
+        for n, start in enumerate(windows, 1):
+            window = torch.tensor(ids[start : start + ctx], dtype=torch.int64, device=llm.device)
+            llm.engine.forward(window, 0)
+            final = recorder.seen[cfg.n_layers - 1].double().cpu()
+            for e in layers:
+                x = torch.cat((recorder.seen[e].double().cpu(), torch.ones(window.shape[0], 1, dtype=torch.float64)), 1)
+                gram[e] += x.T @ x
+                cross[e] += x.T @ (final - x[:, :d])
+            if on_progress is not None:
+                on_progress(n, len(windows))
+    finally:
+        llm.loader.policy = policy
+        llm.engine.kv.crop(0)
+    heads = {}
+    for e in layers:
+        g = gram[e].clone()
+        strength = RIDGE * float(g.diagonal()[:d].sum()) / d
+        g.diagonal()[:d] += strength  # the bias is not shrunk
+        solution = torch.linalg.solve(g, cross[e])  # [D + 1, D]: Δ then b
+        heads[e] = ((torch.eye(d, dtype=torch.float64) + solution[:d]).float(), solution[d].float())
+    return Calibration(fingerprint(llm.engine, llm.tokenizer.vocabulary), heads, len(ids))
+
+
+class SelfDraft:
+    """Drafts with the target's first `exit_layer + 1` layers and that layer's exit head: per token, those layers
+    (weights from `blocks`), the head's affine map, the final norm and the output head; greedy, or sampling with
+    the target's sampler (the proposal distribution goes with the draft)."""
+
+    name = "self"
+
+    def __init__(self, engine: Engine, exit_layer: int, head: tuple[torch.Tensor, torch.Tensor],
+                 blocks: Sequence[LayerWeights]) -> None:
+        self.engine, self.exit_layer, self.blocks = engine, exit_layer, blocks
+        self.w, self.b = (t.to(engine.device) for t in head)
+
+    def propose(self, history: Sequence[int], k: int, sampler: Sampler) -> Draft | None:
+        engine, device = self.engine, self.engine.device
+        k = min(k, engine.kv.capacity - len(history))
+        if k < 1:
+            return None
+        # Positions before the last history token are cached (accepted); anything after them is a rejected draft.
+        engine.kv.crop(min(engine.kv.length, len(history) - 1))
+        seen = torch.tensor(history, dtype=torch.int64, device=device)
+        tokens, probs = [], []
+        sampling = sampler.params.temperature > 0
+        token = history[-1]
+        for i in range(k):
+            h = engine.early_exit(torch.tensor([token], dtype=torch.int64, device=device), len(history) - 1 + i,
+                                  self.blocks)
+            logits = engine.head_logits(h @ self.w + self.b)[0]
+            if sampling:
+                p = sampler.probabilities(logits, seen)
+                token = int(torch.multinomial(p, 1, generator=sampler.generator))
+                probs.append(p)
+            else:
+                token = sampler(logits, seen)
+            tokens.append(token)
+            seen = torch.cat((seen, torch.tensor([token], dtype=torch.int64, device=device)))
+        return Draft(tokens, self.name, torch.stack(probs) if sampling else None)
+
+
+def default_exit_layer(calibration: Calibration, n_layers: int) -> int:
+    """The shallowest calibrated layer at or past the middle (cheap enough to draft, deep enough to agree), else
+    the deepest calibrated one."""
+    deep = [e for e in sorted(calibration.heads) if e >= math.ceil(n_layers / 2) - 1]
+    return deep[0] if deep else max(calibration.heads)
