@@ -5,7 +5,9 @@ against the plain run's (`identical`).
 Configurations alternate within each round (plain, then each source, per prompt); medians over rounds. Prints JSON.
 
     python benches/speculative.py --model qwen2.5-coder-1.5b --draft qwen2.5-coder-0.5b --tiers auto C
-    python benches/speculative.py --model smollm2-135m --tiers auto C
+    python benches/speculative.py --model smollm2-135m --self-draft heads.exit --exit-layer 22 --tiers auto C
+
+The self-draft's calibration file comes from `ntio calibrate MODEL --corpus FILE -o heads.exit`.
 """
 
 from __future__ import annotations
@@ -40,6 +42,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--draft", help="draft model (same vocabulary)")
+    ap.add_argument("--self-draft", help="exit-head calibration file: self-speculation")
+    ap.add_argument("--exit-layer", type=int)
     ap.add_argument("--tiers", nargs="+", default=["auto", "C"])
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=3)
@@ -47,14 +51,17 @@ def main() -> None:
     args = ap.parse_args()
 
     sources = {"lookup": dict(lookup=True, use_draft=False)}
-    if args.draft:
-        sources = {"model": dict(use_draft=True), "lookup": dict(lookup=True, use_draft=False),
-                   "model+lookup": dict(lookup=True, use_draft=True)}
-    report = {"model": str(resolve_model(args.model)), "draft": args.draft, "machine": platform.processor() or
+    drafter = "model" if args.draft else "self" if args.self_draft else None
+    if drafter:
+        sources = {drafter: dict(use_draft=True), "lookup": dict(lookup=True, use_draft=False),
+                   f"{drafter}+lookup": dict(lookup=True, use_draft=True)}
+    report = {"model": str(resolve_model(args.model)), "draft": args.draft, "self_draft": args.self_draft,
+              "exit_layer": args.exit_layer, "machine": platform.processor() or
               platform.machine(), "tokens": args.tokens, "rounds": args.rounds, "draft_tokens": args.draft_tokens,
               "results": {}}
     for tiers in args.tiers:
-        m = ntio.load(args.model, tiers=tiers, draft=args.draft)
+        m = ntio.load(args.model, tiers=tiers, draft=args.draft, self_draft=args.self_draft,
+                      exit_layer=args.exit_layer)
         runs: dict[str, dict[str, list]] = {}
         for _ in range(args.rounds):
             for kind, prompts in PROMPTS.items():
