@@ -156,3 +156,16 @@ def test_cli_reports_speculation(smollm2_path):
     assert out["speculation"]["passes"] >= 1 and out["speculation"]["tokens_per_pass"] >= 1
     result = CliRunner().invoke(main, ["generate", "-m", str(smollm2_path), "-p", "Hi", "--draft-tokens", "0"])
     assert result.exit_code == 2 and "--draft-tokens" in result.output
+
+
+def test_the_draft_is_planned_first_and_resident_out_of_the_targets_budget(qwen15_path, qwen05_path):
+    m = ntio.load(qwen15_path, draft=qwen05_path, ram_budget="1.5GB", max_context=1024)
+    reserved = m.draft_memory.report()["total"]
+    assert m.draft.plan.describe() == "A:0-23" and m.draft.engine.kv.capacity == 1024
+    assert m.memory.budget.ram == 1_500_000_000 - reserved
+    assert m.memory.report()["total"] <= m.memory.budget.ram  # the target fits what the draft left
+    m.close()
+    result = CliRunner().invoke(main, ["plan", str(qwen15_path), "--draft", str(qwen05_path), "--ram-budget", "500MB"])
+    assert result.exit_code == 1 and "cannot hold the draft model" in result.output
+    result = CliRunner().invoke(main, ["plan", str(qwen15_path), "--draft", str(qwen05_path), "--json"])
+    assert result.exit_code == 0 and json.loads(result.output)["draft"]["tiers"] == "A:0-23"

@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from ntio.models.config import ModelConfig
-from ntio.runtime.budget import plan_memory
+from ntio.runtime.budget import DEFAULT_CONTEXT, MemoryPlan, plan_memory, resident_plan
 from ntio.runtime.engine import Engine
 from ntio.runtime.kv_cache import KVCache
 from ntio.errors import ContextOverflowError, NtioError, OptionError
@@ -126,10 +126,17 @@ class LLM:
         self.tokenizer = tokenizer if shared else Tokenizer.from_gguf(self.file)
         layout = WeightLayout(self.file, self.config)
         self.device = torch.device(device)
-        self.memory = plan_memory(layout, cuda=self.device.type == "cuda", kv_dtype=KV_DTYPES[kv_dtype],
+        cuda = self.device.type == "cuda"
+        # A draft model is planned first, wholly resident with a KV cache as long as the target's, and its bytes
+        # come out of the target's budget.
+        self.draft_memory = None if draft is None else draft_plan(
+            resolve_model(draft), cuda=cuda, kv_dtype=KV_DTYPES[kv_dtype],
+            capacity=max_context or min(self.config.context_length, DEFAULT_CONTEXT))
+        reserved = 0 if self.draft_memory is None else self.draft_memory.report()["total"]
+        self.memory = plan_memory(layout, cuda=cuda, kv_dtype=KV_DTYPES[kv_dtype],
                                   max_context=max_context, tiers=tiers, gpu_memory_budget=gpu_memory_budget,
                                   ram_budget=ram_budget, group_size=layer_group_size, prefetch_depth=prefetch_depth,
-                                  sync=sync)
+                                  sync=sync, reserved=reserved)
         if self.memory.notice:
             _log.warning(self.memory.notice)
         self.plan, capacity, depth = self.memory.plan, self.memory.capacity, self.memory.prefetch_depth
@@ -148,8 +155,10 @@ class LLM:
         self.self_draft = self._load_self_draft(self_draft, exit_layer) if self_draft is not None else None
         self._draft_length = DraftLength()  # what passes cost and drafts earn, learnt across generations
         if draft is not None:
+            slice_ = {"gpu_memory_budget" if cuda else "ram_budget": reserved}
             self.draft = self.companion(draft, device=device, kv_dtype=kv_dtype, max_context=capacity, threads=threads,
-                                        io_backend=io_backend, verify=verify, cpu_activations=cpu_activations)
+                                        io_backend=io_backend, verify=verify, cpu_activations=cpu_activations,
+                                        tiers="A", **slice_)
             if self.draft.tokenizer is not self.tokenizer:
                 self.draft.close()
                 raise NtioError(f"draft model {self.draft.path} has a different vocabulary from {self.path}: its "
@@ -359,6 +368,12 @@ class StopStrings:
     def flush(self) -> str:
         out, self.pending = self.pending, ""
         return out
+
+
+def draft_plan(path: Path, *, cuda: bool, kv_dtype: torch.dtype, capacity: int) -> MemoryPlan:
+    """A draft model's memory beside its target: wholly resident, with a KV cache of the target's `capacity`."""
+    g = open_model_file(path)
+    return resident_plan(WeightLayout(g, ModelConfig.from_gguf(g)), cuda=cuda, kv_dtype=kv_dtype, capacity=capacity)
 
 
 def load(model: str | os.PathLike[str] | None = None, **options) -> LLM:

@@ -367,12 +367,14 @@ def info(model, as_json) -> None:
 @click.option("--kv-dtype", type=click.Choice(["float32", "float16", "bfloat16"]), default="float32", show_default=True)
 @click.option("--layer-group-size", type=click.IntRange(min=1), default=1, show_default=True)
 @click.option("--prefetch-depth", type=click.IntRange(min=1))
+@click.option("--draft", metavar="PATH|NAME", help="A draft model beside MODEL: planned first, wholly resident")
 @click.option("--json", "as_json", is_flag=True)
 def plan(model, ctx_size, ram_budget, gpu_memory_budget, tiers, device, kv_dtype, layer_group_size, prefetch_depth,
-         as_json) -> None:
+         draft, as_json) -> None:
     """Where MODEL's parts would live within the memory budgets, what each costs, the minimum, and the bytes read per
     token; nothing is loaded."""
-    from ntio.api import KV_DTYPES
+    from ntio.api import KV_DTYPES, draft_plan
+    from ntio.runtime.budget import DEFAULT_CONTEXT
     from ntio.fetch import resolve_model
     from ntio.formats.model_file import open_model_file
     from ntio.models.config import ModelConfig
@@ -381,11 +383,17 @@ def plan(model, ctx_size, ram_budget, gpu_memory_budget, tiers, device, kv_dtype
     from ntio.runtime.tiers import format_size
 
     g = open_model_file(resolve_model(model))
-    layout = WeightLayout(g, ModelConfig.from_gguf(g))
-    memory = plan_memory(layout, cuda=device.startswith("cuda"), kv_dtype=KV_DTYPES[kv_dtype], max_context=ctx_size,
+    cfg = ModelConfig.from_gguf(g)
+    cuda = device.startswith("cuda")
+    beside = None if draft is None else draft_plan(resolve_model(draft), cuda=cuda, kv_dtype=KV_DTYPES[kv_dtype],
+                                                   capacity=ctx_size or min(cfg.context_length, DEFAULT_CONTEXT))
+    memory = plan_memory(WeightLayout(g, cfg), cuda=cuda, kv_dtype=KV_DTYPES[kv_dtype], max_context=ctx_size,
                          tiers=tiers, gpu_memory_budget=gpu_memory_budget, ram_budget=ram_budget,
-                         group_size=layer_group_size, prefetch_depth=prefetch_depth)
+                         group_size=layer_group_size, prefetch_depth=prefetch_depth,
+                         reserved=0 if beside is None else beside.report()["total"])
     report = {"model": str(g.path), **memory.report(), "notice": memory.notice}
+    if beside is not None:
+        report["draft"] = {"model": str(resolve_model(draft)), **beside.report()}
     if as_json:
         click.echo(json.dumps(report))
         return
@@ -406,6 +414,11 @@ def plan(model, ctx_size, ram_budget, gpu_memory_budget, tiers, device, kv_dtype
                f"{format_size(report['minimum'])})")
     click.echo(f"read per token {format_size(report['bytes_read_per_token'])}" + (
         f" (read-ahead {report['prefetch_depth']} groups)" if report["prefetch_depth"] else ""))
+    if beside is not None:
+        d = report["draft"]
+        click.echo(f"draft          {d['model']}: resident, {format_size(d['total'])} (weights "
+                   f"{format_size(d['model_bytes'])}, KV cache {format_size(d['parts']['kv cache'])}), planned "
+                   f"first: the budget above is what it leaves")
 
 
 @main.command()

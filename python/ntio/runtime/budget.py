@@ -221,8 +221,10 @@ class MemoryPlan:
 
 def plan_memory(layout: WeightLayout, *, cuda: bool, kv_dtype: torch.dtype, max_context: int | None = None,
                 tiers: str = "auto", gpu_memory_budget: str | int | None = None, ram_budget: str | int | None = None,
-                group_size: int = 1, prefetch_depth: int | None = None, sync: bool = False) -> MemoryPlan:
-    """Budgets, KV capacity, read-ahead and tier plan for a model, in that order.
+                group_size: int = 1, prefetch_depth: int | None = None, sync: bool = False, reserved: int = 0
+                ) -> MemoryPlan:
+    """Budgets (less `reserved` bytes of the compute device's: a draft model's), KV capacity, read-ahead and tier
+    plan for a model, in that order.
 
     When the leanest plan does not fit an automatic plan's budget, the prefill chunk is halved (down to
     MIN_PREFILL_CHUNK), then the context, unless `max_context` set it, shrinks (with a notice) from the model's up to
@@ -236,6 +238,8 @@ def plan_memory(layout: WeightLayout, *, cuda: bool, kv_dtype: torch.dtype, max_
     if prefetch_depth is not None and prefetch_depth < 1:
         raise OptionError("prefetch_depth", f"must be >= 1, got {prefetch_depth}")
     budget = budgets(cuda=cuda, gpu_memory_budget=gpu_memory_budget, ram_budget=ram_budget)
+    if reserved:
+        budget = less_reserved(budget, reserved, cuda)
     if sync:
         depth = 0
     elif prefetch_depth is None:
@@ -258,3 +262,23 @@ def plan_memory(layout: WeightLayout, *, cuda: bool, kv_dtype: torch.dtype, max_
             capacity = fitted
     needs = needs_at(capacity)
     return MemoryPlan(needs, budget, make_plan(needs, budget, cuda=cuda, tiers=tiers), capacity, chunk, depth, notice)
+
+
+def resident_plan(layout: WeightLayout, *, cuda: bool, kv_dtype: torch.dtype, capacity: int) -> MemoryPlan:
+    """A model planned wholly resident with a KV cache of `capacity` (at most its context), whatever the budgets: what
+    a draft model takes beside its target (`report()["total"]` is reserved out of the target's budget)."""
+    unbounded = 1 << 62
+    return plan_memory(layout, cuda=cuda, kv_dtype=kv_dtype, max_context=min(capacity, layout.cfg.context_length),
+                       tiers="A", gpu_memory_budget=unbounded, ram_budget=unbounded)
+
+
+def less_reserved(budget: Budgets, reserved: int, cuda: bool) -> Budgets:
+    """`budget` with `reserved` bytes taken out of the compute device's share (RAM on CPU): the target's budget once
+    its draft is placed. An error naming the budget when nothing would be left."""
+    option, room = ("gpu_memory_budget", budget.device) if cuda else ("ram_budget", budget.ram)
+    if reserved >= room:
+        raise OptionError(option, f"{format_size(room)} cannot hold the draft model ({format_size(reserved)} "
+                                  f"resident) and the target beside it")
+    if cuda:
+        return Budgets(budget.device - reserved, budget.ram, budget.ram_source)
+    return Budgets(budget.ram - reserved, budget.ram - reserved, budget.ram_source)
