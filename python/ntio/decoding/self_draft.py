@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 from ntio.decoding.generation import Sampler
-from ntio.decoding.speculative import Draft
+from ntio.decoding.speculative import Draft, sample_chain
 from ntio.errors import ModelFormatError, NtioError, OptionError
 from ntio.files import replacing
 from ntio.models.layers import LayerWeights
@@ -164,23 +164,13 @@ class SelfDraft:
             return None
         # Positions before the last history token are cached (accepted); anything after them is a rejected draft.
         engine.kv.crop(min(engine.kv.length, len(history) - 1))
-        seen = torch.tensor(history, dtype=torch.int64, device=device)
-        tokens, probs = [], []
-        sampling = sampler.params.temperature > 0
-        token = history[-1]
-        for i in range(k):
+
+        def logits_after(i: int, token: int) -> torch.Tensor:
             h = engine.early_exit(torch.tensor([token], dtype=torch.int64, device=device), len(history) - 1 + i,
                                   self.blocks)
-            logits = engine.head_logits(h @ self.w + self.b)[0]
-            if sampling:
-                p = sampler.probabilities(logits, seen)
-                token = int(torch.multinomial(p, 1, generator=sampler.generator))
-                probs.append(p)
-            else:
-                token = sampler(logits, seen)
-            tokens.append(token)
-            seen = torch.cat((seen, torch.tensor([token], dtype=torch.int64, device=device)))
-        return Draft(tokens, self.name, torch.stack(probs) if sampling else None)
+            return engine.head_logits(h @ self.w + self.b)[0]
+
+        return sample_chain(history, k, sampler, logits_after, self.name)
 
 
 def default_exit_layer(calibration: Calibration, n_layers: int) -> int:

@@ -26,7 +26,7 @@ penalty); a lookup draft is a point mass q.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -177,24 +177,35 @@ class DraftModel:
         engine, device = self.engine, self.engine.device
         # Reuse the cached positions the history still has; always recompute the last token for its logits.
         keep = engine.kv.reusable_prefix(history, limit=len(history) - 1)
-        logits = engine.forward(torch.tensor(history[keep:], dtype=torch.int64, device=device), keep)
-        seen = torch.tensor(history, dtype=torch.int64, device=device)
-        tokens, probs = [], []
-        sampling = sampler.params.temperature > 0
-        for i in range(k):
-            if sampling:
-                p = sampler.probabilities(logits, seen)
-                token = int(torch.multinomial(p, 1, generator=sampler.generator))
-                probs.append(p)
-            else:
-                token = sampler(logits, seen)
-            tokens.append(token)
-            if i == k - 1:
-                break
-            token_t = torch.tensor([token], dtype=torch.int64, device=device)
-            seen = torch.cat((seen, token_t))
-            logits = engine.forward(token_t, len(history) + i)
-        return Draft(tokens, self.name, torch.stack(probs) if sampling else None)
+        first = engine.forward(torch.tensor(history[keep:], dtype=torch.int64, device=device), keep)
+
+        def logits_after(i: int, token: int) -> torch.Tensor:
+            if i == 0:
+                return first
+            return engine.forward(torch.tensor([token], dtype=torch.int64, device=device), len(history) + i - 1)
+
+        return sample_chain(history, k, sampler, logits_after, self.name)
+
+
+def sample_chain(history: Sequence[int], k: int, sampler: Sampler,
+                 logits_after: Callable[[int, int], torch.Tensor], source: str) -> Draft:
+    """k tokens drawn one after another with the target's sampler: logits_after(i, t) [V] are the drafter's logits
+    for token i, t being the token before it (the history's last for i = 0). Sampling records each distribution."""
+    seen = torch.tensor(history, dtype=torch.int64, device=sampler.generator.device)
+    tokens, probs = [], []
+    sampling = sampler.params.temperature > 0
+    token = history[-1]
+    for i in range(k):
+        logits = logits_after(i, token)
+        if sampling:
+            p = sampler.probabilities(logits, seen)
+            token = int(torch.multinomial(p, 1, generator=sampler.generator))
+            probs.append(p)
+        else:
+            token = sampler(logits, seen)
+        tokens.append(token)
+        seen = torch.cat((seen, torch.tensor([token], dtype=torch.int64, device=seen.device)))
+    return Draft(tokens, source, torch.stack(probs) if sampling else None)
 
 
 class Drafters:
