@@ -223,9 +223,10 @@ class Drafters:
         if self.lookup is not None:
             least = PREFERRED_LOOKUP if self.model is not None else 1
             draft = self.lookup.propose(history, most, min_ngram=least)
-            if draft is not None and draft.tokens:
+            if draft is not None:
                 draft.tokens = draft.tokens[: self.length.choose(draft.source, len(draft.tokens))]
-                return draft if draft.tokens else None
+                if draft.tokens:
+                    return draft
         if self.model is not None:
             k = self.length.choose(self.model.name, most)
             return self.model.propose(history, k, sampler) if k else None
