@@ -5,11 +5,11 @@
 //! batches; pread and buffered reads run on their own threads, one batch at a time.
 
 use std::path::Path;
-use std::sync::{Arc, Condvar, Mutex};
-use std::time::{Duration, Instant};
+use std::sync::Arc;
+use std::time::Duration;
 
 use crate::backend::faults::Faults;
-use crate::backend::{self, pread, uring, Backend, Batch, OpenFile};
+use crate::backend::{self, pread, uring, Backend, Batch, Completion, OpenFile};
 use crate::destination::Destination;
 use crate::error::{Error, Result};
 use crate::extent::{self, Extent, Geometry};
@@ -191,28 +191,26 @@ impl Inner {
 
     /// Start `batch` in the background; its `elapsed` counts from now.
     fn start(self: &Arc<Self>, batch: Batch) -> Result<Arc<Completion>> {
-        let started = Instant::now();
-        let completion = Arc::new(Completion::default());
+        let completion = Arc::new(Completion::new());
         if batch.requests.is_empty() {
-            completion.finish(Ok(()), started.elapsed());
+            completion.end(Ok(()));
             return Ok(completion);
         }
         let done = Arc::clone(&completion);
         match &self.queue {
-            Some(queue) => queue.push(uring::Job {
-                batch,
-                // Called once the batch is dropped, so the slot is free before anyone is told.
-                notify: Box::new(move |result| done.finish(result, started.elapsed())),
-            }),
+            Some(queue) => queue.push(uring::Job { batch, done }),
             None => {
                 let inner = Arc::clone(self);
                 std::thread::Builder::new()
                     .name("ntio-submit".into())
                     .spawn(move || {
                         let io = pread::run(&inner.file, &batch, inner.queue_depth);
+                        if io.is_ok() {
+                            done.land();
+                        }
                         let result = batch.outcome(io, &inner.file.path);
                         drop(batch); // frees the destination (slot) before anyone is told it is done
-                        done.finish(result, started.elapsed());
+                        done.end(result);
                     })
                     .map_err(|err| Error::System {
                         what: "spawning a reader thread",
@@ -224,60 +222,31 @@ impl Inner {
     }
 }
 
-#[derive(Default)]
-struct Completion {
-    result: Mutex<Option<Result<()>>>,
-    /// How long the batch took from its submission to its end; set just before `result`.
-    elapsed: Mutex<Option<Duration>>,
-    done: Condvar,
-}
-
-impl Completion {
-    fn finish(&self, result: Result<()>, elapsed: Duration) {
-        *self.elapsed.lock().unwrap_or_else(|e| e.into_inner()) = Some(elapsed);
-        *self.result.lock().unwrap_or_else(|e| e.into_inner()) = Some(result);
-        self.done.notify_all();
-    }
-
-    /// Wait for the batch; its outcome (every call returns the same one).
-    fn wait(&self) -> Result<()> {
-        let mut result = self.result.lock().unwrap_or_else(|e| e.into_inner());
-        loop {
-            if let Some(outcome) = result.as_ref() {
-                return outcome.clone();
-            }
-            result = self.done.wait(result).unwrap_or_else(|e| e.into_inner());
-        }
-    }
-}
-
-/// A submitted batch. Dropping it waits for the batch's I/O to end, so memory it reads into
-/// can be freed right after.
+/// A submitted batch. Dropping it waits for the batch to end, so memory it reads into can be
+/// freed right after.
 pub struct Pending {
     completion: Arc<Completion>,
 }
 
 impl Pending {
-    /// Whether the batch has finished (successfully or not).
+    /// Whether the batch has ended (successfully or not).
     pub fn poll(&self) -> bool {
-        self.completion
-            .result
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .is_some()
+        self.completion.ended()
     }
 
-    /// How long the batch took (its submission to its end); None while in flight.
+    /// How long the batch's I/O took (its submission to its last byte landing); None while in flight.
     /// Callers compare it with how long they were blocked in `wait` to measure overlap.
     pub fn elapsed(&self) -> Option<Duration> {
-        *self
-            .completion
-            .elapsed
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
+        self.completion.elapsed()
     }
 
-    /// Wait for the batch; its error, if any (every call returns the same outcome).
+    /// Wait for the batch's bytes to land; its I/O error, if any. Its checks may still be running:
+    /// nothing computed from the bytes may be shown before `wait` has returned Ok.
+    pub fn wait_landed(&self) -> Result<()> {
+        self.completion.wait_landed()
+    }
+
+    /// Wait for the batch to end; its error, checks included (every call returns the same outcome).
     pub fn wait(&self) -> Result<()> {
         self.completion.wait()
     }
@@ -543,8 +512,9 @@ mod tests {
         let good = crate::store::checksum(&bytes[5096..25_096]);
         for reader in readers(&path) {
             let mut dest = vec![0u8; 50_000];
-            // SAFETY: `dest` outlives each read, which has ended when `read` returns.
-            let mut external = || unsafe { Destination::external(dest.as_mut_ptr(), dest.len()) };
+            let (ptr, len) = (dest.as_mut_ptr(), dest.len());
+            // SAFETY: `dest` outlives each batch, which has ended when `read` (or `wait`) returns.
+            let external = || unsafe { Destination::external(ptr, len) };
             reader
                 .read(&extents, external(), vec![check(good)])
                 .unwrap();
@@ -556,10 +526,18 @@ mod tests {
                 "{:?}: {err}",
                 reader.backend()
             );
+            // In the background the bytes land first (they are all in: a caller may compute on them),
+            // and the batch ends with the failed check.
             let pending = reader
                 .submit(&extents, external(), vec![check(good ^ 1)])
                 .unwrap();
+            pending.wait_landed().unwrap();
+            assert!(pending.elapsed().is_some());
+            // SAFETY: the batch's I/O is over (landed): nothing writes `dest` any more.
+            let landed = unsafe { std::slice::from_raw_parts(ptr, len) };
+            assert_eq!(landed[1000..21_000], bytes[5096..25_096]);
             assert!(matches!(pending.wait(), Err(Error::Corrupt { .. })));
+            assert!(pending.poll());
             // A check outside the bytes the batch writes is refused before anything is read.
             let mut outside = check(good);
             outside.dest_offset = 45_000;
@@ -591,6 +569,25 @@ mod tests {
                 reader.backend()
             );
             assert!(err.to_string().starts_with(&path.display().to_string()));
+            // In the background an I/O error is the landing's outcome too: nothing landed to compute on.
+            let mut dest = vec![0u8; 100_000];
+            // SAFETY: `dest` outlives the batch, which has ended when `wait` returns.
+            let external = unsafe { Destination::external(dest.as_mut_ptr(), dest.len()) };
+            let pending = reader.submit(&whole, external, Vec::new()).unwrap();
+            assert!(matches!(
+                pending.wait_landed(),
+                Err(Error::Io {
+                    errno: libc::EIO,
+                    ..
+                })
+            ));
+            assert!(matches!(
+                pending.wait(),
+                Err(Error::Io {
+                    errno: libc::EIO,
+                    ..
+                })
+            ));
         }
         let short = Faults::parse("short").unwrap();
         for reader in readers_with_faults(&path, short) {

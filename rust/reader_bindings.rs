@@ -296,17 +296,23 @@ pub struct ReadHandle {
 
 #[pymethods]
 impl ReadHandle {
-    /// True once the batch has finished (successfully or not).
+    /// True once the batch has ended (successfully or not).
     fn poll(&self) -> bool {
         self.pending.poll()
     }
 
-    /// Wait for the batch; raises its error, if any.
+    /// Wait for the batch to end; raises its error, if any (a failed check included).
     fn wait(&self, py: Python<'_>) -> PyResult<()> {
         Ok(py.detach(|| self.pending.wait())?)
     }
 
-    /// Seconds from submit to the end of the batch's I/O (time queued behind earlier batches
+    /// Wait for the batch's bytes to land; raises its I/O error, if any. Its checks may still be
+    /// running: nothing computed from the bytes may be shown before `wait` has returned.
+    fn wait_landed(&self, py: Python<'_>) -> PyResult<()> {
+        Ok(py.detach(|| self.pending.wait_landed())?)
+    }
+
+    /// Seconds from submit to the batch's last byte landing (time queued behind earlier batches
     /// included); None while in flight.
     #[getter]
     fn elapsed(&self) -> Option<f64> {

@@ -1,9 +1,10 @@
 //! Checksum checks that travel with a batch: "destination bytes [dest_offset, dest_offset + length)
 //! must hash to `checksum`", one per store tensor a batch reads whole. The backend runs them after
-//! the batch's last byte has landed and before anyone is told it completed: a corrupt tensor fails
-//! the batch, so no byte of it is ever computed on. They run off the caller's thread, overlapping
-//! its compute like the read itself: on the batch's own thread (pread), or on a `Verifier` thread
-//! beside the io_uring thread, which keeps reaping and submitting while a batch is hashed.
+//! the batch's last byte has landed and before the batch ends: a corrupt tensor fails the batch. They
+//! run off the caller's thread, overlapping its compute like the read itself: on the batch's own
+//! thread (pread), or on a `Verifier` thread beside the io_uring thread, which keeps reaping and
+//! submitting while a batch is hashed. A caller may compute on landed bytes while they are hashed
+//! (`Pending::wait_landed`) if it shows nothing computed from them before the batch ends well.
 
 use std::path::Path;
 use std::sync::{mpsc, Arc};

@@ -61,6 +61,18 @@ def test_a_flipped_norm_exponent_is_caught_before_any_token(smollm2_store, tmp_p
         m.generate(PROMPT, 2)
 
 
+def test_bad_bytes_computed_on_while_hashed_never_reach_a_token(smollm2_store, tmp_path):
+    # A streamed group is computed on as soon as it lands, while it is hashed. The last layer's check is the last
+    # one a forward waits for (no later read into its slot settles it first): its failure must still come before
+    # the forward returns logits, so before any token.
+    last = ntio.load(smollm2_store, tiers="A").config.n_layers - 1
+    bad, offset = corrupt(smollm2_store, tmp_path, f"blk.{last}.ffn_down.weight", 1, 0x04)
+    m = ntio.load(bad, tiers="C")
+    got, err = pieces_until_error(m)
+    assert got == [] and err is not None, got
+    assert f"checksum mismatch in tensor 'blk.{last}.ffn_down.weight' (extent at offset {offset}, " in str(err)
+
+
 def test_a_flipped_quant_scale_fails_the_cli_with_one_line_and_no_text(smollm2_store, tmp_path):
     # The first fp16 scale of a Q4_1 block of ffn_up (the probe's flip changed the answer, exit 0).
     bad, _ = corrupt(smollm2_store, tmp_path, "blk.12.ffn_up.weight", 1, 0x04)

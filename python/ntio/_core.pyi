@@ -66,10 +66,13 @@ class Reader:
 class ReadHandle:
     """A submitted batch. Dropping it waits for its I/O before releasing the destination's buffer."""
 
-    def poll(self) -> bool: ...
-    def wait(self) -> None: ...
+    def poll(self) -> bool: ...  # True once the batch has ended
+    def wait(self) -> None: ...  # until the batch ends: raises its I/O error or failed check
+    def wait_landed(self) -> None:
+        """Until its bytes land (raises an I/O error); checks may still run: show nothing computed from the bytes
+        before `wait` returns."""
     @property
-    def elapsed(self) -> float | None: ...  # seconds from submit to the end of its I/O (queued time included); None while in flight
+    def elapsed(self) -> float | None: ...  # seconds from submit to its last byte landing (queued time included); None while in flight
     @property
     def owner(self) -> Any: ...
 

@@ -13,7 +13,7 @@ use std::fs::{File, OpenOptions};
 use std::os::fd::AsRawFd;
 use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
 use crate::destination::Destination;
@@ -181,6 +181,91 @@ pub fn open(
             format!("cannot create a ring: {err}"),
         )),
         Err(_) => Ok((file, Backend::Pread, None)),
+    }
+}
+
+/// How a background batch ends, in two stages: its bytes land (its I/O is over), then it ends (its checks have
+/// run and its destination is released). A batch without checks, or whose I/O failed, lands and ends at once.
+/// Landed bytes may be computed on while they are hashed, as long as nothing computed from them is shown to
+/// anyone before the batch has ended well: that keeps hashing off the path from read to compute.
+pub struct Completion {
+    started: Instant,
+    stage: Mutex<Stage>,
+    changed: Condvar,
+}
+
+#[derive(Default)]
+struct Stage {
+    /// Submission to the end of the I/O; set when the bytes land (or the batch ends, whichever comes first).
+    elapsed: Option<Duration>,
+    /// The I/O's outcome; set when the bytes land.
+    landed: Option<Result<()>>,
+    /// The batch's outcome, checks included; set once its destination is released.
+    ended: Option<Result<()>>,
+}
+
+impl Completion {
+    /// A batch submitted now.
+    pub fn new() -> Self {
+        Self {
+            started: Instant::now(),
+            stage: Mutex::new(Stage::default()),
+            changed: Condvar::new(),
+        }
+    }
+
+    fn update(&self, set: impl FnOnce(&mut Stage)) {
+        let mut stage = self.stage.lock().unwrap_or_else(|e| e.into_inner());
+        stage.elapsed.get_or_insert_with(|| self.started.elapsed());
+        set(&mut stage);
+        self.changed.notify_all();
+    }
+
+    /// Every byte of the batch is in; its checks are still to run.
+    pub fn land(&self) {
+        self.update(|stage| stage.landed = Some(Ok(())));
+    }
+
+    /// The batch is over (its destination dropped): `outcome` is final.
+    pub fn end(&self, outcome: Result<()>) {
+        self.update(|stage| {
+            stage.landed.get_or_insert_with(|| outcome.clone());
+            stage.ended = Some(outcome);
+        });
+    }
+
+    fn wait_for(&self, outcome: impl Fn(&Stage) -> Option<Result<()>>) -> Result<()> {
+        let mut stage = self.stage.lock().unwrap_or_else(|e| e.into_inner());
+        loop {
+            if let Some(outcome) = outcome(&stage) {
+                return outcome;
+            }
+            stage = self.changed.wait(stage).unwrap_or_else(|e| e.into_inner());
+        }
+    }
+
+    /// Wait for the bytes to land: the I/O's outcome (checks may still be running).
+    pub fn wait_landed(&self) -> Result<()> {
+        self.wait_for(|stage| stage.landed.clone())
+    }
+
+    /// Wait for the batch to end: its outcome, checks included (every call returns the same one).
+    pub fn wait(&self) -> Result<()> {
+        self.wait_for(|stage| stage.ended.clone())
+    }
+
+    /// Whether the batch has ended (successfully or not).
+    pub fn ended(&self) -> bool {
+        self.stage
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .ended
+            .is_some()
+    }
+
+    /// Submission to the end of the batch's I/O; None while in flight.
+    pub fn elapsed(&self) -> Option<Duration> {
+        self.stage.lock().unwrap_or_else(|e| e.into_inner()).elapsed
     }
 }
 

@@ -14,7 +14,7 @@ use std::time::Instant;
 
 use io_uring::{opcode, squeue, types, IoUring};
 
-use super::{advance, Batch, OpenFile, Progress};
+use super::{advance, Batch, Completion, OpenFile, Progress};
 use crate::error::{Error, Result};
 use crate::extent::Target;
 use crate::staging::{AlignedBuf, StagingPool};
@@ -84,13 +84,11 @@ impl Ring {
     }
 }
 
-/// Told a batch's outcome once its I/O has ended and the batch (its destination) is dropped.
-pub type Notify = Box<dyn FnOnce(Result<()>) + Send>;
-
-/// A batch handed to the I/O thread. Must have at least one request.
+/// A batch handed to the I/O thread, and how its submitter is told it landed and ended. Must have at
+/// least one request.
 pub struct Job {
     pub batch: Batch,
-    pub notify: Notify,
+    pub done: Arc<Completion>,
 }
 
 /// The I/O thread of one reader. Dropping it lets the thread finish every queued batch, then
@@ -140,7 +138,7 @@ impl Queue {
         if let Some(err) = state.broken.clone() {
             drop(state);
             drop(job.batch);
-            (job.notify)(Err(err));
+            job.done.end(Err(err));
             return;
         }
         state.incoming.push_back(job);
@@ -213,11 +211,11 @@ impl Active {
         }
     }
 
-    /// Drop the batch (freeing its destination), then tell the submitter; a batch with checks
-    /// is hashed first, on the verifier thread.
+    /// Drop the batch (freeing its destination), then tell the submitter. A batch with checks is
+    /// told it landed now and is hashed on the verifier thread, which ends it.
     fn finish(self, file: &OpenFile, verifier: &Verifier) {
         let Active {
-            job: Job { batch, notify },
+            job: Job { batch, done },
             failure,
             bounce,
             ..
@@ -225,13 +223,14 @@ impl Active {
         drop(bounce);
         if failure.is_some() || batch.checks.is_empty() {
             drop(batch);
-            return notify(failure.map_or(Ok(()), Err));
+            return done.end(failure.map_or(Ok(()), Err));
         }
+        done.land();
         let path = file.path.clone();
         verifier.run(move || {
             let outcome = batch.outcome(Ok(()), &path);
             drop(batch);
-            notify(outcome);
+            done.end(outcome);
         });
     }
 }
@@ -417,7 +416,7 @@ fn abandon(
     }
     for job in queued {
         drop(job.batch);
-        (job.notify)(Err(err.clone()));
+        job.done.end(Err(err.clone()));
     }
 }
 

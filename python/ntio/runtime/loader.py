@@ -25,8 +25,12 @@ Interface (SPEC-006 §4.2): load_group / evict_group / prefetch_async / sync, nu
 naming file and offset (errors.read_error).
 
 With `verify` (the default), every tensor of an ntio store that a read brings in whole, resident or streamed, is
-checked against the store's xxh3-64 checksum on the reader's I/O thread before the read completes: a mismatch fails
-the read (ModelFormatError naming file, tensor and offset) and nothing is computed on the bad bytes. A subset read
+checked against the store's xxh3-64 checksum on the reader's I/O thread: a mismatch fails the read
+(ModelFormatError naming file, tensor and offset). Resident reads are checked before they are used. A streamed
+group is computed on as soon as its bytes land, while they are hashed (hashing them first would put the hash
+between the disk and the compute), and every read a forward computed on must have passed its checks before the
+forward returns (`end_forward`) and before its slot is read into again: nothing computed from bad bytes is ever
+returned, so no token comes from them. A subset read
 verifies the tensors it reads whole; the partly read gate/up rows are not covered by a per-tensor checksum. Tensors
 read in pieces (head chunks, embedding rows) are read once whole at start-up, a window at a time, checked against
 the store's checksum and hashed piece by piece; every later read of a piece is checked against its hash. GGUF files
@@ -210,6 +214,8 @@ class LayerLoader:
         self._pending: dict[int, _PendingRead] = {}  # group -> its read for the group's next use
         self._dropped: list[_PendingRead] = []  # reads the policy no longer wanted, still landing in their slots
         self._dropped_group: int | None = None  # group of the current forward whose read was dropped
+        # Staging index -> the read computed on there, whose checks may still be running (see the module's text).
+        self._checking: dict[int, _core.ReadHandle] = {}
         self._busy_until = 0.0  # end of the reads counted so far: reads overlap, so busy time is their union
         self._blocks: dict[int, LayerWeights] = {}  # streamed layers of the current group
         self._head: dict[int, EncodedMatrix] = {}  # the current group's head chunk, when it is one
@@ -296,13 +302,17 @@ class LayerLoader:
         return True
 
     def sync(self) -> None:
-        """Wait for every pending read (their groups stay ready for their next use) and every dropped one."""
+        """Wait for every pending read (their groups stay ready for their next use), every dropped one and the
+        checks of those computed on."""
         for p in self._pending.values():
             self._wait(p.handle)
         self._drain_dropped()
+        self._settle()
 
     def load_group(self, group: int) -> list[LayerWeights]:
-        """Make `group` the current group (using its prefetched read, else reading it now); return its blocks."""
+        """Make `group` the current group (using its prefetched read, else reading it now); return its blocks.
+        Their checks may still be running: `sync` (or `end_forward`) raises if they fail, and nothing computed from
+        the blocks may be used before."""
         if self._current is not None:
             self.evict_group(self._current[0])
         grp = self.groups[group]
@@ -332,13 +342,17 @@ class LayerLoader:
         self._forward_start = time.perf_counter()
 
     def end_forward(self) -> None:
-        """Tier C is read at every use: the next forward reads its groups again (already prefetched, if async)."""
+        """Tier C is read at every use: the next forward reads its groups again (already prefetched, if async).
+        Raises if a read this forward computed on failed its checks: its results must not be used."""
         if self._current is not None:
             self.evict_group(self._current[0])
         self._dropped_group = None
-        if self._forward is not None:
-            self._forward.wall_s = time.perf_counter() - self._forward_start
-            self._forward = None
+        try:
+            self._settle()
+        finally:
+            if self._forward is not None:
+                self._forward.wall_s = time.perf_counter() - self._forward_start
+                self._forward = None
 
     def block(self, layer: int) -> LayerWeights | None:
         """The layer's weights for this forward, or None when its policy skips it."""
@@ -392,13 +406,14 @@ class LayerLoader:
 
     def close(self) -> None:
         """Drain in-flight reads (also after Ctrl-C) and give the staging slots back (unpinned on CUDA)."""
-        for p in [*self._pending.values(), *self._dropped]:
+        for handle in [p.handle for p in [*self._pending.values(), *self._dropped]] + [*self._checking.values()]:
             try:
-                p.handle.wait()
+                handle.wait()
             except OSError:
                 pass
         self._pending.clear()
         self._dropped.clear()
+        self._checking.clear()
         self._blocks.clear()
         self._head.clear()
         self._current = None
@@ -499,21 +514,31 @@ class LayerLoader:
             nbytes[layer] = sum(length for _, length, _ in layer_extents)
         if self.cuda:
             self._copied[index].synchronize()  # the slot's previous H2D copy must be done before it is overwritten
+        self._settle(index)  # the slot's previous bytes must be hashed before they are overwritten
         try:
             handle = self.reader.submit(extents, self._slots[index], checks)
         except OSError as e:
             raise read_error(e) from None
         return _PendingRead(index, handle, time.perf_counter(), decisions, nbytes)
 
-    def _wait(self, handle: _core.ReadHandle) -> None:
+    def _wait(self, handle: _core.ReadHandle, landed: bool = False) -> None:
+        """Wait for the read to end (its checks passed), or with `landed` only for its bytes to be in."""
         try:
-            handle.wait()
+            handle.wait_landed() if landed else handle.wait()
         except OSError as e:  # truncated or vanished file: name it, never compute on partial bytes
             raise read_error(e) from None
 
+    def _settle(self, index: int | None = None) -> None:
+        """Wait for the checks of the read computed on in staging slot `index` (None: in every slot)."""
+        for i in [index] if index is not None else list(self._checking):
+            handle = self._checking.pop(i, None)
+            if handle is not None:
+                self._wait(handle)
+
     def _finish_read(self, group: int, pending: _PendingRead) -> None:
         t0 = time.perf_counter()
-        self._wait(pending.handle)
+        self._wait(pending.handle, landed=True)
+        self._checking[pending.index] = pending.handle
         grp = self.groups[group]
         submitted = pending.submitted
         end = submitted + (pending.handle.elapsed or 0.0)  # elapsed counts from submit; the reader's queue is FIFO
