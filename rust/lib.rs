@@ -8,13 +8,15 @@
 //! - `reader`: the public reader (read now, or submit and wait later);
 //! - `error`: the error type;
 //! - `buffers`: checks on caller-lent memory (element type, layout, writability, overlap);
-//! - `verify`: checksum checks that a batch's bytes must pass before it completes;
+//! - `checksum`: the store's checksum (xxh3-64), hashed as a buffer fills, AVX2 where the CPU has it;
+//! - `verify`: checksum checks that a batch's bytes must pass before it ends;
 //! - `store`: the ntio store format and the extent index (layer / tensor / rows → extents);
 //! - `gguf`: the validating GGUF header parser;
 //! - `kernels`: CPU matrix-vector products over GGUF-encoded weights.
 
 pub mod backend;
 pub mod buffers;
+pub mod checksum;
 pub mod destination;
 pub mod error;
 pub mod extent;

@@ -191,7 +191,7 @@ impl Inner {
 
     /// Start `batch` in the background; its `elapsed` counts from now.
     fn start(self: &Arc<Self>, batch: Batch) -> Result<Arc<Completion>> {
-        let completion = Arc::new(Completion::new());
+        let completion = Arc::new(Completion::submitted_now());
         if batch.requests.is_empty() {
             completion.end(Ok(()));
             return Ok(completion);

@@ -10,6 +10,7 @@ use std::path::Path;
 use std::sync::{mpsc, Arc};
 use std::thread::JoinHandle;
 
+use crate::checksum::Progressive;
 use crate::error::{Error, Result};
 use crate::extent::Extent;
 
@@ -62,27 +63,87 @@ pub fn validate(checks: &[Check], extents: &[Extent]) -> Result<()> {
     Ok(())
 }
 
-/// Hash each checked range of `dest` and compare; the first mismatch is `Error::Corrupt`.
-///
-/// # Safety
-/// `dest` must point to memory holding every checked range (`validate` against the batch's
-/// extents, which `extent::validate` kept inside the destination), fully written and not being
-/// written by anyone while this runs.
-pub unsafe fn verify(checks: &[Check], dest: *const u8, path: &Path) -> Result<()> {
-    for check in checks {
-        // SAFETY: the caller's contract: the range is inside the destination, written and stable.
-        let bytes =
-            unsafe { std::slice::from_raw_parts(dest.add(check.dest_offset), check.length) };
-        if crate::store::checksum(bytes) != check.checksum {
-            return Err(Error::Corrupt {
-                path: path.to_path_buf(),
-                tensor: check.tensor.to_string(),
-                offset: check.file_offset,
-                length: check.length as u64,
-            });
+/// A batch's checks, hashed as its bytes land: each request that lands moves the "landed up to" mark
+/// to the first destination byte of the first request (in destination order) still in flight, and
+/// every check takes the whole 1 KiB blocks below that mark while they are still in cache. `verify`
+/// hashes the rest once the batch's I/O is over, and compares.
+pub struct Checks {
+    checks: Vec<Check>,
+    hashes: Vec<Progressive>,
+    /// Each request's first destination byte.
+    request_starts: Vec<usize>,
+    /// Request indices by `request_starts`; `order[..landed_prefix]` have all landed.
+    order: Vec<usize>,
+    landed: Vec<bool>,
+    landed_prefix: usize,
+}
+
+impl Checks {
+    /// `checks` on a batch whose requests write from `request_starts` on (one per request).
+    pub fn new(checks: Vec<Check>, request_starts: Vec<usize>) -> Self {
+        let mut order: Vec<usize> = (0..request_starts.len()).collect();
+        order.sort_by_key(|&i| request_starts[i]);
+        Self {
+            hashes: checks.iter().map(|c| Progressive::new(c.length)).collect(),
+            checks,
+            landed: vec![false; request_starts.len()],
+            request_starts,
+            order,
+            landed_prefix: 0,
         }
     }
-    Ok(())
+
+    pub fn is_empty(&self) -> bool {
+        self.checks.is_empty()
+    }
+
+    /// Request `request` has landed (its bytes, bounce copies included, are in `dest`).
+    ///
+    /// # Safety
+    /// `dest` must hold every checked range (`validate`d against the batch's extents, which
+    /// `extent::validate` kept inside the destination); every request marked landed must have ended.
+    pub unsafe fn landed(&mut self, request: usize, dest: *const u8) {
+        self.landed[request] = true;
+        while self.landed_prefix < self.order.len() && self.landed[self.order[self.landed_prefix]] {
+            self.landed_prefix += 1;
+        }
+        // Bytes below `mark` that any request writes were written by landed requests only: every request
+        // still in flight starts at or above it.
+        let mark = match self.order.get(self.landed_prefix) {
+            Some(&first_in_flight) => self.request_starts[first_in_flight],
+            None => usize::MAX,
+        };
+        for (check, hash) in self.checks.iter().zip(&mut self.hashes) {
+            let landed = mark.saturating_sub(check.dest_offset).min(check.length);
+            if landed > 0 {
+                // SAFETY: the range is inside the destination (caller) and its bytes have all landed.
+                hash.advance(unsafe {
+                    std::slice::from_raw_parts(dest.add(check.dest_offset), landed)
+                });
+            }
+        }
+    }
+
+    /// Hash what is left of each check and compare; the first mismatch is `Error::Corrupt`.
+    ///
+    /// # Safety
+    /// As `landed`, and the batch's I/O must be over: nothing writes `dest` any more.
+    pub unsafe fn verify(&mut self, dest: *const u8, path: &Path) -> Result<()> {
+        for (check, hash) in self.checks.iter().zip(std::mem::take(&mut self.hashes)) {
+            // SAFETY: the caller's contract: the range is inside the destination, written and stable.
+            let bytes =
+                unsafe { std::slice::from_raw_parts(dest.add(check.dest_offset), check.length) };
+            if hash.finish(bytes) != check.checksum {
+                return Err(Error::Corrupt {
+                    path: path.to_path_buf(),
+                    tensor: check.tensor.to_string(),
+                    offset: check.file_offset,
+                    length: check.length as u64,
+                });
+            }
+        }
+        Ok(())
+    }
 }
 
 type Task = Box<dyn FnOnce() + Send>;
@@ -170,32 +231,58 @@ mod tests {
         }
     }
 
+    /// `Checks` over `data` for `checks`, requests of `request_len` bytes from 0 landing in `order`: each
+    /// request's bytes are copied into a zeroed destination only as it lands, so a hash of bytes that had
+    /// not landed yet would not match.
+    fn land_and_verify(
+        data: &[u8],
+        checks: Vec<Check>,
+        request_len: usize,
+        order: &[usize],
+    ) -> Result<()> {
+        let starts: Vec<usize> = (0..data.len()).step_by(request_len).collect();
+        let mut dest = vec![0u8; data.len()];
+        let mut batch = Checks::new(checks, starts.clone());
+        for &r in order {
+            let range = starts[r]..(starts[r] + request_len).min(data.len());
+            dest[range.clone()].copy_from_slice(&data[range]);
+            // SAFETY: dest holds every checked range; request r's bytes are in.
+            unsafe { batch.landed(r, dest.as_ptr()) };
+        }
+        // SAFETY: every request has landed and nothing writes dest.
+        unsafe { batch.verify(dest.as_ptr(), Path::new("/models/m.ntio")) }
+    }
+
     #[test]
-    fn a_flipped_bit_is_a_corrupt_error_naming_tensor_and_offset() {
-        let mut data: Vec<u8> = (0..1000u32).map(|i| (i * 7) as u8).collect();
-        let good = crate::store::checksum(&data[100..600]);
-        let path = Path::new("/models/m.ntio");
-        // SAFETY: data holds bytes 100..600 and nothing writes them meanwhile.
-        assert!(unsafe { verify(&[check(100, 500, good)], data.as_ptr(), path) }.is_ok());
-        data[599] ^= 0x10;
-        // SAFETY: as above.
-        let err = unsafe { verify(&[check(100, 500, good)], data.as_ptr(), path) }.unwrap_err();
-        let message = err.to_string();
-        assert!(
-            matches!(
-                err,
-                Error::Corrupt {
-                    offset: 8192,
-                    length: 500,
-                    ..
-                }
-            ),
-            "{message}"
-        );
-        assert!(
-            message
-                .starts_with("/models/m.ntio: checksum mismatch in tensor 'blk.0.ffn_up.weight'"),
-            "{message}"
-        );
+    fn checks_hashed_as_requests_land_in_any_order_match_and_catch_a_flip() {
+        let data: Vec<u8> = (0..50_000u32).map(|i| (i * 7 + i / 255) as u8).collect();
+        let checks = || {
+            vec![
+                check(100, 20_000, crate::store::checksum(&data[100..20_100])),
+                check(
+                    20_100,
+                    29_000,
+                    crate::store::checksum(&data[20_100..49_100]),
+                ),
+                check(49_100, 200, crate::store::checksum(&data[49_100..49_300])),
+            ]
+        };
+        for order in [
+            vec![0, 1, 2, 3, 4, 5, 6],
+            vec![3, 0, 6, 2, 1, 5, 4],
+            vec![6, 5, 4, 3, 2, 1, 0],
+        ] {
+            land_and_verify(&data, checks(), 8192, &order).unwrap();
+            let mut flipped = data.clone();
+            flipped[30_000] ^= 0x10;
+            let err = land_and_verify(&flipped, checks(), 8192, &order).unwrap_err();
+            assert!(
+                matches!(&err, Error::Corrupt { tensor, offset: 8192, length: 29_000, .. } if &**tensor == "blk.0.ffn_up.weight"),
+                "{err}"
+            );
+            assert!(err
+                .to_string()
+                .starts_with("/models/m.ntio: checksum mismatch in tensor 'blk.0.ffn_up.weight'"));
+        }
     }
 }

@@ -20,7 +20,7 @@ use crate::destination::Destination;
 use crate::error::{Error, Result};
 use crate::extent::{Request, Target};
 use crate::staging::{AlignedBuf, SLOT_ALIGNMENT};
-use crate::verify::Check;
+use crate::verify::{Check, Checks};
 use faults::Faults;
 
 /// Environment variable that forces a backend when the caller does not name one.
@@ -206,7 +206,7 @@ struct Stage {
 
 impl Completion {
     /// A batch submitted now.
-    pub fn new() -> Self {
+    pub fn submitted_now() -> Self {
         Self {
             started: Instant::now(),
             stage: Mutex::new(Stage::default()),
@@ -275,7 +275,8 @@ impl Completion {
 pub struct Batch {
     pub requests: Vec<Request>,
     pub dest: Destination,
-    pub checks: Vec<Check>,
+    /// Shared with the tasks that hash landed requests on the verifier thread (`landed`).
+    pub checks: Arc<Mutex<Checks>>,
     /// Size of one bounce region: the longest bounce request, 0 when nothing bounces.
     pub bounce_len: usize,
     /// Each request's latency (its first read submitted → its last completed), when timed.
@@ -290,10 +291,16 @@ impl Batch {
             .map(|r| r.len)
             .max()
             .unwrap_or(0);
+        let starts = requests
+            .iter()
+            .map(|r| match r.target {
+                Target::Direct { dest_offset } | Target::Bounce { dest_offset, .. } => dest_offset,
+            })
+            .collect();
         Self {
+            checks: Arc::new(Mutex::new(Checks::new(checks, starts))),
             requests,
             dest,
-            checks,
             bounce_len,
             latencies: None,
         }
@@ -302,9 +309,18 @@ impl Batch {
     /// The batch's outcome once its I/O has ended with `io`: that, or the first failed check.
     pub fn outcome(&self, io: Result<()>, path: &Path) -> Result<()> {
         io?;
+        let mut checks = self.checks.lock().unwrap_or_else(|e| e.into_inner());
         // SAFETY: every request has completed (no read is writing the destination), and the checks
         // were validated to lie in bytes the batch's extents wrote, inside the destination.
-        unsafe { crate::verify::verify(&self.checks, self.dest.as_ptr(), path) }
+        unsafe { checks.verify(self.dest.as_ptr(), path) }
+    }
+
+    pub fn has_checks(&self) -> bool {
+        !self
+            .checks
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .is_empty()
     }
 
     /// Record each request's latency (for benchmarks: `Reader::read_timed`).
@@ -361,6 +377,24 @@ impl Batch {
                     req.needed - skip,
                 )
             }
+        }
+    }
+
+    /// Request `request` has landed (after `complete`): a task that lets the checks take what has
+    /// landed so far, while it is in cache. Run off the I/O thread (hashing there slows the reads),
+    /// before the batch's outcome and on the thread that then drops the batch.
+    ///
+    /// # Safety
+    /// Every request marked landed must have completed (no read is still writing its bytes), and the
+    /// task must run before the batch (its destination) is dropped.
+    pub unsafe fn landed(&self, request: usize) -> impl FnOnce() + Send + 'static {
+        let checks = Arc::clone(&self.checks);
+        let dest = self.dest.as_ptr() as usize;
+        move || {
+            let mut checks = checks.lock().unwrap_or_else(|e| e.into_inner());
+            // SAFETY: the checks were validated to lie in bytes the batch's extents write, inside the
+            // destination, which is alive and whose landed requests' reads are over (caller).
+            unsafe { checks.landed(request, dest as *const u8) }
         }
     }
 }

@@ -212,7 +212,8 @@ impl Active {
     }
 
     /// Drop the batch (freeing its destination), then tell the submitter. A batch with checks is
-    /// told it landed now and is hashed on the verifier thread, which ends it.
+    /// told it landed now and is hashed on the verifier thread, which ends it (and drops it after
+    /// the tasks that hashed its requests as they landed).
     fn finish(self, file: &OpenFile, verifier: &Verifier) {
         let Active {
             job: Job { batch, done },
@@ -221,14 +222,16 @@ impl Active {
             ..
         } = self;
         drop(bounce);
-        if failure.is_some() || batch.checks.is_empty() {
+        if !batch.has_checks() {
             drop(batch);
             return done.end(failure.map_or(Ok(()), Err));
         }
-        done.land();
+        if failure.is_none() {
+            done.land();
+        }
         let path = file.path.clone();
         verifier.run(move || {
-            let outcome = batch.outcome(Ok(()), &path);
+            let outcome = batch.outcome(failure.map_or(Ok(()), Err), &path);
             drop(batch);
             done.end(outcome);
         });
@@ -367,6 +370,11 @@ fn serve(mut ring: Ring, file: &OpenFile, shared: &Shared, verifier: Verifier) {
                                 .complete(req, active.region_ptr(entry.region))
                         };
                         active.job.batch.record_latency(entry.started);
+                        if active.job.batch.has_checks() {
+                            // SAFETY: this request's completion is reaped (landed ones were before), and
+                            // the batch is dropped on the verifier thread after the task (`finish`).
+                            verifier.run(unsafe { active.job.batch.landed(entry.request) });
+                        }
                     }
                     Ok(Progress::Again) => {} // abandoned: the batch has already failed
                     Err(err) => {
