@@ -19,13 +19,16 @@ import torch.nn.functional as F
 
 import ntio
 from ntio import _core
-from ntio.errors import ModelFormatError
+from ntio.errors import ModelFormatError, OptionError
 from ntio.formats.store import StoreFile, convert
 from ntio.formats.model_file import open_model_file
 from ntio.models.config import ModelConfig
 from ntio.models.weights import WeightLayout
-from ntio.runtime.budget import minimum, plan_memory
-from ntio.runtime.tiers import parse_tier_spec
+from ntio.kernels import ops
+from ntio.runtime.budget import memory_needs, minimum, plan_memory
+from ntio.runtime.engine import MIN_PREFILL_CHUNK
+from ntio.runtime.memory import HEADROOM_MIN, RamRoom
+from ntio.runtime.tiers import format_size, parse_tier_spec
 from ntio.synth import SynthSpec, write_synthetic_gguf
 from tests.test_cli import assert_user_error, ntio as run_cli
 
@@ -189,3 +192,48 @@ def test_piece_hashes_match_the_file_bytes_in_one_pass(smollm2_store):
         assert chunks == [_core.checksum(data[i : i + chunk]) for i in range(0, data.size, chunk)]
         assert rows == [_core.checksum(data[i : i + row]) for i in range(0, data.size, row)]
     m.close()
+
+
+def _layout(path):
+    g = open_model_file(path)
+    return WeightLayout(g, ModelConfig.from_gguf(g))
+
+
+def test_a_cpu_forward_of_kernel_rows_dequantizes_nothing_so_its_plan_holds_no_scratch(smollm2_path):
+    layout = _layout(smollm2_path)
+    needs = {(chunk, cuda): memory_needs(layout, 512, torch.float32, 1, 2, chunk, cuda=cuda)
+             for chunk in (ops.KERNEL_ROWS, 2 * ops.KERNEL_ROWS) for cuda in (False, True)}
+    rows = ops.KERNEL_ROWS
+    assert needs[rows, True].activations - needs[rows, False].activations == ops.SCRATCH_BYTES
+    assert needs[2 * rows, True].activations == needs[2 * rows, False].activations  # longer chunks dequantize
+    # The claim itself: a 64-token prompt and decode steps leave the engine's scratch untouched.
+    m = ntio.load(smollm2_path, max_context=256, tiers="C")
+    m.generate(list(range(100, 100 + rows)), max_new_tokens=3)
+    assert m.engine.scratch.nbytes == 0
+    m.close()
+
+
+def _room(default_budget: int, own_file_pages: int) -> RamRoom:
+    """A cgroup's room whose default budget is `default_budget` (HEADROOM_MIN below what is available)."""
+    available = default_budget + HEADROOM_MIN
+    return RamRoom(available, "cgroup v1 /fake", 600_000_000, 400_000_000, own_file_pages)
+
+
+def test_a_tight_default_budget_takes_library_pages_for_the_leanest_plan_with_a_notice(smollm2_path, monkeypatch):
+    layout = _layout(smollm2_path)
+    plan = lambda **budget: plan_memory(layout, cuda=False, kv_dtype=torch.float32, max_context=512, **budget)
+    # The measured room leaves 10 MB, but this process's own library pages (500 MB) can be given up.
+    monkeypatch.setattr("ntio.runtime.budget.ram_room", lambda: _room(10_000_000, 500_000_000))
+    tight = plan()
+    lean = tight.report()["minimum"]
+    assert 10_000_000 < lean == tight.budget.ram == tight.report()["total"]  # the least it needs, no more
+    assert tight.prefill_chunk == MIN_PREFILL_CHUNK and tight.report()["layers_per_tier"]["C"] == 30
+    assert tight.notice.startswith(f"memory is tight: the RAM budget is {format_size(lean)}, not the 9.54 MiB")
+    # No library pages to give up (they keep LIBRARY_FLOOR): the one-line refusal with the minimum.
+    monkeypatch.setattr("ntio.runtime.budget.ram_room", lambda: _room(10_000_000, 0))
+    with pytest.raises(OptionError, match=rf"ram_budget .* is too small: streaming this model needs at least "
+                                          rf"{format_size(lean)}"):
+        plan()
+    # A budget the user gives is never grown.
+    with pytest.raises(OptionError, match=r"ram_budget 9.54 MiB is too small"):
+        plan(ram_budget=10_000_000)

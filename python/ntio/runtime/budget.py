@@ -3,7 +3,7 @@
 Budgets cover what ntio allocates for the model: the norms, the output head (resident, or streamed in row chunks
 like a layer), the token embedding (resident, or its rows read on demand), the KV cache, activations (bounded:
 prefill runs in chunks of `engine.PREFILL_CHUNK` tokens or fewer, dequantized products in row chunks of
-`ops.SCRATCH_BYTES`, logits for the one position generation samples or `engine.LOGITS_BYTES` of scored positions at
+`ops.SCRATCH_BYTES`, which on CPU only chunks of more than `ops.KERNEL_ROWS` tokens take, logits for the one position generation samples or `engine.LOGITS_BYTES` of scored positions at
 a time), the staging slots when anything streams, and the tier A/B layers. The Python interpreter and its libraries,
 the parsed metadata and the tokenizer are already allocated when the default budget is measured
 (ntio.runtime.memory), so they are not in it.
@@ -67,7 +67,7 @@ def _aligned(n: int) -> int:
 
 def memory_needs(
     layout: WeightLayout, capacity: int, kv_dtype: torch.dtype, group_size: int, staging_slots: int,
-    prefill_chunk: int = PREFILL_CHUNK,
+    prefill_chunk: int = PREFILL_CHUNK, *, cuda: bool,
 ) -> MemoryNeeds:
     cfg: ModelConfig = layout.cfg
     token_embd = 0 if layout.output is None else layout.token_embd.nbytes
@@ -75,7 +75,9 @@ def memory_needs(
     tokens = min(capacity, prefill_chunk)
     per_token = 3 * cfg.d_model + cfg.q_width + 2 * cfg.kv_width + 2 * cfg.d_ff
     logits = max(4 * cfg.vocab_size, LOGITS_BYTES)
-    activations = ops.SCRATCH_BYTES + 4 * tokens * per_token + logits
+    # On CPU a forward of up to KERNEL_ROWS tokens multiplies on the encoded weights: nothing is dequantized.
+    scratch = ops.SCRATCH_BYTES if cuda or tokens > ops.KERNEL_ROWS else 0
+    activations = scratch + 4 * tokens * per_token + logits
     layers = [layout.block_nbytes(i) + len(layout.blocks[i]) * _ALIGN for i in range(cfg.n_layers)]
     norms = layout.output_norm.n_elements * 4
     return MemoryNeeds(norms, layout.head.nbytes, token_embd, kv, activations, layers, group_size, staging_slots)
@@ -86,6 +88,7 @@ class Budgets:
     device: int  # bytes for tier A (on CPU the device is host RAM: the RAM budget)
     ram: int
     ram_source: str  # "ram_budget" when given, else what bounded the measured room (ntio.runtime.memory)
+    ram_tight: int = 0  # what a default RAM budget may grow to for the leanest plan (`RamRoom.tight_budget`)
 
 
 def budgets(*, cuda: bool, gpu_memory_budget: str | int | None = None, ram_budget: str | int | None = None) -> Budgets:
@@ -93,11 +96,12 @@ def budgets(*, cuda: bool, gpu_memory_budget: str | int | None = None, ram_budge
     little headroom (`memory.RamRoom.default_budget`)."""
     if ram_budget is not None:
         ram, source = parse_size(ram_budget, "ram_budget"), "ram_budget"
+        tight = ram
     else:
         room = ram_room()
-        ram, source = room.default_budget, room.source
+        ram, source, tight = room.default_budget, room.source, room.tight_budget
     if not cuda:
-        return Budgets(ram, ram, source)
+        return Budgets(ram, ram, source, tight)
     if gpu_memory_budget is not None:
         return Budgets(parse_size(gpu_memory_budget, "gpu_memory_budget"), ram, source)
     return Budgets(int(0.9 * torch.cuda.mem_get_info()[0]), ram, source)
@@ -243,25 +247,35 @@ def plan_memory(layout: WeightLayout, *, cuda: bool, kv_dtype: torch.dtype, max_
     if sync:
         depth = 0
     elif prefetch_depth is None:
-        depth = auto_prefetch_depth(memory_needs(layout, 1, kv_dtype, group_size, 1).largest_group())
+        depth = auto_prefetch_depth(memory_needs(layout, 1, kv_dtype, group_size, 1, cuda=cuda).largest_group())
     else:
         depth = prefetch_depth
 
-    capacity, notice, chunk = max_context or min(cfg.context_length, DEFAULT_CONTEXT), None, PREFILL_CHUNK
+    capacity, chunk = max_context or min(cfg.context_length, DEFAULT_CONTEXT), PREFILL_CHUNK
 
     def needs_at(capacity: int) -> MemoryNeeds:
-        return memory_needs(layout, capacity, kv_dtype, group_size, depth + 1, chunk)
+        return memory_needs(layout, capacity, kv_dtype, group_size, depth + 1, chunk, cuda=cuda)
 
     while tiers == "auto" and chunk > MIN_PREFILL_CHUNK and minimum(needs_at(capacity)) > budget.device:
         chunk //= 2
+    notices = []
+    lean = minimum(needs_at(capacity))
+    if tiers == "auto" and not cuda and budget.ram < lean and budget.ram < budget.ram_tight:
+        grown = min(lean, budget.ram_tight)
+        notices.append(f"memory is tight: the RAM budget is {format_size(grown)}, not the {format_size(budget.ram)} "
+                       f"the measured room leaves, taken from the page cache of the interpreter's own libraries "
+                       f"(decode slows if they are paged out); --ram-budget sets it")
+        budget = Budgets(grown, grown, budget.ram_source, budget.ram_tight)
     if max_context is None and tiers == "auto":
         fitted = fitted_context(needs_at, capacity, budget.device)
         if 0 < fitted < capacity:
-            notice = (f"the context is {fitted} tokens, not {capacity}: a KV cache of {capacity} does not fit in the "
-                      f"memory budget ({format_size(budget.device)}); max_context (--ctx-size) asks for a size")
+            notices.append(f"the context is {fitted} tokens, not {capacity}: a KV cache of {capacity} does not fit in "
+                           f"the memory budget ({format_size(budget.device)}); max_context (--ctx-size) asks for a "
+                           f"size")
             capacity = fitted
     needs = needs_at(capacity)
-    return MemoryPlan(needs, budget, make_plan(needs, budget, cuda=cuda, tiers=tiers), capacity, chunk, depth, notice)
+    plan = make_plan(needs, budget, cuda=cuda, tiers=tiers)
+    return MemoryPlan(needs, budget, plan, capacity, chunk, depth, "; ".join(notices) or None)
 
 
 def resident_plan(layout: WeightLayout, *, cuda: bool, kv_dtype: torch.dtype, capacity: int) -> MemoryPlan:
@@ -281,4 +295,4 @@ def less_reserved(budget: Budgets, reserved: int, cuda: bool) -> Budgets:
                                   f"resident) and the target beside it")
     if cuda:
         return Budgets(budget.device - reserved, budget.ram, budget.ram_source)
-    return Budgets(budget.ram - reserved, budget.ram - reserved, budget.ram_source)
+    return Budgets(budget.ram - reserved, budget.ram - reserved, budget.ram_source, max(0, budget.ram_tight - reserved))

@@ -21,6 +21,11 @@ HEADROOM_SHARE, HEADROOM_MIN = 0.05, 64 << 20
 # they are ~240 MB (Pss_File), most of them touched once while importing: the import itself runs in a 500 MB cgroup
 # with ~300 MB of that anonymous (../shared/DESIGN.md), and a decode step runs a small part of the libraries' code.
 LIBRARY_WORKING_SET = 128 << 20
+# When the default budget cannot hold even the leanest plan, it may take that much from this process's own library
+# pages (clean file pages: the kernel drops them and reads them again when they run, slower but never an OOM kill),
+# leaving them at least this much. Measured on Qwen2.5-Coder-1.5B streamed in 0.55-0.6 GB cgroups (2026-11-24):
+# ~25 MB left gave 1.8 tok/s where ~75 MB gave 3.6; none left thrashed at 0.5 tok/s.
+LIBRARY_FLOOR = 48 << 20
 
 
 @dataclass(frozen=True)
@@ -34,6 +39,12 @@ class RamRoom:
     @property
     def default_budget(self) -> int:
         return max(0, self.available - max(HEADROOM_MIN, int(HEADROOM_SHARE * self.available)))
+
+    @property
+    def tight_budget(self) -> int:
+        """The most a default budget may grow to when the leanest plan needs it: the room with this process's own
+        library pages given up down to LIBRARY_FLOOR (at least the default budget)."""
+        return max(self.default_budget, self.available + self.own_file_pages - LIBRARY_FLOOR)
 
 
 def ram_room() -> RamRoom:
