@@ -93,10 +93,6 @@ impl Checks {
         }
     }
 
-    pub fn is_empty(&self) -> bool {
-        self.checks.is_empty()
-    }
-
     /// Request `request` has landed (its bytes, bounce copies included, are in `dest`).
     ///
     /// # Safety

@@ -277,6 +277,8 @@ pub struct Batch {
     pub dest: Destination,
     /// Shared with the tasks that hash landed requests on the verifier thread (`landed`).
     pub checks: Arc<Mutex<Checks>>,
+    /// Whether `checks` has any (known without the lock, which a hashing task may hold).
+    has_checks: bool,
     /// Size of one bounce region: the longest bounce request, 0 when nothing bounces.
     pub bounce_len: usize,
     /// Each request's latency (its first read submitted → its last completed), when timed.
@@ -298,6 +300,7 @@ impl Batch {
             })
             .collect();
         Self {
+            has_checks: !checks.is_empty(),
             checks: Arc::new(Mutex::new(Checks::new(checks, starts))),
             requests,
             dest,
@@ -316,11 +319,7 @@ impl Batch {
     }
 
     pub fn has_checks(&self) -> bool {
-        !self
-            .checks
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .is_empty()
+        self.has_checks
     }
 
     /// Record each request's latency (for benchmarks: `Reader::read_timed`).
