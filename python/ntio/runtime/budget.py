@@ -3,8 +3,9 @@
 Budgets cover what ntio allocates for the model: the norms, the output head (resident, or streamed in row chunks
 like a layer), the token embedding (resident, or its rows read on demand), the KV cache, activations (bounded:
 prefill runs in chunks of `engine.PREFILL_CHUNK` tokens or fewer, dequantized products in row chunks of
-`ops.SCRATCH_BYTES`, which on CPU only chunks of more than `ops.KERNEL_ROWS` tokens take, logits for the one position generation samples or `engine.LOGITS_BYTES` of scored positions at
-a time), the staging slots when anything streams, and the tier A/B layers. The Python interpreter and its libraries,
+`ops.SCRATCH_BYTES`, on CPU only for chunks of more than `ops.KERNEL_ROWS` tokens, logits for the one position
+generation samples or `engine.LOGITS_BYTES` of scored positions at a time), the staging slots when anything streams,
+and the tier A/B layers. The Python interpreter and its libraries,
 the parsed metadata and the tokenizer are already allocated when the default budget is measured
 (ntio.runtime.memory), so they are not in it.
 """
@@ -231,8 +232,10 @@ def plan_memory(layout: WeightLayout, *, cuda: bool, kv_dtype: torch.dtype, max_
     plan for a model, in that order.
 
     When the leanest plan does not fit an automatic plan's budget, the prefill chunk is halved (down to
-    MIN_PREFILL_CHUNK), then the context, unless `max_context` set it, shrinks (with a notice) from the model's up to
-    DEFAULT_CONTEXT. The read-ahead is `prefetch_depth`, or `loader.auto_prefetch_depth` of the largest group."""
+    MIN_PREFILL_CHUNK); then, on CPU, a measured RAM budget grows up to `RamRoom.tight_budget` (this process's own
+    library pages given up, with a notice); then the context, unless `max_context` set it, shrinks (with a notice)
+    from the model's up to DEFAULT_CONTEXT. The read-ahead is `prefetch_depth`, or `loader.auto_prefetch_depth` of
+    the largest group."""
     cfg = layout.cfg
     if max_context is not None and not 1 <= max_context <= cfg.context_length:
         raise OptionError("max_context",
