@@ -64,6 +64,30 @@ _MODEL_OPTIONS = ("model", "ctx_size", "kv_dtype", "threads", "device", "tiers",
                   "layer_group_size", "prefetch_depth", "sync", "io_backend", "verify", "cpu_activations")
 
 
+def _plan_options(f):
+    """Options that decide where a model's parts live and what memory they take: every command that loads a model
+    and `plan` take them."""
+    f = click.option("--prefetch-depth", type=click.IntRange(min=1),
+                     help="Streamed groups read ahead while the current one computes (default: enough for ~24 MiB "
+                          "in flight, 2 to 16)")(f)
+    f = click.option("--layer-group-size", type=click.IntRange(min=1), default=1, show_default=True,
+                     help="Consecutive layers read as one streamed group")(f)
+    f = click.option("--ram-budget",
+                     help="Host memory for the model, e.g. 512MB, 4GiB (default: what this process can still use, "
+                          "less 5% headroom)")(f)
+    f = click.option("--gpu-memory-budget", help="Device memory for the model (default: 90% of free)")(f)
+    f = click.option("--tiers", default="auto", show_default=True,
+                     help="Where layers live: auto (from budgets), A (device), B (host RAM), C (disk, read every "
+                          "use), or per layer, e.g. A:0-9,C:10-29")(f)
+    f = click.option("--device", default="cpu", show_default=True, help="Compute device: cpu, cuda, cuda:1, ...")(f)
+    f = click.option("--kv-dtype", type=click.Choice(["float32", "float16", "bfloat16"]), default="float32",
+                     show_default=True, help="KV cache dtype")(f)
+    f = click.option("--ctx-size", type=click.IntRange(min=1),
+                     help="KV cache capacity in tokens (default: the model's context up to 4096, less when the "
+                          "memory budget cannot hold its KV cache)")(f)
+    return f
+
+
 def _model_options(f):
     """Options shared by every command that loads a model; the command passes them on with `_load(**opts)`."""
     f = click.option("--cpu-activations", type=click.Choice(["int8", "float32"]), default="int8", show_default=True,
@@ -75,23 +99,8 @@ def _model_options(f):
     f = click.option("--io-backend", type=click.Choice(["io_uring", "pread", "buffered"]),
                      help="Force the disk reader's backend (default: probe; env NTIO_IO_BACKEND)")(f)
     f = click.option("--sync", is_flag=True, help="Read streamed layers when needed instead of prefetching them")(f)
-    f = click.option("--prefetch-depth", type=click.IntRange(min=1),
-                     help="Streamed groups read ahead while the current one computes (default: enough for ~24 MiB "
-                          "in flight, 2 to 16)")(f)
-    f = click.option("--layer-group-size", type=click.IntRange(min=1), default=1, show_default=True,
-                     help="Consecutive layers read as one streamed group")(f)
-    f = click.option("--ram-budget", help="Host memory for the model, e.g. 512MB, 4GiB (default: 90% of available)")(f)
-    f = click.option("--gpu-memory-budget", help="Device memory for the model (default: 90% of free)")(f)
-    f = click.option("--tiers", default="auto", show_default=True,
-                     help="Where layers live: auto (from budgets), A (device), B (host RAM), C (disk, read every "
-                          "use), or per layer, e.g. A:0-9,C:10-29")(f)
-    f = click.option("--device", default="cpu", show_default=True, help="Compute device: cpu, cuda, cuda:1, ...")(f)
+    f = _plan_options(f)
     f = click.option("--threads", type=click.IntRange(min=1), help="CPU threads for compute (default: all)")(f)
-    f = click.option("--kv-dtype", type=click.Choice(["float32", "float16", "bfloat16"]), default="float32",
-                     show_default=True, help="KV cache dtype")(f)
-    f = click.option("--ctx-size", type=click.IntRange(min=1),
-                     help="KV cache capacity in tokens (default: the model's context up to 4096, less when the "
-                          "memory budget cannot hold its KV cache)")(f)
     f = click.option("-m", "--model", type=MODEL_ARG, metavar="PATH|NAME", help=MODEL_HELP)(f)
     return f
 
@@ -359,14 +368,7 @@ def info(model, as_json) -> None:
 
 @main.command()
 @click.argument("model", type=MODEL_ARG, metavar="MODEL")
-@click.option("--ctx-size", type=click.IntRange(min=1), help="KV cache capacity in tokens (default as for generate)")
-@click.option("--ram-budget", help="Host memory for the model (default: what this process can still use)")
-@click.option("--gpu-memory-budget", help="Device memory for the model (default: 90% of free)")
-@click.option("--tiers", default="auto", show_default=True, help="As for generate")
-@click.option("--device", default="cpu", show_default=True)
-@click.option("--kv-dtype", type=click.Choice(["float32", "float16", "bfloat16"]), default="float32", show_default=True)
-@click.option("--layer-group-size", type=click.IntRange(min=1), default=1, show_default=True)
-@click.option("--prefetch-depth", type=click.IntRange(min=1))
+@_plan_options
 @click.option("--draft", metavar="PATH|NAME", help="A draft model beside MODEL: planned first, wholly resident")
 @click.option("--json", "as_json", is_flag=True)
 def plan(model, ctx_size, ram_budget, gpu_memory_budget, tiers, device, kv_dtype, layer_group_size, prefetch_depth,
