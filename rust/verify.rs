@@ -124,8 +124,8 @@ impl Checks {
     ///
     /// # Safety
     /// As `landed`, and the batch's I/O must be over: nothing writes `dest` any more.
-    pub unsafe fn verify(&mut self, dest: *const u8, path: &Path) -> Result<()> {
-        for (check, hash) in self.checks.iter().zip(std::mem::take(&mut self.hashes)) {
+    pub unsafe fn verify(&self, dest: *const u8, path: &Path) -> Result<()> {
+        for (check, hash) in self.checks.iter().zip(self.hashes.iter().cloned()) {
             // SAFETY: the caller's contract: the range is inside the destination, written and stable.
             let bytes =
                 unsafe { std::slice::from_raw_parts(dest.add(check.dest_offset), check.length) };

@@ -312,7 +312,7 @@ impl Batch {
     /// The batch's outcome once its I/O has ended with `io`: that, or the first failed check.
     pub fn outcome(&self, io: Result<()>, path: &Path) -> Result<()> {
         io?;
-        let mut checks = self.checks.lock().unwrap_or_else(|e| e.into_inner());
+        let checks = self.checks.lock().unwrap_or_else(|e| e.into_inner());
         // SAFETY: every request has completed (no read is writing the destination), and the checks
         // were validated to lie in bytes the batch's extents wrote, inside the destination.
         unsafe { checks.verify(self.dest.as_ptr(), path) }
