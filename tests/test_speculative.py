@@ -45,14 +45,15 @@ def test_greedy_with_prompt_lookup_is_token_for_token_plain_greedy(smollm2_path,
     for prompt in PROMPTS:
         ids = m.encode_prompt(prompt, chat=True)
         plain = m.generate(ids, 48)
-        spec = m.generate(ids, 48, lookup=True)
-        assert spec.token_ids == plain.token_ids, prompt
-        assert m.generate(ids, 48, lookup=True, adaptive_draft=False).token_ids == plain.token_ids, prompt
+        assert m.generate(ids, 48, lookup=True).token_ids == plain.token_ids, prompt
+        fixed = m.generate(ids, 48, lookup=True, adaptive_draft=False)
+        assert fixed.token_ids == plain.token_ids, prompt
         assert plain.speculation is None
-        drafted += sum(spec.speculation["drafted"].values())
-        accepted += sum(spec.speculation["accepted"].values())
+        drafted += sum(fixed.speculation["drafted"].values())
+        accepted += sum(fixed.speculation["accepted"].values())
     m.close()
-    # The drafts were real: many tokens drafted, many accepted, some rejected (both verdicts were exercised).
+    # The drafts were real: many tokens drafted, many accepted, some rejected (both verdicts were exercised). Counted
+    # on the fixed-length drafts: the adaptive chooser's lengths follow measured pass times, so its counts vary.
     assert drafted > 40 and 20 < accepted < drafted
 
 
