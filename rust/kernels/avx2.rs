@@ -4,6 +4,8 @@
 //!   sub-scales) against the activations' 8-bit codes, one float conversion and FMA per activation span (32 or 128 elements) and row;
 //!   symmetric types go through the sign trick (|w| times x with w's sign), affine ones multiply their unsigned
 //!   codes directly and add m·Σx̂;
+//! - group kernels (`int_group`, the legacy 32-element types): eight weight rows at once, their integer sums
+//!   reduced into one vector (lane j: row j) so that the float work is shared by the eight rows;
 //! - float kernels (`quantized`, `dense`): codes widened to four 8-lane float32 vectors, FMAs against float32
 //!   activations (the reference path for differential tests).
 //!
@@ -13,7 +15,7 @@
 use std::arch::x86_64::*;
 
 use super::blocks::{self, Dense, Format, GROUP, MAX_SUBS};
-use super::rows::{activation_span, Activations, RowKernel, MAX_T};
+use super::rows::{activation_span, Activations, GroupKernel, RowKernel, GROUP_ROWS, MAX_T};
 
 /// Whether this CPU runs the kernels of this module.
 pub fn available() -> bool {
@@ -82,6 +84,18 @@ pub fn quantized<F: SimdFormat>() -> RowKernel {
 pub fn int<F: SimdFormat>() -> RowKernel {
     // SAFETY: `matmul` selects this kernel only when `available()` returned true.
     |a, row, y| unsafe { int_row::<F>(a, row, y) }
+}
+
+/// The integer group kernel for legacy block format `F` (blocks of 32, 8-bit activations): eight weight rows
+/// at once. Call only if `available()`.
+pub fn int_group<F: SimdFormat>() -> GroupKernel {
+    debug_assert_eq!(
+        F::BLOCK,
+        GROUP,
+        "group kernels take the 32-element legacy formats"
+    );
+    // SAFETY: `matmul` selects this kernel only when `available()` returned true.
+    |a, rows, row_bytes, y| unsafe { int_group_rows::<F>(a, rows, row_bytes, y) }
 }
 
 /// The row kernel for dense type `D`. Call only if `available()`.
@@ -271,6 +285,171 @@ unsafe fn int_rows<F: SimdFormat, const R: usize>(
     R
 }
 
+/// The group kernel (`GroupKernel`) of a legacy format: tiles of 8, 4, 2 or 1 activation rows, as `int_row`.
+///
+/// A row kernel spends most of a 32-element block's instructions on one row's float work (convert, scale,
+/// FMA, offset) and its FMA chain. Here a block's eight weight rows meet each activation row, their integer
+/// sums are reduced together into one vector (lane j: weight row j), and the float work is one convert, one
+/// multiply and one FMA per block for all eight rows. An output's arithmetic is its lane's alone, the same for
+/// every count and tile size.
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn int_group_rows<F: SimdFormat>(
+    a: &Activations,
+    rows: &[u8],
+    row_bytes: usize,
+    y: &mut [[f32; GROUP_ROWS]; MAX_T],
+) {
+    let count = rows.len() / row_bytes;
+    debug_assert!((1..=GROUP_ROWS).contains(&count) && rows.len() == count * row_bytes);
+    // Lanes past `count` recompute the last row; their outputs are never stored.
+    let ptrs: [*const u8; GROUP_ROWS] =
+        std::array::from_fn(|j| rows[j.min(count - 1) * row_bytes..].as_ptr());
+    // The eight rows are read as eight interleaved streams, which the hardware prefetchers follow poorly (the
+    // rows are not in cache in a decode step): each block's iteration prefetches its share of the bytes after
+    // `rows`, where the next group's rows usually are. (A prefetch never faults, wherever it points.)
+    let ahead = Prefetch {
+        from: rows.as_ptr().wrapping_add(rows.len()),
+        per_block: rows
+            .len()
+            .div_ceil(a.k / GROUP)
+            .next_multiple_of(CACHE_LINE),
+    };
+    let mut t0 = 0;
+    while t0 < a.t {
+        let out = &mut y[t0..];
+        // SAFETY: (all four) `ptrs` point at rows of row_bytes = k / 32 blocks; t0 + R <= a.t.
+        t0 += match a.t - t0 {
+            8.. => unsafe { int_group_tile::<F, 8>(a, &ptrs, t0, out, ahead) },
+            4..=7 => unsafe { int_group_tile::<F, 4>(a, &ptrs, t0, out, ahead) },
+            2..=3 => unsafe { int_group_tile::<F, 2>(a, &ptrs, t0, out, ahead) },
+            _ => unsafe { int_group_tile::<F, 1>(a, &ptrs, t0, out, ahead) },
+        };
+    }
+}
+
+const CACHE_LINE: usize = 64;
+
+/// Bytes to prefetch while a group computes: `per_block` bytes from `from` per weight block.
+#[derive(Clone, Copy)]
+struct Prefetch {
+    from: *const u8,
+    per_block: usize,
+}
+
+impl Prefetch {
+    /// Prefetches the share of block `bi`.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    fn block(self, bi: usize) {
+        let start = self.from.wrapping_add(bi * self.per_block);
+        for line in (0..self.per_block).step_by(CACHE_LINE) {
+            // A prefetch is a hint: it never faults or changes memory, whatever the address.
+            _mm_prefetch::<_MM_HINT_T0>(start.wrapping_add(line).cast());
+        }
+    }
+}
+
+/// y[0..R] (lane j: weight row j) for activation rows t0..t0 + R; returns R.
+///
+/// # Safety
+/// Each of `ptrs` must point at an encoded row of `a.k / 32` blocks of `F`; t0 + R <= a.t.
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn int_group_tile<F: SimdFormat, const R: usize>(
+    a: &Activations,
+    ptrs: &[*const u8; GROUP_ROWS],
+    t0: usize,
+    y: &mut [[f32; GROUP_ROWS]],
+    ahead: Prefetch,
+) -> usize {
+    let q8 = a.q8_for(GROUP);
+    let gs = a.k / GROUP;
+    let ones = _mm256_set1_epi16(1);
+    let mut acc = [_mm256_setzero_ps(); R];
+    let mut macc = [_mm256_setzero_ps(); R]; // offsets·Σx̂ (affine types)
+    for bi in 0..gs {
+        ahead.block(bi);
+        let off = bi * F::BYTES;
+        // SAFETY: block bi of every row is inside it (the caller's contract).
+        let (d, m) = unsafe { legacy_scales8(ptrs, off) };
+        let w: [__m256i; GROUP_ROWS] =
+            std::array::from_fn(|j| unsafe { F::code_bytes(ptrs[j].add(off), 0) });
+        let wu = w.map(|w| if F::AFFINE { w } else { _mm256_sign_epi8(w, w) });
+        for r in 0..R {
+            let row = (t0 + r) * gs + bi;
+            // SAFETY: `matmul` quantized t * k codes and t0 + r < t.
+            let x = unsafe { _mm256_loadu_si256(q8.codes.as_ptr().add(row * GROUP).cast()) };
+            let dots: [__m256i; GROUP_ROWS] = std::array::from_fn(|j| {
+                // maddubs multiplies unsigned by signed bytes: symmetric codes go in as |w|, their sign onto x.
+                let x = if F::AFFINE {
+                    x
+                } else {
+                    _mm256_sign_epi8(x, w[j])
+                };
+                _mm256_madd_epi16(_mm256_maddubs_epi16(wu[j], x), ones)
+            });
+            let sums = _mm256_cvtepi32_ps(reduce8(dots));
+            let scale = _mm256_mul_ps(d, _mm256_set1_ps(q8.scales[row]));
+            acc[r] = _mm256_fmadd_ps(sums, scale, acc[r]);
+            if F::AFFINE {
+                macc[r] = _mm256_fmadd_ps(m, _mm256_set1_ps(q8.sums[row]), macc[r]);
+            }
+        }
+    }
+    for r in 0..R {
+        // SAFETY: y[r] holds GROUP_ROWS floats.
+        unsafe { _mm256_storeu_ps(y[r].as_mut_ptr(), _mm256_add_ps(acc[r], macc[r])) };
+    }
+    R
+}
+
+/// Eight vectors of 8 i32 -> one vector whose lane j is the sum of v[j]'s lanes (integer: exact in any order).
+#[target_feature(enable = "avx2,fma,f16c")]
+fn reduce8(v: [__m256i; GROUP_ROWS]) -> __m256i {
+    let pairs = [0, 2, 4, 6].map(|j| _mm256_hadd_epi32(v[j], v[j + 1]));
+    // Lanes of q0: v0..v3's low-half sums, then their high-half sums; q1 the same for v4..v7.
+    let q0 = _mm256_hadd_epi32(pairs[0], pairs[1]);
+    let q1 = _mm256_hadd_epi32(pairs[2], pairs[3]);
+    _mm256_add_epi32(
+        _mm256_blend_epi32(q0, q1, 0xF0),
+        _mm256_permute2x128_si256(q0, q1, 0x21),
+    )
+}
+
+/// The float16 d (and m) at the start of eight legacy blocks, as two 8-lane vectors (lane j: `ptrs[j] + off`).
+/// Every legacy block starts with d, and affine ones follow it with m; for symmetric types the second vector
+/// holds code bytes and is never used.
+///
+/// # Safety
+/// Each `ptrs[j] + off` must have 4 readable bytes.
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn legacy_scales8(ptrs: &[*const u8; GROUP_ROWS], off: usize) -> (__m256, __m256) {
+    // SAFETY: guaranteed by the caller.
+    let word = |j: usize| unsafe { ptrs[j].add(off).cast::<i32>().read_unaligned() };
+    let raw = _mm256_setr_epi32(
+        word(0),
+        word(1),
+        word(2),
+        word(3),
+        word(4),
+        word(5),
+        word(6),
+        word(7),
+    );
+    // In each 128-bit half: the four d (bytes 0-1 of each word) in the low 8 bytes, the four m in the high 8.
+    let split = _mm256_shuffle_epi8(
+        raw,
+        _mm256_setr_epi8(
+            0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15, 0, 1, 4, 5, 8, 9, 12, 13, 2, 3,
+            6, 7, 10, 11, 14, 15,
+        ),
+    );
+    // 64-bit quarters (d0-3, m0-3, d4-7, m4-7) -> (d0-3, d4-7, m0-3, m4-7).
+    let v = _mm256_permute4x64_epi64(split, 0b11_01_10_00);
+    (
+        _mm256_cvtph_ps(_mm256_castsi256_si128(v)),
+        _mm256_cvtph_ps(_mm256_extracti128_si256(v, 1)),
+    )
+}
+
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn dense_row<D: SimdDense>(a: &Activations, row: &[u8], y: &mut [f32; MAX_T]) {
     let mut acc = [_mm256_setzero_ps(); MAX_T];
@@ -328,30 +507,28 @@ fn widen32<const SIGNED: bool>(v: __m256i) -> [__m256; 4] {
 /// j, else high nibble of byte j - 16), plus bit j of `qh` as bit 4 (Q5 types), minus `offset`.
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn legacy(qs: *const u8, qh: Option<u32>, offset: i8) -> __m256i {
+    // The 16 bytes in both 128-bit halves, the high half shifted right by 4: its low nibbles are the bytes'
+    // high nibbles (elements 16..32).
     // SAFETY: the caller passes 16 readable bytes at `qs`.
-    let v = unsafe { _mm_loadu_si128(qs.cast()) };
-    let nib = _mm_set1_epi8(0x0F);
-    let mut halves = [
-        _mm_and_si128(v, nib),
-        _mm_and_si128(_mm_srli_epi16(v, 4), nib),
-    ];
+    let v = _mm256_broadcastsi128_si256(unsafe { _mm_loadu_si128(qs.cast()) });
+    let mut codes = _mm256_and_si256(
+        _mm256_srlv_epi64(v, _mm256_setr_epi64x(0, 0, 4, 4)),
+        _mm256_set1_epi8(0x0F),
+    );
     if let Some(qh) = qh {
-        // byte j of half h gets byte 2h + j/8 of qh, tested against bit j % 8
-        let bits = _mm_set1_epi64x(0x8040_2010_0804_0201u64 as i64);
-        let all = _mm_set1_epi32(qh as i32);
-        let select = [
-            _mm_set_epi64x(0x0101_0101_0101_0101, 0),
-            _mm_set_epi64x(0x0303_0303_0303_0303, 0x0202_0202_0202_0202),
-        ];
-        for (half, sel) in halves.iter_mut().zip(select) {
-            let set = _mm_cmpeq_epi8(_mm_and_si128(_mm_shuffle_epi8(all, sel), bits), bits);
-            *half = _mm_or_si128(*half, _mm_and_si128(set, _mm_set1_epi8(0x10)));
-        }
+        // byte j gets byte j / 8 of qh, tested against bit j % 8
+        let bits = _mm256_set1_epi64x(0x8040_2010_0804_0201u64 as i64);
+        let select = _mm256_setr_epi64x(
+            0,
+            0x0101_0101_0101_0101,
+            0x0202_0202_0202_0202,
+            0x0303_0303_0303_0303,
+        );
+        let spread = _mm256_shuffle_epi8(_mm256_set1_epi32(qh as i32), select);
+        let set = _mm256_cmpeq_epi8(_mm256_and_si256(spread, bits), bits);
+        codes = _mm256_or_si256(codes, _mm256_and_si256(set, _mm256_set1_epi8(0x10)));
     }
-    _mm256_sub_epi8(
-        _mm256_set_m128i(halves[1], halves[0]),
-        _mm256_set1_epi8(offset),
-    )
+    _mm256_sub_epi8(codes, _mm256_set1_epi8(offset))
 }
 
 /// `(v >> shift) & mask` on every byte of 32.

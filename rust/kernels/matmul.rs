@@ -9,7 +9,9 @@ use std::sync::{Arc, RwLock};
 use super::blocks::{self, Dense, Format, GROUP};
 use super::dot;
 use super::q8::Q8Rows;
-use super::rows::{activation_span, Activations, RowKernel, K_SPAN, MAX_T};
+use super::rows::{
+    activation_span, Activations, GroupKernel, RowKernel, GROUP_ROWS, K_SPAN, MAX_T,
+};
 use super::team::Team;
 
 /// Least work per task, in multiply-adds (weights x activation rows): ~5 us of integer kernel on one core. With
@@ -104,6 +106,34 @@ impl QType {
     fn dense(self) -> bool {
         matches!(self, QType::F32 | QType::F16 | QType::BF16)
     }
+
+    /// The kernel of this type for `isa` and `activations`: a group kernel (eight weight rows at once) where
+    /// one exists, else the row kernel.
+    fn kernels(self, isa: Isa, activations: Activations8) -> Kernel {
+        #[cfg(target_arch = "x86_64")]
+        if activations == Activations8::Int8 && isa != Isa::Scalar && super::avx2::available() {
+            use super::avx2::int_group;
+            let group = match self {
+                QType::Q4_0 => Some(int_group::<blocks::Q4_0>()),
+                QType::Q4_1 => Some(int_group::<blocks::Q4_1>()),
+                QType::Q5_0 => Some(int_group::<blocks::Q5_0>()),
+                QType::Q5_1 => Some(int_group::<blocks::Q5_1>()),
+                QType::Q8_0 => Some(int_group::<blocks::Q8_0>()),
+                _ => None,
+            };
+            if let Some(group) = group {
+                return Kernel::Group(group);
+            }
+        }
+        Kernel::Row(self.kernel(isa, activations))
+    }
+}
+
+/// How a matrix's output columns are computed: one weight row per call, or `GROUP_ROWS` of them.
+#[derive(Clone, Copy)]
+enum Kernel {
+    Row(RowKernel),
+    Group(GroupKernel),
 }
 
 /// A block format every kernel set decodes (on x86-64: the AVX2 and AVX-512 decoders too).
@@ -369,11 +399,11 @@ pub fn quantized_matmul(
         })
         .collect();
     // Each matrix: its kernel, encoded row length and first output column.
-    let plan: Vec<(RowKernel, usize, usize)> = matrices
+    let plan: Vec<(Kernel, usize, usize)> = matrices
         .iter()
         .scan(0, |first, m| {
             let (block, bytes) = m.qtype.block();
-            let entry = (m.qtype.kernel(isa, activations), k / block * bytes, *first);
+            let entry = (m.qtype.kernels(isa, activations), k / block * bytes, *first);
             *first += m.n;
             Some(entry)
         })
@@ -381,17 +411,40 @@ pub fn quantized_matmul(
     let out_ptr = OutPtr(out.as_mut_ptr());
     // Output columns [start, stop) of the whole call, matrix by matrix.
     let columns_fn = |columns: std::ops::Range<usize>| {
-        let mut y = [0f32; MAX_T];
+        // SAFETY (both stores): bi * MAX_T + ti < t and c < n, so the index is inside `out` (t * n floats,
+        // checked above); tasks own disjoint column ranges, so no two threads write the same element; `out`
+        // outlives the call.
+        let store = |bi: usize, ti: usize, c: usize, v: f32| unsafe {
+            *out_ptr.at((bi * MAX_T + ti) * n + c) = v
+        };
         for (m, &(kernel, row_bytes, first)) in matrices.iter().zip(&plan) {
-            for c in columns.start.max(first)..columns.end.min(first + m.n) {
-                let row = &m.raw[(c - first) * row_bytes..][..row_bytes];
-                for (bi, a) in blocks.iter().enumerate() {
-                    kernel(a, row, &mut y);
-                    for (ti, &v) in y[..a.t].iter().enumerate() {
-                        // SAFETY: bi * MAX_T + ti < t and c < n, so the index is inside `out` (t * n floats,
-                        // checked above); tasks own disjoint column ranges, so no two threads write the same
-                        // element; `out` outlives the call.
-                        unsafe { *out_ptr.at((bi * MAX_T + ti) * n + c) = v };
+            let (start, stop) = (columns.start.max(first), columns.end.min(first + m.n));
+            match kernel {
+                Kernel::Row(kernel) => {
+                    let mut y = [0f32; MAX_T];
+                    for c in start..stop {
+                        let row = &m.raw[(c - first) * row_bytes..][..row_bytes];
+                        for (bi, a) in blocks.iter().enumerate() {
+                            kernel(a, row, &mut y);
+                            for (ti, &v) in y[..a.t].iter().enumerate() {
+                                store(bi, ti, c, v);
+                            }
+                        }
+                    }
+                }
+                Kernel::Group(kernel) => {
+                    let mut y = [[0f32; GROUP_ROWS]; MAX_T];
+                    for c in (start..stop).step_by(GROUP_ROWS) {
+                        let count = (stop - c).min(GROUP_ROWS);
+                        let rows = &m.raw[(c - first) * row_bytes..][..count * row_bytes];
+                        for (bi, a) in blocks.iter().enumerate() {
+                            kernel(a, rows, row_bytes, &mut y);
+                            for (ti, lanes) in y[..a.t].iter().enumerate() {
+                                for (j, &v) in lanes[..count].iter().enumerate() {
+                                    store(bi, ti, c + j, v);
+                                }
+                            }
+                        }
                     }
                 }
             }
@@ -401,7 +454,8 @@ pub fn quantized_matmul(
     let threads = team.threads();
     // Equal tasks of at least MIN_TASK_WORK multiply-adds, up to TASKS_PER_THREAD per thread.
     let tasks = (n * k * t / MIN_TASK_WORK).clamp(1, threads * TASKS_PER_THREAD);
-    let per_task = n.div_ceil(tasks);
+    // Whole groups of weight rows per task (where the matrices' sizes allow).
+    let per_task = n.div_ceil(tasks).next_multiple_of(GROUP_ROWS);
     if threads == 1 || per_task >= n {
         columns_fn(0..n);
     } else if !team.run(n.div_ceil(per_task), &|i| {
@@ -550,6 +604,55 @@ mod tests {
                         "{qtype:?} {act:?} {isa:?}: t={t} differs from t={}",
                         MAX_T + 8
                     );
+                }
+            }
+        }
+    }
+
+    /// Each weight row's result is the same bits whether it is computed alone or among others (the group
+    /// kernels compute eight rows at once, a partial group at a matrix's end, and tasks start anywhere).
+    #[test]
+    fn a_weight_rows_result_does_not_depend_on_its_neighbours() {
+        let (t, n, k) = (3, 21, 256);
+        for qtype in QType::ALL {
+            for isa in [Isa::Best, Isa::Avx2] {
+                let (block, size) = qtype.block();
+                let row_bytes = k / block * size;
+                let w = bytes(n * row_bytes, 3);
+                let x: Vec<f32> = bytes(t * k, 4)
+                    .iter()
+                    .map(|&b| f32::from(b) / 127.0 - 1.0)
+                    .collect();
+                let product = |raw: &[u8], rows: usize| {
+                    let mut out = vec![0f32; t * rows];
+                    let m = Matrix {
+                        raw,
+                        qtype,
+                        n: rows,
+                    };
+                    quantized_matmul(
+                        &x,
+                        t,
+                        k,
+                        Prologue::None,
+                        &[m],
+                        &mut out,
+                        isa,
+                        Activations8::Int8,
+                    )
+                    .unwrap();
+                    out
+                };
+                let all = product(&w, n);
+                for c in 0..n {
+                    let alone = product(&w[c * row_bytes..][..row_bytes], 1);
+                    for ti in 0..t {
+                        assert_eq!(
+                            alone[ti].to_bits(),
+                            all[ti * n + c].to_bits(),
+                            "{qtype:?} {isa:?}: row {c}, activation row {ti}"
+                        );
+                    }
                 }
             }
         }

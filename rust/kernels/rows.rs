@@ -28,6 +28,14 @@ pub const fn activation_span(block: usize) -> usize {
 /// One output row for every activation row: `y[t]` for t < `a.t`, from the encoded weight row `row`.
 pub type RowKernel = fn(&Activations, &[u8], &mut [f32; MAX_T]);
 
+/// Weight rows a group kernel computes at once: one per 32-bit lane of an AVX2 vector.
+pub const GROUP_ROWS: usize = 8;
+
+/// Up to `GROUP_ROWS` consecutive weight rows at once: `rows` holds `count` encoded rows of `row_bytes` each
+/// (1 <= count <= GROUP_ROWS), and `y[t][j]` receives row j's output for activation row t < `a.t` (j < count).
+/// Each output's arithmetic is its own lane's: it does not depend on count or on the other rows.
+pub type GroupKernel = fn(&Activations, &[u8], usize, &mut [[f32; GROUP_ROWS]; MAX_T]);
+
 /// The activations of a call: x [t, k] row-major, for affine types Σx of every 32-element group, and for the
 /// integer kernels x quantized per group.
 pub struct Activations<'a> {
