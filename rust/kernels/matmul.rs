@@ -9,9 +9,7 @@ use std::sync::{Arc, RwLock};
 use super::blocks::{self, Dense, Format, GROUP};
 use super::dot;
 use super::q8::Q8Rows;
-use super::rows::{
-    activation_span, Activations, GroupKernel, RowKernel, GROUP_ROWS, K_SPAN, MAX_T,
-};
+use super::rows::{activation_span, Activations, Kernel, RowKernel, GROUP_ROWS, K_SPAN, MAX_T};
 use super::team::Team;
 
 /// Least work per task, in multiply-adds (weights x activation rows): ~5 us of integer kernel on one core. With
@@ -84,14 +82,14 @@ impl QType {
         matches!(self, QType::Q4_1 | QType::Q5_1 | QType::Q4K | QType::Q5K)
     }
 
-    /// The row kernel for `isa` and `activations`: the widest this CPU runs and the type has, down to scalar.
+    /// The kernel for `isa` and `activations`: the widest this CPU runs and the type has, down to scalar.
     /// Dense types always take float activations.
-    fn kernel(self, isa: Isa, activations: Activations8) -> RowKernel {
+    fn kernel(self, isa: Isa, activations: Activations8) -> Kernel {
         let int = activations == Activations8::Int8;
         match self {
-            QType::F32 => dense_kernel::<blocks::F32>(isa),
-            QType::F16 => dense_kernel::<blocks::F16>(isa),
-            QType::BF16 => dense_kernel::<blocks::BF16>(isa),
+            QType::F32 => Kernel::Row(dense_kernel::<blocks::F32>(isa)),
+            QType::F16 => Kernel::Row(dense_kernel::<blocks::F16>(isa)),
+            QType::BF16 => Kernel::Row(dense_kernel::<blocks::BF16>(isa)),
             QType::Q4_0 => quantized_kernel::<blocks::Q4_0>(isa, int),
             QType::Q4_1 => quantized_kernel::<blocks::Q4_1>(isa, int),
             QType::Q5_0 => quantized_kernel::<blocks::Q5_0>(isa, int),
@@ -106,34 +104,6 @@ impl QType {
     fn dense(self) -> bool {
         matches!(self, QType::F32 | QType::F16 | QType::BF16)
     }
-
-    /// The kernel of this type for `isa` and `activations`: a group kernel (eight weight rows at once) where
-    /// one exists, else the row kernel.
-    fn kernels(self, isa: Isa, activations: Activations8) -> Kernel {
-        #[cfg(target_arch = "x86_64")]
-        if activations == Activations8::Int8 && isa != Isa::Scalar && super::avx2::available() {
-            use super::avx2::int_group;
-            let group = match self {
-                QType::Q4_0 => Some(int_group::<blocks::Q4_0>()),
-                QType::Q4_1 => Some(int_group::<blocks::Q4_1>()),
-                QType::Q5_0 => Some(int_group::<blocks::Q5_0>()),
-                QType::Q5_1 => Some(int_group::<blocks::Q5_1>()),
-                QType::Q8_0 => Some(int_group::<blocks::Q8_0>()),
-                _ => None,
-            };
-            if let Some(group) = group {
-                return Kernel::Group(group);
-            }
-        }
-        Kernel::Row(self.kernel(isa, activations))
-    }
-}
-
-/// How a matrix's output columns are computed: one weight row per call, or `GROUP_ROWS` of them.
-#[derive(Clone, Copy)]
-enum Kernel {
-    Row(RowKernel),
-    Group(GroupKernel),
 }
 
 /// A block format every kernel set decodes (on x86-64: the AVX2 and AVX-512 decoders too).
@@ -156,28 +126,29 @@ trait DenseRow: Dense {}
 #[cfg(not(target_arch = "x86_64"))]
 impl<D: Dense> DenseRow for D {}
 
-/// The row kernel of format `F`: AVX-512 for float activations where allowed and present, else AVX2, else
-/// scalar; integer (8-bit activations) or float.
-fn quantized_kernel<F: Quantized>(isa: Isa, int: bool) -> RowKernel {
+/// The kernel of format `F`: AVX-512 for float activations where allowed and present, else AVX2 (integer: a
+/// group kernel for the legacy formats, the row kernel for the K-quants), else scalar; integer (8-bit
+/// activations) or float.
+fn quantized_kernel<F: Quantized>(isa: Isa, int: bool) -> Kernel {
     #[cfg(target_arch = "x86_64")]
     {
         if !int && matches!(isa, Isa::Best | Isa::Avx512) && super::avx512::available() {
-            return super::avx512::quantized::<F>();
+            return Kernel::Row(super::avx512::quantized::<F>());
         }
         if isa != Isa::Scalar && super::avx2::available() {
             return if int {
-                super::avx2::int::<F>()
+                F::int_kernel()
             } else {
-                super::avx2::quantized::<F>()
+                Kernel::Row(super::avx2::quantized::<F>())
             };
         }
     }
     let _ = isa;
-    if int {
+    Kernel::Row(if int {
         dot::int_row::<F>
     } else {
         dot::quantized_row::<F>
-    }
+    })
 }
 
 /// The row kernel of dense type `D`: AVX2 unless scalar is asked for or the CPU lacks it.
@@ -403,7 +374,7 @@ pub fn quantized_matmul(
         .iter()
         .scan(0, |first, m| {
             let (block, bytes) = m.qtype.block();
-            let entry = (m.qtype.kernels(isa, activations), k / block * bytes, *first);
+            let entry = (m.qtype.kernel(isa, activations), k / block * bytes, *first);
             *first += m.n;
             Some(entry)
         })

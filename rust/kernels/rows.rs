@@ -36,6 +36,13 @@ pub const GROUP_ROWS: usize = 8;
 /// Each output's arithmetic is its own lane's: it does not depend on count or on the other rows.
 pub type GroupKernel = fn(&Activations, &[u8], usize, &mut [[f32; GROUP_ROWS]; MAX_T]);
 
+/// How a matrix's output columns are computed: one weight row per call, or `GROUP_ROWS` of them.
+#[derive(Clone, Copy)]
+pub enum Kernel {
+    Row(RowKernel),
+    Group(GroupKernel),
+}
+
 /// The activations of a call: x [t, k] row-major, for affine types Σx of every 32-element group, and for the
 /// integer kernels x quantized per group.
 pub struct Activations<'a> {
