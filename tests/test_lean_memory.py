@@ -91,6 +91,15 @@ def test_tied_head_streams_with_the_embedding_rows_from_one_table(smollm2_path):
     m.close()
     m = _same_answers(smollm2_path, ids, **lean(smollm2_path, tiers="C"))
     assert (m.plan.head, m.plan.embedding) == ("C", "C") and len(m.loader._head_rows) > 1
+    # Every chunk lands where its file offset falls in a 4 KiB block (O_DIRECT reads it in place, no bounce copy;
+    # chunks start at 612-byte row boundaries, Q8_0 rows of 576), and fits a slot sized for the layers.
+    loader = m.loader
+    layer_slot = max(loader.groups[g].nbytes for g in range(loader.num_groups))
+    for unit in loader._head_rows:
+        (file_offset, length, dest), = loader._reads[unit].extents
+        assert dest == file_offset % 4096 and dest + length <= loader.groups[loader._group_of[unit]].nbytes
+        assert loader.groups[loader._group_of[unit]].nbytes <= layer_slot
+    assert any(loader._reads[u].extents[0][0] % 4096 for u in loader._head_rows)  # some start unaligned
     m.close()
 
 
