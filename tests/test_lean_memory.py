@@ -9,7 +9,11 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import shutil
+import subprocess
+import sys
+from pathlib import Path
 
 import gguf
 import numpy as np
@@ -246,3 +250,67 @@ def test_a_tight_default_budget_takes_library_pages_for_the_leanest_plan_with_a_
     # A budget the user gives is never grown.
     with pytest.raises(OptionError, match=r"ram_budget 9.54 MiB is too small"):
         plan(ram_budget=10_000_000)
+
+
+# A process that loads a model, says so, waits for a line on stdin, then generates: the test lowers its cgroup's
+# limit in between.
+_LOAD_THEN_GENERATE = """
+import json, sys
+import ntio
+m = ntio.load(sys.argv[1], max_context=256)
+print("loaded", flush=True)
+sys.stdin.readline()
+print(json.dumps(m.generate(sys.argv[2], max_new_tokens=int(sys.argv[3])).token_ids), flush=True)
+"""
+
+
+# What a generation may add to the memory a loaded model holds (Python objects, a step's temporaries).
+GROWTH_ROOM = 32 << 20
+
+
+def _memory_cgroup(limit: int) -> tuple[Path, str, str] | None:
+    """A fresh memory cgroup (v1 or v2) limited to `limit` bytes: (its directory, limit file, usage file); None
+    where this process cannot make one (not root, no memory controller)."""
+    for base, limit_file, usage_file in ((Path("/sys/fs/cgroup/memory"), "memory.limit_in_bytes",
+                                          "memory.usage_in_bytes"),
+                                         (Path("/sys/fs/cgroup"), "memory.max", "memory.current")):
+        cgroup = base / f"ntio-test-{os.getpid()}"
+        try:
+            cgroup.mkdir()
+        except OSError:
+            continue
+        try:
+            (cgroup / limit_file).write_text(str(limit))
+            return cgroup, limit_file, usage_file
+        except OSError:
+            cgroup.rmdir()
+    return None
+
+
+def test_a_cgroup_limit_lowered_mid_run_neither_kills_nor_changes_the_tokens(smollm2_path):
+    """The issue's bad input "a cgroup limit that changes mid-run": once the model has loaded, its cgroup's limit
+    drops to what the process then uses plus GROWTH_ROOM. ntio plans its memory up front (weights, KV cache,
+    buffers) and a decode step makes only small temporaries, so generation fits: the run ends normally with the
+    tokens of an unconstrained run, where growing after the plan would have been an OOM kill."""
+    made = _memory_cgroup(2_000_000_000)
+    if made is None:
+        pytest.skip("needs a writable memory cgroup (root)")
+    cgroup, limit_file, usage_file = made
+    child = None
+    try:
+        child = subprocess.Popen(
+            [sys.executable, "-c", _LOAD_THEN_GENERATE, str(smollm2_path), PROMPT, "16"],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            preexec_fn=lambda: (cgroup / "cgroup.procs").write_text(str(os.getpid())))
+        assert child.stdout.readline().strip() == "loaded", child.stderr.read()
+        (cgroup / limit_file).write_text(str(int((cgroup / usage_file).read_text()) + GROWTH_ROOM))
+        out, err = child.communicate("go\n", timeout=300)
+        assert child.returncode == 0, err
+    finally:
+        if child is not None and child.poll() is None:
+            child.kill()
+            child.wait()
+        cgroup.rmdir()
+    reference = ntio.load(smollm2_path, max_context=256)
+    assert json.loads(out) == reference.generate(PROMPT, max_new_tokens=16).token_ids
+    reference.close()
