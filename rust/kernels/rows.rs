@@ -40,6 +40,8 @@ pub type GroupKernel = fn(&Activations, &[u8], usize, &mut [[f32; GROUP_ROWS]; M
 #[derive(Clone, Copy)]
 pub enum Kernel {
     Row(RowKernel),
+    /// Only the AVX2 kernels have group kernels so far.
+    #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
     Group(GroupKernel),
 }
 
