@@ -1,11 +1,13 @@
 //! AVX2 + FMA (+ F16C) row kernels: the structure of `dot.rs` with each group's 32 codes decoded once into one
 //! 32-byte vector, then met by every activation row of a tile:
-//! - integer kernels (`int`): `maddubs` (u8 x i8 -> i16 pairs) and `madd` (-> i32, times the K-quants' integer
-//!   sub-scales) against the activations' 8-bit codes, one float conversion and FMA per activation span (32 or 128 elements) and row;
-//!   symmetric types go through the sign trick (|w| times x with w's sign), affine ones multiply their unsigned
-//!   codes directly and add m·Σx̂;
-//! - group kernels (`int_group`, the legacy 32-element types): eight weight rows at once, their integer sums
-//!   reduced into one vector (lane j: row j) so that the float work is shared by the eight rows;
+//! - integer row kernels (`int`, the K-quants): `maddubs` (u8 x i8 -> i16 pairs) and `madd` (-> i32, times the
+//!   integer sub-scales) against the activations' 8-bit codes, one float conversion and FMA per activation span
+//!   (128 elements) and row;
+//! - integer group kernels (`int_group`, the legacy 32-element types): the same products for eight weight rows
+//!   at once, their integer sums reduced into one vector (lane j: row j) so that the float work is shared by the
+//!   eight rows;
+//! - in both, symmetric types go through the sign trick (|w| times x with w's sign), affine ones multiply their
+//!   unsigned codes directly and add m·Σx̂;
 //! - float kernels (`quantized`, `dense`): codes widened to four 8-lane float32 vectors, FMAs against float32
 //!   activations (the reference path for differential tests).
 //!

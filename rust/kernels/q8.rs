@@ -37,6 +37,7 @@ impl Q8Rows {
         let mut codes = vec![0i8; x.len()];
         let mut scales = Vec::with_capacity(x.len() / span);
         let mut sums = Vec::with_capacity(x.len() / GROUP);
+        let encode = encoder();
         for (x, q) in x.chunks_exact(span).zip(codes.chunks_exact_mut(span)) {
             let d = stored(encode(x, q));
             scales.push(d);
@@ -70,16 +71,16 @@ impl Q8Rows {
     }
 }
 
-/// One span's codes into `q`: q = round(x / d) with d = max|x| / 127 (0 when x is all zeros), ties away from
+/// This CPU's encoder of one span's codes into `q`: q = round(x / d) with d = max|x| / 127 (0 when x is all zeros), ties away from
 /// zero; returns d. The same bits on every CPU; with AVX2 the loops vectorize (the activations of a decode step are
 /// quantized on one thread before every product, so this is on the critical path).
-fn encode(x: &[f32], q: &mut [i8]) -> f32 {
+fn encoder() -> fn(&[f32], &mut [i8]) -> f32 {
     #[cfg(target_arch = "x86_64")]
     if is_x86_feature_detected!("avx2") {
         // SAFETY: the CPU has AVX2.
-        return unsafe { encode_avx2(x, q) };
+        return |x, q| unsafe { encode_avx2(x, q) };
     }
-    encode_any(x, q)
+    encode_any
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -168,7 +169,7 @@ mod tests {
         ]);
         x.resize(x.len().next_multiple_of(32), 0.0);
         let mut q = vec![0i8; x.len()];
-        let d = encode(&x, &mut q);
+        let d = encoder()(&x, &mut q);
         assert_eq!(d, 127.0 / 127.0);
         for (c, v) in q.iter().zip(&x) {
             assert_eq!(i32::from(*c), v.round() as i32, "{v}");
