@@ -1,6 +1,7 @@
 """Speculative decoding: greedy output identical to plain greedy decoding (prompt lookup on SmolLM2, the real
-Qwen2.5-Coder 0.5B -> 1.5B draft pair; resident and streamed), the sampling acceptance rule against the target's
-own distribution, statistics, and bad input."""
+Qwen2.5-Coder 0.5B -> 1.5B draft pair with token trees; resident and streamed), token-tree passes against
+decoding each branch token by token, the (multi-candidate) sampling acceptance rule against the target's own
+distribution, statistics, and bad input."""
 
 from __future__ import annotations
 
@@ -13,8 +14,9 @@ from click.testing import CliRunner
 import ntio
 from ntio.cli import main
 from ntio.decoding.generation import Sampler, SamplingParams
-from ntio.decoding.speculative import Draft, PromptLookup, verify
+from ntio.decoding.speculative import DraftTree, PromptLookup, verify
 from ntio.errors import NtioError, OptionError
+from ntio.models.layers import causal_mask, token_positions
 
 PROMPTS = [
     "Rewrite this sentence in the past tense: 'The cat sits on the mat while the dog runs in the park.'",
@@ -64,12 +66,66 @@ def test_greedy_with_the_qwen_draft_model_is_token_for_token_plain_greedy(qwen15
     for prompt in CODE_PROMPTS[: 3 if tiers == "auto" else 1]:
         ids = m.encode_prompt(prompt, chat=True)
         plain = m.generate(ids, 40, use_draft=False)
-        spec = m.generate(ids, 40, lookup=True, adaptive_draft=False)  # every pass drafts: all paths exercised
+        # Every pass drafts a tree (the model's chain, its next two choices per step, a short lookup match): all
+        # paths exercised.
+        spec = m.generate(ids, 40, lookup=True, adaptive_draft=False)
         assert spec.token_ids == plain.token_ids, prompt
         sp = spec.speculation
         assert sp["drafted"].get("model", 0) > 0 and sp["accepted"]["model"] <= sp["drafted"]["model"]
+        assert sp["drafted"]["model-alt"] == 2 * sp["drafted"]["model"]
         assert sp["tokens"] == sum(sp["accepted"].values()) + sp["passes"]
+        assert m.generate(ids, 40, lookup=True, branches=0, adaptive_draft=False).token_ids == plain.token_ids
     m.close()
+
+
+# A token tree under the root (node 0): parents[i] is node i's parent.
+TREE = [-1, 0, 1, 2, 0, 4, 1, 6, 6, 3, 9, 5]
+
+
+def _branch(node: int) -> list[int]:
+    """The nodes from the root's child down to `node` in TREE."""
+    return [] if node == 0 else _branch(TREE[node]) + [node]
+
+
+def test_tree_positions_and_mask_follow_the_ancestry():
+    assert token_positions(10, len(TREE), TREE, "cpu").tolist() == [10, 11, 12, 13, 11, 12, 12, 13, 13, 14, 15, 13]
+    mask = causal_mask(3, len(TREE), "cpu", TREE)
+    assert mask.shape == (len(TREE), 3 + len(TREE)) and mask[:, :3].all()
+    for i in range(len(TREE)):
+        assert {j for j in range(len(TREE)) if mask[i, 3 + j]} == {0, *_branch(i)}, i
+    with pytest.raises(ValueError, match="parent"):
+        causal_mask(0, 3, "cpu", [-1, 2, 0])
+
+
+def test_a_tree_pass_gives_each_node_the_logits_of_decoding_its_branch(smollm2):
+    """Each node of a 12-node tree, verified in one pass, gets bit for bit the logits that decoding the tokens of
+    its branch one at a time gives; keeping a branch leaves the K/V that decoding it writes, and the next step's
+    logits are those of the sequential run."""
+    e = smollm2.engine
+    ids = smollm2.encode_prompt(PROMPTS[2], chat=True)
+    tokens = smollm2.encode_prompt(" ".join(PROMPTS))[: len(TREE)]
+    e.forward(torch.tensor(ids[:-1]), 0)
+    root = len(ids) - 1
+    tree_tokens = [ids[-1]] + tokens[1:]
+    rows = e.forward(torch.tensor(tree_tokens), root, all_logits=True, parents=TREE)
+    assert e.kv.length == root + 1  # only the root is a valid position until a branch is kept
+    for node in range(len(TREE)):
+        branch = [tree_tokens[i] for i in [0, *_branch(node)]]
+        sequential = [e.forward(torch.tensor([t]), root + i) for i, t in enumerate(branch)][-1]
+        assert torch.equal(rows[node], sequential), f"node {node}"
+    # Keep the branch to node 10 (nodes 1, 2, 3, 9, 10: slots move) and step once more.
+    kept = _branch(10)
+    e.forward(torch.tensor(tree_tokens), root, all_logits=True, parents=TREE)
+    e.kv.keep_branch(root, kept, [tree_tokens[i] for i in kept])
+    assert e.kv.ids == ids + [tree_tokens[i] for i in kept]
+    end = e.kv.length
+    k, v = e.kv.k[:, :, :end].clone(), e.kv.v[:, :, :end].clone()
+    after_tree = e.forward(torch.tensor([tokens[0]]), end)
+    e.forward(torch.tensor([tree_tokens[i] for i in [0, *kept]]), root)  # the branch decoded as a sequence
+    assert torch.equal(e.kv.k[:, :, :end], k) and torch.equal(e.kv.v[:, :, :end], v)
+    assert torch.equal(e.forward(torch.tensor([tokens[0]]), end), after_tree)
+    with pytest.raises(ValueError, match="branch"):
+        e.kv.keep_branch(root, [1], [tokens[1]])  # no tree pass since: nothing to keep
 
 
 def test_a_pass_gives_each_token_a_decode_steps_logits_bit_for_bit(smollm2):
@@ -87,38 +143,69 @@ def test_a_pass_gives_each_token_a_decode_steps_logits_bit_for_bit(smollm2):
         assert torch.equal(rows[i], step), f"row {i}"
 
 
-def _first_token_frequencies(p_logits, q, draft_token_of, trials, seed):
-    """Frequencies of the first token `verify` emits for a one-token draft (drawn by draft_token_of(generator))
-    against rows whose first row has logits p_logits."""
+def _first_token_frequencies(p_logits, trees, trials, seed):
+    """Frequencies of the first token `verify` emits for the trees trees(generator) (each a root with children),
+    against rows whose every row has logits p_logits."""
     sampler = Sampler(SamplingParams(temperature=1.0, top_k=6, seed=seed))
-    rows = torch.stack([p_logits, p_logits])
     history = torch.tensor([1, 2, 3])
     counts = torch.zeros_like(p_logits)
     for _ in range(trials):
-        x = draft_token_of(sampler.generator)
-        accepted, token = verify(rows, Draft([x], "test", None if q is None else q[None]), sampler, history)
-        counts[x if accepted else token] += 1
+        tree = trees(sampler.generator)
+        rows = p_logits.expand(len(tree), -1)
+        branch, token = verify(rows, tree, sampler, history)
+        counts[tree.tokens[branch[0]] if branch else token] += 1
     return counts / trials
+
+
+def _tree(children):
+    """A root (token 0) with children [(token, q or None)], in that order."""
+    tree = DraftTree(0)
+    for token, q in children:
+        tree.add(0, token, "test", 1.0, q)
+    return tree
 
 
 def test_speculative_sampling_keeps_the_targets_distribution(smollm2):
     """SmolLM2's real next-token distribution p (temperature 1, top-k 6) and a draft distribution q that prefers
     what p finds unlikely: tokens emitted through the acceptance rule follow p, not q, within sampling noise (total
-    variation over 20,000 draws); a rule that accepted every draft would give q."""
+    variation over 20,000 draws) — for one sampled child, one deterministic child, and several candidates under
+    one node (a sampled child, then deterministic next choices, one of which may repeat the sampled token). A rule
+    that accepted every draft would give q."""
     e = smollm2.engine
-    p_logits = e.forward(torch.tensor(smollm2.encode_prompt("My favourite colour is")), 0).clone()
+    # The 64 largest logits only (top-k 6 keeps the same distribution): sampling over 64 tokens is quick.
+    p_logits = e.forward(torch.tensor(smollm2.encode_prompt("My favourite colour is")), 0).topk(64).values
     p = Sampler(SamplingParams(temperature=1.0, top_k=6)).probabilities(p_logits, torch.tensor([1, 2, 3]))
     support = p.topk(6).indices
     q = torch.zeros_like(p)
     q[support] = p[support].flip(0)
     assert 0.5 * float((q - p).abs().sum()) > 0.2
     trials = 20_000
-    freq = _first_token_frequencies(p_logits, q, lambda g: int(torch.multinomial(q, 1, generator=g)), trials, 1)
-    assert 0.5 * float((freq - p).abs().sum()) < 0.02
-    # A deterministic draft (prompt lookup: a point mass) at p's second most likely token.
-    second = int(support[1])
-    freq = _first_token_frequencies(p_logits, None, lambda g: second, trials, 2)
-    assert 0.5 * float((freq - p).abs().sum()) < 0.02
+
+    def sampled(g):
+        return int(torch.multinomial(q, 1, generator=g))
+
+    second, last = int(support[1]), int(support[5])
+    cases = {
+        "one sampled child": lambda g: _tree([(sampled(g), q)]),
+        "one deterministic child (prompt lookup: a point mass)": lambda g: _tree([(second, None)]),
+        "a sampled child, then two deterministic ones": lambda g: _tree([(sampled(g), q), (second, None),
+                                                                         (last, None)]),
+        "deterministic children only": lambda g: _tree([(last, None), (second, None)]),
+    }
+    for seed, (case, trees) in enumerate(cases.items()):
+        freq = _first_token_frequencies(p_logits, trees, trials, seed)
+        assert 0.5 * float((freq - p).abs().sum()) < 0.02, case
+
+
+def test_a_tree_tries_sampled_candidates_first_and_merges_repeated_tokens():
+    q = torch.full((8,), 1 / 8)
+    tree = DraftTree(0)
+    assert tree.add(0, 5, "lookup", 0.5) == 1
+    assert tree.add(0, 5, "model", 0.7, q) == 1  # the same token: one node, its sampled entry tried first
+    assert tree.add(0, 6, "model-alt", 0.1) == 2
+    assert tree.add(0, 5, "lookup", 0.2) == 1
+    assert [(c, e is not None) for c, e in tree.candidates[0]] == [(1, True), (1, False), (2, False)]
+    assert tree.chances == [1.0, 0.7, 0.1] and tree.depths == [0, 1, 1]
 
 
 def test_prompt_lookup_drafts_what_followed_the_latest_match():
@@ -144,6 +231,8 @@ def test_drafts_are_clipped_to_the_context_and_stop_where_plain_decoding_stops(s
 def test_bad_speculation_input_is_one_line(smollm2, smollm2_path, qwen05_path):
     with pytest.raises(OptionError, match="draft_tokens"):
         smollm2.generate("Hello", 4, draft_tokens=0)
+    with pytest.raises(OptionError, match="branches"):
+        smollm2.generate("Hello", 4, branches=-1)
     with pytest.raises(NtioError, match="different vocabulary") as err:
         ntio.load(smollm2_path, draft=qwen05_path)
     assert "\n" not in str(err.value)

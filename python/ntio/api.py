@@ -236,22 +236,26 @@ class LLM:
         use_draft: bool = True,
         draft_tokens: int = 8,
         adaptive_draft: bool = True,
+        branches: int = 2,
     ) -> TokenStream:
         """Generate lazily: iterate for text pieces; the stream's `.completion` holds the result at the end.
 
-        Speculative decoding verifies up to `draft_tokens` drafted tokens per target pass: drafts from the loaded
-        draft model (unless use_draft=False) and, with lookup=True, from n-gram matches in the context; each pass
-        drafts as many as its measured cost and the sources' acceptance make worthwhile (adaptive_draft=False:
-        always draft_tokens). Greedy output is the same as without drafts; sampled output has the same
-        distribution."""
+        Speculative decoding verifies a tree of drafted tokens per target pass, at most `draft_tokens` deep:
+        drafts from the loaded draft model (unless use_draft=False) and, with lookup=True, from n-gram matches in
+        the context, with up to `branches` of the drafter's next choices per step as extra leaves (0: linear
+        drafts). Each pass drafts as deep, and takes as many extra leaves, as its measured cost and the sources'
+        acceptance make worthwhile (adaptive_draft=False: always draft_tokens deep, every extra leaf). Greedy output
+        is the same as without drafts; sampled output has the same distribution."""
         params = SamplingParams(temperature, top_k, top_p, repetition_penalty, seed)
         if max_new_tokens < 1:
             raise OptionError("max_new_tokens", f"must be >= 1, got {max_new_tokens}")
         if draft_tokens < 1:
             raise OptionError("draft_tokens", f"must be >= 1, got {draft_tokens}")
+        if branches < 0:
+            raise OptionError("branches", f"must be >= 0, got {branches}")
         model = DraftModel(self.draft.engine) if self.draft is not None else self.self_draft
         drafters = Drafters(PromptLookup() if lookup else None, model if use_draft else None,
-                            self._draft_length if adaptive_draft else DraftLength(fixed=True))
+                            self._draft_length if adaptive_draft else DraftLength(fixed=True), branches)
         prompt_ids = self.encode_prompt(prompt, chat=chat, system=system)
         if not prompt_ids:
             raise NtioError("the prompt is empty (no tokens)")

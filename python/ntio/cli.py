@@ -144,13 +144,16 @@ def _sampling_options(f):
 
 
 def _speculation_options(f):
-    """Speculative decoding; the command passes --lookup, --fixed-draft and --draft-tokens to `stream`, the
-    draft models' options to `_load` (`_drafts`)."""
+    """Speculative decoding; the command passes --lookup, --fixed-draft, --branches and --draft-tokens to
+    `stream`, the draft models' options to `_load` (`_drafts`)."""
     f = click.option("--draft-tokens", type=click.IntRange(min=1), default=8, show_default=True,
-                     help="Most drafted tokens one target pass verifies (fewer when drafts are not worth a pass)")(f)
+                     help="Deepest draft one target pass verifies (shallower when drafts are not worth a pass)")(f)
+    f = click.option("--branches", type=click.IntRange(min=0), default=2, show_default=True,
+                     help="Most of a drafter's next choices per step added to the draft tree as extra leaves "
+                          "(0: linear drafts)")(f)
     f = click.option("--fixed-draft", is_flag=True,
-                     help="Always draft --draft-tokens tokens (default: as many as measured pass costs and "
-                          "acceptance make worthwhile)")(f)
+                     help="Always draft --draft-tokens tokens deep, with every extra leaf (default: as many as "
+                          "measured pass costs and acceptance make worthwhile)")(f)
     f = click.option("--lookup", is_flag=True, help="Draft from n-gram matches in the context (prompt lookup)")(f)
     f = click.option("--exit-layer", type=int, help="With --self-draft: the layer whose exit head drafts (default: "
                                                     "the shallowest calibrated one past the middle)")(f)
@@ -184,13 +187,13 @@ def main() -> None:
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object (with a stats object) instead of text")
 @click.option("--stats", "show_stats", is_flag=True, help="Print streaming statistics on stderr")
 def generate(prompt, max_new_tokens, chat, system, temperature, top_k, top_p, repetition_penalty, seed, stop, lookup,
-             fixed_draft, draft_tokens, as_json, show_stats, **opts) -> None:
+             fixed_draft, branches, draft_tokens, as_json, show_stats, **opts) -> None:
     """Generate a continuation of PROMPT."""
     drafts = _drafts(opts)
     m = _load(**_split(opts), **drafts)
     stream = m.stream(prompt, max_new_tokens, chat=chat, system=system, temperature=temperature, top_k=top_k,
                       top_p=top_p, repetition_penalty=repetition_penalty, seed=seed, stop=stop, lookup=lookup,
-                      draft_tokens=draft_tokens, adaptive_draft=not fixed_draft)
+                      draft_tokens=draft_tokens, adaptive_draft=not fixed_draft, branches=branches)
     for piece in stream:
         if not as_json:
             click.echo(piece, nl=False)
@@ -230,7 +233,7 @@ def generate(prompt, max_new_tokens, chat, system, temperature, top_k, top_p, re
 @_sampling_options
 @_speculation_options
 def chat(system, max_new_tokens, temperature, top_k, top_p, repetition_penalty, seed, stop, lookup, fixed_draft,
-         draft_tokens, **opts) -> None:
+         branches, draft_tokens, **opts) -> None:
     """Chat interactively; replies stream as they are generated. /reset clears the history, /exit quits."""
     drafts = _drafts(opts)
     m = _load(**_split(opts), **drafts)
@@ -251,7 +254,7 @@ def chat(system, max_new_tokens, temperature, top_k, top_p, repetition_penalty, 
         messages.append({"role": "user", "content": user})
         stream = m.stream(m.encode_messages(messages), max_new_tokens, temperature=temperature, top_k=top_k,
                           top_p=top_p, repetition_penalty=repetition_penalty, seed=seed, stop=stop, lookup=lookup,
-                          draft_tokens=draft_tokens, adaptive_draft=not fixed_draft)
+                          draft_tokens=draft_tokens, adaptive_draft=not fixed_draft, branches=branches)
         for piece in stream:
             click.echo(piece, nl=False)
         click.echo()

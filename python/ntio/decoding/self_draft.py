@@ -157,7 +157,7 @@ class SelfDraft:
         self.engine, self.exit_layer, self.blocks = engine, exit_layer, blocks
         self.w, self.b = (t.to(engine.device) for t in head)
 
-    def propose(self, history: Sequence[int], k: int, sampler: Sampler) -> Draft | None:
+    def propose(self, history: Sequence[int], k: int, sampler: Sampler, branches: int = 0) -> Draft | None:
         engine, device = self.engine, self.engine.device
         k = min(k, engine.kv.capacity - len(history))
         if k < 1:
@@ -170,7 +170,7 @@ class SelfDraft:
                                   self.blocks)
             return engine.head_logits(h @ self.w + self.b)[0]
 
-        return sample_chain(history, k, sampler, logits_after, self.name)
+        return sample_chain(history, k, sampler, logits_after, self.name, branches)
 
 
 def default_exit_layer(calibration: Calibration, n_layers: int) -> int:

@@ -1,10 +1,12 @@
 """Speculative decoding: drafted tokens verified by the target in one forward pass.
 
 When weights stream, a pass over T tokens costs about what a pass over one does (the bytes dominate), so each pass
-should settle as many tokens as it can. A drafter proposes a chain of tokens that may follow the history; the
-target runs [its last token] + the chain in one forward with every position's logits, keeps the longest prefix of
-the chain its own choice agrees with, and adds one token of its own: the correction at the first disagreement, or
-the token after a fully accepted chain. A pass therefore yields 1 to k + 1 tokens.
+should settle as many tokens as it can. Drafters propose chains of tokens that may follow the history; they are
+merged into a token tree under the history's last token (a `DraftTree`: a chain is the tree with one branch), with
+extra leaves where a drafter's second or third choice is likely enough to be worth a row of the pass. The target
+runs the tree in one forward (each node attends to the history and its ancestors), walks it from the root taking
+the child its own choice agrees with, keeps that branch's K/V and adds one token of its own: the correction where
+no child agrees, or the token after an accepted leaf. A pass therefore yields 1 to depth + 1 tokens.
 
 Drafters:
   * `PromptLookup`: the tokens that followed the latest earlier occurrence of the history's last n tokens (n from
@@ -12,15 +14,20 @@ Drafters:
   * `DraftModel`: a small model with the target's vocabulary, run greedily (or sampling, with temperature) for k
     steps on its own KV cache, which keeps what the target accepted;
   * `self_draft.SelfDraft`: the target's own first layers and a calibrated exit head (self-speculation).
-With both, a lookup match of `PREFERRED_LOOKUP` tokens or more is taken (it costs nothing), otherwise the model's.
+A lookup match of `PREFERRED_LOOKUP` tokens or more is taken alone (it costs nothing); otherwise the model drafts,
+and a shorter lookup match joins the tree. How deep to draft and which extra leaves to add follow the measured cost
+of a pass and the sources' measured acceptance (`DraftLength`, `grow`).
 
 Exactness. Greedy: every position is decided by the target's own sampler on the target's own logits, and a verify
-pass's row i is bit for bit the logits a one-token decode step gives (the CPU kernels' arithmetic per row does not
-depend on how many rows share a pass; a verify pass stays within their KERNEL_ROWS), so the output is token for token
-that of plain greedy decoding. Sampling: the speculative-sampling rule (Leviathan et al. 2023, Chen et al. 2023)
-accepts draft token x with probability min(1, p(x) / q(x)) and otherwise draws from max(p - q, 0), normalized, which
-leaves each emitted token distributed exactly as the target's p (after its temperature, top-k, top-p and repetition
-penalty); a lookup draft is a point mass q.
+pass's node i is bit for bit the logits a one-token decode step gives at its position after its ancestors (the CPU
+kernels' arithmetic per row does not depend on how many rows share a pass, a verify pass stays within their
+KERNEL_ROWS, and attention adds the allowed positions in slot order, skipping the others), so the output is token
+for token that of plain greedy decoding. Sampling: at each node the children are tried in turn (Leviathan et al.
+2023, Chen et al. 2023; several candidates as in SpecInfer, Miao et al. 2024): a child x drawn from q is accepted
+with probability min(1, p(x) / q(x)), else p becomes max(p - q, 0), normalized; a deterministic child (lookup, or a
+drafter's next choice: a point mass) is accepted with probability p(x), else p becomes p with x removed,
+normalized; when no child is accepted the token is drawn from what p has become. Each step leaves the emitted
+token distributed exactly as the target's p (after its temperature, top-k, top-p and repetition penalty).
 """
 
 from __future__ import annotations
@@ -48,12 +55,75 @@ MAX_DRAFT = KERNEL_ROWS - 1
 
 @dataclass
 class Draft:
-    """A proposed chain: tokens [k] after the history, from `source`; probs [k, V]: the distribution each token
-    was drawn from (None: deterministic, a point mass at each token)."""
+    """A proposed chain from one source: tokens [k] after the history; probs [k, V]: the distribution each token
+    was drawn from (None: deterministic, a point mass at each token); alternatives[i]: the drafter's next choices
+    at step i, as (token, the drafter's probability that it is the right token when tokens[i] is not), most likely
+    first (none for lookup)."""
 
     tokens: list[int]
     source: str
     probs: torch.Tensor | None = None
+    alternatives: list[list[tuple[int, float]]] = field(default_factory=list)
+
+
+class DraftTree:
+    """Tokens verified in one pass. Node 0 is the history's last token (the root); every other node is a drafted
+    token whose parent is an earlier node. The pass puts node i at position root + depth(i), in cache slot
+    root + i (`Engine.forward(parents=...)`).
+
+    A node's children are its candidates, in the order the acceptance rule tries them: sampled ones (with the
+    distribution q they were drawn from) before deterministic ones (q None: point masses). A token proposed twice
+    under one parent is one node, with the sampled proposal's entry first. `chances[i]`: the estimated probability
+    that the target accepts node i (what sizing the tree weighs); `chains[source]`: the nodes of that source's chain,
+    in order."""
+
+    def __init__(self, root: int) -> None:
+        self.tokens = [root]
+        self.parents = [-1]
+        self.depths = [0]
+        self.sources = [""]
+        self.chances = [1.0]
+        self.candidates: list[list[tuple[int, torch.Tensor | None]]] = [[]]
+        self.chains: dict[str, list[int]] = {}
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def child(self, parent: int, token: int) -> int | None:
+        return next((c for c, _ in self.candidates[parent] if self.tokens[c] == token), None)
+
+    def add(self, parent: int, token: int, source: str, chance: float, q: torch.Tensor | None = None) -> int:
+        """Node `token` under `parent` (an existing child of that token when there is one); returns its index."""
+        entries = self.candidates[parent]
+        node = self.child(parent, token)
+        if node is None:
+            node = len(self.tokens)
+            self.tokens.append(token)
+            self.parents.append(parent)
+            self.depths.append(self.depths[parent] + 1)
+            self.sources.append(source)
+            self.chances.append(chance)
+            self.candidates.append([])
+        elif q is None and any(c == node and e is None for c, e in entries):
+            return node  # already a point-mass candidate: a second test could not accept what the first rejected
+        else:
+            self.chances[node] = max(self.chances[node], chance)
+        sampled = sum(e is not None for _, e in entries)
+        entries.insert(sampled if q is not None else len(entries), (node, q))
+        return node
+
+    def add_chain(self, draft: Draft, chances: Sequence[float], parent: int = 0) -> list[int]:
+        """The draft's tokens as a chain under `parent`, node j with chance chances[j]; returns its nodes."""
+        nodes = []
+        for j, token in enumerate(draft.tokens):
+            q = draft.probs[j] if draft.probs is not None else None
+            parent = self.add(parent, token, draft.source, chances[j], q)
+            nodes.append(parent)
+        self.chains[draft.source] = nodes
+        return nodes
+
+    def branch_tokens(self, nodes: Sequence[int]) -> list[int]:
+        return [self.tokens[i] for i in nodes]
 
 
 @dataclass
@@ -121,21 +191,24 @@ class DraftLength:
         rates = [sum(a**i for i in range(k + 1)) / (t1 + k * per_token) for k in range(most + 1)]
         return max(range(most + 1), key=rates.__getitem__)
 
-    def observe(self, source: str | None, drafted: int, accepted: int, draft_s: float, tokens: int,
-                verify_s: float) -> None:
+    def observe(self, tokens: int, verify_s: float, verdicts: dict[str, tuple[int, int]],
+                draft: tuple[str, int, float] | None) -> None:
+        """A verify pass over `tokens` tokens took verify_s; verdicts[source] = (tokens of its chain in the tree,
+        how many of them were accepted); draft = (the drafting source, tokens it drafted, seconds it took)."""
         self.fit = [self.DECAY * v for v in self.fit]
         for i, v in enumerate((1.0, tokens, tokens * tokens, verify_s, tokens * verify_s)):
             self.fit[i] += v
         for counts in self.counts.values():
             counts[0] *= self.DECAY
             counts[1] *= self.DECAY
-        if source is None or drafted == 0:
-            return
-        counts = self.counts.setdefault(source, [0.0, 0.0])
-        counts[0] += accepted
-        counts[1] += accepted < drafted
-        cost = draft_s / drafted
-        self.draft_cost[source] = cost if source not in self.draft_cost else 0.5 * (self.draft_cost[source] + cost)
+        for source, (drafted, accepted) in verdicts.items():
+            if drafted:
+                counts = self.counts.setdefault(source, [0.0, 0.0])
+                counts[0] += accepted
+                counts[1] += accepted < drafted
+        if draft is not None and draft[1]:
+            source, cost = draft[0], draft[2] / draft[1]
+            self.draft_cost[source] = cost if source not in self.draft_cost else 0.5 * (self.draft_cost[source] + cost)
 
 
 class PromptLookup:
@@ -170,7 +243,7 @@ class DraftModel:
         """Tokens the draft can still propose after a history of n_history (its context)."""
         return self.engine.kv.capacity + 1 - n_history  # the history, then k - 1 drafted tokens, in its cache
 
-    def propose(self, history: Sequence[int], k: int, sampler: Sampler) -> Draft | None:
+    def propose(self, history: Sequence[int], k: int, sampler: Sampler, branches: int = 0) -> Draft | None:
         k = min(k, self.room(len(history)))
         if k < 1:
             return None
@@ -184,15 +257,16 @@ class DraftModel:
                 return first
             return engine.forward(torch.tensor([token], dtype=torch.int64, device=device), len(history) + i - 1)
 
-        return sample_chain(history, k, sampler, logits_after, self.name)
+        return sample_chain(history, k, sampler, logits_after, self.name, branches)
 
 
 def sample_chain(history: Sequence[int], k: int, sampler: Sampler,
-                 logits_after: Callable[[int, int], torch.Tensor], source: str) -> Draft:
+                 logits_after: Callable[[int, int], torch.Tensor], source: str, branches: int = 0) -> Draft:
     """k tokens drawn one after another with the target's sampler: logits_after(i, t) [V] are the drafter's logits
-    for token i, t being the token before it (the history's last for i = 0). Sampling records each distribution."""
+    for token i, t being the token before it (the history's last for i = 0). Sampling records each distribution;
+    `branches` > 0 records that many next choices per step (`Draft.alternatives`)."""
     seen = torch.tensor(history, dtype=torch.int64, device=sampler.generator.device)
-    tokens, probs = [], []
+    tokens, probs, alternatives = [], [], []
     sampling = sampler.params.temperature > 0
     token = history[-1]
     for i in range(k):
@@ -203,63 +277,141 @@ def sample_chain(history: Sequence[int], k: int, sampler: Sampler,
             probs.append(p)
         else:
             token = sampler(logits, seen)
+        if branches:
+            q = p if sampling else sampler.processed(logits, seen).softmax(-1)
+            alternatives.append(_next_choices(q, token, branches))
         tokens.append(token)
         seen = torch.cat((seen, torch.tensor([token], dtype=torch.int64, device=seen.device)))
-    return Draft(tokens, source, torch.stack(probs) if sampling else None)
+    return Draft(tokens, source, torch.stack(probs) if sampling else None, alternatives)
+
+
+def _next_choices(q: torch.Tensor, chosen: int, n: int) -> list[tuple[int, float]]:
+    """The n most likely tokens of q [V] besides `chosen`, each with q's probability that it is the right one when
+    `chosen` is not: q(t) / (1 - q(chosen))."""
+    values, indices = q.topk(n + 1)
+    rest = max(1.0 - float(q[chosen]), 1e-9)
+    picks = [(int(t), min(1.0, float(v) / rest)) for v, t in zip(values, indices) if int(t) != chosen and v > 0]
+    return picks[:n]
+
+
+@dataclass
+class Extra:
+    """A leaf a tree may take: `token` from `source` under node `parent`, or under the node that extra number
+    `after` (of the same list) became; `chance`: the estimated probability that the target accepts it."""
+
+    chance: float
+    token: int
+    source: str
+    parent: int = 0
+    after: int | None = None
 
 
 class Drafters:
-    """The sources of one generation, asked in turn (`propose`), each drafting as many tokens as `length` finds
-    worth a pass."""
+    """The sources of one generation, merged into one tree per pass (`propose`): chains as deep as `length` finds
+    worth a pass, and up to `branches` of a drafter's next choices per step as extra leaves, kept while they pay
+    (`grow`)."""
 
-    def __init__(self, lookup: PromptLookup | None, model: DraftModel | SelfDraft | None, length: DraftLength
-                 ) -> None:
-        self.lookup, self.model, self.length = lookup, model, length
+    def __init__(self, lookup: PromptLookup | None, model: DraftModel | SelfDraft | None, length: DraftLength,
+                 branches: int = 0) -> None:
+        self.lookup, self.model, self.length, self.branches = lookup, model, length, branches
 
     def __bool__(self) -> bool:
         return self.lookup is not None or self.model is not None
 
-    def propose(self, history: Sequence[int], most: int, sampler: Sampler) -> Draft | None:
+    def propose(self, history: Sequence[int], most: int, room: int, sampler: Sampler
+                ) -> tuple[DraftTree, tuple[str, int, float] | None]:
+        """A tree under history[-1] at most `most` deep with at most `room` nodes besides the root, and (the
+        source that drafted at a cost, tokens it drafted, seconds it took) for the cost estimates."""
+        tree = DraftTree(history[-1])
+        most = min(most, room)
+        if most < 1:
+            return tree, None
+        lookup = None
         if self.lookup is not None:
-            least = PREFERRED_LOOKUP if self.model is not None else 1
-            draft = self.lookup.propose(history, most, min_ngram=least)
-            if draft is not None:
-                draft.tokens = draft.tokens[: self.length.choose(draft.source, len(draft.tokens))]
-                if draft.tokens:
-                    return draft
-        if self.model is not None:
-            k = self.length.choose(self.model.name, most)
-            return self.model.propose(history, k, sampler) if k else None
-        return None
+            lookup = self.lookup.propose(history, most, min_ngram=PREFERRED_LOOKUP if self.model else 1)
+            if lookup is not None:  # taken alone: it costs nothing and copying is likely to go on
+                chain = lookup.tokens[: self.length.choose(lookup.source, len(lookup.tokens))]
+                tree.add_chain(Draft(chain, lookup.source), self._chances(lookup.source, len(chain)))
+                return tree, None
+            if self.model is not None:
+                lookup = self.lookup.propose(history, most)  # a shorter match, for extra leaves
+        k = self.length.choose(self.model.name, most) if self.model is not None else 0
+        t0 = time.perf_counter()
+        draft = self.model.propose(history, k, sampler, self.branches) if k else None
+        spent = time.perf_counter() - t0
+        if draft is None:
+            return tree, None
+        a = self.length.acceptance(draft.source)
+        nodes = tree.add_chain(draft, self._chances(draft.source, len(draft.tokens)))
+        extras = []
+        for j, choices in enumerate(draft.alternatives):
+            reach = a**j * (1 - a)  # the chain reaches step j and its token there is rejected
+            extras += [Extra(reach * r, t, draft.source + "-alt", nodes[j - 1] if j else 0) for t, r in choices]
+        if lookup is not None:  # its chain may be right where the model's is not
+            first = len(extras)
+            chances = self._chances(lookup.source, len(lookup.tokens))
+            extras += [Extra(c, t, lookup.source, after=first + j - 1 if j else None)
+                       for j, (c, t) in enumerate(zip(chances, lookup.tokens))]
+        grow(tree, extras, room, self.length, spent)
+        return tree, (draft.source, len(draft.tokens), spent)
+
+    def _chances(self, source: str, n: int) -> list[float]:
+        a = self.length.acceptance(source)
+        return [a ** (j + 1) for j in range(n)]
 
 
-def verify(rows: torch.Tensor, draft: Draft | None, sampler: Sampler, history: torch.Tensor) -> tuple[int, int]:
-    """The target's verdict on a draft: rows [1 + k, V] are its logits after the history and after each drafted
-    token; returns (drafted tokens accepted, the target's own next token)."""
-    tokens = draft.tokens if draft is not None else []
-    greedy = sampler.params.temperature == 0
-    for i, x in enumerate(tokens):
-        seen = torch.cat((history, torch.tensor(tokens[:i], dtype=torch.int64, device=history.device)))
-        if greedy:
-            token = sampler(rows[i], seen)
-            if token != x:
-                return i, token
+def grow(tree: DraftTree, extras: Sequence[Extra], room: int, length: DraftLength, spent: float = 0.0) -> None:
+    """Adds extra leaves to the tree, likeliest first, each while it raises the round's expected tokens per second:
+    (1 + the tree's summed chances) / (spent drafting + t1 + rows past the first · t_row), the pass cost fitted by
+    `length` (every extra, with length.fixed); at most `room` nodes besides the root. An extra whose `after` was not
+    taken is not either; one already in the tree costs nothing."""
+    t1, t_row = length.pass_cost()
+    placed: dict[int, int] = {}  # extra's index -> its node
+    for i in sorted(range(len(extras)), key=lambda i: -extras[i].chance):
+        extra = extras[i]
+        parent = extra.parent if extra.after is None else placed.get(extra.after)
+        if parent is None:
             continue
-        p = sampler.probabilities(rows[i], seen)
-        q = draft.probs[i] if draft.probs is not None else None
-        q_x = float(q[x]) if q is not None else 1.0
-        if float(torch.rand((), generator=sampler.generator)) * q_x < float(p[x]):
-            continue  # accepted with probability min(1, p(x) / q(x))
-        if q is not None:
-            residual = (p - q).clamp_min(0)
+        if tree.child(parent, extra.token) is None:
+            cost = spent + t1 + (len(tree) - 1) * t_row
+            if len(tree) > room or not length.fixed and extra.chance * cost < sum(tree.chances) * t_row:
+                continue
+        placed[i] = tree.add(parent, extra.token, extra.source, extra.chance)
+
+
+def verify(rows: torch.Tensor, tree: DraftTree, sampler: Sampler, history: torch.Tensor) -> tuple[list[int], int]:
+    """The target's verdict on a tree: rows [len(tree), V] are its logits after each node; returns (the accepted
+    branch: nodes from the root's child down, the target's own next token after it)."""
+    greedy = sampler.params.temperature == 0
+    branch: list[int] = []
+    node = 0
+    while True:
+        seen = torch.cat((history, torch.tensor(tree.branch_tokens(branch), dtype=torch.int64, device=history.device)))
+        entries = tree.candidates[node]
+        if greedy:
+            token = sampler(rows[node], seen)
+            child = next((c for c, _ in entries if tree.tokens[c] == token), None)
+            if child is None:
+                return branch, token
+            branch.append(child)
+            node = child
+            continue
+        p = sampler.probabilities(rows[node], seen)
+        for child, q in entries:
+            x = tree.tokens[child]
+            q_x = float(q[x]) if q is not None else 1.0
+            if float(torch.rand((), generator=sampler.generator)) * q_x < float(p[x]):
+                break  # accepted with probability min(1, p(x) / q(x))
+            residual = (p - q).clamp_min(0) if q is not None else p.clone()
+            if q is None:
+                residual[x] = 0.0
+            total = float(residual.sum())
+            if total > 0:  # else p <= q everywhere: only when p == q, where rejection has probability 0
+                p = residual / total
         else:
-            residual = p.clone()
-            residual[x] = 0.0
-        if float(residual.sum()) <= 0:  # p <= q everywhere: only when p == q, where rejection has probability 0
-            residual = p
-        return i, int(torch.multinomial(residual, 1, generator=sampler.generator))
-    seen = torch.cat((history, torch.tensor(tokens, dtype=torch.int64, device=history.device)))
-    return len(tokens), sampler(rows[len(tokens)], seen)
+            return branch, int(torch.multinomial(p, 1, generator=sampler.generator))
+        branch.append(child)
+        node = child
 
 
 def speculative_ids(
@@ -273,8 +425,8 @@ def speculative_ids(
     stats: SpeculationStats,
     cached_prefix: int = 0,
 ) -> Iterator[int]:
-    """As `generation.generate_ids`, with each target pass verifying a draft of up to `draft_tokens` tokens
-    (clipped to what is still wanted, to the context left and to MAX_DRAFT)."""
+    """As `generation.generate_ids`, with each target pass verifying a tree at most `draft_tokens` deep (clipped to
+    what is still wanted) of at most MAX_DRAFT tokens besides the root (clipped to the context left)."""
     device = engine.device
     history = list(prompt_ids)
     logits = engine.forward(torch.tensor(prompt_ids[cached_prefix:], dtype=torch.int64, device=device), cached_prefix)
@@ -288,24 +440,27 @@ def speculative_ids(
             history.append(token)
             if token in stop_ids or generated == max_new_tokens or len(history) > engine.kv.capacity:
                 return
-        # The pass puts history[-1] and the draft at positions len(history) - 1 ..: both must fit the context.
-        k = min(draft_tokens, MAX_DRAFT, max_new_tokens - generated - 1, engine.kv.capacity - len(history))
+        # The pass puts history[-1] and the tree in slots len(history) - 1 ..: all must fit the context.
+        root = len(history) - 1
+        room = min(MAX_DRAFT, engine.kv.capacity - len(history))
         t0 = time.perf_counter()
-        draft = drafters.propose(history, k, sampler) if k > 0 else None
-        if draft is not None:
-            draft.tokens = draft.tokens[:k]
+        tree, drafted = drafters.propose(history, min(draft_tokens, max_new_tokens - generated - 1), room, sampler)
         t1 = time.perf_counter()
-        run = [history[-1]] + (draft.tokens if draft is not None else [])
-        rows = engine.forward(torch.tensor(run, dtype=torch.int64, device=device), len(history) - 1, all_logits=True)
-        accepted, token = verify(rows, draft, sampler, torch.tensor(history, dtype=torch.int64, device=device))
+        rows = engine.forward(torch.tensor(tree.tokens, dtype=torch.int64, device=device), root, all_logits=True,
+                              parents=tree.parents)
+        history_ids = torch.tensor(history, dtype=torch.int64, device=device)
+        branch, token = verify(rows, tree, sampler, history_ids)
+        engine.kv.keep_branch(root, branch, tree.branch_tokens(branch))
         t2 = time.perf_counter()
-        drafters.length.observe(draft.source if draft is not None else None, len(run) - 1, accepted, t1 - t0,
-                                len(run), t2 - t1)
+        accepted = set(branch)
+        verdicts = {source: (len(nodes), next((j for j, n in enumerate(nodes) if n not in accepted), len(nodes)))
+                    for source, nodes in tree.chains.items()}
+        drafters.length.observe(len(tree), t2 - t1, verdicts, drafted)
         stats.draft_s += t1 - t0
         stats.verify_s += t2 - t1
         stats.passes += 1
-        stats.tokens += accepted + 1
-        if draft is not None:
-            stats.drafted[draft.source] = stats.drafted.get(draft.source, 0) + len(draft.tokens)
-            stats.accepted[draft.source] = stats.accepted.get(draft.source, 0) + accepted
-        pending = (draft.tokens[:accepted] if draft is not None else []) + [token]
+        stats.tokens += len(branch) + 1
+        for node, source in enumerate(tree.sources[1:], 1):
+            stats.drafted[source] = stats.drafted.get(source, 0) + 1
+            stats.accepted[source] = stats.accepted.get(source, 0) + (node in accepted)
+        pending = tree.branch_tokens(branch) + [token]

@@ -10,7 +10,7 @@ L = cached positions after this step (start_pos + T).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -66,10 +66,9 @@ def rope_inverse_frequencies(cfg: ModelConfig, rope_freqs: torch.Tensor | None) 
     return inv_freq
 
 
-def rope_tables(inv_freq: torch.Tensor, start_pos: int, n_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin: [T, rope_dim/2] for positions start_pos .. start_pos+T-1."""
-    positions = torch.arange(start_pos, start_pos + n_tokens, device=inv_freq.device, dtype=torch.float32)
-    angles = positions[:, None] * inv_freq[None, :]
+def rope_tables(inv_freq: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin: [T, rope_dim/2] for positions [T] (int64)."""
+    angles = positions.to(torch.float32)[:, None] * inv_freq[None, :]
     return angles.cos(), angles.sin()
 
 
@@ -106,13 +105,44 @@ RopeFunction = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor
 ROPE_KINDS: dict[str, RopeFunction] = {"interleaved": rope_interleaved, "neox": rope_neox}
 
 
-def causal_mask(start_pos: int, n_tokens: int, device: torch.device) -> torch.Tensor | None:
-    """[T, L] boolean mask, True where query t may attend key j (j <= start_pos + t); None for one token."""
+def tree_depths(parents: Sequence[int]) -> list[int]:
+    """Each node's depth in a token tree: parents[i] is node i's parent (an earlier node), -1 for node 0, the root
+    (depth 0). Raises ValueError for anything else."""
+    depths: list[int] = []
+    for i, parent in enumerate(parents):
+        if (parent != -1) if i == 0 else not 0 <= parent < i:
+            raise ValueError(f"token tree parents {list(parents)}: node 0 must be the root (-1), every other node's "
+                             f"parent an earlier node")
+        depths.append(0 if i == 0 else depths[parent] + 1)
+    return depths
+
+
+def token_positions(start_pos: int, n_tokens: int, parents: Sequence[int] | None, device: torch.device
+                    ) -> torch.Tensor:
+    """[T] int64: the positions of new tokens in cache slots start_pos..: consecutive for a sequence, start_pos +
+    depth for a token tree's nodes (`parents`, as in tree_depths)."""
+    if parents is None:
+        return torch.arange(start_pos, start_pos + n_tokens, device=device)
+    return start_pos + torch.tensor(tree_depths(parents), dtype=torch.int64, device=device)
+
+
+def causal_mask(start_pos: int, n_tokens: int, device: torch.device, parents: Sequence[int] | None = None
+                ) -> torch.Tensor | None:
+    """[T, L] boolean mask, True where new token t may attend key j: every cached position (j < start_pos) and,
+    among the new tokens (slot start_pos + i for token i), itself and those before it, which in a token tree
+    (`parents`, as in tree_depths) are its ancestors. None for one token (it attends to all)."""
     if n_tokens == 1:
         return None
-    q_pos = torch.arange(start_pos, start_pos + n_tokens, device=device)
-    k_pos = torch.arange(start_pos + n_tokens, device=device)
-    return k_pos[None, :] <= q_pos[:, None]
+    if parents is None:
+        q_pos = torch.arange(start_pos, start_pos + n_tokens, device=device)
+        k_pos = torch.arange(start_pos + n_tokens, device=device)
+        return k_pos[None, :] <= q_pos[:, None]
+    tree_depths(parents)  # checks the shape
+    ancestry = torch.eye(n_tokens, dtype=torch.bool)  # [T, T]: row i marks i and its ancestors
+    for i in range(1, n_tokens):
+        ancestry[i] |= ancestry[parents[i]]
+    cached = torch.ones((n_tokens, start_pos), dtype=torch.bool)
+    return torch.cat((cached, ancestry), dim=1).to(device)
 
 
 def attention(

@@ -17,7 +17,7 @@ from ntio.kernels import cpu_kernels, ops
 from ntio.models.config import ModelConfig
 from ntio.kernels.ops import EncodedMatrix
 from ntio.kernels.ops import rms_norm
-from ntio.models.layers import GlobalWeights, LayerWeights, causal_mask, rope_tables
+from ntio.models.layers import GlobalWeights, LayerWeights, causal_mask, rope_tables, token_positions
 from ntio.policies.base import LOAD_ALL, SKIP, LoadDecision, LoadPolicy, Observation
 from ntio.runtime.kv_cache import KVCache
 
@@ -72,17 +72,23 @@ class Engine:
         self.kernels = kernels
 
     @torch.inference_mode()
-    def forward(self, tokens: torch.Tensor, start_pos: int, *, all_logits: bool = False) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, start_pos: int, *, all_logits: bool = False,
+                parents: Sequence[int] | None = None) -> torch.Tensor:
         """tokens: [T] int64 at positions start_pos..start_pos+T-1 -> logits [T, V] (all_logits) or [V] (last).
 
         start_pos may be below the cache length: the cache is cropped there first (the new tokens replace what
         was cached from start_pos on).
+
+        parents: the tokens are a token tree instead (speculative verification, at most one chunk): token i is
+        the child of token parents[i] (-1 for token 0, the root, which follows the cache), at position start_pos
+        + its depth, in cache slot start_pos + i, attending to the cache and its ancestors. Only the root becomes
+        a valid cached position; `KVCache.keep_branch` then keeps one branch of the others.
         """
         if all_logits:
             # One chunk needs no torch.cat (whose intra-op threads would then spin against the CPU kernels').
-            parts = self._run(tokens, start_pos, lambda h, _: self._logits(self._final_norm(h)))
+            parts = self._run(tokens, start_pos, lambda h, _: self._logits(self._final_norm(h)), parents)
             return parts[0] if len(parts) == 1 else torch.cat(parts)
-        return self._run(tokens, start_pos, lambda h, _: self._logits(self._final_norm(h[-1:]))[0])[-1]
+        return self._run(tokens, start_pos, lambda h, _: self._logits(self._final_norm(h[-1:]))[0], parents)[-1]
 
     @torch.inference_mode()
     def nll(self, tokens: torch.Tensor, start_pos: int) -> torch.Tensor:
@@ -114,15 +120,18 @@ class Engine:
 
         return torch.cat(self._run(tokens, start_pos, score))
 
-    def _run(self, tokens: torch.Tensor, start_pos: int, project: Callable[[torch.Tensor, int], torch.Tensor]
-             ) -> list[torch.Tensor]:
+    def _run(self, tokens: torch.Tensor, start_pos: int, project: Callable[[torch.Tensor, int], torch.Tensor],
+             parents: Sequence[int] | None = None) -> list[torch.Tensor]:
         """The layers over tokens [T] in chunks of at most `prefill_chunk`; project(h, i) maps each chunk's final
         hidden states [t, D] (of tokens i .. i+t-1) to what the caller keeps, inside the step's thread and scratch
-        settings."""
+        settings. parents: a token tree (`forward`)."""
         n_tokens = tokens.shape[0]
         end = start_pos + n_tokens
         if n_tokens == 0:
             raise ValueError("forward needs at least one token")
+        if parents is not None and (len(parents) != n_tokens or n_tokens > self.prefill_chunk):
+            raise ValueError(f"a token tree of {len(parents)} parents for {n_tokens} tokens (at most one chunk, "
+                             f"{self.prefill_chunk})")
         if end > self.kv.capacity:
             raise ContextOverflowError(
                 f"{end} tokens do not fit in the context of {self.kv.capacity} tokens "
@@ -136,8 +145,8 @@ class Engine:
             chunk, pos = tokens[first : first + self.prefill_chunk], start_pos + first
             ids = chunk.tolist()  # before any compute is queued: no wait on the device
             with self._step(chunk.shape[0], pos + chunk.shape[0]):
-                out.append(self._forward_chunk(chunk, pos, lambda h: project(h, first)))
-            self.kv.commit(pos, ids)
+                out.append(self._forward_chunk(chunk, pos, lambda h: project(h, first), parents))
+            self.kv.commit(pos, ids if parents is None else ids[:1])
         return out
 
     @contextlib.contextmanager
@@ -165,7 +174,7 @@ class Engine:
             raise ValueError(f"early exit at {start_pos} does not continue the first {len(blocks)} layers' cache")
         with self._step(n_tokens, end):
             h = ops.embedding(tokens, self.globals.token_embd)
-            rope = rope_tables(self.globals.inv_freq, start_pos, n_tokens)
+            rope = rope_tables(self.globals.inv_freq, token_positions(start_pos, n_tokens, None, h.device))
             mask = causal_mask(start_pos, n_tokens, h.device)
             for layer, w in enumerate(blocks):
                 layer_mask = kv.attention_mask(layer, mask, n_tokens, end)
@@ -196,18 +205,18 @@ class Engine:
         parts = [ops.linear(x, chunk) for _, chunk in self._head()]
         return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
 
-    def _forward_chunk(self, tokens: torch.Tensor, start_pos: int, project: Callable[[torch.Tensor], torch.Tensor]
-                       ) -> torch.Tensor:
-        """tokens [T] (T <= prefill_chunk) through every layer, then project(final hidden states [T, D]) while the
-        forward's reads are still open (a streamed head is read in it)."""
+    def _forward_chunk(self, tokens: torch.Tensor, start_pos: int, project: Callable[[torch.Tensor], torch.Tensor],
+                       parents: Sequence[int] | None) -> torch.Tensor:
+        """tokens [T] (T <= prefill_chunk; a token tree with `parents`) through every layer, then project(final
+        hidden states [T, D]) while the forward's reads are still open (a streamed head is read in it)."""
         cfg, n_tokens, kv = self.cfg, tokens.shape[0], self.kv
         end = start_pos + n_tokens
         block = cfg.family.block
         policy = self.layers.policy
         observed = type(policy).observe is not LoadPolicy.observe  # the base policy ignores observations
         h = ops.embedding(tokens, self.globals.token_embd)  # [T, D]
-        rope = rope_tables(self.globals.inv_freq, start_pos, n_tokens)
-        mask = causal_mask(start_pos, n_tokens, h.device)
+        rope = rope_tables(self.globals.inv_freq, token_positions(start_pos, n_tokens, parents, h.device))
+        mask = causal_mask(start_pos, n_tokens, h.device, parents)
         self.layers.begin_forward(n_tokens)
         try:
             for layer in range(cfg.n_layers):

@@ -2,9 +2,10 @@
 
 k, v: [n_layers, Hkv, capacity, hd], preallocated with torch.empty (on CPU, pages are committed only when written).
 `ids` are the tokens whose K/V the cache holds (positions 0 .. length-1); `crop(n)` forgets everything from
-position n on (speculative rollback), and `reusable_prefix(ids)` says how many leading positions a new prompt can
-keep, by comparing token ids. A layer skipped for a position (a load policy's SKIP) wrote no K/V there:
-`skipped[layer, pos]` is True, and attention in that layer masks the position out.
+position n on (speculative rollback), `keep_branch` keeps one branch of a verified token tree, and
+`reusable_prefix(ids)` says how many leading positions a new prompt can keep, by comparing token ids. A layer
+skipped for a position (a load policy's SKIP) wrote no K/V there: `skipped[layer, pos]` is True, and attention in
+that layer masks the position out.
 """
 
 from __future__ import annotations
@@ -64,6 +65,29 @@ class KVCache:
     def commit(self, start_pos: int, ids: Sequence[int]) -> None:
         """Every layer processed `ids` at start_pos..: they become valid positions."""
         del self.ids[start_pos:]
+        self.ids.extend(ids)
+
+    def keep_branch(self, root: int, nodes: Sequence[int], ids: Sequence[int]) -> None:
+        """After a token-tree pass (`Engine.forward(parents=...)`) that wrote node i in slot root + i for every
+        layer and made the root (slot root) the last valid position: keep the branch `nodes` (the root's child,
+        its child, ...; node indices) with token ids `ids` as positions root + 1 .., and forget the other nodes."""
+        end = self.layer_length[0]
+        if (self.length != root + 1 or any(n != end for n in self.layer_length) or len(nodes) != len(ids)
+                or any(not 0 < i < end - root for i in nodes)):
+            raise ValueError(f"branch {list(nodes)} is not in a token tree after position {root} (cache: "
+                             f"{self.length} valid positions, layers at {sorted(set(self.layer_length))})")
+        new_end = root + 1 + len(nodes)
+        if list(nodes) != list(range(1, len(nodes) + 1)):  # a chain's prefix is in place already
+            slots = torch.tensor([root + i for i in nodes], device=self.k.device)
+            # Advanced indexing reads a copy first: a source slot may be another node's destination.
+            self.k[:, :, root + 1 : new_end] = self.k[:, :, slots]
+            self.v[:, :, root + 1 : new_end] = self.v[:, :, slots]
+            if any(self._n_skipped):
+                self.skipped[:, root + 1 : new_end] = self.skipped[:, slots]
+        if any(self._n_skipped):
+            self.skipped[:, new_end:end] = False
+            self._n_skipped = [int(n) for n in self.skipped[:, :new_end].sum(dim=1).tolist()]
+        self.layer_length = [new_end] * len(self.layer_length)
         self.ids.extend(ids)
 
     def attention_mask(self, layer: int, causal: torch.Tensor | None, n_tokens: int, end: int) -> torch.Tensor | None:
