@@ -4,7 +4,7 @@ against the plain run's (`identical`).
 
 Configurations alternate within each round (plain, then each source, per prompt); medians over rounds. Prints JSON.
 
-    python benches/speculative.py --model qwen2.5-coder-1.5b --draft qwen2.5-coder-0.5b --tiers auto C
+    python benches/speculative.py --model qwen2.5-coder-1.5b --draft qwen2.5-coder-0.5b --tiers auto C --branches 0 2
     python benches/speculative.py --model smollm2-135m --self-draft heads.exit --exit-layer 22 --tiers auto C
 
 The self-draft's calibration file comes from `ntio calibrate MODEL --corpus FILE -o heads.exit`.
@@ -48,17 +48,21 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--draft-tokens", type=int, default=8)
+    ap.add_argument("--branches", type=int, nargs="+", default=[0, 2],
+                    help="next choices per step as extra tree leaves (0: linear drafts); each value is a run")
     args = ap.parse_args()
 
     sources = {"lookup": dict(lookup=True, use_draft=False)}
     drafter = "model" if args.draft else "self" if args.self_draft else None
-    if drafter:
-        sources = {drafter: dict(use_draft=True), "lookup": dict(lookup=True, use_draft=False),
-                   f"{drafter}+lookup": dict(lookup=True, use_draft=True)}
+    if drafter:  # lookup drafts no next choices: one run of it is enough
+        sources = {f"{drafter} b={b}": dict(use_draft=True, branches=b) for b in args.branches}
+        sources["lookup"] = dict(lookup=True, use_draft=False)
+        sources.update({f"{drafter}+lookup b={b}": dict(lookup=True, use_draft=True, branches=b)
+                        for b in args.branches})
     report = {"model": str(resolve_model(args.model)), "draft": args.draft, "self_draft": args.self_draft,
               "exit_layer": args.exit_layer, "machine": platform.processor() or
               platform.machine(), "tokens": args.tokens, "rounds": args.rounds, "draft_tokens": args.draft_tokens,
-              "results": {}}
+              "branches": args.branches, "results": {}}
     for tiers in args.tiers:
         m = ntio.load(args.model, tiers=tiers, draft=args.draft, self_draft=args.self_draft,
                       exit_layer=args.exit_layer)

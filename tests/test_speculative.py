@@ -72,7 +72,7 @@ def test_greedy_with_the_qwen_draft_model_is_token_for_token_plain_greedy(qwen15
         assert spec.token_ids == plain.token_ids, prompt
         sp = spec.speculation
         assert sp["drafted"].get("model", 0) > 0 and sp["accepted"]["model"] <= sp["drafted"]["model"]
-        assert sp["drafted"]["model-alt"] == 2 * sp["drafted"]["model"]
+        assert 0 < sp["drafted"]["model-alt"] <= 2 * sp["drafted"]["model"]  # some merge with lookup nodes
         assert sp["tokens"] == sum(sp["accepted"].values()) + sp["passes"]
         assert m.generate(ids, 40, lookup=True, branches=0, adaptive_draft=False).token_ids == plain.token_ids
     m.close()
@@ -205,7 +205,7 @@ def test_a_tree_tries_sampled_candidates_first_and_merges_repeated_tokens():
     assert tree.add(0, 6, "model-alt", 0.1) == 2
     assert tree.add(0, 5, "lookup", 0.2) == 1
     assert [(c, e is not None) for c, e in tree.candidates[0]] == [(1, True), (1, False), (2, False)]
-    assert tree.chances == [1.0, 0.7, 0.1] and tree.depths == [0, 1, 1]
+    assert tree.chances == [1.0, 0.7, 0.1] and tree.depths == [0, 1, 1] and tree.sources == ["", "lookup", "model-alt"]
 
 
 def test_prompt_lookup_drafts_what_followed_the_latest_match():

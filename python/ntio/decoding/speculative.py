@@ -104,10 +104,10 @@ class DraftTree:
             self.sources.append(source)
             self.chances.append(chance)
             self.candidates.append([])
-        elif q is None and any(c == node and e is None for c, e in entries):
-            return node  # already a point-mass candidate: a second test could not accept what the first rejected
         else:
             self.chances[node] = max(self.chances[node], chance)
+            if q is None and any(c == node and e is None for c, e in entries):
+                return node  # already a point-mass candidate: a second test could not accept what the first rejected
         sampled = sum(e is not None for _, e in entries)
         entries.insert(sampled if q is not None else len(entries), (node, q))
         return node
