@@ -58,12 +58,13 @@ class Draft:
     """A proposed chain from one source: tokens [k] after the history; probs [k, V]: the distribution each token
     was drawn from (None: deterministic, a point mass at each token); alternatives[i]: the drafter's next choices
     at step i, as (token, the drafter's probability that it is the right token when tokens[i] is not), most likely
-    first (none for lookup)."""
+    first (none for lookup); step_s: seconds per drafted token past the first (None: not measured)."""
 
     tokens: list[int]
     source: str
     probs: torch.Tensor | None = None
     alternatives: list[list[tuple[int, float]]] = field(default_factory=list)
+    step_s: float | None = None
 
 
 class DraftTree:
@@ -264,12 +265,17 @@ def sample_chain(history: Sequence[int], k: int, sampler: Sampler,
                  logits_after: Callable[[int, int], torch.Tensor], source: str, branches: int = 0) -> Draft:
     """k tokens drawn one after another with the target's sampler: logits_after(i, t) [V] are the drafter's logits
     for token i, t being the token before it (the history's last for i = 0). Sampling records each distribution;
-    `branches` > 0 records that many next choices per step (`Draft.alternatives`)."""
+    `branches` > 0 records that many next choices per step (`Draft.alternatives`). The step time is measured on
+    the steps after the first: the first also catches the drafter up on the history (after a new prompt, its whole
+    prefill), which says nothing about what more steps cost."""
     seen = torch.tensor(history, dtype=torch.int64, device=sampler.generator.device)
     tokens, probs, alternatives = [], [], []
     sampling = sampler.params.temperature > 0
     token = history[-1]
+    started = time.perf_counter()
     for i in range(k):
+        if i == 1:
+            started = time.perf_counter()
         logits = logits_after(i, token)
         if sampling:
             p = sampler.probabilities(logits, seen)
@@ -282,7 +288,8 @@ def sample_chain(history: Sequence[int], k: int, sampler: Sampler,
             alternatives.append(_next_choices(q, token, branches))
         tokens.append(token)
         seen = torch.cat((seen, torch.tensor([token], dtype=torch.int64, device=seen.device)))
-    return Draft(tokens, source, torch.stack(probs) if sampling else None, alternatives)
+    step_s = (time.perf_counter() - started) / (k - 1) if k > 1 else None
+    return Draft(tokens, source, torch.stack(probs) if sampling else None, alternatives, step_s)
 
 
 def _next_choices(q: torch.Tensor, chosen: int, n: int) -> list[tuple[int, float]]:
@@ -321,7 +328,7 @@ class Drafters:
     def propose(self, history: Sequence[int], most: int, room: int, sampler: Sampler
                 ) -> tuple[DraftTree, tuple[str, int, float] | None]:
         """A tree under history[-1] at most `most` deep with at most `room` nodes besides the root, and (the
-        source that drafted at a cost, tokens it drafted, seconds it took) for the cost estimates."""
+        source that drafted at a cost, tokens it drafted, seconds its steps took) for the cost estimates."""
         tree = DraftTree(history[-1])
         most = min(most, room)
         if most < 1:
@@ -338,7 +345,7 @@ class Drafters:
         k = self.length.choose(self.model.name, most) if self.model is not None else 0
         t0 = time.perf_counter()
         draft = self.model.propose(history, k, sampler, self.branches) if k else None
-        spent = time.perf_counter() - t0
+        spent = time.perf_counter() - t0  # this round's drafting, catching up included
         if draft is None:
             return tree, None
         a = self.length.acceptance(draft.source)
@@ -353,7 +360,9 @@ class Drafters:
             extras += [Extra(c, t, lookup.source, after=first + j - 1 if j else None)
                        for j, (c, t) in enumerate(zip(chances, lookup.tokens))]
         grow(tree, extras, room, self.length, spent)
-        return tree, (draft.source, len(draft.tokens), spent)
+        if draft.step_s is None:
+            return tree, None
+        return tree, (draft.source, len(draft.tokens), draft.step_s * len(draft.tokens))
 
     def _chances(self, source: str, n: int) -> list[float]:
         a = self.length.acceptance(source)
