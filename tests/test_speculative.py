@@ -14,7 +14,7 @@ from click.testing import CliRunner
 import ntio
 from ntio.cli import main
 from ntio.decoding.generation import Sampler, SamplingParams
-from ntio.decoding.speculative import DraftTree, PromptLookup, verify
+from ntio.decoding.speculative import Draft, DraftLength, DraftTree, Extra, PromptLookup, grow, sample_chain, verify
 from ntio.errors import NtioError, OptionError
 from ntio.models.layers import causal_mask, token_positions
 
@@ -206,6 +206,42 @@ def test_a_tree_tries_sampled_candidates_first_and_merges_repeated_tokens():
     assert tree.add(0, 5, "lookup", 0.2) == 1
     assert [(c, e is not None) for c, e in tree.candidates[0]] == [(1, True), (1, False), (2, False)]
     assert tree.chances == [1.0, 0.7, 0.1] and tree.depths == [0, 1, 1] and tree.sources == ["", "lookup", "model-alt"]
+
+
+def test_extra_leaves_are_kept_while_they_raise_the_expected_tokens_per_second():
+    """A pass costing 0.2 s plus 0.01 s per row past the first: with a chain of two likely tokens (expected 2.71
+    tokens a pass), a leaf pays when its chance exceeds 2.71 x 0.01 / the pass's cost, ~0.12: 0.5 does, 0.01 does
+    not. Fixed drafting takes every leaf the room allows; a leaf under one not taken is not taken either."""
+    length = DraftLength()
+    length.observe(1, 0.2, {}, None)
+    length.observe(11, 0.3, {}, None)
+    assert [round(x, 6) for x in length.pass_cost()] == [0.2, 0.01]
+
+    def tree_with(extras, room, length):
+        tree = DraftTree(0)
+        tree.add_chain(Draft([10, 11], "model"), [0.9, 0.81])
+        grow(tree, extras, room, length)
+        return sorted(tree.tokens[3:])
+
+    extras = [Extra(0.01, 21, "model-alt", 1), Extra(0.5, 20, "model-alt"), Extra(0.005, 22, "lookup", after=0)]
+    assert tree_with(extras, 8, length) == [20]
+    assert tree_with(extras, 8, DraftLength(fixed=True)) == [20, 21, 22]
+    assert tree_with(extras, 3, DraftLength(fixed=True)) == [20]
+    assert tree_with([extras[1], Extra(0.9, 23, "lookup", after=0)], 8, DraftLength(fixed=True)) == [20, 23]
+
+
+def test_a_drafts_step_cost_leaves_out_catching_up_on_the_history():
+    """The first step of a draft also runs the drafter over what it has not seen (a new prompt's prefill): the
+    cost per drafted token that sizes drafts comes from the later steps only."""
+    import time
+
+    def logits_after(i, token):
+        time.sleep(0.3 if i == 0 else 0.01)
+        return torch.tensor([0.0, 1.0, 0.0])
+
+    draft = sample_chain([0], 3, Sampler(SamplingParams()), logits_after, "model")
+    assert draft.tokens == [1, 1, 1] and 0.01 <= draft.step_s < 0.1
+    assert sample_chain([0], 1, Sampler(SamplingParams()), logits_after, "model").step_s is None
 
 
 def test_prompt_lookup_drafts_what_followed_the_latest_match():

@@ -375,8 +375,12 @@ def grow(tree: DraftTree, extras: Sequence[Extra], room: int, length: DraftLengt
     `length` (every extra, with length.fixed); at most `room` nodes besides the root. An extra whose `after` was not
     taken is not either; one already in the tree costs nothing."""
     t1, t_row = length.pass_cost()
+    # Likeliest first, but never before the extra it follows (`after` is an earlier index).
+    rank: list[float] = []
+    for extra in extras:
+        rank.append(extra.chance if extra.after is None else min(extra.chance, rank[extra.after]))
     placed: dict[int, int] = {}  # extra's index -> its node
-    for i in sorted(range(len(extras)), key=lambda i: -extras[i].chance):
+    for i in sorted(range(len(extras)), key=lambda i: -rank[i]):
         extra = extras[i]
         parent = extra.parent if extra.after is None else placed.get(extra.after)
         if parent is None:
