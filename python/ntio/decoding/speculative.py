@@ -153,8 +153,9 @@ class SpeculationStats:
 
 
 class DraftLength:
-    """How many tokens to draft: the k that maximizes expected tokens per second of a pass, from what passes and
-    drafts have cost and how often each source's tokens were accepted.
+    """How deep to draft: the chain length k that maximizes expected tokens per second of a pass, from what passes
+    and drafts have cost and how often each source's tokens were accepted (`grow` sizes a tree's extra leaves with
+    the same pass cost).
 
     A pass over T tokens costs t1 + (T - 1)·t_row (fitted to measured verify passes: t_row is ~0 when weights stream
     and a sizable part of t1 on the CPU with resident weights) plus k times the source's drafting cost per token; a
