@@ -20,7 +20,7 @@ from ntio.errors import ModelFormatError, NtioError
 from ntio.runtime.loader import auto_prefetch_depth
 from ntio.formats.store import convert
 from ntio.synth import SynthSpec, write_synthetic_gguf
-from ntio.runtime.tiers import parse_size, parse_tier_spec, plan_tiers
+from ntio.runtime.tiers import parse_size, parse_tier_spec, plan_tiers, spread_resident
 
 PROMPT = "Streaming layers from disk lets a small machine run a model that does not fit in its memory, because"
 
@@ -149,8 +149,16 @@ def test_budget_picks_tiers(smollm2_path):
     m = ntio.load(smollm2_path, max_context=256, ram_budget="175MB")
     counts = m.plan.counts
     assert counts["A"] > 0 and counts["C"] > 0 and counts["B"] == 0  # partly resident, the rest streamed
-    assert m.plan.tiers == sorted(m.plan.tiers)  # A layers first
+    resident = m.plan.layers("A")
+    gaps = [b - a for a, b in zip(resident, resident[1:])]
+    assert max(gaps) - min(gaps) <= 1 and resident[0] < 30 / counts["A"]  # spaced evenly among the streamed ones
     m.close()
+
+
+def test_resident_layers_are_spaced_evenly_among_streamed_ones():
+    assert "".join(spread_resident(list("AAACCCCCCCCCCCCCCCCC"))) == "CCCACCCCCCACCCCCACCC"
+    assert "".join(spread_resident(list("AAAAAAAAAAACCCCCCCCC"))) == "ACACACACACAACACACACA"
+    assert spread_resident(["A", "C"]) == ["C", "A"] and spread_resident(["A"] * 3) == ["A"] * 3
 
 
 _PEAK_SCRIPT = """
@@ -246,8 +254,14 @@ def test_tier_spec_and_sizes():
 def test_plan_fills_device_then_host_then_disk():
     layers = [100] * 6
     cpu = plan_tiers(layers, cuda=False, device_budget=0, ram_budget=650, reserved_device=0, reserved_ram=200,
-                     staging_bytes=200)
+                     staging_bytes=200, spread=False)
     assert cpu.tiers == ["A", "A"] + ["C"] * 4
+    spread = plan_tiers(layers, cuda=False, device_budget=0, ram_budget=650, reserved_device=0, reserved_ram=200,
+                        staging_bytes=200)
+    assert spread.tiers == ["C", "A", "C", "C", "A", "C"]
+    uneven = plan_tiers([100] * 5 + [90], cuda=False, device_budget=0, ram_budget=650, reserved_device=0,
+                        reserved_ram=200, staging_bytes=200)
+    assert uneven.tiers == ["A", "A"] + ["C"] * 4  # layers of different sizes: moving them would change the bytes
     gpu = plan_tiers(layers, cuda=True, device_budget=450, ram_budget=400, reserved_device=100, reserved_ram=0,
                      staging_bytes=150)
     assert gpu.tiers == ["A", "A", "B", "B", "C", "C"]

@@ -89,7 +89,8 @@ class LLM:
 
     self_draft: a calibration file of this model's exit heads (`ntio calibrate`): its own first exit_layer + 1
     layers draft instead (default exit layer: `self_draft.default_exit_layer`); those layers are kept resident
-    (a copy when they stream), and the output head must be resident."""
+    (a copy when they stream; the plan then keeps its resident layers first), and the output head must be
+    resident."""
 
     def __init__(
         self,
@@ -136,7 +137,7 @@ class LLM:
         self.memory = plan_memory(layout, cuda=cuda, kv_dtype=KV_DTYPES[kv_dtype],
                                   max_context=max_context, tiers=tiers, gpu_memory_budget=gpu_memory_budget,
                                   ram_budget=ram_budget, group_size=layer_group_size, prefetch_depth=prefetch_depth,
-                                  sync=sync, reserved=reserved)
+                                  sync=sync, reserved=reserved, spread=self_draft is None)
         if self.memory.notice:
             _log.warning(self.memory.notice)
         self.plan, capacity, depth = self.memory.plan, self.memory.capacity, self.memory.prefetch_depth

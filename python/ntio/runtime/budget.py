@@ -126,9 +126,11 @@ def fitted_context(needs_at: Callable[[int], MemoryNeeds], capacity: int, budget
     return low
 
 
-def make_plan(needs: MemoryNeeds, budget: Budgets, *, cuda: bool, tiers: str = "auto") -> TierPlan:
-    """The forced plan (--tiers A|B|C|spec), or the one `plan_tiers` computes from the budgets. A forced plan places
-    the layers as told; the output head, then the token embedding, stay resident where they fit beside them."""
+def make_plan(needs: MemoryNeeds, budget: Budgets, *, cuda: bool, tiers: str = "auto", spread: bool = True
+              ) -> TierPlan:
+    """The forced plan (--tiers A|B|C|spec), or the one `plan_tiers` computes from the budgets (`spread`: as
+    there). A forced plan places the layers as told; the output head, then the token embedding, stay resident where
+    they fit beside them."""
     forced = parse_tier_spec(tiers, len(needs.layers))
     reserved = needs.globals + needs.kv_cache + needs.activations
     if forced is not None:
@@ -148,6 +150,7 @@ def make_plan(needs: MemoryNeeds, budget: Budgets, *, cuda: bool, tiers: str = "
         staging_bytes=needs.staging(),
         head_bytes=needs.head,
         embedding_bytes=needs.token_embd,
+        spread=spread,
     )
 
 
@@ -226,10 +229,10 @@ class MemoryPlan:
 
 def plan_memory(layout: WeightLayout, *, cuda: bool, kv_dtype: torch.dtype, max_context: int | None = None,
                 tiers: str = "auto", gpu_memory_budget: str | int | None = None, ram_budget: str | int | None = None,
-                group_size: int = 1, prefetch_depth: int | None = None, sync: bool = False, reserved: int = 0
-                ) -> MemoryPlan:
+                group_size: int = 1, prefetch_depth: int | None = None, sync: bool = False, reserved: int = 0,
+                spread: bool = True) -> MemoryPlan:
     """Budgets (less `reserved` bytes of the compute device's: a draft model's), KV capacity, read-ahead and tier
-    plan for a model, in that order.
+    plan for a model, in that order (`spread`: as for `tiers.plan_tiers`).
 
     When the leanest plan does not fit an automatic plan's budget, the prefill chunk is halved (down to
     MIN_PREFILL_CHUNK); then, on CPU, a measured RAM budget grows up to `RamRoom.tight_budget` (this process's own
@@ -277,7 +280,7 @@ def plan_memory(layout: WeightLayout, *, cuda: bool, kv_dtype: torch.dtype, max_
                            f"size")
             capacity = fitted
     needs = needs_at(capacity)
-    plan = make_plan(needs, budget, cuda=cuda, tiers=tiers)
+    plan = make_plan(needs, budget, cuda=cuda, tiers=tiers, spread=spread)
     return MemoryPlan(needs, budget, plan, capacity, chunk, depth, "; ".join(notices) or None)
 
 
