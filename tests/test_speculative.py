@@ -16,7 +16,7 @@ from ntio.cli import main
 from ntio.decoding.generation import Sampler, SamplingParams
 from ntio.decoding.speculative import Draft, DraftLength, DraftTree, Extra, PromptLookup, grow, sample_chain, verify
 from ntio.errors import NtioError, OptionError
-from ntio.models.layers import causal_mask, token_positions
+from ntio.models.layers import causal_mask, token_positions, tree_depths
 
 PROMPTS = [
     "Rewrite this sentence in the past tense: 'The cat sits on the mat while the dog runs in the park.'",
@@ -205,7 +205,8 @@ def test_a_tree_tries_sampled_candidates_first_and_merges_repeated_tokens():
     assert tree.add(0, 6, "model-alt", 0.1) == 2
     assert tree.add(0, 5, "lookup", 0.2) == 1
     assert [(c, e is not None) for c, e in tree.candidates[0]] == [(1, True), (1, False), (2, False)]
-    assert tree.chances == [1.0, 0.7, 0.1] and tree.depths == [0, 1, 1] and tree.sources == ["", "lookup", "model-alt"]
+    assert tree.chances == [1.0, 0.7, 0.1] and tree_depths(tree.parents) == [0, 1, 1]
+    assert tree.sources == ["", "lookup", "model-alt"]
 
 
 def test_extra_leaves_are_kept_while_they_raise_the_expected_tokens_per_second():

@@ -81,7 +81,6 @@ class DraftTree:
     def __init__(self, root: int) -> None:
         self.tokens = [root]
         self.parents = [-1]
-        self.depths = [0]
         self.sources = [""]
         self.chances = [1.0]
         self.candidates: list[list[tuple[int, torch.Tensor | None]]] = [[]]
@@ -101,7 +100,6 @@ class DraftTree:
             node = len(self.tokens)
             self.tokens.append(token)
             self.parents.append(parent)
-            self.depths.append(self.depths[parent] + 1)
             self.sources.append(source)
             self.chances.append(chance)
             self.candidates.append([])
@@ -221,15 +219,22 @@ class PromptLookup:
     def __init__(self, max_ngram: int = 3) -> None:
         self.max_ngram = max_ngram
 
-    def propose(self, history: Sequence[int], k: int, min_ngram: int = 1) -> Draft | None:
+    def match(self, history: Sequence[int], k: int) -> tuple[int, list[int]] | None:
+        """(n, up to k tokens that followed the latest earlier occurrence of the history's last n tokens) for the
+        largest n <= max_ngram that occurs; None when not even the last token does."""
         n_hist = len(history)
-        for n in range(min(self.max_ngram, n_hist - 1), min_ngram - 1, -1):
+        for n in range(min(self.max_ngram, n_hist - 1), 0, -1):
             tail = list(history[n_hist - n :])
             # Latest start i < n_hist - n with history[i : i + n] == tail and at least one token after it.
             for i in range(n_hist - n - 1, -1, -1):
                 if history[i] == tail[0] and list(history[i : i + n]) == tail:
-                    return Draft(list(history[i + n : i + n + k]), self.name)
+                    return n, list(history[i + n : i + n + k])
         return None
+
+    def propose(self, history: Sequence[int], k: int, min_ngram: int = 1) -> Draft | None:
+        """The match's tokens as a draft, if its n is at least min_ngram."""
+        found = self.match(history, k)
+        return Draft(found[1], self.name) if found is not None and found[0] >= min_ngram else None
 
 
 class DraftModel:
@@ -334,15 +339,13 @@ class Drafters:
         most = min(most, room)
         if most < 1:
             return tree, None
-        lookup = None
-        if self.lookup is not None:
-            lookup = self.lookup.propose(history, most, min_ngram=PREFERRED_LOOKUP if self.model else 1)
-            if lookup is not None:  # taken alone: it costs nothing and copying is likely to go on
-                chain = lookup.tokens[: self.length.choose(lookup.source, len(lookup.tokens))]
-                tree.add_chain(Draft(chain, lookup.source), self._chances(lookup.source, len(chain)))
-                return tree, None
-            if self.model is not None:
-                lookup = self.lookup.propose(history, most)  # a shorter match, for extra leaves
+        found = self.lookup.match(history, most) if self.lookup is not None else None
+        lookup = Draft(found[1], self.lookup.name) if found is not None else None
+        if lookup is not None and (self.model is None or found[0] >= PREFERRED_LOOKUP):
+            # Taken alone: it costs nothing and copying is likely to go on.
+            chain = lookup.tokens[: self.length.choose(lookup.source, len(lookup.tokens))]
+            tree.add_chain(Draft(chain, lookup.source), self._chances(lookup.source, len(chain)))
+            return tree, None
         k = self.length.choose(self.model.name, most) if self.model is not None else 0
         t0 = time.perf_counter()
         draft = self.model.propose(history, k, sampler, self.branches) if k else None
@@ -355,7 +358,7 @@ class Drafters:
         for j, choices in enumerate(draft.alternatives):
             reach = a**j * (1 - a)  # the chain reaches step j and its token there is rejected
             extras += [Extra(reach * r, t, draft.source + "-alt", nodes[j - 1] if j else 0) for t, r in choices]
-        if lookup is not None:  # its chain may be right where the model's is not
+        if lookup is not None:  # a shorter match: its chain may be right where the model's is not
             first = len(extras)
             chances = self._chances(lookup.source, len(lookup.tokens))
             extras += [Extra(c, t, lookup.source, after=first + j - 1 if j else None)
