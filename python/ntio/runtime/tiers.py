@@ -105,7 +105,8 @@ def spread_resident(tiers: list[str]) -> list[str]:
     Why: the reader keeps a bounded read-ahead, so the disk idles while a long run of resident layers computes and
     the CPU waits through the streamed run after it; interleaved, every resident layer's compute overlaps reads.
     Measured on the 8B-shaped model in memory cgroups on this project's VM (2 vCPU, benches/RESULTS.md): +3% decode
-    at 2 GB (3 of 20 layers resident), +7.5% and +15% in two runs at 3 GB (11 of 20), the same bytes per token."""
+    at 2 GB (3 of 20 layers resident), +7.5%, +15% and +7% in three paired runs at 3 GB (11 of 20), the same bytes
+    per token."""
     n, m = len(tiers), tiers.count("A")
     resident = {(2 * i + 1) * n // (2 * m) for i in range(m)}
     return ["A" if i in resident else "C" for i in range(n)]
