@@ -43,6 +43,9 @@ class LayerWeights:
     # FFN neuron ranges [start, stop) whose gate/up rows were loaded (a load policy's "rows" decision); None: all.
     # w_gate_up then holds only the bytes of those rows: the others were never read.
     ffn_rows: tuple[tuple[int, int], ...] | None = None
+    # (gate, up) pre-activations [T, F] -> [T, F] bool: the neurons each token keeps, the others counting as 0 in
+    # the down product (a load policy's sparse FFN, ntio.policies.sparse_ffn); None: all.
+    ffn_mask: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
 
 
 @dataclass
@@ -187,15 +190,20 @@ def swiglu(h: torch.Tensor, w: LayerWeights, eps: float, taps: dict[str, torch.T
            ) -> torch.Tensor:
     """SwiGLU feed-forward of x = rms_norm(h): [T, D] -> down(silu(gate x) * up x): [T, D].
 
-    With `w.ffn_rows`, only those neurons are computed and the others count as 0 (the down projection is whole).
+    With `w.ffn_rows`, only those neurons are computed and the others count as 0 (the down projection is whole);
+    with `w.ffn_mask`, each token's down product takes only the neurons it keeps.
     taps["ffn_gate"] receives the gate pre-activations [T, F] (zeros for neurons not computed) when taps is given.
     """
     if w.ffn_rows is None:
         gate_up = ops.normed_linear(h, w.ffn_norm, eps, w.w_gate_up)  # [T, 2F]: gate | up
     else:
         gate_up = torch.cat(_sparse_gate_up(rms_norm(h, w.ffn_norm, eps), w), dim=-1)
+    d_ff = w.w_down.shape[1]
     if taps is not None:
-        taps["ffn_gate"] = gate_up[:, : w.w_down.shape[1]]
+        taps["ffn_gate"] = gate_up[:, :d_ff]
+    if w.ffn_mask is not None:
+        gate, up = gate_up[:, :d_ff], gate_up[:, d_ff:]
+        return ops.linear(F.silu(gate) * up * w.ffn_mask(gate, up), w.w_down)
     return ops.swiglu_linear(gate_up, w.w_down)
 
 
@@ -224,9 +232,9 @@ def pre_norm_block(
     taps: dict[str, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """h + attention(norm(h)), then + swiglu(norm(.)): [T, D] -> [T, D]. A few tokens on the CPU run the whole
-    block as one kernel call (the same products and attention, bit for bit) unless the FFN is a row subset or taps
-    are asked for."""
-    if (taps is None and w.ffn_rows is None
+    block as one kernel call (the same products and attention, bit for bit) unless the FFN is a row subset or
+    masked, or taps are asked for."""
+    if (taps is None and w.ffn_rows is None and w.ffn_mask is None
             and ops.uses_cpu_block(h, k_cache, [*w.wqkv, w.wo, *w.w_gate_up, w.w_down])):
         return ops.decoder_block(h, (w.attn_norm, w.ffn_norm), w.wqkv, w.qkv_bias, w.wo, w.w_gate_up, w.w_down,
                                  k_cache, v_cache, start_pos, rope, mask, cfg.rms_eps,

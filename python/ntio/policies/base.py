@@ -13,11 +13,14 @@ a policy knows how stale its observations may be when it decides. After a layer 
 (the hidden state in and out; the FFN gate pre-activations [T, F] when `wants_ffn_gate`).
 
 When a layer is about to compute, the loader asks `still_wanted(layer, decision)`: a policy that has changed its
-mind about a prefetched read answers False, and the layer is skipped without waiting for that read.
+mind about a prefetched read answers False, and the layer is skipped without waiting for that read. The engine then
+asks `ffn_mask(layer)`: a function from the FFN's gate and up pre-activations to the neurons each token keeps
+(ntio.policies.sparse_ffn), or None to keep all.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -36,6 +39,9 @@ class LoadDecision:
                 raise ValueError(f"FFN row ranges must be non-empty, sorted and disjoint, got {list(rows)}")
         return LoadDecision("rows", rows)
 
+
+# (gate, up) pre-activations [T, F] -> [T, F] bool: the FFN neurons each token keeps; the others count as 0.
+FFNMask = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 LOAD_ALL = LoadDecision("all")
 SKIP = LoadDecision("skip")
@@ -63,6 +69,9 @@ class LoadPolicy:
 
     def still_wanted(self, layer: int, decision: LoadDecision) -> bool:
         return True
+
+    def ffn_mask(self, layer: int) -> FFNMask | None:
+        return None
 
     def observe(self, obs: Observation) -> None:
         pass

@@ -7,6 +7,7 @@ which asks its load policy before each read what to load. The family's block fun
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Callable, Iterator, Sequence
 from typing import Protocol
 
@@ -221,6 +222,8 @@ class Engine:
         try:
             for layer in range(cfg.n_layers):
                 w = self.layers.block(layer)
+                if w is not None and (ffn_mask := policy.ffn_mask(layer)) is not None:
+                    w = dataclasses.replace(w, ffn_mask=ffn_mask)
                 h_in, taps = h, ({} if policy.wants_ffn_gate else None)
                 if w is not None:
                     layer_mask = kv.attention_mask(layer, mask, n_tokens, end)

@@ -1,0 +1,156 @@
+"""What a sparse FFN costs in perplexity, by rule, keep share and unit (issue 20's price list, quality half).
+
+For each model: perplexity of an evaluation text with each token's FFN keeping the `keep` share of its units (the
+others count as 0; ntio.policies.sparse_ffn), as a ratio to dense. Units are single neurons, groups of consecutive
+neurons (a quantization block of the down matrix holds 32 or 256 of them: the smallest unit its bytes can be read
+in without requantizing), or groups of neurons clustered by co-activation on a calibration text (balanced recursive
+bisection along the first principal direction of the neurons' activation patterns), which a re-laid-out store
+could read as one extent. Then how the union of the units kept grows with the tokens in one pass (prefill,
+speculative verification), which is what such a pass would read.
+
+Texts are this project's own, so no model saw them in training: calibration, the package's docstrings; evaluation,
+README.md. Bytes per token and streamed tok/s (the other half of the price list) need the store layout that reads
+only kept units, which is not built yet. Prints one JSON object per measurement, then a summary object.
+
+    python benches/sparse_ffn.py --model smollm2-135m qwen2.5-coder-1.5b --groups 1 32 256 --clustered 8 32
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import json
+import platform
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+import ntio
+from ntio.policies.base import FFNMask, LoadPolicy
+from ntio.policies.sparse_ffn import NeuronSelection, SparseFFNPolicy, consecutive_groups
+
+ROOT = Path(__file__).resolve().parent.parent
+CTX = 512
+
+
+def calibration_text() -> str:
+    """The package's longer docstrings (module, class and function), in file order."""
+    docs = []
+    for path in sorted((ROOT / "python" / "ntio").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef)):
+                doc = ast.get_docstring(node)
+                if doc and len(doc) > 200:
+                    docs.append(doc)
+    return "\n\n".join(docs)
+
+
+def first_tokens(m: ntio.LLM, text: str, n: int) -> str:
+    """The text's prefix of about n tokens (cut at a character bound, found by tokenizing)."""
+    ids = m.tokenizer.encode(text)
+    return text if len(ids) <= n else m.tokenizer.decode(ids[:n])
+
+
+class Recorder(LoadPolicy):
+    """Reads everything, keeps everything, and records |silu(gate) * up| [T, F] of every layer's FFN."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.activations: dict[int, list[torch.Tensor]] = {}
+
+    def ffn_mask(self, layer: int) -> FFNMask:
+        def record(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+            self.activations.setdefault(layer, []).append((F.silu(gate) * up).abs())
+            return torch.ones_like(gate, dtype=torch.bool)
+
+        return record
+
+
+def bisect(patterns: torch.Tensor, ids: torch.Tensor, size: int) -> list[torch.Tensor]:
+    """Neuron ids split into groups of `size` neurons with similar activation patterns ([F, N], one row each):
+    halves (in whole groups) along the first principal direction of their patterns, recursively."""
+    if ids.numel() <= size:
+        return [ids]
+    x = patterns[ids] - patterns[ids].mean(dim=0)
+    direction = torch.linalg.svd(x, full_matrices=False).Vh[0]
+    order = ids[(x @ direction).argsort()]
+    half = ids.numel() // size // 2 * size
+    return bisect(patterns, order[:half], size) + bisect(patterns, order[half:], size)
+
+
+def clustered_groups(activations: dict[int, list[torch.Tensor]], size: int) -> dict[int, torch.Tensor]:
+    """Per layer, [F / size, size] neuron groups clustered by co-activation on the recorded tokens."""
+    groups = {}
+    for layer, parts in activations.items():
+        a = torch.cat(parts)  # [N, F]
+        shares = a / a.sum(dim=1, keepdim=True).clamp_min(1e-12)  # each token's activation mass over neurons
+        patterns = (shares / shares.norm(dim=0, keepdim=True).clamp_min(1e-12)).T.contiguous()  # [F, N]
+        groups[layer] = torch.stack(bisect(patterns, torch.arange(a.shape[1]), size))
+    return groups
+
+
+def union_growth(m: ntio.LLM, policy: SparseFFNPolicy, ids: list[int], sizes: list[int]) -> dict[int, float]:
+    """Mean share of units kept by some token of a pass, for passes of each size over consecutive tokens."""
+    growth = {}
+    for size in sizes:
+        policy.union.clear()
+        for start in range(0, min(len(ids), CTX) - size + 1, size):
+            m.engine.forward(torch.tensor(ids[start : start + size]), start)
+        growth[size] = round(policy.union_fraction(), 4)
+    return growth
+
+
+def measure(name: str, args: argparse.Namespace) -> list[dict]:
+    policy = SparseFFNPolicy(NeuronSelection("down", 1.0))
+    m = ntio.load(name, max_context=CTX, policy=policy, threads=args.threads)
+    d_ff = m.config.d_ff
+    evaluation = first_tokens(m, (ROOT / "README.md").read_text(), args.eval_tokens)
+    calibration = first_tokens(m, calibration_text(), args.calib_tokens)
+    dense = m.perplexity(evaluation, ctx=CTX).perplexity
+    rows = [{"model": name, "rule": "dense", "perplexity": dense}]
+    print(json.dumps(rows[0]), flush=True)
+
+    # (kind, neurons per unit, the units: one [G, size] for every layer, or per layer)
+    units: list[tuple[str, int, torch.Tensor | None, dict[int, torch.Tensor]]] = [
+        ("consecutive", size, consecutive_groups(d_ff, size), {}) for size in args.groups if d_ff % size == 0]
+    if args.clustered:
+        recorder = Recorder()
+        calibrating = ntio.load(name, max_context=CTX, policy=recorder, threads=args.threads)
+        calibrating.perplexity(calibration, ctx=CTX)
+        calibrating.close()
+        units += [("clustered", size, None, clustered_groups(recorder.activations, size)) for size in args.clustered]
+
+    eval_ids = m.tokenizer.encode(evaluation)
+    for kind, size, shared, per_layer in units:
+        for rule in args.rules:
+            for keep in args.keep:
+                policy.selection, policy.groups = NeuronSelection(rule, keep, shared), per_layer
+                ppl = m.perplexity(evaluation, ctx=CTX).perplexity
+                row = {"model": name, "rule": rule, "keep": keep, "unit": kind, "neurons_per_unit": size,
+                       "perplexity": ppl, "ratio": round(ppl / dense, 4),
+                       "union_by_pass_tokens": union_growth(m, policy, eval_ids, args.union_tokens)}
+                print(json.dumps(row), flush=True)
+                rows.append(row)
+    m.close()
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", nargs="+", default=["smollm2-135m", "qwen2.5-coder-1.5b"])
+    ap.add_argument("--rules", nargs="+", default=["down", "gate"], choices=["down", "gate"])
+    ap.add_argument("--keep", type=float, nargs="+", default=[0.7, 0.5, 0.3])
+    ap.add_argument("--groups", type=int, nargs="+", default=[1, 32, 256], help="consecutive neurons per unit")
+    ap.add_argument("--clustered", type=int, nargs="*", default=[], help="co-activation clustered neurons per unit")
+    ap.add_argument("--union-tokens", type=int, nargs="+", default=[4, 16, 64], help="tokens per pass for the union")
+    ap.add_argument("--eval-tokens", type=int, default=2048)
+    ap.add_argument("--calib-tokens", type=int, default=2048)
+    ap.add_argument("--threads", type=int)
+    args = ap.parse_args()
+    rows = [row for name in args.model for row in measure(name, args)]
+    print(json.dumps({"machine": platform.processor() or platform.machine(), "ctx": CTX, "results": rows}))
+
+
+if __name__ == "__main__":
+    main()

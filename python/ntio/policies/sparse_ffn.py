@@ -1,0 +1,95 @@
+"""Sparse FFN: which of its neurons each token's feed-forward keeps (seed 002, issue 20).
+
+A SwiGLU FFN computes down · a with a = silu(gate · x) ⊙ (up · x): [T, F]. A neuron whose a_i is near 0 adds
+nearly nothing, so the down product can drop it; the bytes saved are the dropped neurons' down weights (and, when
+the choice comes before up or gate is read, theirs). Rules for the choice, per token:
+  * "down": the neurons of largest |a| (gate and up computed whole: the exact activations);
+  * "gate": the neurons of largest |silu(gate · x)| (the seed's rule: only gate computed whole).
+A selection keeps ceil(keep × G) of G units per token: single neurons, or groups of neurons (rows of `groups`).
+
+Measured (benches/RESULTS.md, "sparse FFN"): on these SwiGLU models the rule only pays per neuron. Keeping half of
+Qwen2.5-Coder-1.5B's neurons by |a| costs x1.004 perplexity one by one, but x1.66 in groups of 32 consecutive
+neurons (a 32-element quantization block of the down matrix): which neurons matter changes neuron by neuron.
+
+This module prices a rule in perplexity: the FFN computes exactly the kept neurons, the others count as 0, and every
+byte is still read (the store layout that reads only kept neurons is not built yet). Kept neurons of different
+tokens differ: a pass over T tokens computes each token with its own (as decoding it alone would), and
+`SparseFFNPolicy.union_fraction` reports the share of units at least one token of the pass kept: what a pass
+would read.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from ntio.policies.base import FFNMask, LoadPolicy
+
+RULES = ("down", "gate")
+
+
+@dataclass(frozen=True)
+class NeuronSelection:
+    """Keeps, per token, the `keep` share of units scoring highest under `rule`. groups: [G, g] int64 neuron ids,
+    each row one unit (disjoint; neurons in no row are always kept); None: every neuron is its own unit."""
+
+    rule: str
+    keep: float
+    groups: torch.Tensor | None = None
+
+    def __post_init__(self) -> None:
+        if self.rule not in RULES:
+            raise ValueError(f"sparse FFN rule must be one of {', '.join(RULES)}, got {self.rule!r}")
+        if not 0.0 < self.keep <= 1.0:
+            raise ValueError(f"sparse FFN keep must be in (0, 1], got {self.keep}")
+
+    def masks(self, gate: torch.Tensor, up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """gate, up: [T, F] pre-activations -> (neurons [T, F], units [T, G]): bool, True where a token keeps it."""
+        score = F.silu(gate).abs() if self.rule == "gate" else (F.silu(gate) * up).abs()  # [T, F]
+        if self.groups is not None:
+            score = score[:, self.groups].sum(dim=-1)  # [T, G]
+        top = score.topk(math.ceil(self.keep * score.shape[1]), dim=1, sorted=False).indices
+        units = torch.zeros_like(score, dtype=torch.bool).scatter_(1, top, True)
+        if self.groups is None:
+            return units, units
+        neurons = torch.ones_like(gate, dtype=torch.bool)
+        neurons[:, self.groups.reshape(-1)] = units.repeat_interleave(self.groups.shape[1], dim=1)
+        return neurons, units
+
+
+def consecutive_groups(d_ff: int, size: int) -> torch.Tensor | None:
+    """[F / size, size] groups of consecutive neurons (a quantization block of the down matrix is 32 or 256);
+    None for size 1."""
+    if size < 1 or d_ff % size:
+        raise ValueError(f"a group of {size} neurons does not divide the FFN's {d_ff}")
+    return None if size == 1 else torch.arange(d_ff).view(-1, size)
+
+
+@dataclass
+class SparseFFNPolicy(LoadPolicy):
+    """Reads every layer whole and has the FFN keep `selection`'s neurons (`groups`: per layer, else the
+    selection's own). Counts, per layer, the passes and the share of units the union of a pass's tokens kept."""
+
+    selection: NeuronSelection
+    groups: dict[int, torch.Tensor] = field(default_factory=dict)
+    union: dict[int, list[float]] = field(default_factory=dict, init=False)  # layer -> union share per pass
+
+    def ffn_mask(self, layer: int) -> FFNMask:
+        selection = self.selection
+        if layer in self.groups:
+            selection = NeuronSelection(selection.rule, selection.keep, self.groups[layer])
+
+        def mask(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+            neurons, units = selection.masks(gate, up)
+            self.union.setdefault(layer, []).append(float(units.any(dim=0).float().mean()))
+            return neurons
+
+        return mask
+
+    def union_fraction(self) -> float:
+        """Mean over layers and passes of the share of units some token of the pass kept."""
+        shares = [s for per_layer in self.union.values() for s in per_layer]
+        return sum(shares) / len(shares) if shares else 0.0

@@ -1,0 +1,111 @@
+"""Sparse FFN selections (ntio.policies.sparse_ffn): which neurons each token keeps, and that the engine computes
+exactly those. Oracles: a sort of the scores for the choice, and Hugging Face transformers on the same GGUF in
+float32 with the same neurons zeroed for the logits."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import ntio
+from ntio.policies.sparse_ffn import NeuronSelection, SparseFFNPolicy, consecutive_groups
+from references import hf_model, rel_l2
+
+PROMPT = "The quick brown fox jumps over the lazy dog because"
+
+
+def _scores(rule: str, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    return F.silu(gate).abs() if rule == "gate" else (F.silu(gate) * up).abs()
+
+
+@pytest.mark.parametrize("rule", ["down", "gate"])
+@pytest.mark.parametrize("keep", [0.3, 0.5, 1.0])
+def test_each_token_keeps_its_highest_scoring_neurons(rule, keep):
+    gen = torch.Generator().manual_seed(0)
+    gate, up = torch.randn(5, 96, generator=gen), torch.randn(5, 96, generator=gen)
+    neurons, units = NeuronSelection(rule, keep).masks(gate, up)
+    assert torch.equal(neurons, units) and neurons.shape == (5, 96)
+    score = _scores(rule, gate, up)
+    for t in range(5):
+        assert int(neurons[t].sum()) == math.ceil(keep * 96)
+        if keep < 1:
+            assert score[t][neurons[t]].min() > score[t][~neurons[t]].max()
+
+
+def test_the_gate_rule_ignores_up_and_the_down_rule_does_not():
+    gen = torch.Generator().manual_seed(1)
+    gate, up = torch.randn(3, 64, generator=gen), torch.randn(3, 64, generator=gen)
+    other_up = torch.randn(3, 64, generator=gen)
+    gate_rule, down_rule = NeuronSelection("gate", 0.5), NeuronSelection("down", 0.5)
+    assert torch.equal(gate_rule.masks(gate, up)[0], gate_rule.masks(gate, other_up)[0])
+    assert not torch.equal(down_rule.masks(gate, up)[0], down_rule.masks(gate, other_up)[0])
+
+
+def test_groups_are_kept_or_dropped_whole_by_their_summed_score():
+    gen = torch.Generator().manual_seed(2)
+    gate, up = torch.randn(4, 64, generator=gen), torch.randn(4, 64, generator=gen)
+    groups = torch.randperm(64, generator=gen).view(8, 8)  # any neuron ids, not only consecutive ones
+    neurons, units = NeuronSelection("down", 0.25, groups).masks(gate, up)
+    assert units.shape == (4, 8) and units.sum(dim=1).tolist() == [2] * 4
+    group_score = _scores("down", gate, up)[:, groups].sum(dim=-1)
+    for t in range(4):
+        assert group_score[t][units[t]].min() > group_score[t][~units[t]].max()
+        for g in range(8):
+            assert neurons[t, groups[g]].tolist() == [bool(units[t, g])] * 8
+    assert consecutive_groups(64, 32).tolist() == [list(range(32)), list(range(32, 64))]
+    assert consecutive_groups(64, 1) is None
+    with pytest.raises(ValueError, match="a group of 48 neurons does not divide the FFN's 64"):
+        consecutive_groups(64, 48)
+
+
+@pytest.mark.parametrize("rule, keep", [("sparse", 0.5), ("down", 0.0), ("gate", 1.5)])
+def test_bad_selections_are_refused(rule, keep):
+    with pytest.raises(ValueError, match="sparse FFN (rule|keep)"):
+        NeuronSelection(rule, keep)
+
+
+def _masked_mlp(mlp, keep: float):
+    """transformers' SwiGLU MLP with each token keeping its ceil(keep * F) neurons of largest |silu(g) * u|."""
+
+    def forward(x):
+        a = mlp.act_fn(mlp.gate_proj(x)) * mlp.up_proj(x)  # [B, T, F]
+        top = a.abs().topk(math.ceil(keep * a.shape[-1]), dim=-1).indices
+        return mlp.down_proj(a * torch.zeros_like(a).scatter_(-1, top, 1.0))
+
+    return forward
+
+
+@torch.inference_mode()
+def test_the_engine_computes_exactly_the_kept_neurons_as_transformers_does(smollm2_path):
+    pytest.importorskip("transformers")
+    keep = 0.3
+    policy = SparseFFNPolicy(NeuronSelection("down", keep))
+    m = ntio.load(smollm2_path, max_context=64, policy=policy, cpu_activations="float32")
+    ids = m.encode_prompt(PROMPT)
+    got = m.engine.forward(torch.tensor(ids), 0, all_logits=True)  # T > 1: the torch products
+    policy.union.clear()
+    decode = m.engine.forward(torch.tensor([11]), len(ids))  # T = 1: the CPU kernels
+    assert policy.union_fraction() == pytest.approx(math.ceil(keep * 1536) / 1536)  # one token: its own
+    m.close()
+    hf = hf_model(smollm2_path)
+    dense = hf(torch.tensor([ids + [11]]), use_cache=False).logits[0]
+    for layer in hf.model.layers:
+        layer.mlp.forward = _masked_mlp(layer.mlp, keep)
+    want = hf(torch.tensor([ids + [11]]), use_cache=False).logits[0]
+    assert rel_l2(want, dense) > 0.05  # the masking matters ...
+    assert rel_l2(got, want[:-1]) <= 1e-4  # ... and both engines mask the same neurons
+    assert rel_l2(decode, want[-1]) <= 1e-4
+
+
+@torch.inference_mode()
+def test_a_pass_over_several_tokens_reads_the_union_of_their_neurons(smollm2_path):
+    policy = SparseFFNPolicy(NeuronSelection("down", 0.3, consecutive_groups(1536, 32)))
+    m = ntio.load(smollm2_path, max_context=64, policy=policy)
+    m.engine.forward(torch.tensor(m.encode_prompt(PROMPT)), 0)
+    assert set(policy.union) == set(range(m.config.n_layers))
+    assert all(len(shares) == 1 for shares in policy.union.values())  # one pass, one share per layer
+    assert 0.3 < policy.union_fraction() <= 1.0
+    m.close()
