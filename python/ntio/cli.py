@@ -307,14 +307,27 @@ def calibrate(corpus, output, layers, tokens, ctx, **opts) -> None:
 @click.option("-f", "--file", "text_file", required=True, type=click.Path(exists=True, dir_okay=False, path_type=Path),
               help="Text file to score")
 @click.option("--ctx", type=click.IntRange(min=2), default=512, show_default=True, help="Window length in tokens")
+@click.option("--sparse-ffn", type=click.Choice(["down", "gate"]),
+              help="Price a sparse FFN: each token keeps the --keep share of its FFN neurons, those of largest "
+                   "|silu(gate)·up| (down) or |silu(gate)| (gate), the others counting as 0 (every byte is still "
+                   "read)")
+@click.option("--keep", type=click.FloatRange(0, 1, min_open=True),
+              help="Share of FFN neurons each token keeps, in (0, 1] (with --sparse-ffn; default 0.5)")
 @click.option("--json", "as_json", is_flag=True)
-def perplexity(text_file, ctx, as_json, **opts) -> None:
+def perplexity(text_file, ctx, sparse_ffn, keep, as_json, **opts) -> None:
     """Perplexity of FILE: non-overlapping windows of --ctx tokens, each token scored but a window's first."""
     try:
         text = text_file.read_text(encoding="utf-8")
     except UnicodeDecodeError as e:
         raise NtioError(f"{text_file}: not UTF-8 text ({e.reason} at byte {e.start})") from None
+    from ntio.policies.sparse_ffn import NeuronSelection, SparseFFNPolicy
+
+    if keep is not None and sparse_ffn is None:
+        raise OptionError("keep", "needs --sparse-ffn")
+    selection = NeuronSelection(sparse_ffn, 0.5 if keep is None else keep) if sparse_ffn else None
     opts = _split(opts)
+    if selection is not None:
+        opts["policy"] = SparseFFNPolicy(selection)
     window_sized = opts["ctx_size"] is None
     opts["ctx_size"] = opts["ctx_size"] or ctx  # the KV cache only ever holds one window
     try:
@@ -324,11 +337,13 @@ def perplexity(text_file, ctx, as_json, **opts) -> None:
             raise OptionError("ctx", e.problem) from None
         raise
     r = m.perplexity(text, ctx=ctx)
+    sparse = {"rule": selection.rule, "keep": selection.keep} if selection else None
     if as_json:
         click.echo(json.dumps({"model": str(m.path), "file": str(text_file), "perplexity": r.perplexity,
-                               "n_tokens": r.n_tokens, "ctx": r.ctx}))
+                               "n_tokens": r.n_tokens, "ctx": r.ctx, "sparse_ffn": sparse}))
     else:
-        click.echo(f"perplexity {r.perplexity:.4f} over {r.n_tokens} scored tokens (windows of {r.ctx})")
+        note = f", sparse FFN: {selection.rule} rule, keep {selection.keep:g}" if selection else ""
+        click.echo(f"perplexity {r.perplexity:.4f} over {r.n_tokens} scored tokens (windows of {r.ctx}{note})")
 
 
 @main.command()
