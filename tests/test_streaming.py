@@ -156,9 +156,18 @@ def test_budget_picks_tiers(smollm2_path):
 
 
 def test_resident_layers_are_spaced_evenly_among_streamed_ones():
-    assert "".join(spread_resident(list("AAACCCCCCCCCCCCCCCCC"))) == "CCCACCCCCCACCCCCACCC"
-    assert "".join(spread_resident(list("AAAAAAAAAAACCCCCCCCC"))) == "ACACACACACAACACACACA"
-    assert spread_resident(["A", "C"]) == ["C", "A"] and spread_resident(["A"] * 3) == ["A"] * 3
+    def spread(tiers: str, sizes: list[int] | None = None, room: int = 1 << 40) -> str:
+        return "".join(spread_resident(list(tiers), sizes or [1] * len(tiers), room))
+
+    assert spread("AAACCCCCCCCCCCCCCCCC") == "CCCACCCCCCACCCCCACCC"
+    assert spread("AAAAAAAAAAACCCCCCCCC") == "ACACACACACAACACACACA"
+    assert spread("AC") == "CA" and spread("AAA") == "AAA"
+    # Layers of two sizes, as the greedy fill left them (100 + 90 = the room): the even positions 2 and 6 would take
+    # 200, so the first moves to its smaller neighbour 1; if nothing smaller is near enough, the plan stays.
+    sizes = [100, 90, 100, 100, 100, 90, 100, 100]
+    assert spread("AACCCCCC", sizes, 190) == "CACCCCAC"
+    assert spread("AACCCCCC", sizes, 200) == "CCACCCAC"
+    assert spread("AACCCCCC", [100, 100] + [100] * 6, 199) == "AACCCCCC"
 
 
 _PEAK_SCRIPT = """
@@ -261,7 +270,7 @@ def test_plan_fills_device_then_host_then_disk():
     assert spread.tiers == ["C", "A", "C", "C", "A", "C"]
     uneven = plan_tiers([100] * 5 + [90], cuda=False, device_budget=0, ram_budget=650, reserved_device=0,
                         reserved_ram=200, staging_bytes=200)
-    assert uneven.tiers == ["A", "A"] + ["C"] * 4  # layers of different sizes: moving them would change the bytes
+    assert uneven.tiers == ["C", "A", "C", "C", "A", "C"]  # spaced within the same room (spread_resident)
     gpu = plan_tiers(layers, cuda=True, device_budget=450, ram_budget=400, reserved_device=100, reserved_ram=0,
                      staging_bytes=150)
     assert gpu.tiers == ["A", "A", "B", "B", "C", "C"]

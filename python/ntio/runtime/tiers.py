@@ -98,9 +98,11 @@ class TierPlan:
         return ",".join(runs)
 
 
-def spread_resident(tiers: list[str]) -> list[str]:
-    """As many resident (A) layers as `tiers` has, spaced evenly among the streamed (C) ones: resident layer i of m
-    at floor((i + 1/2) n / m) of n layers.
+def spread_resident(tiers: list[str], layer_bytes: list[int], room: int) -> list[str]:
+    """As many resident (A) layers as `tiers` has, spaced evenly among the streamed (C) ones, within `room` bytes:
+    resident layer i of m at floor((i + 1/2) n / m) of n layers. Where layers differ in size (Qwen2.5-Coder's
+    Q4_K_M: 26.3 and 30.0 MB) and those positions take more than `room`, a resident layer moves to its nearest
+    smaller streamed neighbour, the nearest move first, until they fit; `tiers` is kept if they never do.
 
     Why: the reader keeps a bounded read-ahead, so the disk idles while a long run of resident layers computes and
     the CPU waits through the streamed run after it; interleaved, every resident layer's compute overlaps reads.
@@ -109,6 +111,15 @@ def spread_resident(tiers: list[str]) -> list[str]:
     per token."""
     n, m = len(tiers), tiers.count("A")
     resident = {(2 * i + 1) * n // (2 * m) for i in range(m)}
+    total = sum(layer_bytes[i] for i in resident)
+    while total > room:
+        moves = [(abs(j - i), layer_bytes[j] - layer_bytes[i], i, j) for i in resident for j in range(n)
+                 if j not in resident and layer_bytes[j] < layer_bytes[i]]
+        if not moves:
+            return tiers
+        _, saved, i, j = min(moves)  # nearest, then the largest saving
+        resident = resident - {i} | {j}
+        total += saved
     return ["A" if i in resident else "C" for i in range(n)]
 
 
@@ -125,8 +136,8 @@ def plan_tiers(
     embedding_bytes: int = 0,
     spread: bool = True,
 ) -> TierPlan:
-    """Fill A, then B (CUDA only), then C: the output head first, then layers in order; on CPU, with `spread` and
-    layers all of one size, the resident layers are then spaced evenly among the streamed ones (`spread_resident`;
+    """Fill A, then B (CUDA only), then C: the output head first, then layers in order; on CPU, with `spread`, the
+    resident layers are then spaced evenly among the streamed ones within the same memory (`spread_resident`;
     spread=False keeps them first, as a self-draft running the first layers needs).
 
     reserved_*: bytes every plan needs on the device / in host RAM (norms, KV cache, activations);
@@ -158,7 +169,7 @@ def plan_tiers(
         head, device_free = "A", device_free - head_bytes
     elif not cuda and head_bytes <= ram_free:
         head, ram_free = "A", ram_free - head_bytes
-    tiers = []
+    tiers, room = [], ram_free
     for nbytes in layer_bytes:
         if cuda and nbytes <= device_free:
             tiers.append("A")
@@ -168,7 +179,7 @@ def plan_tiers(
             ram_free -= nbytes
         else:
             tiers.append("C")
-    if spread and not cuda and len(set(layer_bytes)) == 1 and "A" in tiers and "C" in tiers:
-        tiers = spread_resident(tiers)
+    if spread and not cuda and "A" in tiers and "C" in tiers:
+        tiers = spread_resident(tiers, layer_bytes, room)
     embedding = "C" if embedding_bytes else head
     return TierPlan(tiers, *budgets, head=head, embedding=embedding)
