@@ -8,11 +8,17 @@ bisection along the first principal direction of the neurons' activation pattern
 could read as one extent. Then how the union of the units kept grows with the tokens in one pass (prefill,
 speculative verification), which is what such a pass would read.
 
+Reading one neuron's down weights alone needs the down matrix stored transposed ([F, D], a row per neuron), which
+means quantizing it again: `--down-rows TYPE...` prices that, with a copy of the model whose down matrices are
+the transposed matrix quantized to TYPE (from the GGUF's values, by gguf-py) and turned back (float32), dense and
+with the down rule per neuron at the middle --keep.
+
 Texts are this project's own, so no model saw them in training: calibration, the package's docstrings; evaluation,
 README.md. Bytes per token and streamed tok/s (the other half of the price list) need the store layout that reads
 only kept units, which is not built yet. Prints one JSON object per measurement, then a summary object.
 
     python benches/sparse_ffn.py --model smollm2-135m qwen2.5-coder-1.5b --groups 1 32 256 --clustered 8 32
+    python benches/sparse_ffn.py --model qwen2.5-coder-1.5b --rules down --keep 0.5 --groups 1 --down-rows Q8_0 Q5_0
 """
 
 from __future__ import annotations
@@ -21,12 +27,16 @@ import argparse
 import ast
 import json
 import platform
+import tempfile
 from pathlib import Path
 
+import gguf
+import numpy as np
 import torch
 import torch.nn.functional as F
 
 import ntio
+from ntio.fetch import resolve_model
 from ntio.policies.base import FFNMask, LoadPolicy
 from ntio.policies.sparse_ffn import NeuronSelection, SparseFFNPolicy, consecutive_groups
 
@@ -101,6 +111,54 @@ def union_growth(m: ntio.LLM, policy: SparseFFNPolicy, ids: list[int], sizes: li
     return growth
 
 
+def with_requantized_down(src: Path, dst: Path, qtype: gguf.GGMLQuantizationType) -> Path:
+    """A copy of GGUF `src` whose ffn_down matrices [D, F] are what a transposed store would compute with: the
+    transpose [F, D] quantized to `qtype` from the dequantized values, dequantized again and transposed back,
+    stored as float32."""
+    reader = gguf.GGUFReader(src)
+    arch = reader.fields["general.architecture"].contents()
+    writer = gguf.GGUFWriter(dst, arch)
+    for key, value in reader.fields.items():
+        if key.startswith("GGUF.") or key == "general.architecture":
+            continue
+        if value.types[0] == gguf.GGUFValueType.ARRAY:
+            writer.add_array(key, value.contents())
+        else:
+            writer.add_key_value(key, value.contents(), value.types[0])
+    for t in reader.tensors:
+        if t.name.endswith("ffn_down.weight"):
+            rows = gguf.quants.dequantize(t.data, t.tensor_type).T  # [F, D]
+            again = gguf.quants.dequantize(gguf.quants.quantize(np.ascontiguousarray(rows), qtype), qtype)
+            writer.add_tensor(t.name, np.ascontiguousarray(again.T, dtype=np.float32))
+        else:
+            writer.add_tensor(t.name, t.data, raw_dtype=t.tensor_type)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return dst
+
+
+def price_down_rows(name: str, args: argparse.Namespace, evaluation: str, dense: float) -> list[dict]:
+    """Perplexity ratios to the original dense model with the down matrices requantized as rows (`--down-rows`)."""
+    rows, keep = [], args.keep[len(args.keep) // 2]
+    for type_name in args.down_rows:
+        with tempfile.TemporaryDirectory() as tmp:
+            path = with_requantized_down(resolve_model(name), Path(tmp) / "down-rows.gguf",
+                                         gguf.GGMLQuantizationType[type_name])
+            policy = SparseFFNPolicy(NeuronSelection("down", 1.0))
+            m = ntio.load(path, max_context=CTX, policy=policy, threads=args.threads)
+            for k in (1.0, keep):
+                policy.selection = NeuronSelection("down", k)
+                ppl = m.perplexity(evaluation, ctx=CTX).perplexity
+                row = {"model": name, "rule": "down", "keep": k, "unit": f"{type_name} row", "neurons_per_unit": 1,
+                       "perplexity": ppl, "ratio": round(ppl / dense, 4)}
+                print(json.dumps(row), flush=True)
+                rows.append(row)
+            m.close()
+    return rows
+
+
 def measure(name: str, args: argparse.Namespace) -> list[dict]:
     policy = SparseFFNPolicy(NeuronSelection("down", 1.0))
     m = ntio.load(name, max_context=CTX, policy=policy, threads=args.threads)
@@ -133,7 +191,7 @@ def measure(name: str, args: argparse.Namespace) -> list[dict]:
                 print(json.dumps(row), flush=True)
                 rows.append(row)
     m.close()
-    return rows
+    return rows + price_down_rows(name, args, evaluation, dense)
 
 
 def main() -> None:
@@ -144,6 +202,8 @@ def main() -> None:
     ap.add_argument("--groups", type=int, nargs="+", default=[1, 32, 256], help="consecutive neurons per unit")
     ap.add_argument("--clustered", type=int, nargs="*", default=[], help="co-activation clustered neurons per unit")
     ap.add_argument("--union-tokens", type=int, nargs="+", default=[4, 16, 64], help="tokens per pass for the union")
+    ap.add_argument("--down-rows", nargs="*", default=[], choices=["Q8_0", "Q5_1", "Q5_0", "Q4_1", "Q4_0"],
+                    help="price down matrices stored as rows (transposed, quantized again) in these types")
     ap.add_argument("--eval-tokens", type=int, default=2048)
     ap.add_argument("--calib-tokens", type=int, default=2048)
     ap.add_argument("--threads", type=int)
