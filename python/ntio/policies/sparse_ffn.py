@@ -76,7 +76,9 @@ class SparseFFNPolicy(LoadPolicy):
 
     selection: NeuronSelection
     groups: dict[int, torch.Tensor] = field(default_factory=dict)
-    union: dict[int, list[float]] = field(default_factory=dict, init=False)  # layer -> union share per pass
+    # layer -> the share of units some token kept, per pass: 0-d tensors, read only by union_fraction (no host
+    # synchronisation in the forward pass)
+    union: dict[int, list[torch.Tensor]] = field(default_factory=dict, init=False)
 
     def ffn_mask(self, layer: int) -> FFNMask:
         selection = self.selection
@@ -85,7 +87,7 @@ class SparseFFNPolicy(LoadPolicy):
 
         def mask(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
             neurons, units = selection.masks(gate, up)
-            self.union.setdefault(layer, []).append(float(units.any(dim=0).float().mean()))
+            self.union.setdefault(layer, []).append(units.any(dim=0).float().mean())
             return neurons
 
         return mask
@@ -93,4 +95,4 @@ class SparseFFNPolicy(LoadPolicy):
     def union_fraction(self) -> float:
         """Mean over layers and passes of the share of units some token of the pass kept."""
         shares = [s for per_layer in self.union.values() for s in per_layer]
-        return sum(shares) / len(shares) if shares else 0.0
+        return float(torch.stack(shares).mean()) if shares else 0.0

@@ -215,6 +215,7 @@ class Engine:
         block = cfg.family.block
         policy = self.layers.policy
         observed = type(policy).observe is not LoadPolicy.observe  # the base policy ignores observations
+        masks_ffn = type(policy).ffn_mask is not LoadPolicy.ffn_mask  # and keeps every FFN neuron
         h = ops.embedding(tokens, self.globals.token_embd)  # [T, D]
         rope = rope_tables(self.globals.inv_freq, token_positions(start_pos, n_tokens, parents, h.device))
         mask = causal_mask(start_pos, n_tokens, h.device, parents)
@@ -222,7 +223,7 @@ class Engine:
         try:
             for layer in range(cfg.n_layers):
                 w = self.layers.block(layer)
-                if w is not None and (ffn_mask := policy.ffn_mask(layer)) is not None:
+                if masks_ffn and w is not None and (ffn_mask := policy.ffn_mask(layer)) is not None:
                     w = dataclasses.replace(w, ffn_mask=ffn_mask)
                 h_in, taps = h, ({} if policy.wants_ffn_gate else None)
                 if w is not None:
