@@ -32,7 +32,7 @@ from ntio.decoding.speculative import DraftLength, Drafters, DraftModel, PromptL
 from ntio.formats.model_file import open_model_file
 from ntio.text.tokenizer import Tokenizer
 from ntio.runtime.loader import LayerLoader, ProgressCallback
-from ntio.policies.base import LoadPolicy
+from ntio.policies.base import LoadPolicy, overrides
 from ntio.runtime.stats import StreamStats
 from ntio.models.weights import WeightLayout, load_global_weights
 
@@ -193,6 +193,16 @@ class LLM:
     def stats(self) -> StreamStats:
         return self.loader.stats
 
+    @property
+    def policy(self) -> LoadPolicy:
+        """What each layer reads and which tokens compute it (ntio.policies); dense unless set."""
+        return self.loader.policy
+
+    @policy.setter
+    def policy(self, policy: LoadPolicy) -> None:
+        policy.horizon = self.loader.policy.horizon
+        self.loader.policy = policy
+
     def close(self) -> None:
         """Drain in-flight reads and release staging memory (also done when the object is collected)."""
         self.loader.close()
@@ -257,6 +267,9 @@ class LLM:
         model = DraftModel(self.draft.engine) if self.draft is not None else self.self_draft
         drafters = Drafters(PromptLookup() if lookup else None, model if use_draft else None,
                             self._draft_length if adaptive_draft else DraftLength(fixed=True), branches)
+        if drafters and overrides(self.policy, "tokens"):
+            raise OptionError("adaptive", "does not combine with speculative decoding yet (a verify pass would need "
+                                          "each drafted token's own depth)")
         prompt_ids = self.encode_prompt(prompt, chat=chat, system=system)
         if not prompt_ids:
             raise NtioError("the prompt is empty (no tokens)")

@@ -165,6 +165,59 @@ def _speculation_options(f):
     return f
 
 
+def _depth_options(f):
+    """Adaptive depth (`_depth_policy`): lossy, off by default; its price is in benches/RESULTS.md."""
+    f = click.option("--cosine-skip", type=click.FloatRange(-1, 1), metavar="COS",
+                     help="Post-compute skip (baseline, saves no bytes): a token keeps a layer's input when "
+                          "cos(input, output) > COS, e.g. 0.98")(f)
+    f = click.option("--exit-schedule", type=click.Choice(["per-token", "monotone"]), default="per-token",
+                     show_default=True, help="With --adaptive-method exit: each token exits on its own, or never "
+                                             "deeper than the token before it (EMAD's KV-consistent schedule)")(f)
+    f = click.option("--adaptive-method", type=click.Choice(["exit", "skip"]), default="exit", show_default=True,
+                     help="Entropy-matched early exit (EMAD), or layers skipped by the calibrated predictor")(f)
+    f = click.option("--budget", type=click.FloatRange(0, 1, min_open=True),
+                     help="With --adaptive: the share of the dense bytes per token to read, e.g. 0.9 (as measured on "
+                          "the calibration's held-out text)")(f)
+    f = click.option("--adaptive", type=click.Path(dir_okay=False), metavar="CALIBRATION",
+                     help="Adaptive depth from this calibration file (`ntio calibrate`): layers a token does not "
+                          "need are not read (lossy)")(f)
+    return f
+
+
+def _depth_policy(m, opts: dict, prompt_full_depth: bool):
+    """Pop the adaptive-depth options; set the model's policy from them. Returns it, or None (dense)."""
+    adaptive, budget, method = opts.pop("adaptive"), opts.pop("budget"), opts.pop("adaptive_method")
+    schedule, cosine = opts.pop("exit_schedule"), opts.pop("cosine_skip")
+    if budget is not None and adaptive is None:
+        raise OptionError("budget", "needs --adaptive")
+    if adaptive is not None and cosine is not None:
+        raise OptionError("cosine_skip", "does not combine with --adaptive")
+    if adaptive is not None:
+        from ntio.policies.adaptive import adaptive_policy
+
+        m.policy = adaptive_policy(m, adaptive, 0.9 if budget is None else budget, method, schedule,
+                                   prompt_full_depth)
+    elif cosine is not None:
+        from ntio.policies.cosine_skip import CosineSkipPolicy
+
+        m.policy = CosineSkipPolicy(cosine)
+    else:
+        return None
+    return m.policy
+
+
+def _depth_report(policy) -> dict | None:
+    if policy is None:
+        return None
+    from ntio.policies.adaptive import adaptive_report
+    from ntio.policies.cosine_skip import CosineSkipPolicy
+
+    if isinstance(policy, CosineSkipPolicy):
+        return {"method": "cosine", "threshold": policy.threshold, "reverted_share": policy.reverted_share(),
+                "bytes_fraction": 1.0}
+    return adaptive_report(policy)
+
+
 def _drafts(opts: dict) -> dict:
     """Pop the draft models' options out of a command's keyword arguments, for `_load`."""
     return {k: opts.pop(k) for k in ("draft", "self_draft", "exit_layer")}
@@ -184,6 +237,7 @@ def main() -> None:
 @click.option("--system", help="System message (with --chat)")
 @_sampling_options
 @_speculation_options
+@_depth_options
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object (with a stats object) instead of text")
 @click.option("--stats", "show_stats", is_flag=True, help="Print streaming statistics on stderr")
 def generate(prompt, max_new_tokens, chat, system, temperature, top_k, top_p, repetition_penalty, seed, stop, lookup,
@@ -191,6 +245,7 @@ def generate(prompt, max_new_tokens, chat, system, temperature, top_k, top_p, re
     """Generate a continuation of PROMPT."""
     drafts = _drafts(opts)
     m = _load(**_split(opts), **drafts)
+    depth = _depth_policy(m, opts, prompt_full_depth=True)
     stream = m.stream(prompt, max_new_tokens, chat=chat, system=system, temperature=temperature, top_k=top_k,
                       top_p=top_p, repetition_penalty=repetition_penalty, seed=seed, stop=stop, lookup=lookup,
                       draft_tokens=draft_tokens, adaptive_draft=not fixed_draft, branches=branches)
@@ -207,6 +262,7 @@ def generate(prompt, max_new_tokens, chat, system, temperature, top_k, top_p, re
             "decode_tok_s": round(c.decode_tok_s, 3), "finish_reason": c.finish_reason,
             "tiers": m.plan.describe(), "output_head": m.plan.head, "token_embedding": m.plan.embedding,
             "memory": m.memory.report(), "stats": stats, "speculation": c.speculation,
+            "adaptive_depth": _depth_report(depth),
         }))
         return
     click.echo()
@@ -268,16 +324,20 @@ def chat(system, max_new_tokens, temperature, top_k, top_p, repetition_penalty, 
 @click.option("-o", "--output", required=True, type=click.Path(dir_okay=False, path_type=Path),
               help="Exit-head file to write")
 @click.option("--layers", help="Comma-separated layers to calibrate (default: every fourth, from a quarter deep)")
+@click.option("--skip-after", type=int, help="The layer whose output the skip predictor reads (default: a quarter "
+                                             "deep)")
 @click.option("--tokens", type=click.IntRange(min=64), default=16384, show_default=True,
               help="Most corpus tokens to fit on")
 @click.option("--ctx", type=click.IntRange(min=16), default=512, show_default=True, help="Window length in tokens")
-def calibrate(corpus, output, layers, tokens, ctx, **opts) -> None:
-    """Fit exit heads for self-speculation (`generate --self-draft FILE`): per layer, an affine map from its
-    hidden state to the last layer's, by ridge regression on CORPUS."""
+def calibrate(corpus, output, layers, skip_after, tokens, ctx, **opts) -> None:
+    """Fit exit heads (for `generate --self-draft FILE`: per layer, an affine map from its hidden state to the last
+    layer's, by ridge regression on CORPUS) and measure the adaptive-depth profile (for `--adaptive FILE`: entropy
+    targets and proxies of early exit, the layer-skip predictor) on CORPUS's last 40%."""
     from rich.console import Console
     from rich.progress import Progress
 
-    from ntio.decoding.self_draft import calibrate as fit
+    from ntio.policies.depth_profile import DepthProfile, calibrate_depth
+    from ntio.policies.layer_skip import SkipSetting
 
     try:
         text = corpus.read_text(encoding="utf-8")
@@ -293,13 +353,16 @@ def calibrate(corpus, output, layers, tokens, ctx, **opts) -> None:
     except ValueError:
         raise OptionError("layers", f"must be comma-separated layer numbers, got {layers!r}") from None
     with Progress(console=Console(stderr=True), transient=True, disable=not sys.stderr.isatty()) as bar:
-        task = bar.add_task("calibrating exit heads", total=None)
-        result = fit(m, text, chosen, n_tokens=tokens, ctx=ctx,
-                     on_progress=lambda done, total: bar.update(task, completed=done, total=total))
+        task = bar.add_task("calibrating exit heads and adaptive depth", total=None)
+        result = calibrate_depth(m, text, chosen, n_tokens=tokens, ctx=ctx, skip_after=skip_after,
+                                 on_progress=lambda done, total: bar.update(task, completed=done, total=total))
     result.save(output)
+    profile = DepthProfile.from_calibration(result, str(output), n_layers, m.config.d_model)
     m.close()
+    skip = SkipSetting(0.5).quality(profile)
     click.echo(f"{output}: exit heads for layers {', '.join(map(str, sorted(result.heads)))} of {n_layers}, "
-               f"fitted on {result.n_tokens} tokens", err=True)
+               f"fitted on {result.n_tokens} tokens; skip predictor after layer {profile.skip_after}: held-out "
+               f"precision {skip['precision']:.3f}, recall {skip['recall']:.3f} at threshold 0.5", err=True)
 
 
 @main.command()
@@ -313,6 +376,7 @@ def calibrate(corpus, output, layers, tokens, ctx, **opts) -> None:
                    "read)")
 @click.option("--keep", type=click.FloatRange(0, 1, min_open=True),
               help="Share of FFN neurons each token keeps, in (0, 1] (with --sparse-ffn; default 0.5)")
+@_depth_options
 @click.option("--json", "as_json", is_flag=True)
 def perplexity(text_file, ctx, sparse_ffn, keep, as_json, **opts) -> None:
     """Perplexity of FILE: non-overlapping windows of --ctx tokens, each token scored but a window's first."""
@@ -325,6 +389,7 @@ def perplexity(text_file, ctx, sparse_ffn, keep, as_json, **opts) -> None:
     if keep is not None and sparse_ffn is None:
         raise OptionError("keep", "needs --sparse-ffn")
     selection = NeuronSelection(sparse_ffn, 0.5 if keep is None else keep) if sparse_ffn else None
+    opts_depth = {k: opts.pop(k) for k in ("adaptive", "budget", "adaptive_method", "exit_schedule", "cosine_skip")}
     opts = _split(opts)
     if selection is not None:
         opts["policy"] = SparseFFNPolicy(selection)
@@ -336,13 +401,19 @@ def perplexity(text_file, ctx, sparse_ffn, keep, as_json, **opts) -> None:
         if window_sized and e.option == "max_context":  # the KV cache was sized from --ctx: name that
             raise OptionError("ctx", e.problem) from None
         raise
+    if selection is not None and (opts_depth["adaptive"] or opts_depth["cosine_skip"] is not None):
+        raise OptionError("sparse_ffn", "does not combine with adaptive depth")
+    depth = _depth_policy(m, opts_depth, prompt_full_depth=False)
     r = m.perplexity(text, ctx=ctx)
     sparse = {"rule": selection.rule, "keep": selection.keep} if selection else None
+    report = _depth_report(depth)
     if as_json:
         click.echo(json.dumps({"model": str(m.path), "file": str(text_file), "perplexity": r.perplexity,
-                               "n_tokens": r.n_tokens, "ctx": r.ctx, "sparse_ffn": sparse}))
+                               "n_tokens": r.n_tokens, "ctx": r.ctx, "sparse_ffn": sparse, "adaptive_depth": report}))
     else:
         note = f", sparse FFN: {selection.rule} rule, keep {selection.keep:g}" if selection else ""
+        if report is not None:
+            note += f", {report['method']}: {report['bytes_fraction']:.3f} of the dense bytes per token"
         click.echo(f"perplexity {r.perplexity:.4f} over {r.n_tokens} scored tokens (windows of {r.ctx}{note})")
 
 

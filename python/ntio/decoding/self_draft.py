@@ -47,11 +47,13 @@ def fingerprint(engine: Engine, vocabulary: str) -> str:
 
 @dataclass
 class Calibration:
-    """Exit heads of several layers of one model: layer E -> (W [D, D], b [D])."""
+    """Exit heads of several layers of one model: layer E -> (W [D, D], b [D]); and, when `ntio calibrate` measured
+    it, the adaptive-depth profile (`depth`: plain tensors and numbers that ntio.policies.depth_profile reads)."""
 
     model: str  # fingerprint
     heads: dict[int, tuple[torch.Tensor, torch.Tensor]]
     n_tokens: int  # calibration tokens the fits saw
+    depth: dict | None = None
 
     def save(self, path: str | os.PathLike[str]) -> None:
         """Written whole or not at all (`ntio.files.replacing`)."""
@@ -60,6 +62,8 @@ class Calibration:
                    "layers": sorted(self.heads),
                    "weights": {str(e): w.contiguous() for e, (w, _) in self.heads.items()},
                    "biases": {str(e): b.contiguous() for e, (_, b) in self.heads.items()}}
+        if self.depth is not None:
+            payload["depth"] = self.depth
         with replacing(path) as f:
             torch.save(payload, f)
 
@@ -84,10 +88,10 @@ class Calibration:
             if tuple(w.shape) != (d_model, d_model) or tuple(b.shape) != (d_model,):
                 raise ModelFormatError(f"{path}: layer {e}'s exit head is {tuple(w.shape)}, not ({d_model}, {d_model})")
             heads[int(e)] = (w.float(), b.float())
-        return Calibration(model, heads, int(payload["n_tokens"]))
+        return Calibration(model, heads, int(payload["n_tokens"]), payload.get("depth"))
 
 
-class _HiddenStates(LoadPolicy):
+class HiddenStates(LoadPolicy):
     """Loads everything; keeps the residual stream after each of `layers` (and after the last) of each forward."""
 
     def __init__(self, layers: Sequence[int], last: int) -> None:
@@ -100,49 +104,74 @@ class _HiddenStates(LoadPolicy):
             self.seen[obs.layer] = obs.h_out.detach().clone()
 
 
+class ExitHeadFit:
+    """Normal equations of [h_E, 1] -> h_L - h_E per layer E, accumulated in float64 over windows; `heads()` solves
+    them with the ridge prior W = I."""
+
+    def __init__(self, layers: Sequence[int], d_model: int) -> None:
+        d = d_model
+        self.gram = {e: torch.zeros(d + 1, d + 1, dtype=torch.float64) for e in layers}
+        self.cross = {e: torch.zeros(d + 1, d, dtype=torch.float64) for e in layers}
+
+    def add(self, seen: dict[int, torch.Tensor], final: torch.Tensor) -> None:
+        """seen: layer E -> h_E [T, D]; final: h_L [T, D] of the same tokens."""
+        final = final.double().cpu()
+        for e in self.gram:
+            h = seen[e].double().cpu()
+            x = torch.cat((h, torch.ones(h.shape[0], 1, dtype=torch.float64)), 1)
+            self.gram[e] += x.T @ x
+            self.cross[e] += x.T @ (final - h)
+
+    def heads(self) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+        heads = {}
+        for e, gram in self.gram.items():
+            d = gram.shape[0] - 1
+            g = gram.clone()
+            strength = RIDGE * float(g.diagonal()[:d].sum()) / d
+            g.diagonal()[:d] += strength  # the bias is not shrunk
+            solution = torch.linalg.solve(g, self.cross[e])  # [D + 1, D]: Δ then b
+            heads[e] = ((torch.eye(d, dtype=torch.float64) + solution[:d]).float(), solution[d].float())
+        return heads
+
+
+def check_exit_layers(layers: Sequence[int], n_layers: int) -> None:
+    bad = [e for e in layers if not 0 <= e < n_layers - 1]
+    if not layers or bad:
+        raise OptionError("layers", f"must be layers 0..{n_layers - 2} (after which the head exits), got "
+                                    f"{bad or 'none'}")
+
+
+def calibration_ids(llm, text: str, minimum: int) -> list[int]:
+    ids = llm.tokenizer.encode(text)
+    if len(ids) < minimum:
+        raise NtioError(f"the calibration text has {len(ids)} tokens; at least {minimum} are needed (a few "
+                        f"thousand fit well)")
+    return ids
+
+
 def calibrate(llm, text: str, layers: Sequence[int], n_tokens: int = 8192, ctx: int = 512,
               on_progress: Callable[[int, int], None] | None = None) -> Calibration:
     """Fit exit heads for `layers` (each 0 <= E < n_layers - 1, counted as "after layer E") on up to n_tokens
     tokens of `text`, in windows of ctx tokens. on_progress(done, total) after each window."""
     cfg = llm.config
-    bad = [e for e in layers if not 0 <= e < cfg.n_layers - 1]
-    if not layers or bad:
-        raise OptionError("layers", f"must be layers 0..{cfg.n_layers - 2} (after which the head exits), got "
-                                    f"{bad or 'none'}")
-    ids = llm.tokenizer.encode(text)
-    if len(ids) < 64:
-        raise NtioError(f"the calibration text has {len(ids)} tokens; at least 64 are needed (a few thousand fit well)")
-    ids = ids[:n_tokens]
+    check_exit_layers(layers, cfg.n_layers)
+    ids = calibration_ids(llm, text, 64)[:n_tokens]
     ctx = min(ctx, llm.engine.kv.capacity)
-    recorder = _HiddenStates(layers, cfg.n_layers - 1)
-    d = cfg.d_model
-    # Normal equations of [h_E, 1] -> h_L - h_E, accumulated in float64 over windows.
-    gram = {e: torch.zeros(d + 1, d + 1, dtype=torch.float64) for e in layers}
-    cross = {e: torch.zeros(d + 1, d, dtype=torch.float64) for e in layers}
+    recorder = HiddenStates(layers, cfg.n_layers - 1)
+    fit = ExitHeadFit(layers, cfg.d_model)
     policy, llm.loader.policy = llm.loader.policy, recorder
     windows = range(0, len(ids), ctx)
     try:
         for n, start in enumerate(windows, 1):
             window = torch.tensor(ids[start : start + ctx], dtype=torch.int64, device=llm.device)
             llm.engine.forward(window, 0)
-            final = recorder.seen[cfg.n_layers - 1].double().cpu()
-            for e in layers:
-                x = torch.cat((recorder.seen[e].double().cpu(), torch.ones(window.shape[0], 1, dtype=torch.float64)), 1)
-                gram[e] += x.T @ x
-                cross[e] += x.T @ (final - x[:, :d])
+            fit.add(recorder.seen, recorder.seen[cfg.n_layers - 1])
             if on_progress is not None:
                 on_progress(n, len(windows))
     finally:
         llm.loader.policy = policy
         llm.engine.kv.crop(0)
-    heads = {}
-    for e in layers:
-        g = gram[e].clone()
-        strength = RIDGE * float(g.diagonal()[:d].sum()) / d
-        g.diagonal()[:d] += strength  # the bias is not shrunk
-        solution = torch.linalg.solve(g, cross[e])  # [D + 1, D]: Δ then b
-        heads[e] = ((torch.eye(d, dtype=torch.float64) + solution[:d]).float(), solution[d].float())
-    return Calibration(fingerprint(llm.engine, llm.tokenizer.vocabulary), heads, len(ids))
+    return Calibration(fingerprint(llm.engine, llm.tokenizer.vocabulary), fit.heads(), len(ids))
 
 
 class SelfDraft:

@@ -16,6 +16,17 @@ When a layer is about to compute, the loader asks `still_wanted(layer, decision)
 mind about a prefetched read answers False, and the layer is skipped without waiting for that read. The engine then
 asks `ffn_mask(layer)`: a function from the FFN's gate and up pre-activations to the neurons each token keeps
 (ntio.policies.sparse_ffn), or None to keep all.
+
+Per-token depth (ntio.policies.layer_skip, early_exit, cosine_skip). A pass over T tokens reads a layer once for all
+of them, but each token may take its own path, as decoding it alone would:
+  * `begin_pass(start_pos, n_tokens)` opens each pass (one chunk of a forward);
+  * `tokens(layer)`: [T] bool, the tokens that compute a layer that loads; the others pass through it and leave no
+    K/V there (the cache marks them skipped and attention masks them out, as for a layer skipped whole);
+  * `revert(layer, h_in, h_out)`: [T] bool, tokens whose update by the layer just computed is discarded (their
+    K/V stay): a post-compute skip, which saves no bytes;
+  * `readout(h)`: the final hidden states [T, D] -> what the final norm and output head read (an exit head's map
+    for a token that left early).
+The engine asks each only of a policy that overrides it.
 """
 
 from __future__ import annotations
@@ -75,3 +86,20 @@ class LoadPolicy:
 
     def observe(self, obs: Observation) -> None:
         pass
+
+    def begin_pass(self, start_pos: int, n_tokens: int) -> None:
+        pass
+
+    def tokens(self, layer: int) -> torch.Tensor | None:
+        return None
+
+    def revert(self, layer: int, h_in: torch.Tensor, h_out: torch.Tensor) -> torch.Tensor | None:
+        return None
+
+    def readout(self, h: torch.Tensor) -> torch.Tensor:
+        return h
+
+
+def overrides(policy: LoadPolicy, method: str) -> bool:
+    """Whether `policy` overrides the base policy's `method` (the engine asks only then: no work per layer else)."""
+    return getattr(type(policy), method) is not getattr(LoadPolicy, method)

@@ -19,7 +19,7 @@ from ntio.models.config import ModelConfig
 from ntio.kernels.ops import EncodedMatrix
 from ntio.kernels.ops import rms_norm
 from ntio.models.layers import GlobalWeights, LayerWeights, causal_mask, rope_tables, token_positions
-from ntio.policies.base import LOAD_ALL, SKIP, LoadDecision, LoadPolicy, Observation
+from ntio.policies.base import LOAD_ALL, SKIP, LoadDecision, LoadPolicy, Observation, overrides
 from ntio.runtime.kv_cache import KVCache
 
 # Longer inputs run as several forward passes of at most this many tokens, which bounds activation memory (an 8B
@@ -87,9 +87,9 @@ class Engine:
         """
         if all_logits:
             # One chunk needs no torch.cat (whose intra-op threads would then spin against the CPU kernels').
-            parts = self._run(tokens, start_pos, lambda h, _: self._logits(self._final_norm(h)), parents)
+            parts = self._run(tokens, start_pos, lambda h, _: self._logits(self.final_norm(h)), parents)
             return parts[0] if len(parts) == 1 else torch.cat(parts)
-        return self._run(tokens, start_pos, lambda h, _: self._logits(self._final_norm(h[-1:]))[0], parents)[-1]
+        return self._run(tokens, start_pos, lambda h, _: self._logits(self.final_norm(h[-1:]))[0], parents)[-1]
 
     @torch.inference_mode()
     def nll(self, tokens: torch.Tensor, start_pos: int) -> torch.Tensor:
@@ -100,7 +100,7 @@ class Engine:
         targets = tokens[1:]
 
         def score(h: torch.Tensor, first: int) -> torch.Tensor:  # h: [t, D] of positions first .. first+t-1
-            x = self._final_norm(h[: targets.shape[0] - first])  # [n, D]: the last position has no target
+            x = self.final_norm(h[: targets.shape[0] - first])  # [n, D]: the last position has no target
             target = targets[first : first + x.shape[0]]
             peak = torch.full((x.shape[0],), -torch.inf, device=x.device)  # running max logit per position
             total = torch.zeros_like(peak)  # running sum of exp(logit - peak)
@@ -189,9 +189,10 @@ class Engine:
         if self.globals.output is None:
             raise NtioError("the output head streams: logits outside a forward pass need it resident")
         with self._step(h.shape[0], self.kv.length):
-            return self._logits(self._final_norm(h))
+            return self._logits(self.final_norm(h))
 
-    def _final_norm(self, h: torch.Tensor) -> torch.Tensor:
+    def final_norm(self, h: torch.Tensor) -> torch.Tensor:
+        """The final RMS norm of hidden states [t, D]."""
         return rms_norm(h, self.globals.output_norm, self.cfg.rms_eps)
 
     def _head(self) -> Iterator[tuple[int, EncodedMatrix]]:
@@ -214,25 +215,54 @@ class Engine:
         end = start_pos + n_tokens
         block = cfg.family.block
         policy = self.layers.policy
-        observed = type(policy).observe is not LoadPolicy.observe  # the base policy ignores observations
-        masks_ffn = type(policy).ffn_mask is not LoadPolicy.ffn_mask  # and keeps every FFN neuron
+        observed = overrides(policy, "observe")
+        masks_ffn = overrides(policy, "ffn_mask")
+        per_token, reverts = overrides(policy, "tokens"), overrides(policy, "revert")
         h = ops.embedding(tokens, self.globals.token_embd)  # [T, D]
         rope = rope_tables(self.globals.inv_freq, token_positions(start_pos, n_tokens, parents, h.device))
         mask = causal_mask(start_pos, n_tokens, h.device, parents)
+        if overrides(policy, "begin_pass"):
+            policy.begin_pass(start_pos, n_tokens)
         self.layers.begin_forward(n_tokens)
         try:
             for layer in range(cfg.n_layers):
                 w = self.layers.block(layer)
                 if masks_ffn and w is not None and (ffn_mask := policy.ffn_mask(layer)) is not None:
                     w = dataclasses.replace(w, ffn_mask=ffn_mask)
+                active = _some_tokens(policy.tokens(layer)) if per_token and w is not None else None
+                if active is not None and not active.any():
+                    w = None  # no token computes it: as a skip
                 h_in, taps = h, ({} if policy.wants_ffn_gate else None)
                 if w is not None:
+                    if active is not None:
+                        kv.record(layer, start_pos, n_tokens, skipped=~active)  # before: attention masks them
                     layer_mask = kv.attention_mask(layer, mask, n_tokens, end)
+                    if active is not None:
+                        layer_mask = _own_position_kept(layer_mask, start_pos, ~active)
                     h = block(h, w, kv.k[layer], kv.v[layer], start_pos, rope, layer_mask, cfg, taps=taps)
-                kv.record(layer, start_pos, n_tokens, skipped=w is None)
+                    if active is not None:
+                        h = torch.where(active[:, None], h, h_in)
+                    if reverts and (back := policy.revert(layer, h_in, h)) is not None:
+                        h = torch.where(back[:, None], h_in, h)
+                if active is None:
+                    kv.record(layer, start_pos, n_tokens, skipped=w is None)
                 if observed:
                     gate = taps.get("ffn_gate") if taps is not None else None
                     policy.observe(Observation(layer, start_pos, h_in, h, _decision(w), gate))
-            return project(h)
+            return project(policy.readout(h))
         finally:
             self.layers.end_forward()
+
+
+def _some_tokens(active: torch.Tensor | None) -> torch.Tensor | None:
+    """A policy's [T] bool tokens for a layer, None when all of them compute it."""
+    return None if active is None or bool(active.all()) else active
+
+
+def _own_position_kept(mask: torch.Tensor, start_pos: int, passing: torch.Tensor) -> torch.Tensor:
+    """mask [T, L] with each passing token's own position allowed again: its row is computed and thrown away, and
+    a row with every key masked would make NaNs (a row of T = 1 is never passing: the layer is skipped whole)."""
+    rows = passing.nonzero()[:, 0]
+    mask = mask.clone()
+    mask[rows, start_pos + rows] = True
+    return mask

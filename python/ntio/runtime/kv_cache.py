@@ -55,12 +55,18 @@ class KVCache:
             n += 1
         return n
 
-    def record(self, layer: int, start_pos: int, n_tokens: int, *, skipped: bool) -> None:
-        """Layer `layer` processed positions start_pos .. start_pos+n_tokens-1 (wrote their K/V, or skipped them)."""
-        if skipped:
-            self.skipped[layer, start_pos : start_pos + n_tokens] = True
+    def record(self, layer: int, start_pos: int, n_tokens: int, *, skipped: bool | torch.Tensor) -> None:
+        """Layer `layer` processed positions start_pos .. start_pos+n_tokens-1 (wrote their K/V, or skipped them:
+        all, or those where `skipped` [n_tokens] bool is True). Positions from start_pos on hold no marks yet (a
+        forward crops the cache to its start first)."""
+        end = start_pos + n_tokens
+        if isinstance(skipped, torch.Tensor):
+            self.skipped[layer, start_pos:end] = skipped
+            self._n_skipped[layer] += int(skipped.sum())
+        elif skipped:
+            self.skipped[layer, start_pos:end] = True
             self._n_skipped[layer] += n_tokens
-        self.layer_length[layer] = start_pos + n_tokens
+        self.layer_length[layer] = end
 
     def commit(self, start_pos: int, ids: Sequence[int]) -> None:
         """Every layer processed `ids` at start_pos..: they become valid positions."""

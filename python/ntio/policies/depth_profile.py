@@ -1,0 +1,215 @@
+"""What `ntio calibrate` measures for adaptive depth (issue 14), and a user's budget turned into a setting.
+
+One pass over a calibration text, split in two: the first 3/4 fit, the last 1/4 is held out.
+  * Fit: the exit heads of the probe layers (ntio.decoding.self_draft: h_L ≈ h_E·W + b) and the skip predictor
+    (ntio.policies.layer_skip), whose labels are the post-compute ones: layer l could have been skipped for a token
+    when cos(h_in, h_out) > SKIP_LABEL_COS.
+  * Held out: per token and probe layer, the entropy of the exit head's next-token distribution (the full head).
+    Its first half fits the cheap proxy that decides at run time: a linear read of the entropy from the exit head's
+    normed estimate of h_L, by ridge regression. On its second half the profile keeps, per token, the entropy, the
+    proxy's estimate, the predictor's probabilities and the labels: targets, proxy margins, budgets and the
+    predictor's precision and recall all come from these samples, so any budget can be asked for without
+    calibrating again.
+
+The seed's proxy, entropy through a rank-r factor of the output head, is not used: on SmolLM2 its entropy
+correlates with the true one at 0.13-0.44 for r = 32, 128 and 256 (held-out README text), the linear read at
+0.54-0.76, for D multiply-adds instead of (D + V)·r.
+
+Bytes per token are the file's: a layer's encoded bytes when it is computed, the output head's always (the token
+embedding's one row is left out). `dense_bytes` is what a token reads with every layer.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from ntio.decoding.self_draft import (Calibration, ExitHeadFit, calibration_ids, check_exit_layers, fingerprint)
+from ntio.errors import ModelFormatError, NtioError, OptionError
+from ntio.policies.base import LoadPolicy, Observation
+
+# A corpus shorter than this cannot be split into a fit and a held-out part that say anything.
+MIN_TOKENS = 1024
+HELD_OUT = 0.4
+PROXY_RIDGE = 1e-1  # relative to the mean squared feature (features are normed: ~1 each)
+SKIP_LABEL_COS = 0.98
+
+
+def entropy(logits: torch.Tensor) -> torch.Tensor:
+    """[n, V] -> [n]: entropy in nats of softmax(logits)."""
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    return -(logp.exp() * logp).sum(dim=-1)
+
+
+@dataclass
+class DepthProfile:
+    """One model's adaptive-depth calibration (a `Calibration`'s `depth` payload)."""
+
+    layer_bytes: list[int]  # encoded bytes of each layer
+    head_bytes: int
+    probes: list[int]  # layers after which a token may exit (the exit heads' layers), ascending
+    positions: torch.Tensor  # [N] int64: held-out tokens' positions in their windows (0 starts a window)
+    entropy: torch.Tensor  # [N, P] the exit head's entropy at each probe, full head
+    proxy: torch.Tensor  # [N, P] the proxy's
+    proxy_weights: torch.Tensor  # [P, D + 1]: entropy ≈ [final_norm(exit head's h_L), 1] · w_p
+    skip_after: int  # the predictor reads the residual stream after this layer
+    predictor: dict[str, torch.Tensor]  # ntio.policies.layer_skip.SkipPredictor's state
+    skip_probs: torch.Tensor  # [N, L - skip_after - 1] held-out predicted skip probabilities of the later layers
+    skip_labels: torch.Tensor  # [N, L - skip_after - 1] bool: cos(h_in, h_out) > SKIP_LABEL_COS there
+
+    @property
+    def n_layers(self) -> int:
+        return len(self.layer_bytes)
+
+    @property
+    def dense_bytes(self) -> int:
+        return sum(self.layer_bytes) + self.head_bytes
+
+    def bytes_fraction(self, depths: torch.Tensor) -> float:
+        """Mean bytes per token over dense bytes for tokens computing layers 0..depth-1 ([N] depths)."""
+        prefix = torch.tensor([0, *self.layer_bytes], dtype=torch.float64).cumsum(0)  # [L + 1]
+        return float((prefix[depths] + self.head_bytes).mean()) / self.dense_bytes
+
+    def payload(self) -> dict:
+        return {k: getattr(self, k) for k in self.__dataclass_fields__}
+
+    @staticmethod
+    def from_calibration(calibration: Calibration, path: str, n_layers: int, d_model: int) -> DepthProfile:
+        """The profile in a calibration file, checked against the model's shapes."""
+        payload = calibration.depth
+        if payload is None:
+            raise NtioError(f"{path}: has exit heads but no adaptive-depth profile (calibrated by an older ntio; "
+                            f"run `ntio calibrate` again)")
+        try:
+            profile = DepthProfile(**payload)
+        except TypeError as e:
+            raise ModelFormatError(f"{path}: adaptive-depth profile is malformed ({e})") from None
+        n, n_probes, later = profile.positions.shape[0], len(profile.probes), n_layers - profile.skip_after - 1
+        expected = {"entropy": (n, n_probes), "proxy": (n, n_probes), "proxy_weights": (n_probes, d_model + 1),
+                    "skip_probs": (n, later), "skip_labels": (n, later)}
+        for name, shape in expected.items():
+            if tuple(getattr(profile, name).shape) != shape:
+                raise ModelFormatError(f"{path}: adaptive-depth {name} is {tuple(getattr(profile, name).shape)}, "
+                                       f"not {shape}")
+        if profile.n_layers != n_layers or sorted(profile.probes) != profile.probes or \
+                set(profile.probes) - set(calibration.heads):
+            raise ModelFormatError(f"{path}: adaptive-depth probes {profile.probes} do not match the exit heads")
+        return profile
+
+
+class _Recorder(LoadPolicy):
+    """Loads everything; keeps cos(h_in, h_out) of every layer [T], and the residual stream after `keep` layers."""
+
+    def __init__(self, keep: Sequence[int]) -> None:
+        super().__init__()
+        self.keep = set(keep)
+        self.cos: dict[int, torch.Tensor] = {}
+        self.seen: dict[int, torch.Tensor] = {}
+
+    def observe(self, obs: Observation) -> None:
+        self.cos[obs.layer] = torch.nn.functional.cosine_similarity(obs.h_in, obs.h_out, dim=-1).cpu()
+        if obs.layer in self.keep:
+            self.seen[obs.layer] = obs.h_out.detach().clone()
+
+
+def proxy_features(x: torch.Tensor) -> torch.Tensor:
+    """[n, D] normed estimates of h_L -> [n, D + 1] the proxy's features (a constant last)."""
+    return torch.cat((x, x.new_ones(x.shape[0], 1)), dim=1)
+
+
+def fit_proxy(x: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+    """Ridge regression of entropies h [n] on proxy_features(x) [n, D + 1] -> weights [D + 1]."""
+    f = proxy_features(x).double()
+    gram = f.T @ f
+    gram.diagonal()[:-1] += PROXY_RIDGE * f.shape[0]
+    return torch.linalg.solve(gram, f.T @ h.double()).float()
+
+
+def calibrate_depth(llm, text: str, probes: Sequence[int], n_tokens: int = 16384, ctx: int = 512,
+                    skip_after: int | None = None, on_progress: Callable[[int, int], None] | None = None
+                    ) -> Calibration:
+    """Exit heads for `probes` and the adaptive-depth profile, from up to n_tokens tokens of `text` in windows of
+    ctx tokens (see the module's doc). skip_after: the layer the skip predictor reads (default: a quarter deep)."""
+    from ntio.policies.layer_skip import SkipPredictor
+
+    cfg, engine = llm.config, llm.engine
+    probes = sorted(set(probes))
+    check_exit_layers(probes, cfg.n_layers)
+    skip_after = cfg.n_layers // 4 - 1 if skip_after is None else skip_after
+    if not 0 <= skip_after < cfg.n_layers - 1:
+        raise OptionError("skip_after", f"must be a layer in 0..{cfg.n_layers - 2}, got {skip_after}")
+    if engine.globals.output is None:
+        raise NtioError("calibration needs the output head resident (raise --ram-budget)")
+    ids = calibration_ids(llm, text, MIN_TOKENS)[:n_tokens]
+    ctx = min(ctx, engine.kv.capacity)
+    n_fit = len(ids) - max(int(len(ids) * HELD_OUT), 1)
+    windows = [(a, min(a + ctx, n_fit)) for a in range(0, n_fit, ctx)]
+    windows += [(a, min(a + ctx, len(ids))) for a in range(n_fit, len(ids), ctx)]
+    windows = [(a, b) for a, b in windows if b - a >= 2]
+    recorder = _Recorder([*probes, skip_after, cfg.n_layers - 1])
+    later = range(skip_after + 1, cfg.n_layers)
+    heads_fit = ExitHeadFit(probes, cfg.d_model)
+    fit_x, fit_y, held = [], [], []
+    policy, llm.loader.policy = llm.loader.policy, recorder
+
+    def labels() -> torch.Tensor:
+        return torch.stack([recorder.cos[l] > SKIP_LABEL_COS for l in later], dim=1)  # [T, later]
+
+    try:
+        for n, (a, b) in enumerate(windows, 1):
+            engine.forward(torch.tensor(ids[a:b], dtype=torch.int64, device=llm.device), 0)
+            if a < n_fit:
+                heads_fit.add(recorder.seen, recorder.seen[cfg.n_layers - 1])
+                fit_x.append(recorder.seen[skip_after].cpu())
+                fit_y.append(labels())
+            else:
+                held.append(({p: recorder.seen[p].cpu() for p in probes}, recorder.seen[skip_after].cpu(),
+                             labels(), torch.arange(b - a)))
+            if on_progress is not None:
+                on_progress(n, len(windows) + 1)
+    finally:
+        llm.loader.policy = policy
+        engine.kv.crop(0)
+    heads = heads_fit.heads()
+    predictor = SkipPredictor.fit(torch.cat(fit_x), torch.cat(fit_y).float())
+    exits = [{p: seen[p] @ heads[p][0] + heads[p][1] for p in probes} for seen, *_ in held]  # estimates of h_L
+    true_h = [torch.stack([torch.cat([entropy(engine.head_logits(x[p][i : i + 64]))
+                                      for i in range(0, x[p].shape[0], 64)]) for p in probes], dim=1) for x in exits]
+    if on_progress is not None:
+        on_progress(len(windows) + 1, len(windows) + 1)
+    half = max(len(held) // 2, 1)  # windows: the first fit the proxy, the others are the profile's samples
+    weights = torch.stack([fit_proxy(engine.final_norm(torch.cat([x[p] for x in exits[:half]])), torch.cat([h[:, j] for h in true_h[:half]]))
+                           for j, p in enumerate(probes)])  # [P, D + 1]
+    kept = held[half:] or held
+    proxy = [torch.stack([proxy_features(engine.final_norm(x[p])) @ weights[j] for j, p in enumerate(probes)], dim=1)
+             for x in exits[half:] or exits]
+    layout = llm.loader.layout
+    depth = DepthProfile(
+        layer_bytes=[layout.block_nbytes(i) for i in range(cfg.n_layers)], head_bytes=layout.head.nbytes,
+        probes=probes, positions=torch.cat([h[3] for h in kept]), entropy=torch.cat(true_h[half:] or true_h),
+        proxy=torch.cat(proxy), proxy_weights=weights, skip_after=skip_after, predictor=predictor.state(),
+        skip_probs=torch.cat([predictor(h[1]) for h in kept]), skip_labels=torch.cat([h[2] for h in kept]))
+    return Calibration(fingerprint(engine, llm.tokenizer.vocabulary), heads, len(ids), depth.payload())
+
+
+def bisect(fraction: Callable[[float], float], budget: float, *, rising: bool, what: str) -> float:
+    """The knob k in [0, 1] whose bytes fraction(k) is the largest not above `budget` (fraction non-increasing in
+    k when not `rising`: the smallest such k; non-decreasing when `rising`: the largest). A budget below every
+    reachable fraction is a one-line error with the smallest reachable one."""
+    if not 0.0 < budget <= 1.0:
+        raise OptionError("budget", f"must be a fraction of the dense bytes per token in (0, 1], got {budget}")
+    lo, hi = 0.0, 1.0
+    reachable = fraction(lo if rising else hi)
+    if reachable > budget:
+        raise OptionError("budget", f"{budget:g} cannot be met by {what}: its floors leave at least "
+                                    f"{math.ceil(reachable * 1000) / 1000:g} of the dense bytes per token")
+    for _ in range(30):
+        mid = (lo + hi) / 2
+        if (fraction(mid) <= budget) == rising:
+            lo = mid
+        else:
+            hi = mid
+    return lo if rising else hi
