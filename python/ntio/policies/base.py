@@ -26,7 +26,9 @@ of them, but each token may take its own path, as decoding it alone would:
     K/V stay): a post-compute skip, which saves no bytes;
   * `readout(h)`: the final hidden states [T, D] -> what the final norm and output head read (an exit head's map
     for a token that left early).
-The engine asks each only of a policy that overrides it.
+The engine asks each only of a policy that overrides it. Such a policy may also hold reads ahead (`holds(layer)`):
+a read submitted before the decision it depends on is known comes off the disk even when the layer is then
+skipped.
 """
 
 from __future__ import annotations
@@ -86,6 +88,11 @@ class LoadPolicy:
 
     def observe(self, obs: Observation) -> None:
         pass
+
+    def holds(self, layer: int) -> bool:
+        """Whether a read of `layer` ahead of its need should wait: its decision depends on an observation not made
+        yet (an exit or a prediction in the current pass). A held read is submitted when the layer is needed."""
+        return False
 
     def begin_pass(self, start_pos: int, n_tokens: int) -> None:
         pass

@@ -17,6 +17,8 @@ through p's exit head, ntio.decoding.self_draft) or the full depth L.
 
 A pass over T tokens computes each as decoding it alone would: at each layer only the tokens still running, the
 others passing through with no K/V written. Generation's prefill computes every layer (`prompt_full_depth`).
+Streamed layers more than one past a probe that may still stop a token are read only once it has decided
+(`holds`): reads ahead of an exit would come off the disk all the same.
 """
 
 from __future__ import annotations
@@ -182,6 +184,13 @@ class EarlyExitPolicy(LoadPolicy):
 
     def still_wanted(self, layer: int, decision: LoadDecision) -> bool:
         return layer < self._reach
+
+    def holds(self, layer: int) -> bool:
+        """Reads more than one layer past a probe that may still stop a token wait for it: the layer right after
+        is read on the chance it is needed (waiting for it would stall every step at every probe)."""
+        if self._full or layer <= self._last_layer:
+            return False  # a prompt's pass, or the next pass
+        return any(self._last_layer < p and p + 1 < layer and p + 1 < self._reach for p in self.profile.probes)
 
     def tokens(self, layer: int) -> torch.Tensor | None:
         return None if self._running is None else self._running.to(self._device)

@@ -12,9 +12,10 @@ prompt is prefilled every layer computes, the labels are measured, and a layer's
 chance the predictor gave a prompt token that the layer did change. Teacher-forced scoring (`ntio perplexity`) has
 no prompt: every position is decided with the calibrated thresholds.
 
-Predictions are known once layer `skip_after` has computed in the current pass; a streamed layer's read submitted
-before that (read ahead from the previous step) is decided LOAD_ALL and dropped unread-on if the prediction skips
-it (`still_wanted`): its bytes were read, its compute is saved.
+Predictions are known once layer `skip_after` has computed in the current pass. Reads of the layers past the first
+it decides wait for them (`holds`); one submitted before (read ahead from the previous step, or the first layer,
+read on the chance it is needed) is decided LOAD_ALL and dropped if the prediction skips it (`still_wanted`): its
+bytes were read, its compute is saved.
 """
 
 from __future__ import annotations
@@ -156,6 +157,10 @@ class PredictedSkipPolicy(LoadPolicy):
 
     def still_wanted(self, layer: int, decision: LoadDecision) -> bool:
         return self.decide(layer, 0).kind != "skip"
+
+    def holds(self, layer: int) -> bool:
+        """Reads of later layers (but the first, read on the chance it is needed) wait for the prediction."""
+        return not self._full and self._skips is None and self._last_layer < layer and layer > self.first
 
     def tokens(self, layer: int) -> torch.Tensor | None:
         if self._skips is None or layer < self.first:

@@ -54,7 +54,7 @@ from ntio.io import Check, read_into, slot_array
 from ntio.formats.model_file import extent_index, plan_layer_read, plan_subset_read, row_extent, tensor_checks
 from ntio.kernels.ops import EncodedMatrix
 from ntio.models.layers import LayerWeights
-from ntio.policies.base import LOAD_ALL, LoadDecision, LoadPolicy
+from ntio.policies.base import LOAD_ALL, LoadDecision, LoadPolicy, overrides
 from ntio.policies.dense import DensePolicy
 from ntio.runtime.disk_rows import DiskRows
 from ntio.runtime.stats import ForwardStats, StreamStats
@@ -400,7 +400,10 @@ class LayerLoader:
             torch.cuda.current_stream(self.device).wait_event(self._copied[self._current[1]])
         # Read ahead the next streamed groups in use order, wrapping around to the next forward's first ones.
         order = [g for g in self._streamed_groups if g > group] + [g for g in self._streamed_groups if g <= group]
+        holds = overrides(self.policy, "holds")
         for ahead, later in enumerate(order[: self.prefetch_depth], start=1):
+            if holds and any(self.policy.holds(layer) for layer in self.groups[later].streamed):
+                break  # read when needed: its decision waits on what the layers before it show
             if not self.prefetch_async(later, ahead):
                 break
 
