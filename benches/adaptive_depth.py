@@ -2,7 +2,8 @@
 method at a sweep of its knob, against the dense model.
 
 Methods: the post-compute cosine skip (baseline: reads and computes everything), predictive skip before the load,
-EMAD early exit with the per-token and the monotone schedule. Calibration: `ntio calibrate` on the package's longer
+EMAD early exit with the per-token and the monotone schedule; and the bound on any exit rule over the same exit
+heads (`exit oracle`: a token exits where its exit head is within a KL of the final layer, every K/V computed). Calibration: `ntio calibrate` on the package's longer
 docstrings (benches/sparse_ffn.py's text); evaluation: README.md, so the budgets (met on the calibration's held-out
 tokens) are checked on text the calibration never saw.
 
@@ -29,12 +30,16 @@ import statistics
 import tempfile
 from pathlib import Path
 
+import torch
+
 import ntio
+from ntio.decoding.self_draft import Calibration, HiddenStates, fingerprint
 from ntio.fetch import resolve_model
 from ntio.policies.adaptive import adaptive_policy, adaptive_report
 from ntio.policies.cosine_skip import CosineSkipPolicy
 from ntio.policies.dense import DensePolicy
-from ntio.policies.depth_profile import calibrate_depth
+from ntio.policies.depth_profile import SKIP_LABEL_COS, LayerRecorder, calibrate_depth
+from ntio.policies.layer_skip import PredictedSkipPolicy, skip_mask
 from sparse_ffn import calibration_text
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -90,6 +95,9 @@ def bench_model(name: str, args) -> list[dict]:
     readme = (ROOT / "README.md").read_text()
     m.policy = DensePolicy()
     dense = m.perplexity(readme).perplexity
+    oracle = [{**r, "model": name} for r in exit_oracle(m, calib, readme, args.oracle_kl)]
+    for r in oracle:
+        print(json.dumps(r), flush=True)
     m.close()
     streamed = ntio.load(path, tiers="C")
     scorer = ntio.load(path)
@@ -103,8 +111,11 @@ def bench_model(name: str, args) -> list[dict]:
             print(json.dumps(row), flush=True)
             rows.append(row)
             continue
+        policy = scorer.policy
         row["perplexity_ratio"] = scorer.perplexity(readme).perplexity / dense
-        row["scoring"] = report(scorer.policy)
+        row["scoring"] = report(policy)
+        if isinstance(policy, PredictedSkipPolicy):
+            row["scoring"]["eval_text"] = skip_on_text(scorer, policy, readme)
         agree, speed, reads = [], [], []
         for prompt in PROMPTS:
             base_ids, base_speed, base_read = generate(streamed, DensePolicy(), prompt, args.tokens)
@@ -119,7 +130,70 @@ def bench_model(name: str, args) -> list[dict]:
         rows.append(row)
     streamed.close()
     scorer.close()
-    return [{"model": name, "method": "dense", "perplexity": dense}, *rows]
+    return [{"model": name, "method": "dense", "perplexity": dense}, *oracle, *rows]
+
+
+def skip_on_text(m: ntio.LLM, policy: PredictedSkipPolicy, text: str) -> dict:
+    """The predictor's precision and recall at the policy's threshold against the post-compute labels of `text`
+    (every layer computed), as on the calibration's held-out tokens."""
+    profile, setting = policy.profile, policy.setting
+    recorder = LayerRecorder([profile.skip_after])
+    m.policy = recorder
+    ids, skips, labels = m.tokenizer.encode(text), [], []
+    for a in range(0, len(ids), 512):
+        m.engine.forward(torch.tensor(ids[a : a + 512]), 0)
+        probs = policy.predictor(recorder.seen[profile.skip_after])
+        skips.append(skip_mask(probs, torch.full((probs.shape[1],), setting.threshold), setting.max_consecutive))
+        labels.append(torch.stack([recorder.cos[l] > SKIP_LABEL_COS
+                                   for l in range(policy.first, m.config.n_layers)], dim=1))
+    m.policy = DensePolicy()
+    s, y = torch.cat(skips), torch.cat(labels)
+    hits = int((s & y).sum())
+    return {"precision": hits / max(int(s.sum()), 1), "recall": hits / max(int(y.sum()), 1)}
+
+
+def exit_oracle(m: ntio.LLM, calib: Path, text: str, deltas: list[float]) -> list[dict]:
+    """The best any exit rule on these exit heads could do: a token exits at the shallowest probe whose exit head's
+    distribution is within KL(final || exit) <= delta of the final layer's (known only by computing every layer),
+    with every layer's K/V computed (no token after it misses anything). Perplexity ratio and bytes per token."""
+    cal = Calibration.load(calib, fingerprint(m.engine, m.tokenizer.vocabulary), m.config.d_model)
+    probes, last = sorted(cal.heads), m.config.n_layers - 1
+    recorder = HiddenStates(probes, last)
+    m.policy = recorder
+    ids = m.tokenizer.encode(text)
+    kl, nll = [], []  # per window: [P, n] KL to the final distribution; [P + 1, n] NLL of the next token (final last)
+    for a in range(0, len(ids), 512):
+        window = ids[a : a + 512]
+        if len(window) < 2:
+            break
+        m.engine.forward(torch.tensor(window), 0)
+        target = torch.tensor(window[1:])
+        final = torch.log_softmax(m.engine.head_logits(recorder.seen[last][:-1]), dim=-1)
+        window_kl, window_nll = [], []
+        for p in probes:
+            w, b = cal.heads[p]
+            logp = torch.log_softmax(m.engine.head_logits(recorder.seen[p][:-1] @ w + b), dim=-1)
+            window_kl.append((final.exp() * (final - logp)).sum(dim=-1))
+            window_nll.append(-logp.gather(1, target[:, None])[:, 0])
+        kl.append(torch.stack(window_kl))
+        nll.append(torch.stack([*window_nll, -final.gather(1, target[:, None])[:, 0]]))
+    kl_all, nll_all = torch.cat(kl, dim=1), torch.cat(nll, dim=1)
+    m.policy = DensePolicy()
+    profile_bytes = [m.loader.layout.block_nbytes(i) for i in range(m.config.n_layers)]
+    dense_bytes = sum(profile_bytes) + m.loader.layout.head.nbytes
+    prefix = torch.tensor([0, *profile_bytes], dtype=torch.float64).cumsum(0)
+    levels = torch.tensor([p + 1 for p in probes] + [m.config.n_layers])
+    rows = []
+    for delta in deltas:
+        ok = torch.cat([kl_all <= delta, torch.ones(1, kl_all.shape[1], dtype=torch.bool)])  # [P + 1, n]
+        choice = ok.float().argmax(dim=0)  # the first probe within delta, else the final layer
+        depth = levels[choice]
+        rows.append({"model": m.path.name, "method": "exit oracle", "kl": delta,
+                     "perplexity_ratio": float(torch.exp(nll_all.gather(0, choice[None])[0].mean()
+                                                         - nll_all[-1].mean())),
+                     "scoring": {"bytes_fraction": float((prefix[depth] + m.loader.layout.head.nbytes).mean())
+                                 / dense_bytes, "mean_depth": float(depth.float().mean())}})
+    return rows
 
 
 def plot(rows: list[dict], out: Path) -> None:
@@ -132,7 +206,7 @@ def plot(rows: list[dict], out: Path) -> None:
     fig, axes = plt.subplots(1, len(models), figsize=(6 * len(models), 4.5), squeeze=False)
     for ax, model in zip(axes[0], models):
         ax.scatter([1.0], [1.0], marker="*", s=120, color="black", label="dense")
-        for method in ("cosine", "skip", "exit per-token", "exit monotone"):
+        for method in ("cosine", "skip", "exit per-token", "exit monotone", "exit oracle"):
             pts = sorted((r["scoring"]["bytes_fraction"], r["perplexity_ratio"]) for r in rows
                          if r["model"] == model and r["method"] == method and "perplexity_ratio" in r)
             if pts:
@@ -150,6 +224,7 @@ def main() -> None:
     ap.add_argument("--model", nargs="+", default=["smollm2-135m"])
     ap.add_argument("--cosine", nargs="+", type=float, default=[0.99, 0.98, 0.95])
     ap.add_argument("--budgets", nargs="+", type=float, default=[0.97, 0.93, 0.85])
+    ap.add_argument("--oracle-kl", nargs="+", type=float, default=[0.01, 0.03, 0.1, 0.3])
     ap.add_argument("--tokens", type=int, default=48, help="Greedy tokens per prompt")
     ap.add_argument("--calib-tokens", type=int, default=16384)
     ap.add_argument("--json", type=Path)

@@ -169,6 +169,12 @@ def test_bad_adaptive_input_is_one_line(smollm2_path, depth_file, tmp_path):
     short.write_text("too short")
     with pytest.raises(NtioError, match="at least 1024 are needed"):
         calibrate_depth(m, short.read_text(), [10])
+    payload = torch.load(depth_file, weights_only=True)
+    for name, change, message in [("other.calib", {"model": "0" * 32}, "calibrated for another model"),
+                                  ("heads-only.calib", {"depth": None}, "no adaptive-depth profile")]:
+        torch.save({**payload, **change}, tmp_path / name)
+        with pytest.raises(NtioError, match=message):
+            adaptive_policy(m, tmp_path / name, 0.9)
     m.close()
     runner = CliRunner()
     base = ["-m", str(smollm2_path)]

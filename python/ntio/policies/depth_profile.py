@@ -100,7 +100,7 @@ class DepthProfile:
         return profile
 
 
-class _Recorder(LoadPolicy):
+class LayerRecorder(LoadPolicy):
     """Loads everything; keeps cos(h_in, h_out) of every layer [T], and the residual stream after `keep` layers."""
 
     def __init__(self, keep: Sequence[int]) -> None:
@@ -149,7 +149,7 @@ def calibrate_depth(llm, text: str, probes: Sequence[int], n_tokens: int = 16384
     windows = [(a, min(a + ctx, n_fit)) for a in range(0, n_fit, ctx)]
     windows += [(a, min(a + ctx, len(ids))) for a in range(n_fit, len(ids), ctx)]
     windows = [(a, b) for a, b in windows if b - a >= 2]
-    recorder = _Recorder([*probes, skip_after, cfg.n_layers - 1])
+    recorder = LayerRecorder([*probes, skip_after, cfg.n_layers - 1])
     later = range(skip_after + 1, cfg.n_layers)
     heads_fit = ExitHeadFit(probes, cfg.d_model)
     fit_x, fit_y, held = [], [], []
