@@ -152,6 +152,7 @@ class EarlyExitPolicy(LoadPolicy):
     _last_layer: int = field(default=-1, init=False)
     _full: bool = field(default=False, init=False)
     _device: torch.device = field(default=torch.device("cpu"), init=False)
+    _device_copies: dict[int, tuple[torch.Tensor, ...]] = field(default_factory=dict, init=False)
 
     def __post_init__(self) -> None:
         self._top = self.profile.n_layers
@@ -201,9 +202,9 @@ class EarlyExitPolicy(LoadPolicy):
         j = self._probe_index.get(obs.layer)
         if j is not None and not self._full:
             running = [t for t, d in enumerate(self._stopped) if d > obs.layer]
-            w, b = (t.to(self._device) for t in self.heads[obs.layer])
+            w, b, proxy = self._on_device(obs.layer)
             x = proxy_features(self.final_norm(obs.h_out[running] @ w + b))  # [n, D + 1]
-            estimate = x @ self.profile.proxy_weights[j].to(self._device)  # [n] entropies
+            estimate = x @ proxy  # [n] entropies
             for t, below in zip(running, (estimate <= self.setting.targets[j]).tolist()):
                 self._exits[t][j] = below
             self._update()  # the running set changes only after a probe
@@ -220,12 +221,23 @@ class EarlyExitPolicy(LoadPolicy):
         if self._full:
             return h
         out = h
-        for p, (w, b) in self.heads.items():
+        for p in self.heads:
             rows = [t for t, d in enumerate(self._stopped) if d == p + 1]
             if rows:
+                w, b, _ = self._on_device(p)
                 idx = torch.tensor(rows, device=h.device)
-                out = out.index_copy(0, idx, h[idx] @ w.to(h.device) + b.to(h.device))
+                out = out.index_copy(0, idx, h[idx] @ w + b)
         return out
+
+    def _on_device(self, probe: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Probe layer -> its exit head's W [D, D], b [D] and proxy weights [D + 1], on the compute device (copied
+        once)."""
+        cached = self._device_copies.get(probe)
+        if cached is None or cached[0].device != self._device:
+            w, b = self.heads[probe]
+            proxy = self.profile.proxy_weights[self._probe_index[probe]]
+            cached = self._device_copies[probe] = tuple(t.to(self._device) for t in (w, b, proxy))
+        return cached
 
     def bytes_fraction(self) -> float:
         """Mean bytes per decided token over the dense bytes (what decoding each alone reads)."""
