@@ -2,8 +2,9 @@
 method at a sweep of its knob, against the dense model.
 
 Methods: the post-compute cosine skip (baseline: reads and computes everything), predictive skip before the load,
-EMAD early exit with the per-token and the monotone schedule; and the bound on any exit rule over the same exit
-heads (`exit oracle`: a token exits where its exit head is within a KL of the final layer, every K/V computed). Calibration: `ntio calibrate` on the package's longer
+early exit on the predicted KL to the final layer and on the entropy (EMAD), per token, and EMAD's monotone
+schedule; and the bound on any exit rule over the same exit heads (`exit oracle`: a token exits where its exit head
+is within a KL of the final layer, known by computing every layer, and every K/V is computed). Calibration: `ntio calibrate` on the package's longer
 docstrings (benches/sparse_ffn.py's text); evaluation: README.md, so the budgets (met on the calibration's held-out
 tokens) are checked on text the calibration never saw.
 
@@ -53,8 +54,10 @@ PROMPTS = [
 def settings(args) -> list[tuple[str, dict]]:
     out = [("cosine", {"threshold": t}) for t in args.cosine]
     out += [("skip", {"budget": b}) for b in args.budgets]
-    out += [("exit per-token", {"budget": b, "schedule": "per-token"}) for b in args.budgets]
-    out += [("exit monotone", {"budget": b, "schedule": "monotone"}) for b in args.budgets[:1]]
+    out += [("exit kl", {"budget": b, "schedule": "per-token", "signal": "kl"}) for b in args.budgets]
+    out += [("exit entropy", {"budget": b, "schedule": "per-token", "signal": "entropy"}) for b in args.budgets]
+    out += [("exit entropy monotone", {"budget": b, "schedule": "monotone", "signal": "entropy"})
+            for b in args.budgets[:1]]
     return out
 
 
@@ -63,7 +66,8 @@ def make_policy(m: ntio.LLM, calib: Path, method: str, knob: dict, scoring: bool
         return CosineSkipPolicy(knob["threshold"])
     if method == "skip":
         return adaptive_policy(m, calib, knob["budget"], "skip", prompt_full_depth=not scoring)
-    return adaptive_policy(m, calib, knob["budget"], "exit", knob["schedule"], prompt_full_depth=not scoring)
+    return adaptive_policy(m, calib, knob["budget"], "exit", knob["schedule"], prompt_full_depth=not scoring,
+                           signal=knob["signal"])
 
 
 def report(policy) -> dict:
@@ -206,7 +210,7 @@ def plot(rows: list[dict], out: Path) -> None:
     fig, axes = plt.subplots(1, len(models), figsize=(6 * len(models), 4.5), squeeze=False)
     for ax, model in zip(axes[0], models):
         ax.scatter([1.0], [1.0], marker="*", s=120, color="black", label="dense")
-        for method in ("cosine", "skip", "exit per-token", "exit monotone", "exit oracle"):
+        for method in ("cosine", "skip", "exit kl", "exit entropy", "exit entropy monotone", "exit oracle"):
             pts = sorted((r["scoring"]["bytes_fraction"], r["perplexity_ratio"]) for r in rows
                          if r["model"] == model and r["method"] == method and "perplexity_ratio" in r)
             if pts:

@@ -137,13 +137,13 @@ def test_schedules_follow_their_rules():
                                                                                                    False]]
 
 
-@pytest.mark.parametrize("sync", [True, False])
+@pytest.mark.parametrize("sync, signal", [(True, "kl"), (False, "entropy")])
 def test_budgets_are_met_on_held_out_tokens_and_early_exit_reads_only_the_layers_computed(smollm2_path, depth_file,
-                                                                                          sync):
+                                                                                          sync, signal):
     # Read when needed, a decode step reads exactly the layers its token computes; with read-ahead, at most one more
     # (the layer after a probe is read on the chance it is needed, the rest wait for the probe: `holds`).
     m = ntio.load(smollm2_path, tiers="C", sync=sync)
-    policy = adaptive_policy(m, depth_file, 0.8, "exit", "per-token")
+    policy = adaptive_policy(m, depth_file, 0.8, "exit", "per-token", signal=signal)
     assert policy.setting.held_out_fraction(policy.profile) <= 0.8
     m.policy = policy
     first = len(m.stats.forwards)

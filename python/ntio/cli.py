@@ -170,6 +170,9 @@ def _depth_options(f):
     f = click.option("--cosine-skip", type=click.FloatRange(-1, 1), metavar="COS",
                      help="Post-compute skip (baseline, saves no bytes): a token keeps a layer's input when "
                           "cos(input, output) > COS, e.g. 0.98")(f)
+    f = click.option("--exit-signal", type=click.Choice(["kl", "entropy"]), default="kl", show_default=True,
+                     help="With --adaptive-method exit: what a token's exit is decided on, the predicted KL "
+                          "divergence of the exit from the final layer, or its entropy (EMAD)")(f)
     f = click.option("--exit-schedule", type=click.Choice(["per-token", "monotone"]), default="per-token",
                      show_default=True, help="With --adaptive-method exit: each token exits on its own, or never "
                                              "deeper than the token before it (EMAD's KV-consistent schedule)")(f)
@@ -187,7 +190,7 @@ def _depth_options(f):
 def _depth_policy(m, opts: dict, prompt_full_depth: bool):
     """Pop the adaptive-depth options; set the model's policy from them. Returns it, or None (dense)."""
     adaptive, budget, method = opts.pop("adaptive"), opts.pop("budget"), opts.pop("adaptive_method")
-    schedule, cosine = opts.pop("exit_schedule"), opts.pop("cosine_skip")
+    schedule, signal, cosine = opts.pop("exit_schedule"), opts.pop("exit_signal"), opts.pop("cosine_skip")
     if budget is not None and adaptive is None:
         raise OptionError("budget", "needs --adaptive")
     if adaptive is not None and cosine is not None:
@@ -196,7 +199,7 @@ def _depth_policy(m, opts: dict, prompt_full_depth: bool):
         from ntio.policies.adaptive import adaptive_policy
 
         m.policy = adaptive_policy(m, adaptive, 0.9 if budget is None else budget, method, schedule,
-                                   prompt_full_depth)
+                                   prompt_full_depth, signal)
     elif cosine is not None:
         from ntio.policies.cosine_skip import CosineSkipPolicy
 
@@ -389,7 +392,8 @@ def perplexity(text_file, ctx, sparse_ffn, keep, as_json, **opts) -> None:
     if keep is not None and sparse_ffn is None:
         raise OptionError("keep", "needs --sparse-ffn")
     selection = NeuronSelection(sparse_ffn, 0.5 if keep is None else keep) if sparse_ffn else None
-    opts_depth = {k: opts.pop(k) for k in ("adaptive", "budget", "adaptive_method", "exit_schedule", "cosine_skip")}
+    opts_depth = {k: opts.pop(k) for k in ("adaptive", "budget", "adaptive_method", "exit_schedule", "exit_signal",
+                                        "cosine_skip")}
     opts = _split(opts)
     if selection is not None:
         opts["policy"] = SparseFFNPolicy(selection)

@@ -1,9 +1,10 @@
 """Adaptive depth for a loaded model from a calibration file and a bytes budget (`--adaptive FILE --budget B`).
 
-Methods: "exit" (EMAD, ntio.policies.early_exit) and "skip" (predictive skip, ntio.policies.layer_skip). Schedules
-for "exit": "per-token" (each token exits on its own; positions a layer skipped are masked there) and "monotone"
-(the seed's D_t ≤ D_{t-1}). Measured on SmolLM2 and Qwen2.5-Coder-1.5B (benches/RESULTS.md, "Adaptive depth"), the
-monotone schedule lets one early exit cap every later token of the sequence, so per-token is the default.
+Methods: "exit" (early exit on the predicted KL to the final layer, or EMAD's entropy: ntio.policies.early_exit)
+and "skip" (predictive skip, ntio.policies.layer_skip). Schedules for "exit": "per-token" (each token exits on its
+own; positions a layer skipped are masked there) and "monotone" (the seed's D_t ≤ D_{t-1}). Measured on SmolLM2 and
+Qwen2.5-Coder-1.5B (benches/RESULTS.md, "Adaptive depth"), the monotone schedule lets one early exit cap every later
+token of the sequence, and the KL signal costs less than entropy: per-token and KL are the defaults.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import os
 from ntio.decoding.self_draft import Calibration, fingerprint
 from ntio.errors import OptionError
 from ntio.policies.base import LoadPolicy
-from ntio.policies.depth_profile import DepthProfile
+from ntio.policies.depth_profile import SIGNALS, DepthProfile
 from ntio.policies.early_exit import EarlyExitPolicy, ExitSchedule, ExitSetting
 from ntio.policies.layer_skip import PredictedSkipPolicy, SkipSetting
 
@@ -30,7 +31,7 @@ def schedule_for(profile: DepthProfile, schedule: str) -> ExitSchedule:
 
 
 def adaptive_policy(llm, path: str | os.PathLike[str], budget: float, method: str = "exit",
-                    schedule: str = "per-token", prompt_full_depth: bool = True) -> LoadPolicy:
+                    schedule: str = "per-token", prompt_full_depth: bool = True, signal: str = "kl") -> LoadPolicy:
     """The policy reading about `budget` of the dense bytes per token (as measured on the calibration's held-out
     tokens) for `llm`. prompt_full_depth: False for teacher-forced scoring (every position decided)."""
     if method not in METHODS:
@@ -40,7 +41,9 @@ def adaptive_policy(llm, path: str | os.PathLike[str], budget: float, method: st
     profile = DepthProfile.from_calibration(calibration, str(path), cfg.n_layers, cfg.d_model)
     if method == "skip":
         return PredictedSkipPolicy(profile, SkipSetting.for_budget(profile, budget), prompt_full_depth)
-    setting = ExitSetting.for_budget(profile, schedule_for(profile, schedule), budget)
+    if signal not in SIGNALS:
+        raise OptionError("exit_signal", f"must be one of {', '.join(SIGNALS)}, got {signal!r}")
+    setting = ExitSetting.for_budget(profile, schedule_for(profile, schedule), signal, budget)
     return EarlyExitPolicy(profile, setting, calibration.heads, llm.engine.final_norm, prompt_full_depth)
 
 
@@ -51,6 +54,7 @@ def adaptive_report(policy: LoadPolicy) -> dict:
                 "held_out": policy.setting.quality(policy.profile)}
     assert isinstance(policy, EarlyExitPolicy)
     depths = policy.depths
-    return {"method": "exit", "quantile": policy.setting.quantile, "bytes_fraction": policy.bytes_fraction(),
+    return {"method": "exit", "signal": policy.setting.signal, "quantile": policy.setting.quantile,
+            "bytes_fraction": policy.bytes_fraction(),
             "mean_depth": sum(depths) / len(depths) if depths else float(policy.profile.n_layers),
             "held_out_bytes_fraction": policy.setting.held_out_fraction(policy.profile)}

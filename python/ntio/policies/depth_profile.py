@@ -4,16 +4,19 @@ One pass over a calibration text, split in two: the first 3/4 fit, the last 1/4 
   * Fit: the exit heads of the probe layers (ntio.decoding.self_draft: h_L ≈ h_E·W + b) and the skip predictor
     (ntio.policies.layer_skip), whose labels are the post-compute ones: layer l could have been skipped for a token
     when cos(h_in, h_out) > SKIP_LABEL_COS.
-  * Held out: per token and probe layer, the entropy of the exit head's next-token distribution (the full head).
-    Its first half fits the cheap proxy that decides at run time: a linear read of the entropy from the exit head's
-    normed estimate of h_L, by ridge regression. On its second half the profile keeps, per token, the entropy, the
-    proxy's estimate, the predictor's probabilities and the labels: targets, proxy margins, budgets and the
-    predictor's precision and recall all come from these samples, so any budget can be asked for without
+  * Held out: per token and probe layer, two signals of the exit head's next-token distribution (full head):
+    its entropy (EMAD's) and log KL(final layer's || exit head's), how far the exit is from what the whole model
+    says. Their first half fits the cheap proxies that decide at run time: a linear read of each signal from the
+    exit head's normed estimate of h_L, by ridge regression. On their second half the profile keeps, per token, the
+    signals, the proxies' estimates, the predictor's probabilities and the labels: targets, margins, budgets and
+    the predictor's precision and recall all come from these samples, so any budget can be asked for without
     calibrating again.
 
 The seed's proxy, entropy through a rank-r factor of the output head, is not used: on SmolLM2 its entropy
 correlates with the true one at 0.13-0.44 for r = 32, 128 and 256 (held-out README text), the linear read at
-0.54-0.76, for D multiply-adds instead of (D + V)·r.
+0.54-0.76, for D multiply-adds instead of (D + V)·r. Entropy itself is a poor exit signal there: it correlates
+with log KL at -0.17..0.04 per probe, and at matched bytes an exit on the predicted KL costs far less perplexity
+(benches/RESULTS.md, "Adaptive depth").
 
 Bytes per token are the file's: a layer's encoded bytes when it is computed, the output head's always (the token
 embedding's one row is left out). `dense_bytes` is what a token reads with every layer.
@@ -35,13 +38,8 @@ from ntio.policies.base import LoadPolicy, Observation
 MIN_TOKENS = 1024
 HELD_OUT = 0.4
 PROXY_RIDGE = 1e-1  # relative to the mean squared feature (features are normed: ~1 each)
+SIGNALS = ("kl", "entropy")  # log KL(final || exit) in nats, and the exit distribution's entropy in nats
 SKIP_LABEL_COS = 0.98
-
-
-def entropy(logits: torch.Tensor) -> torch.Tensor:
-    """[n, V] -> [n]: entropy in nats of softmax(logits)."""
-    logp = torch.log_softmax(logits.float(), dim=-1)
-    return -(logp.exp() * logp).sum(dim=-1)
 
 
 @dataclass
@@ -52,9 +50,9 @@ class DepthProfile:
     head_bytes: int
     probes: list[int]  # layers after which a token may exit (the exit heads' layers), ascending
     positions: torch.Tensor  # [N] int64: held-out tokens' positions in their windows (0 starts a window)
-    entropy: torch.Tensor  # [N, P] the exit head's entropy at each probe, full head
-    proxy: torch.Tensor  # [N, P] the proxy's
-    proxy_weights: torch.Tensor  # [P, D + 1]: entropy ≈ [final_norm(exit head's h_L), 1] · w_p
+    signals: dict[str, torch.Tensor]  # SIGNALS -> [N, P] their values at each probe (full head)
+    proxies: dict[str, torch.Tensor]  # SIGNALS -> [N, P] the proxies' estimates
+    proxy_weights: dict[str, torch.Tensor]  # SIGNALS -> [P, D + 1]: signal ≈ [final_norm(exit's h_L), 1] · w_p
     skip_after: int  # the predictor reads the residual stream after this layer
     predictor: dict[str, torch.Tensor]  # ntio.policies.layer_skip.SkipPredictor's state
     skip_probs: torch.Tensor  # [N, L - skip_after - 1] held-out predicted skip probabilities of the later layers
@@ -88,12 +86,18 @@ class DepthProfile:
         except TypeError as e:
             raise ModelFormatError(f"{path}: adaptive-depth profile is malformed ({e})") from None
         n, n_probes, later = profile.positions.shape[0], len(profile.probes), n_layers - profile.skip_after - 1
-        expected = {"entropy": (n, n_probes), "proxy": (n, n_probes), "proxy_weights": (n_probes, d_model + 1),
-                    "skip_probs": (n, later), "skip_labels": (n, later)}
+        expected = {"skip_probs": (n, later), "skip_labels": (n, later)}
+        for signal in SIGNALS:
+            expected |= {f"{signal} signal": (n, n_probes), f"{signal} proxy": (n, n_probes),
+                         f"{signal} proxy weights": (n_probes, d_model + 1)}
+        found = {"skip_probs": profile.skip_probs, "skip_labels": profile.skip_labels}
+        for signal in SIGNALS:
+            found |= {f"{signal} signal": profile.signals.get(signal), f"{signal} proxy": profile.proxies.get(signal),
+                      f"{signal} proxy weights": profile.proxy_weights.get(signal)}
         for name, shape in expected.items():
-            if tuple(getattr(profile, name).shape) != shape:
-                raise ModelFormatError(f"{path}: adaptive-depth {name} is {tuple(getattr(profile, name).shape)}, "
-                                       f"not {shape}")
+            got = None if found[name] is None else tuple(found[name].shape)
+            if got != shape:
+                raise ModelFormatError(f"{path}: adaptive-depth {name} is {got}, not {shape}")
         if profile.n_layers != n_layers or sorted(profile.probes) != profile.probes or \
                 set(profile.probes) - set(calibration.heads):
             raise ModelFormatError(f"{path}: adaptive-depth probes {profile.probes} do not match the exit heads")
@@ -120,12 +124,29 @@ def proxy_features(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((x, x.new_ones(x.shape[0], 1)), dim=1)
 
 
-def fit_proxy(x: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
-    """Ridge regression of entropies h [n] on proxy_features(x) [n, D + 1] -> weights [D + 1]."""
-    f = proxy_features(x).double()
+def exit_signals(engine, exits: dict[int, torch.Tensor], final: torch.Tensor, rows: int = 64
+                 ) -> dict[str, torch.Tensor]:
+    """exits: probe -> the exit head's estimates of h_L [T, D]; final: h_L itself [T, D] -> SIGNALS -> [T, P]:
+    entropy of each exit's next-token distribution and log KL(final's || exit's), `rows` positions at a time."""
+    out: dict[str, list[torch.Tensor]] = {"entropy": [], "kl": []}
+    for i in range(0, final.shape[0], rows):
+        logp_final = torch.log_softmax(engine.head_logits(final[i : i + rows]), dim=-1)  # [r, V]
+        ent, kl = [], []
+        for x in exits.values():
+            logp = torch.log_softmax(engine.head_logits(x[i : i + rows]), dim=-1)
+            ent.append(-(logp.exp() * logp).sum(dim=-1))
+            kl.append((logp_final.exp() * (logp_final - logp)).sum(dim=-1).clamp_min(1e-8).log())
+        out["entropy"].append(torch.stack(ent, dim=1))
+        out["kl"].append(torch.stack(kl, dim=1))
+    return {s: torch.cat(v) for s, v in out.items()}
+
+
+def fit_proxy(features: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """Ridge regression of a signal y [n] on proxy features [n, D + 1] -> weights [D + 1]."""
+    f = features.double()
     gram = f.T @ f
     gram.diagonal()[:-1] += PROXY_RIDGE * f.shape[0]
-    return torch.linalg.solve(gram, f.T @ h.double()).float()
+    return torch.linalg.solve(gram, f.T @ y.double()).float()
 
 
 def calibrate_depth(llm, text: str, probes: Sequence[int], n_tokens: int = 16384, ctx: int = 512,
@@ -167,7 +188,7 @@ def calibrate_depth(llm, text: str, probes: Sequence[int], n_tokens: int = 16384
                 fit_y.append(labels())
             else:
                 held.append(({p: recorder.seen[p].cpu() for p in probes}, recorder.seen[skip_after].cpu(),
-                             labels(), torch.arange(b - a)))
+                             labels(), torch.arange(b - a), recorder.seen[cfg.n_layers - 1].cpu()))
             if on_progress is not None:
                 on_progress(n, len(windows) + 1)
     finally:
@@ -176,22 +197,25 @@ def calibrate_depth(llm, text: str, probes: Sequence[int], n_tokens: int = 16384
     heads = heads_fit.heads()
     predictor = SkipPredictor.fit(torch.cat(fit_x), torch.cat(fit_y).float())
     exits = [{p: seen[p] @ heads[p][0] + heads[p][1] for p in probes} for seen, *_ in held]  # estimates of h_L
-    true_h = [torch.stack([torch.cat([entropy(engine.head_logits(x[p][i : i + 64]))
-                                      for i in range(0, x[p].shape[0], 64)]) for p in probes], dim=1) for x in exits]
+    values = [exit_signals(engine, x, final) for x, (*_, final) in zip(exits, held)]  # per window: signal -> [T, P]
     if on_progress is not None:
         on_progress(len(windows) + 1, len(windows) + 1)
-    half = max(len(held) // 2, 1)  # windows: the first fit the proxy, the others are the profile's samples
-    weights = torch.stack([fit_proxy(engine.final_norm(torch.cat([x[p] for x in exits[:half]])), torch.cat([h[:, j] for h in true_h[:half]]))
-                           for j, p in enumerate(probes)])  # [P, D + 1]
-    kept = held[half:] or held
-    proxy = [torch.stack([proxy_features(engine.final_norm(x[p])) @ weights[j] for j, p in enumerate(probes)], dim=1)
-             for x in exits[half:] or exits]
+    half = max(len(held) // 2, 1)  # windows: the first fit the proxies, the others are the profile's samples
+    features = [{p: proxy_features(engine.final_norm(x[p])) for p in probes} for x in exits]  # [T, D + 1] each
+    weights = {s: torch.stack([fit_proxy(torch.cat([f[p] for f in features[:half]]),
+                                         torch.cat([v[s][:, j] for v in values[:half]]))
+                               for j, p in enumerate(probes)]) for s in SIGNALS}  # [P, D + 1]
+    kept = slice(half, None) if len(held) > half else slice(None)
     layout = llm.loader.layout
     depth = DepthProfile(
         layer_bytes=[layout.block_nbytes(i) for i in range(cfg.n_layers)], head_bytes=layout.head.nbytes,
-        probes=probes, positions=torch.cat([h[3] for h in kept]), entropy=torch.cat(true_h[half:] or true_h),
-        proxy=torch.cat(proxy), proxy_weights=weights, skip_after=skip_after, predictor=predictor.state(),
-        skip_probs=torch.cat([predictor(h[1]) for h in kept]), skip_labels=torch.cat([h[2] for h in kept]))
+        probes=probes, positions=torch.cat([h[3] for h in held[kept]]),
+        signals={s: torch.cat([v[s] for v in values[kept]]) for s in SIGNALS},
+        proxies={s: torch.cat([torch.stack([f[p] @ weights[s][j] for j, p in enumerate(probes)], dim=1)
+                               for f in features[kept]]) for s in SIGNALS},
+        proxy_weights=weights, skip_after=skip_after, predictor=predictor.state(),
+        skip_probs=torch.cat([predictor(h[1]) for h in held[kept]]),
+        skip_labels=torch.cat([h[2] for h in held[kept]]))
     return Calibration(fingerprint(engine, llm.tokenizer.vocabulary), heads, len(ids), depth.payload())
 
 

@@ -1,13 +1,19 @@
-"""Entropy-matched adaptive depth, EMAD (seed 004, issue 14): a token leaves the model at a probe layer when a cheap
-estimate of its next-token entropy there is below that layer's target; the layers past its exit are not read.
+"""Early exit (issue 14): a token leaves the model at a probe layer when a cheap estimate of a signal there is below
+that layer's target; the layers past its exit are not read. Signals (ntio.policies.depth_profile):
+  * "entropy": EMAD (seed 004, entropy-matched adaptive depth), the entropy of the exit head's distribution;
+  * "kl": log KL(final layer's || exit head's distribution), how far the exit is from what the whole model says,
+    one target for every probe. Measured on SmolLM2 and Qwen2.5-Coder-1.5B, it costs much less perplexity at the
+    same bytes (benches/RESULTS.md, "Adaptive depth"): low entropy does not mean the deeper layers agree.
 
 Per token t, its depth D_t (layers computed) is one of the levels: a probe layer p's exit (D = p + 1, read out
 through p's exit head, ntio.decoding.self_draft) or the full depth L.
-  * Proxy: a linear read of the entropy from the final norm of the exit head's map of h_p
+  * Proxy: a linear read of the signal from the final norm of the exit head's map of h_p
     (ntio.policies.depth_profile). A token exits at p when proxy ≤ τ_p − m_p.
-  * Targets τ_p: the q-quantile of the exit head's true entropy at p over the held-out calibration tokens, made
-    non-increasing in p (isotonic regression); margins m_p = α·MAD(proxy − entropy) at p. q comes from a bytes
-    budget by bisection, simulating this module's schedule on the held-out tokens (`ExitSetting.for_budget`).
+  * Targets, entropy: τ_p is the q-quantile of the exit head's true entropy at p over the held-out calibration
+    tokens, made non-increasing in p (isotonic regression); margins m_p = α·MAD(proxy − entropy) at p. KL: one
+    target, the q-quantile of the proxy's estimates over every held-out token and probe, no margin (the budget
+    sets it). q comes from a bytes budget by bisection, simulating this module's schedule on the held-out tokens
+    (`ExitSetting.for_budget`).
   * Schedule (KV-consistent): D_t ≤ D_{t-1}, so every K/V a token attends to at a layer it computes exists; the
     first token of a sequence has D = L. Floors: a token may exit only at a level ≥ F_t, F_t falling linearly from
     L to `floor` over the first `floor_tokens` positions. Windowed refresh: every `refresh_every` positions the cap
@@ -98,28 +104,33 @@ def isotonic_non_increasing(y: Sequence[float]) -> list[float]:
 @dataclass(frozen=True)
 class ExitSetting:
     schedule: ExitSchedule
+    signal: str  # one of depth_profile.SIGNALS
     quantile: float
     targets: tuple[float, ...]  # τ_p − m_p per probe: exit when the proxy is at most this
 
     @staticmethod
-    def at_quantile(profile: DepthProfile, schedule: ExitSchedule, q: float, alpha: float = MARGIN_ALPHA
-                    ) -> ExitSetting:
-        tau = isotonic_non_increasing(torch.quantile(profile.entropy, q, dim=0).tolist())
-        error = profile.proxy - profile.entropy  # [N, P]
+    def at_quantile(profile: DepthProfile, schedule: ExitSchedule, signal: str, q: float,
+                    alpha: float = MARGIN_ALPHA) -> ExitSetting:
+        proxy = profile.proxies[signal]  # [N, P]
+        if signal == "kl":
+            return ExitSetting(schedule, signal, q, (float(torch.quantile(proxy.flatten(), q)),) * proxy.shape[1])
+        values = profile.signals[signal]
+        tau = isotonic_non_increasing(torch.quantile(values, q, dim=0).tolist())
+        error = proxy - values
         margin = alpha * (error - error.median(dim=0).values).abs().median(dim=0).values
-        return ExitSetting(schedule, q, tuple(t - float(m) for t, m in zip(tau, margin)))
+        return ExitSetting(schedule, signal, q, tuple(t - float(m) for t, m in zip(tau, margin)))
 
     @staticmethod
-    def for_budget(profile: DepthProfile, schedule: ExitSchedule, budget: float) -> ExitSetting:
+    def for_budget(profile: DepthProfile, schedule: ExitSchedule, signal: str, budget: float) -> ExitSetting:
         """The most conservative quantile whose exits on the held-out tokens read at most `budget` of the dense
         bytes per token."""
-        q = bisect(lambda q: ExitSetting.at_quantile(profile, schedule, q).held_out_fraction(profile), budget,
-                   rising=False, what="early exit with these floors")
-        return ExitSetting.at_quantile(profile, schedule, q)
+        q = bisect(lambda q: ExitSetting.at_quantile(profile, schedule, signal, q).held_out_fraction(profile),
+                   budget, rising=False, what="early exit with these floors")
+        return ExitSetting.at_quantile(profile, schedule, signal, q)
 
     def held_out_depths(self, profile: DepthProfile) -> torch.Tensor:
         """[N] depths the schedule gives the held-out tokens (each window a sequence)."""
-        exits = (profile.proxy <= torch.tensor(self.targets)).tolist()
+        exits = (profile.proxies[self.signal] <= torch.tensor(self.targets)).tolist()
         positions = profile.positions.tolist()
         starts = [i for i, p in enumerate(positions) if p == 0] + [len(positions)]
         depths: list[int] = []
@@ -235,7 +246,7 @@ class EarlyExitPolicy(LoadPolicy):
         cached = self._device_copies.get(probe)
         if cached is None or cached[0].device != self._device:
             w, b = self.heads[probe]
-            proxy = self.profile.proxy_weights[self._probe_index[probe]]
+            proxy = self.profile.proxy_weights[self.setting.signal][self._probe_index[probe]]
             cached = self._device_copies[probe] = tuple(t.to(self._device) for t in (w, b, proxy))
         return cached
 
