@@ -4,9 +4,9 @@ method at a sweep of its knob, against the dense model.
 Methods: the post-compute cosine skip (baseline: reads and computes everything), predictive skip before the load,
 early exit on the predicted KL to the final layer and on the entropy (EMAD), per token, and EMAD's monotone
 schedule; and the bound on any exit rule over the same exit heads (`exit oracle`: a token exits where its exit head
-is within a KL of the final layer, known by computing every layer, and every K/V is computed). Calibration: `ntio calibrate` on the package's longer
-docstrings (benches/sparse_ffn.py's text); evaluation: README.md, so the budgets (met on the calibration's held-out
-tokens) are checked on text the calibration never saw.
+is within a KL of the final layer, known by computing every layer, and every K/V is computed). Calibration:
+`ntio calibrate` on the package's longer docstrings (benches/sparse_ffn.py's text); evaluation: README.md, so the
+budgets (met on the calibration's held-out tokens) are checked on text the calibration never saw.
 
 Per setting:
   * perplexity ratio to dense (windows of 512) and the bytes a decode of each scored token would read, over the
@@ -18,8 +18,10 @@ Per setting:
 Prints one JSON object per setting, writes them all to --json, and plots perplexity ratio against bytes per token
 (one line per method) to --plot.
 
-    python benches/adaptive_depth.py --model smollm2-135m qwen2.5-coder-1.5b --json benches/adaptive_depth.json \
-        --plot benches/adaptive_depth.png
+    cd benches && python adaptive_depth.py --model smollm2-135m qwen2.5-coder-1.5b --cosine 0.98 0.95 \
+        --budgets 0.97 0.93 0.85 --calib-tokens 8192 --json adaptive_depth.json --plot adaptive_depth.png
+
+(matplotlib for --plot: `pip install matplotlib`; the benchmark imports `sparse_ffn` beside it: run it from benches/.)
 """
 
 from __future__ import annotations
@@ -228,8 +230,8 @@ def main() -> None:
     ap.add_argument("--model", nargs="+", default=["smollm2-135m"])
     ap.add_argument("--cosine", nargs="+", type=float, default=[0.99, 0.98, 0.95])
     ap.add_argument("--budgets", nargs="+", type=float, default=[0.97, 0.93, 0.85])
-    ap.add_argument("--oracle-kl", nargs="+", type=float, default=[0.01, 0.03, 0.1, 0.3])
-    ap.add_argument("--tokens", type=int, default=48, help="Greedy tokens per prompt")
+    ap.add_argument("--oracle-kl", nargs="+", type=float, default=[0.03, 0.1, 0.3, 1.0])
+    ap.add_argument("--tokens", type=int, default=64, help="Greedy tokens per prompt")
     ap.add_argument("--calib-tokens", type=int, default=16384)
     ap.add_argument("--json", type=Path)
     ap.add_argument("--plot", type=Path)
