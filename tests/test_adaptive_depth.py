@@ -17,7 +17,7 @@ from ntio.errors import NtioError, OptionError
 from ntio.policies.adaptive import adaptive_policy
 from ntio.policies.base import LOAD_ALL, SKIP, LoadDecision, LoadPolicy
 from ntio.policies.cosine_skip import CosineSkipPolicy
-from ntio.policies.depth_profile import calibrate_depth
+from ntio.policies.depth_profile import SKIP_LABEL_COS, LayerRecorder, calibrate_depth
 from ntio.policies.early_exit import ExitSchedule, isotonic_non_increasing, stop_depths
 from ntio.policies.layer_skip import SkipSetting, skip_mask
 
@@ -199,3 +199,21 @@ def test_cli_prices_early_exit_in_perplexity(smollm2_path, depth_file, tmp_path)
     d, e = json.loads(dense.output), json.loads(exited.output)
     assert e["adaptive_depth"]["method"] == "exit" and e["adaptive_depth"]["bytes_fraction"] < 1.0
     assert e["perplexity"] > d["perplexity"]  # lossy, priced
+
+
+def test_prompt_adaptive_thresholds_leave_no_false_skip_on_the_prompt(smollm2_path, depth_file):
+    m = ntio.load(smollm2_path)
+    m.policy = policy = adaptive_policy(m, depth_file, 0.8, "skip")
+    ids = torch.tensor(m.tokenizer.encode(TEXT))
+    m.engine.forward(ids, 0)  # the prompt's prefill: every layer computes, and the thresholds adapt to it
+    adapted, base = policy.thresholds.clone(), policy.setting.threshold
+    # The post-compute labels of the prompt (every layer computed), and what the predictor says of it
+    m.policy = recorder = LayerRecorder([policy.profile.skip_after])
+    m.engine.forward(ids, 0)
+    m.close()
+    probs = policy.predictor(recorder.seen[policy.profile.skip_after])
+    labels = torch.stack([recorder.cos[l] > SKIP_LABEL_COS for l in range(policy.first, 30)], dim=1)
+    unadapted = skip_mask(probs, torch.full_like(adapted, base), policy.setting.max_consecutive)
+    assert (unadapted & ~labels).any()  # the calibrated threshold would skip layers this prompt needs ...
+    assert not (skip_mask(probs, adapted, policy.setting.max_consecutive) & ~labels).any()  # ... the adapted ones not
+    assert (adapted >= base).all()
