@@ -170,9 +170,9 @@ def _depth_options(f):
     f = click.option("--cosine-skip", type=click.FloatRange(-1, 1), metavar="COS",
                      help="Post-compute skip (baseline, saves no bytes): a token keeps a layer's input when "
                           "cos(input, output) > COS, e.g. 0.98")(f)
-    f = click.option("--exit-signal", type=click.Choice(["kl", "entropy"]), default="kl", show_default=True,
-                     help="With --adaptive-method exit: what a token's exit is decided on, the predicted KL "
-                          "divergence of the exit from the final layer, or its entropy (EMAD)")(f)
+    f = click.option("--exit-signal", type=click.Choice(["entropy", "kl"]), default="entropy", show_default=True,
+                     help="With --adaptive-method exit: what a token's exit is decided on, its entropy (EMAD), or "
+                          "the predicted KL divergence of the exit from the final layer")(f)
     f = click.option("--exit-schedule", type=click.Choice(["per-token", "monotone"]), default="per-token",
                      show_default=True, help="With --adaptive-method exit: each token exits on its own, or never "
                                              "deeper than the token before it (EMAD's KV-consistent schedule)")(f)

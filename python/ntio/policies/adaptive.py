@@ -1,10 +1,11 @@
 """Adaptive depth for a loaded model from a calibration file and a bytes budget (`--adaptive FILE --budget B`).
 
-Methods: "exit" (early exit on the predicted KL to the final layer, or EMAD's entropy: ntio.policies.early_exit)
+Methods: "exit" (early exit on EMAD's entropy, or on the predicted KL to the final layer: ntio.policies.early_exit)
 and "skip" (predictive skip, ntio.policies.layer_skip). Schedules for "exit": "per-token" (each token exits on its
-own; positions a layer skipped are masked there) and "monotone" (the seed's D_t ≤ D_{t-1}). Measured on SmolLM2 and
-Qwen2.5-Coder-1.5B (benches/RESULTS.md, "Adaptive depth"), the monotone schedule lets one early exit cap every later
-token of the sequence, and the KL signal costs less than entropy: per-token and KL are the defaults.
+own; positions a layer skipped are masked there) and "monotone" (the seed's D_t ≤ D_{t-1}). Measured
+(benches/RESULTS.md, "Adaptive depth"): the monotone schedule lets one early exit cap every later token of the
+sequence, so it can hardly exit at all; per-token exits leave K/V holes at the layers they skip, which cost the KL
+signal more than entropy (its exits are shallower): per-token and entropy are the defaults.
 """
 
 from __future__ import annotations
@@ -31,7 +32,8 @@ def schedule_for(profile: DepthProfile, schedule: str) -> ExitSchedule:
 
 
 def adaptive_policy(llm, path: str | os.PathLike[str], budget: float, method: str = "exit",
-                    schedule: str = "per-token", prompt_full_depth: bool = True, signal: str = "kl") -> LoadPolicy:
+                    schedule: str = "per-token", prompt_full_depth: bool = True, signal: str = "entropy"
+                    ) -> LoadPolicy:
     """The policy reading about `budget` of the dense bytes per token (as measured on the calibration's held-out
     tokens) for `llm`. prompt_full_depth: False for teacher-forced scoring (every position decided)."""
     if method not in METHODS:

@@ -2,8 +2,10 @@
 that layer's target; the layers past its exit are not read. Signals (ntio.policies.depth_profile):
   * "entropy": EMAD (seed 004, entropy-matched adaptive depth), the entropy of the exit head's distribution;
   * "kl": log KL(final layer's || exit head's distribution), how far the exit is from what the whole model says,
-    one target for every probe. Measured on SmolLM2 and Qwen2.5-Coder-1.5B, it costs much less perplexity at the
-    same bytes (benches/RESULTS.md, "Adaptive depth"): low entropy does not mean the deeper layers agree.
+    one target for every probe. With every K/V computed it would cost far less perplexity than entropy at the same
+    bytes (SmolLM2: x1.08 against x1.26 at 0.95-0.97 of the bytes): low entropy does not mean the deeper layers
+    agree. But its exits are shallower, and the K/V holes they leave cost more (x2.6 per token): see
+    benches/RESULTS.md, "Adaptive depth".
 
 Per token t, its depth D_t (layers computed) is one of the levels: a probe layer p's exit (D = p + 1, read out
 through p's exit head, ntio.decoding.self_draft) or the full depth L.
