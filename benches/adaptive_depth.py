@@ -60,7 +60,7 @@ def settings(args) -> list[tuple[str, dict]]:
     out += [("exit entropy", {"budget": b, "schedule": "per-token", "signal": "entropy"}) for b in args.budgets]
     out += [("exit entropy monotone", {"budget": b, "schedule": "monotone", "signal": "entropy"})
             for b in args.budgets[:1]]
-    return out
+    return [(method, knob) for method, knob in out if args.methods is None or method in args.methods]
 
 
 def make_policy(m: ntio.LLM, calib: Path, method: str, knob: dict, scoring: bool):
@@ -230,6 +230,8 @@ def main() -> None:
     ap.add_argument("--model", nargs="+", default=["smollm2-135m"])
     ap.add_argument("--cosine", nargs="+", type=float, default=[0.99, 0.98, 0.95])
     ap.add_argument("--budgets", nargs="+", type=float, default=[0.97, 0.93, 0.85])
+    ap.add_argument("--methods", nargs="+", help="Only these methods (cosine, skip, 'exit kl', 'exit entropy', "
+                                                 "'exit entropy monotone'; default all)")
     ap.add_argument("--oracle-kl", nargs="+", type=float, default=[0.03, 0.1, 0.3, 1.0])
     ap.add_argument("--tokens", type=int, default=64, help="Greedy tokens per prompt")
     ap.add_argument("--calib-tokens", type=int, default=16384)

@@ -235,6 +235,9 @@ def test_ctrl_c_drains_and_exits_cleanly(smollm2_path):
         [sys.executable, "-m", "ntio.cli", "generate", "-m", str(smollm2_path), "-p", "Once upon a time, in a small village by the sea,",
          "-n", "400", "--tiers", "C", "--ctx-size", "512"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        # A suite started in the background of a shell without job control inherits SIGINT ignored; a user's
+        # terminal does not.
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     # Wait for the first generated text, then interrupt mid-generation.
     first = proc.stdout.read(1)
