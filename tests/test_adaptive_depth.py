@@ -78,12 +78,13 @@ def test_per_token_depth_in_one_pass_equals_decoding_token_by_token(smollm2_path
 def test_attention_never_reads_kv_a_skipped_position_did_not_write(smollm2_path):
     m = ntio.load(smollm2_path)
     ids = torch.tensor(m.tokenizer.encode(TEXT)[:14])
-    m.policy = PerToken(SKIPS)
+    skips = SKIPS | {(pos, 16) for pos in range(10)}  # layer 16: every token of the first pass passes through it
+    m.policy = PerToken(skips)
     m.engine.forward(ids[:10], 0)
     clean = m.engine.forward(ids[10:], 10, all_logits=True)
     m.engine.forward(ids[:10], 0)
     kv = m.engine.kv
-    for pos, layer in SKIPS:
+    for pos, layer in skips:
         assert kv.skipped[layer, pos]
         kv.k[layer, :, pos] = float("nan")
         kv.v[layer, :, pos] = float("nan")

@@ -231,7 +231,7 @@ class Engine:
                     w = dataclasses.replace(w, ffn_mask=ffn_mask)
                 active = _some_tokens(policy.tokens(layer)) if per_token and w is not None else None
                 if active is not None and not active.any():
-                    w = None  # no token computes it: as a skip
+                    w, active = None, None  # no token computes it: a skip of the whole layer
                 h_in, taps = h, ({} if policy.wants_ffn_gate else None)
                 if w is not None:
                     if active is not None:
