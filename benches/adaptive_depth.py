@@ -36,12 +36,12 @@ from pathlib import Path
 import torch
 
 import ntio
-from ntio.decoding.self_draft import Calibration, HiddenStates, fingerprint
+from ntio.decoding.self_draft import Calibration, fingerprint
 from ntio.fetch import resolve_model
 from ntio.policies.adaptive import adaptive_policy, adaptive_report
 from ntio.policies.cosine_skip import CosineSkipPolicy
 from ntio.policies.dense import DensePolicy
-from ntio.policies.depth_profile import SKIP_LABEL_COS, LayerRecorder, calibrate_depth
+from ntio.policies.depth_profile import SKIP_LABEL_COS, DepthProfile, LayerRecorder, calibrate_depth
 from ntio.policies.layer_skip import PredictedSkipPolicy, skip_mask
 from sparse_ffn import calibration_text
 
@@ -70,12 +70,6 @@ def make_policy(m: ntio.LLM, calib: Path, method: str, knob: dict, scoring: bool
         return adaptive_policy(m, calib, knob["budget"], "skip", prompt_full_depth=not scoring)
     return adaptive_policy(m, calib, knob["budget"], "exit", knob["schedule"], prompt_full_depth=not scoring,
                            signal=knob["signal"])
-
-
-def report(policy) -> dict:
-    if isinstance(policy, CosineSkipPolicy):
-        return {"reverted_share": policy.reverted_share(), "bytes_fraction": 1.0}
-    return adaptive_report(policy)
 
 
 def generate(m: ntio.LLM, policy, prompt: str, tokens: int) -> tuple[list[int], float, float]:
@@ -119,7 +113,7 @@ def bench_model(name: str, args) -> list[dict]:
             continue
         policy = scorer.policy
         row["perplexity_ratio"] = scorer.perplexity(readme).perplexity / dense
-        row["scoring"] = report(policy)
+        row["scoring"] = adaptive_report(policy)
         if isinstance(policy, PredictedSkipPolicy):
             row["scoring"]["eval_text"] = skip_on_text(scorer, policy, readme)
         agree, speed, reads = [], [], []
@@ -164,7 +158,7 @@ def exit_oracle(m: ntio.LLM, calib: Path, text: str, deltas: list[float]) -> lis
     with every layer's K/V computed (no token after it misses anything). Perplexity ratio and bytes per token."""
     cal = Calibration.load(calib, fingerprint(m.engine, m.tokenizer.vocabulary), m.config.d_model)
     probes, last = sorted(cal.heads), m.config.n_layers - 1
-    recorder = HiddenStates(probes, last)
+    recorder = LayerRecorder([*probes, last])
     m.policy = recorder
     ids = m.tokenizer.encode(text)
     kl, nll = [], []  # per window: [P, n] KL to the final distribution; [P + 1, n] NLL of the next token (final last)
@@ -185,9 +179,7 @@ def exit_oracle(m: ntio.LLM, calib: Path, text: str, deltas: list[float]) -> lis
         nll.append(torch.stack([*window_nll, -final.gather(1, target[:, None])[:, 0]]))
     kl_all, nll_all = torch.cat(kl, dim=1), torch.cat(nll, dim=1)
     m.policy = DensePolicy()
-    profile_bytes = [m.loader.layout.block_nbytes(i) for i in range(m.config.n_layers)]
-    dense_bytes = sum(profile_bytes) + m.loader.layout.head.nbytes
-    prefix = torch.tensor([0, *profile_bytes], dtype=torch.float64).cumsum(0)
+    profile = DepthProfile.from_calibration(cal, str(calib), m.config.n_layers, m.config.d_model)
     levels = torch.tensor([p + 1 for p in probes] + [m.config.n_layers])
     rows = []
     for delta in deltas:
@@ -197,8 +189,8 @@ def exit_oracle(m: ntio.LLM, calib: Path, text: str, deltas: list[float]) -> lis
         rows.append({"model": m.path.name, "method": "exit oracle", "kl": delta,
                      "perplexity_ratio": float(torch.exp(nll_all.gather(0, choice[None])[0].mean()
                                                          - nll_all[-1].mean())),
-                     "scoring": {"bytes_fraction": float((prefix[depth] + m.loader.layout.head.nbytes).mean())
-                                 / dense_bytes, "mean_depth": float(depth.float().mean())}})
+                     "scoring": {"bytes_fraction": profile.bytes_fraction(depth),
+                                 "mean_depth": float(depth.float().mean())}})
     return rows
 
 

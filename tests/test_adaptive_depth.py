@@ -168,8 +168,10 @@ def test_bad_adaptive_input_is_one_line(smollm2_path, depth_file, tmp_path):
         adaptive_policy(m, depth_file, 0.1, "exit", "per-token")
     short = tmp_path / "short.txt"
     short.write_text("too short")
-    with pytest.raises(NtioError, match="at least 1024 are needed"):
-        calibrate_depth(m, short.read_text(), [10])
+    with pytest.raises(NtioError, match="the calibration text has 2 tokens; .* needs at least 1285"):
+        calibrate_depth(m, short.read_text(), [10])  # windows of 512: the held-out 40% spans two
+    with pytest.raises(OptionError, match="tokens must be at least 1285 .* got 1024"):
+        calibrate_depth(m, (ROOT / "README.md").read_text(), [10], n_tokens=1024)
     payload = torch.load(depth_file, weights_only=True)
     for name, change, message in [("other.calib", {"model": "0" * 32}, "calibrated for another model"),
                                   ("heads-only.calib", {"depth": None}, "no adaptive-depth profile")]:
@@ -181,10 +183,14 @@ def test_bad_adaptive_input_is_one_line(smollm2_path, depth_file, tmp_path):
     base = ["-m", str(smollm2_path)]
     result = runner.invoke(main, ["perplexity", *base, "-f", str(ROOT / "README.md"), "--budget", "0.9"])
     assert result.exit_code == 1 and "--budget needs --adaptive" in result.output
+    result = runner.invoke(main, ["perplexity", *base, "-f", str(ROOT / "README.md"), "--adaptive", str(depth_file),
+                                  "--adaptive-method", "skip", "--exit-signal", "kl"])
+    assert result.exit_code == 1 and "--exit-signal needs --adaptive with --adaptive-method exit" in result.output
     result = runner.invoke(main, ["generate", *base, "-p", "Hi", "--adaptive", str(depth_file), "--lookup"])
     assert result.exit_code == 1 and "--adaptive does not combine with speculative" in result.output
     result = runner.invoke(main, ["calibrate", *base, "--corpus", str(short), "-o", str(tmp_path / "x.calib")])
-    assert result.exit_code == 1 and "at least 1024" in result.output and not (tmp_path / "x.calib").exists()
+    assert result.exit_code == 1 and f"{short} has 2 tokens" in result.output and "at least 1285" in result.output
+    assert "\n" not in result.output.strip() and not (tmp_path / "x.calib").exists()
 
 
 def test_cli_prices_early_exit_in_perplexity(smollm2_path, depth_file, tmp_path):

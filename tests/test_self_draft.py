@@ -12,8 +12,9 @@ from click.testing import CliRunner
 
 import ntio
 from ntio.cli import main
-from ntio.decoding.self_draft import Calibration, SelfDraft, calibrate, fingerprint
+from ntio.decoding.self_draft import Calibration, SelfDraft, fingerprint
 from ntio.errors import ModelFormatError, OptionError
+from ntio.policies.depth_profile import calibrate_depth
 
 ROOT = Path(__file__).resolve().parent.parent
 PROMPTS = [
@@ -33,7 +34,7 @@ def corpus() -> str:
 def calibration_file(smollm2_path, corpus, tmp_path_factory) -> Path:
     m = ntio.load(smollm2_path)
     path = tmp_path_factory.mktemp("calib") / "smollm2.exit"
-    calibrate(m, corpus, [22, 26], n_tokens=4096).save(path)
+    calibrate_depth(m, corpus, [22, 26], n_tokens=4096).save(path)
     m.close()
     return path
 
@@ -98,7 +99,7 @@ def test_cli_calibrates_and_drafts(smollm2_path, tmp_path):
     out = tmp_path / "heads.exit"
     runner = CliRunner()
     result = runner.invoke(main, ["calibrate", "-m", str(smollm2_path), "--corpus", str(corpus), "-o", str(out),
-                                  "--layers", "20,24", "--tokens", "1024"])
+                                  "--layers", "20,24", "--tokens", "1024", "--ctx", "256"])
     assert result.exit_code == 0, result.output
     cal = Calibration.load(out, _fingerprint_of(smollm2_path), 576)
     assert sorted(cal.heads) == [20, 24] and cal.n_tokens <= 1024

@@ -170,14 +170,15 @@ def _depth_options(f):
     f = click.option("--cosine-skip", type=click.FloatRange(-1, 1), metavar="COS",
                      help="Post-compute skip (baseline, saves no bytes): a token keeps a layer's input when "
                           "cos(input, output) > COS, e.g. 0.98")(f)
-    f = click.option("--exit-signal", type=click.Choice(["entropy", "kl"]), default="entropy", show_default=True,
-                     help="With --adaptive-method exit: what a token's exit is decided on, its entropy (EMAD), or "
-                          "the predicted KL divergence of the exit from the final layer")(f)
-    f = click.option("--exit-schedule", type=click.Choice(["per-token", "monotone"]), default="per-token",
-                     show_default=True, help="With --adaptive-method exit: each token exits on its own, or never "
-                                             "deeper than the token before it (EMAD's KV-consistent schedule)")(f)
-    f = click.option("--adaptive-method", type=click.Choice(["exit", "skip"]), default="exit", show_default=True,
-                     help="Entropy-matched early exit (EMAD), or layers skipped by the calibrated predictor")(f)
+    f = click.option("--exit-signal", type=click.Choice(["entropy", "kl"]),
+                     help="With --adaptive-method exit: what a token's exit is decided on, its entropy (EMAD, the "
+                          "default), or the predicted KL divergence of the exit from the final layer")(f)
+    f = click.option("--exit-schedule", type=click.Choice(["per-token", "monotone"]),
+                     help="With --adaptive-method exit: each token exits on its own (the default), or never deeper "
+                          "than the token before it (EMAD's KV-consistent schedule)")(f)
+    f = click.option("--adaptive-method", type=click.Choice(["exit", "skip"]),
+                     help="With --adaptive: entropy-matched early exit (EMAD, the default), or layers skipped by the "
+                          "calibrated predictor")(f)
     f = click.option("--budget", type=click.FloatRange(0, 1, min_open=True),
                      help="With --adaptive: the share of the dense bytes per token to read, e.g. 0.9 (as measured on "
                           "the calibration's held-out text)")(f)
@@ -191,15 +192,19 @@ def _depth_policy(m, opts: dict, prompt_full_depth: bool):
     """Pop the adaptive-depth options; set the model's policy from them. Returns it, or None (dense)."""
     adaptive, budget, method = opts.pop("adaptive"), opts.pop("budget"), opts.pop("adaptive_method")
     schedule, signal, cosine = opts.pop("exit_schedule"), opts.pop("exit_signal"), opts.pop("cosine_skip")
-    if budget is not None and adaptive is None:
-        raise OptionError("budget", "needs --adaptive")
+    for name, value in (("budget", budget), ("adaptive_method", method)):
+        if value is not None and adaptive is None:
+            raise OptionError(name, "needs --adaptive")
+    for name, value in (("exit_schedule", schedule), ("exit_signal", signal)):
+        if value is not None and (adaptive is None or method == "skip"):
+            raise OptionError(name, "needs --adaptive with --adaptive-method exit")
     if adaptive is not None and cosine is not None:
         raise OptionError("cosine_skip", "does not combine with --adaptive")
     if adaptive is not None:
         from ntio.policies.adaptive import adaptive_policy
 
-        m.policy = adaptive_policy(m, adaptive, 0.9 if budget is None else budget, method, schedule,
-                                   prompt_full_depth, signal)
+        m.policy = adaptive_policy(m, adaptive, 0.9 if budget is None else budget, method or "exit",
+                                   schedule or "per-token", prompt_full_depth, signal or "entropy")
     elif cosine is not None:
         from ntio.policies.cosine_skip import CosineSkipPolicy
 
@@ -213,11 +218,7 @@ def _depth_report(policy) -> dict | None:
     if policy is None:
         return None
     from ntio.policies.adaptive import adaptive_report
-    from ntio.policies.cosine_skip import CosineSkipPolicy
 
-    if isinstance(policy, CosineSkipPolicy):
-        return {"method": "cosine", "threshold": policy.threshold, "reverted_share": policy.reverted_share(),
-                "bytes_fraction": 1.0}
     return adaptive_report(policy)
 
 
@@ -329,8 +330,8 @@ def chat(system, max_new_tokens, temperature, top_k, top_p, repetition_penalty, 
 @click.option("--layers", help="Comma-separated layers to calibrate (default: every fourth, from a quarter deep)")
 @click.option("--skip-after", type=int, help="The layer whose output the skip predictor reads (default: a quarter "
                                              "deep)")
-@click.option("--tokens", type=click.IntRange(min=64), default=16384, show_default=True,
-              help="Most corpus tokens to fit on")
+@click.option("--tokens", type=click.IntRange(min=1), default=16384, show_default=True,
+              help="Most corpus tokens to fit on (at least 1024, and 2.5 windows)")
 @click.option("--ctx", type=click.IntRange(min=16), default=512, show_default=True, help="Window length in tokens")
 def calibrate(corpus, output, layers, skip_after, tokens, ctx, **opts) -> None:
     """Fit exit heads (for `generate --self-draft FILE`: per layer, an affine map from its hidden state to the last
@@ -358,7 +359,8 @@ def calibrate(corpus, output, layers, skip_after, tokens, ctx, **opts) -> None:
     with Progress(console=Console(stderr=True), transient=True, disable=not sys.stderr.isatty()) as bar:
         task = bar.add_task("calibrating exit heads and adaptive depth", total=None)
         result = calibrate_depth(m, text, chosen, n_tokens=tokens, ctx=ctx, skip_after=skip_after,
-                                 on_progress=lambda done, total: bar.update(task, completed=done, total=total))
+                                 on_progress=lambda done, total: bar.update(task, completed=done, total=total),
+                                 source=str(corpus))
     result.save(output)
     profile = DepthProfile.from_calibration(result, str(output), n_layers, m.config.d_model)
     m.close()
@@ -413,7 +415,8 @@ def perplexity(text_file, ctx, sparse_ffn, keep, as_json, **opts) -> None:
     report = _depth_report(depth)
     if as_json:
         click.echo(json.dumps({"model": str(m.path), "file": str(text_file), "perplexity": r.perplexity,
-                               "n_tokens": r.n_tokens, "ctx": r.ctx, "sparse_ffn": sparse, "adaptive_depth": report}))
+                               "n_tokens": r.n_tokens, "ctx": r.ctx, "sparse_ffn": sparse, "adaptive_depth": report,
+                               "stats": m.stats.summary()}))
     else:
         note = f", sparse FFN: {selection.rule} rule, keep {selection.keep:g}" if selection else ""
         if report is not None:

@@ -17,7 +17,7 @@ from __future__ import annotations
 import hashlib
 import math
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -28,7 +28,6 @@ from ntio.decoding.speculative import Draft, sample_chain
 from ntio.errors import ModelFormatError, NtioError, OptionError
 from ntio.files import replacing
 from ntio.models.layers import LayerWeights
-from ntio.policies.base import LoadPolicy, Observation
 from ntio.runtime.engine import Engine
 
 FORMAT, VERSION = "ntio-exit-heads", 1
@@ -91,19 +90,6 @@ class Calibration:
         return Calibration(model, heads, int(payload["n_tokens"]), payload.get("depth"))
 
 
-class HiddenStates(LoadPolicy):
-    """Loads everything; keeps the residual stream after each of `layers` (and after the last) of each forward."""
-
-    def __init__(self, layers: Sequence[int], last: int) -> None:
-        super().__init__()
-        self.layers, self.last = set(layers), last
-        self.seen: dict[int, torch.Tensor] = {}
-
-    def observe(self, obs: Observation) -> None:
-        if obs.layer in self.layers or obs.layer == self.last:
-            self.seen[obs.layer] = obs.h_out.detach().clone()
-
-
 class ExitHeadFit:
     """Normal equations of [h_E, 1] -> h_L - h_E per layer E, accumulated in float64 over windows; `heads()` solves
     them with the ridge prior W = I."""
@@ -139,39 +125,6 @@ def check_exit_layers(layers: Sequence[int], n_layers: int) -> None:
     if not layers or bad:
         raise OptionError("layers", f"must be layers 0..{n_layers - 2} (after which the head exits), got "
                                     f"{bad or 'none'}")
-
-
-def calibration_ids(llm, text: str, minimum: int) -> list[int]:
-    ids = llm.tokenizer.encode(text)
-    if len(ids) < minimum:
-        raise NtioError(f"the calibration text has {len(ids)} tokens; at least {minimum} are needed (a few "
-                        f"thousand fit well)")
-    return ids
-
-
-def calibrate(llm, text: str, layers: Sequence[int], n_tokens: int = 8192, ctx: int = 512,
-              on_progress: Callable[[int, int], None] | None = None) -> Calibration:
-    """Fit exit heads for `layers` (each 0 <= E < n_layers - 1, counted as "after layer E") on up to n_tokens
-    tokens of `text`, in windows of ctx tokens. on_progress(done, total) after each window."""
-    cfg = llm.config
-    check_exit_layers(layers, cfg.n_layers)
-    ids = calibration_ids(llm, text, 64)[:n_tokens]
-    ctx = min(ctx, llm.engine.kv.capacity)
-    recorder = HiddenStates(layers, cfg.n_layers - 1)
-    fit = ExitHeadFit(layers, cfg.d_model)
-    policy, llm.loader.policy = llm.loader.policy, recorder
-    windows = range(0, len(ids), ctx)
-    try:
-        for n, start in enumerate(windows, 1):
-            window = torch.tensor(ids[start : start + ctx], dtype=torch.int64, device=llm.device)
-            llm.engine.forward(window, 0)
-            fit.add(recorder.seen, recorder.seen[cfg.n_layers - 1])
-            if on_progress is not None:
-                on_progress(n, len(windows))
-    finally:
-        llm.loader.policy = policy
-        llm.engine.kv.crop(0)
-    return Calibration(fingerprint(llm.engine, llm.tokenizer.vocabulary), fit.heads(), len(ids))
 
 
 class SelfDraft:

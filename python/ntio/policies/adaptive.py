@@ -15,6 +15,7 @@ import os
 from ntio.decoding.self_draft import Calibration, fingerprint
 from ntio.errors import OptionError
 from ntio.policies.base import LoadPolicy
+from ntio.policies.cosine_skip import CosineSkipPolicy
 from ntio.policies.depth_profile import SIGNALS, DepthProfile
 from ntio.policies.early_exit import EarlyExitPolicy, ExitSchedule, ExitSetting
 from ntio.policies.layer_skip import PredictedSkipPolicy, SkipSetting
@@ -50,7 +51,11 @@ def adaptive_policy(llm, path: str | os.PathLike[str], budget: float, method: st
 
 
 def adaptive_report(policy: LoadPolicy) -> dict:
-    """What an adaptive policy did, for --json: the bytes fraction its decided tokens needed and its setting."""
+    """What an adaptive-depth policy did, for --json: the bytes fraction its decided tokens needed and its
+    setting."""
+    if isinstance(policy, CosineSkipPolicy):
+        return {"method": "cosine", "threshold": policy.threshold, "reverted_share": policy.reverted_share(),
+                "bytes_fraction": 1.0}
     if isinstance(policy, PredictedSkipPolicy):
         return {"method": "skip", "threshold": policy.setting.threshold, "bytes_fraction": policy.bytes_fraction(),
                 "held_out": policy.setting.quality(policy.profile)}

@@ -21,9 +21,10 @@ class CosineSkipPolicy(LoadPolicy):
     """Reads everything; discards a token's update by a layer when cos(h_in, h_out) > threshold."""
 
     threshold: float = 0.98
-    # (token, layer) pairs seen and reverted, as 0-d tensors until `reverted_share` reads them (no host sync)
+    # (token, layer) pairs seen and reverted, the latter a 0-d tensor on the compute device until `reverted_share`
+    # reads it (no host sync per layer)
     _seen: int = field(default=0, init=False)
-    _reverted: list[torch.Tensor] = field(default_factory=list, init=False)
+    _reverted: torch.Tensor | None = field(default=None, init=False)
 
     def __post_init__(self) -> None:
         if not -1.0 <= self.threshold <= 1.0:
@@ -32,9 +33,9 @@ class CosineSkipPolicy(LoadPolicy):
     def revert(self, layer: int, h_in: torch.Tensor, h_out: torch.Tensor) -> torch.Tensor:
         back = F.cosine_similarity(h_in, h_out, dim=-1) > self.threshold  # [T]
         self._seen += back.shape[0]
-        self._reverted.append(back.sum())
+        self._reverted = back.sum() if self._reverted is None else self._reverted + back.sum()
         return back
 
     def reverted_share(self) -> float:
         """The share of (token, layer) pairs whose update was discarded."""
-        return float(torch.stack(self._reverted).sum()) / self._seen if self._seen else 0.0
+        return float(self._reverted) / self._seen if self._seen else 0.0

@@ -1,6 +1,6 @@
 """What `ntio calibrate` measures for adaptive depth (issue 14), and a user's budget turned into a setting.
 
-One pass over a calibration text, split in two: the first 3/4 fit, the last 1/4 is held out.
+One pass over a calibration text, split in two: the first 60% fit, the last 40% (HELD_OUT) is held out.
   * Fit: the exit heads of the probe layers (ntio.decoding.self_draft: h_L ≈ h_E·W + b) and the skip predictor
     (ntio.policies.layer_skip), whose labels are the post-compute ones: layer l could have been skipped for a token
     when cos(h_in, h_out) > SKIP_LABEL_COS.
@@ -29,11 +29,12 @@ from dataclasses import dataclass
 
 import torch
 
-from ntio.decoding.self_draft import (Calibration, ExitHeadFit, calibration_ids, check_exit_layers, fingerprint)
+from ntio.decoding.self_draft import Calibration, ExitHeadFit, check_exit_layers, fingerprint
 from ntio.errors import ModelFormatError, NtioError, OptionError
 from ntio.policies.base import LoadPolicy, Observation
 
-# A corpus shorter than this cannot be split into a fit and a held-out part that say anything.
+# A corpus shorter than this cannot be split into a fit and a held-out part that say anything; the held-out part
+# also needs two windows (one fits the proxies, one is the profile's samples): `min_calibration_tokens`.
 MIN_TOKENS = 1024
 HELD_OUT = 0.4
 PROXY_RIDGE = 1e-1  # relative to the mean squared feature (features are normed: ~1 each)
@@ -148,11 +149,20 @@ def fit_proxy(features: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return torch.linalg.solve(gram, f.T @ y.double()).float()
 
 
+def min_calibration_tokens(ctx: int) -> int:
+    """The fewest tokens whose held-out part spans two windows of ctx tokens (the second of at least 2)."""
+    n = max(MIN_TOKENS, math.ceil((ctx + 2) / HELD_OUT))
+    while int(n * HELD_OUT) < ctx + 2:  # float rounding
+        n += 1
+    return n
+
+
 def calibrate_depth(llm, text: str, probes: Sequence[int], n_tokens: int = 16384, ctx: int = 512,
-                    skip_after: int | None = None, on_progress: Callable[[int, int], None] | None = None
-                    ) -> Calibration:
+                    skip_after: int | None = None, on_progress: Callable[[int, int], None] | None = None,
+                    source: str = "the calibration text") -> Calibration:
     """Exit heads for `probes` and the adaptive-depth profile, from up to n_tokens tokens of `text` in windows of
-    ctx tokens (see the module's doc). skip_after: the layer the skip predictor reads (default: a quarter deep)."""
+    ctx tokens (see the module's doc). skip_after: the layer the skip predictor reads (default: a quarter deep);
+    source: what names the text in errors (its file)."""
     from ntio.policies.layer_skip import SkipPredictor
 
     cfg, engine = llm.config, llm.engine
@@ -163,8 +173,16 @@ def calibrate_depth(llm, text: str, probes: Sequence[int], n_tokens: int = 16384
         raise OptionError("skip_after", f"must be a layer in 0..{cfg.n_layers - 2}, got {skip_after}")
     if engine.globals.output is None:
         raise NtioError("calibration needs the output head resident (raise --ram-budget)")
-    ids = calibration_ids(llm, text, MIN_TOKENS)[:n_tokens]
     ctx = min(ctx, engine.kv.capacity)
+    minimum = min_calibration_tokens(ctx)
+    if n_tokens < minimum:
+        raise OptionError("tokens", f"must be at least {minimum} to calibrate in windows of {ctx} (the held-out "
+                                    f"{HELD_OUT:.0%} spans two windows), got {n_tokens}")
+    ids = llm.tokenizer.encode(text)
+    if len(ids) < minimum:
+        raise NtioError(f"{source} has {len(ids)} tokens; calibrating in windows of {ctx} needs at least {minimum} "
+                        f"(a few thousand fit well)")
+    ids = ids[:n_tokens]
     n_fit = len(ids) - max(int(len(ids) * HELD_OUT), 1)
     windows = [(a, min(a + ctx, n_fit)) for a in range(0, n_fit, ctx)]
     windows += [(a, min(a + ctx, len(ids))) for a in range(n_fit, len(ids), ctx)]
@@ -199,12 +217,12 @@ def calibrate_depth(llm, text: str, probes: Sequence[int], n_tokens: int = 16384
     values = [exit_signals(engine, x, final) for x, (*_, final) in zip(exits, held)]  # per window: signal -> [T, P]
     if on_progress is not None:
         on_progress(len(windows) + 1, len(windows) + 1)
-    half = max(len(held) // 2, 1)  # windows: the first fit the proxies, the others are the profile's samples
+    half = len(held) // 2  # windows (at least 2): the first fit the proxies, the others are the profile's samples
     features = [{p: proxy_features(engine.final_norm(x[p])) for p in probes} for x in exits]  # [T, D + 1] each
     weights = {s: torch.stack([fit_proxy(torch.cat([f[p] for f in features[:half]]),
                                          torch.cat([v[s][:, j] for v in values[:half]]))
                                for j, p in enumerate(probes)]) for s in SIGNALS}  # [P, D + 1]
-    kept = slice(half, None) if len(held) > half else slice(None)
+    kept = slice(half, None)
     layout = llm.loader.layout
     depth = DepthProfile(
         layer_bytes=[layout.block_nbytes(i) for i in range(cfg.n_layers)], head_bytes=layout.head.nbytes,
@@ -227,7 +245,7 @@ def bisect(fraction: Callable[[float], float], budget: float, *, rising: bool, w
     lo, hi = 0.0, 1.0
     reachable = fraction(lo if rising else hi)
     if reachable > budget:
-        raise OptionError("budget", f"{budget:g} cannot be met by {what}: its floors leave at least "
+        raise OptionError("budget", f"{budget:g} cannot be met by {what}: it reads at least "
                                     f"{math.ceil(reachable * 1000) / 1000:g} of the dense bytes per token")
     for _ in range(30):
         mid = (lo + hi) / 2

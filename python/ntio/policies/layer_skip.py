@@ -97,8 +97,9 @@ class SkipSetting:
     @staticmethod
     def for_budget(profile: DepthProfile, budget: float, max_consecutive: int = MAX_CONSECUTIVE) -> SkipSetting:
         """The highest threshold whose skips on the held-out tokens read at most `budget` of the dense bytes."""
-        return SkipSetting(bisect(lambda c: held_out_fraction(profile, c, max_consecutive), budget, rising=True,
-                                  what="predictive skip"), max_consecutive)
+        threshold = bisect(lambda c: held_out_fraction(profile, c, max_consecutive), budget, rising=True,
+                           what=f"predictive skip (at most {max_consecutive} layers in a row)")
+        return SkipSetting(threshold, max_consecutive)
 
     def quality(self, profile: DepthProfile) -> dict[str, float]:
         """Precision and recall of its skips against the post-compute labels, and bytes, on the held-out tokens."""
@@ -165,7 +166,8 @@ class PredictedSkipPolicy(LoadPolicy):
     def tokens(self, layer: int) -> torch.Tensor | None:
         if self._skips is None or layer < self.first:
             return None
-        return ~self._skips[:, layer - self.first].to(self._device)
+        skips = self._skips[:, layer - self.first]  # [T] on the host: no device sync to see that none skip
+        return (~skips).to(self._device) if bool(skips.any()) else None
 
     def observe(self, obs: Observation) -> None:
         self._last_layer = obs.layer

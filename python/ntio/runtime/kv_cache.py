@@ -4,8 +4,8 @@ k, v: [n_layers, Hkv, capacity, hd], preallocated with torch.empty (on CPU, page
 `ids` are the tokens whose K/V the cache holds (positions 0 .. length-1); `crop(n)` forgets everything from
 position n on (speculative rollback), `keep_branch` keeps one branch of a verified token tree, and
 `reusable_prefix(ids)` says how many leading positions a new prompt can keep, by comparing token ids. A layer
-skipped for a position (a load policy's SKIP) wrote no K/V there: `skipped[layer, pos]` is True, and attention in
-that layer masks the position out.
+skipped for a position (a load policy's SKIP, or a per-token policy leaving that token out of the layer) wrote no
+K/V there: `skipped[layer, pos]` is True, and attention in that layer masks the position out.
 """
 
 from __future__ import annotations
