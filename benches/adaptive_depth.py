@@ -4,7 +4,9 @@ method at a sweep of its knob, against the dense model.
 Methods: the post-compute cosine skip (baseline: reads and computes everything), predictive skip before the load,
 early exit on the predicted KL to the final layer and on the entropy (EMAD), per token, and EMAD's monotone
 schedule; and the bound on any exit rule over the same exit heads (`exit oracle`: a token exits where its exit head
-is within a KL of the final layer, known by computing every layer, and every K/V is computed). Calibration:
+is within a KL of the final layer, known by computing every layer, and every K/V is computed). `exit ..., every
+K/V` is a diagnostic, scored only: the per-token exits read out at the exit while every token still computes every
+layer, which prices the exits apart from the K/V holes they leave (it saves no bytes). Calibration:
 `ntio calibrate` on the package's longer docstrings (benches/sparse_ffn.py's text); evaluation: README.md, so the
 budgets (met on the calibration's held-out tokens) are checked on text the calibration never saw.
 
@@ -40,7 +42,9 @@ from ntio.decoding.self_draft import Calibration, fingerprint
 from ntio.fetch import resolve_model
 from ntio.policies.adaptive import adaptive_policy, adaptive_report
 from ntio.policies.cosine_skip import CosineSkipPolicy
+from ntio.policies.base import LOAD_ALL, LoadDecision, Observation
 from ntio.policies.dense import DensePolicy
+from ntio.policies.early_exit import EarlyExitPolicy
 from ntio.policies.depth_profile import SKIP_LABEL_COS, DepthProfile, LayerRecorder, calibrate_depth
 from ntio.policies.layer_skip import PredictedSkipPolicy, skip_mask
 from sparse_ffn import calibration_text
@@ -60,6 +64,8 @@ def settings(args) -> list[tuple[str, dict]]:
     out += [("exit entropy", {"budget": b, "schedule": "per-token", "signal": "entropy"}) for b in args.budgets]
     out += [("exit entropy monotone", {"budget": b, "schedule": "monotone", "signal": "entropy"})
             for b in args.budgets[:1]]
+    out += [(f"exit {signal}, every K/V", {"budget": b, "schedule": "per-token", "signal": signal})
+            for signal in ("kl", "entropy") for b in args.budgets]
     return [(method, knob) for method, knob in out if args.methods is None or method in args.methods]
 
 
@@ -68,8 +74,47 @@ def make_policy(m: ntio.LLM, calib: Path, method: str, knob: dict, scoring: bool
         return CosineSkipPolicy(knob["threshold"])
     if method == "skip":
         return adaptive_policy(m, calib, knob["budget"], "skip", prompt_full_depth=not scoring)
-    return adaptive_policy(m, calib, knob["budget"], "exit", knob["schedule"], prompt_full_depth=not scoring,
-                           signal=knob["signal"])
+    policy = adaptive_policy(m, calib, knob["budget"], "exit", knob["schedule"], prompt_full_depth=not scoring,
+                             signal=knob["signal"])
+    return ExitKeepingKV(**{f: getattr(policy, f) for f in ("profile", "setting", "heads", "final_norm",
+                                                            "prompt_full_depth")}) if "every K/V" in method else policy
+
+
+class ExitKeepingKV(EarlyExitPolicy):
+    """Diagnostic (scoring only): the same exits, read out at the exit, but every token still computes every layer,
+    so no later token misses a K/V. It reads everything; it prices the exits apart from the holes they leave."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        self._at_exit: dict[int, torch.Tensor] = {}  # token -> its hidden state [D] after its exit layer
+
+    def begin_pass(self, start_pos: int, n_tokens: int) -> None:
+        super().begin_pass(start_pos, n_tokens)
+        self._at_exit = {}
+
+    def decide(self, layer: int, ahead: int) -> LoadDecision:
+        return LOAD_ALL
+
+    def still_wanted(self, layer: int, decision: LoadDecision) -> bool:
+        return True
+
+    def holds(self, layer: int) -> bool:
+        return False
+
+    def tokens(self, layer: int) -> None:
+        return None
+
+    def observe(self, obs: Observation) -> None:
+        super().observe(obs)
+        for t, depth in enumerate(self._stopped):
+            if depth == obs.layer + 1 < self.profile.n_layers and t not in self._at_exit:
+                self._at_exit[t] = obs.h_out[t]
+
+    def readout(self, h: torch.Tensor) -> torch.Tensor:
+        h = h.clone()
+        for t, at_exit in self._at_exit.items():
+            h[t] = at_exit
+        return super().readout(h)
 
 
 def generate(m: ntio.LLM, policy, prompt: str, tokens: int) -> tuple[list[int], float, float]:
@@ -116,6 +161,10 @@ def bench_model(name: str, args) -> list[dict]:
         row["scoring"] = adaptive_report(policy)
         if isinstance(policy, PredictedSkipPolicy):
             row["scoring"]["eval_text"] = skip_on_text(scorer, policy, readme)
+        if "every K/V" in method:  # reads everything: nothing to generate streamed
+            print(json.dumps(row), flush=True)
+            rows.append(row)
+            continue
         agree, speed, reads = [], [], []
         for prompt in PROMPTS:
             base_ids, base_speed, base_read = generate(streamed, DensePolicy(), prompt, args.tokens)
@@ -204,7 +253,8 @@ def plot(rows: list[dict], out: Path) -> None:
     fig, axes = plt.subplots(1, len(models), figsize=(6 * len(models), 4.5), squeeze=False)
     for ax, model in zip(axes[0], models):
         ax.scatter([1.0], [1.0], marker="*", s=120, color="black", label="dense")
-        for method in ("cosine", "skip", "exit kl", "exit entropy", "exit entropy monotone", "exit oracle"):
+        for method in ("cosine", "skip", "exit kl", "exit entropy", "exit entropy monotone", "exit kl, every K/V",
+                       "exit entropy, every K/V", "exit oracle"):
             pts = sorted((r["scoring"]["bytes_fraction"], r["perplexity_ratio"]) for r in rows
                          if r["model"] == model and r["method"] == method and "perplexity_ratio" in r)
             if pts:
@@ -223,7 +273,8 @@ def main() -> None:
     ap.add_argument("--cosine", nargs="+", type=float, default=[0.99, 0.98, 0.95])
     ap.add_argument("--budgets", nargs="+", type=float, default=[0.97, 0.93, 0.85])
     ap.add_argument("--methods", nargs="+", help="Only these methods (cosine, skip, 'exit kl', 'exit entropy', "
-                                                 "'exit entropy monotone'; default all)")
+                                                 "'exit entropy monotone', 'exit kl, every K/V', 'exit entropy, "
+                                                 "every K/V'; default all)")
     ap.add_argument("--oracle-kl", nargs="+", type=float, default=[0.03, 0.1, 0.3, 1.0])
     ap.add_argument("--tokens", type=int, default=64, help="Greedy tokens per prompt")
     ap.add_argument("--calib-tokens", type=int, default=16384)
