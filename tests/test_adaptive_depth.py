@@ -224,3 +224,17 @@ def test_prompt_adaptive_thresholds_leave_no_false_skip_on_the_prompt(smollm2_pa
     assert (unadapted & ~labels).any()  # the calibrated threshold would skip layers this prompt needs ...
     assert not (skip_mask(probs, adapted, policy.setting.max_consecutive) & ~labels).any()  # ... the adapted ones not
     assert (adapted >= base).all()
+
+
+@pytest.mark.parametrize("method", ["exit", "skip"])
+def test_a_prompt_computes_every_layer_in_each_chunk_even_a_last_one_of_one_token(smollm2_path, depth_file, method):
+    m = ntio.load(smollm2_path)
+    m.engine.prefill_chunk = 8
+    m.policy = policy = adaptive_policy(m, depth_file, 0.8, method)
+    decided = (lambda: policy.depths) if method == "exit" else (lambda: policy.layer_bytes_read)
+    ids = torch.tensor(m.tokenizer.encode(TEXT)[:10])
+    m.engine.forward(ids[:9], 0)  # a prompt of 9 tokens: chunks of 8 and 1
+    assert decided() == []
+    m.engine.forward(ids[9:], 9)  # a decode step is decided
+    m.close()
+    assert len(decided()) == 1

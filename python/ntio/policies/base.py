@@ -19,7 +19,8 @@ asks `ffn_mask(layer)`: a function from the FFN's gate and up pre-activations to
 
 Per-token depth (ntio.policies.layer_skip, early_exit, cosine_skip). A pass over T tokens reads a layer once for all
 of them, but each token may take its own path, as decoding it alone would:
-  * `begin_pass(start_pos, n_tokens)` opens each pass (one chunk of a forward);
+  * `begin_forward(start_pos, n_tokens)` opens each forward (a prompt's, a decode step's), `begin_pass(start_pos,
+    n_tokens)` each of its passes (chunks of at most the engine's prefill_chunk tokens);
   * `tokens(layer)`: [T] bool, the tokens that compute a layer that loads; the others pass through it and leave no
     K/V there (the cache marks them skipped and attention masks them out, as for a layer skipped whole);
   * `revert(layer, h_in, h_out)`: [T] bool, tokens whose update by the layer just computed is discarded (their
@@ -93,6 +94,9 @@ class LoadPolicy:
         """Whether a read of `layer` ahead of its need should wait: its decision depends on an observation not made
         yet (an exit or a prediction in the current pass). A held read is submitted when the layer is needed."""
         return False
+
+    def begin_forward(self, start_pos: int, n_tokens: int) -> None:
+        pass
 
     def begin_pass(self, start_pos: int, n_tokens: int) -> None:
         pass

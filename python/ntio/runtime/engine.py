@@ -141,6 +141,8 @@ class Engine:
         self.kv.crop(min(start_pos, self.kv.length))
         if start_pos != self.kv.length:
             raise ValueError(f"start_pos {start_pos} leaves a gap after the {self.kv.length} cached positions")
+        if overrides(self.layers.policy, "begin_forward"):
+            self.layers.policy.begin_forward(start_pos, n_tokens)
         out = []
         for first in range(0, n_tokens, self.prefill_chunk):
             chunk, pos = tokens[first : first + self.prefill_chunk], start_pos + first
