@@ -11,6 +11,10 @@ token on, llama.cpp's from its perf counters). Engines alternate within every ro
 round). Once per round per model, outside any cgroup, the disk's cold sequential O_DIRECT bandwidth over the model's
 layer bytes is measured (1 GB, stream_bound.disk_gb_s), which gives ntio's bound for that round:
     disk GB/s / ntio's bytes read per token
+and, with ntio among the engines, ntio's decode with every layer resident, uncapped (`--tiers A`): the rate of its
+compute alone. A token can be no faster than its reads, nor than its compute: the second bound is
+    min(disk bound, compute rate)
+(reached when every read overlaps compute; the disk bound alone ignores that every layer, resident or read, computes).
 A run's outcome is its decode tok/s, or "refused: <ntio's error line>", "oom-killed", "timeout" or "error: ...".
 Prints one JSON object: per-round outcomes, cgroup peaks, ntio's bytes read per token and tiers, median tok/s over
 the rounds that succeeded, per-round ratios ntio / llama.cpp (repacking off) and ntio / bound with their medians.
@@ -147,6 +151,16 @@ def run_engine(engine: str, path: Path, cap: int, args: argparse.Namespace) -> d
     return run
 
 
+def compute_rate(path: Path, args: argparse.Namespace) -> float | None:
+    """ntio's decode tok/s with every layer and the head resident, uncapped: its compute alone."""
+    cmd = [str(NTIO), "generate", "-m", str(path), "-p", PROMPT, "-n", str(args.tokens), "--ctx-size", str(CTX),
+           "--threads", str(args.threads), "--tiers", "A", "--json"]
+    if "tokenizer.chat_template" in open_model_file(path).metadata:
+        cmd.append("--chat")
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
+    return round(json.loads(done.stdout.strip().splitlines()[-1])["decode_tok_s"], 3) if done.returncode == 0 else None
+
+
 def tok_s(run: dict) -> float | None:
     return run["outcome"] if isinstance(run["outcome"], float) else None
 
@@ -156,8 +170,10 @@ def median(values: list) -> float | None:
     return round(statistics.median(values), 3) if values else None
 
 
-def summarize_cap(label: str, cap: int, runs: dict[str, list[dict]], disk: list[float]) -> dict:
-    """Medians per engine; per-round ratios ntio / llama.cpp (repacking off) and ntio / its bound."""
+def summarize_cap(label: str, cap: int, runs: dict[str, list[dict]], disk: list[float], compute: list[float | None]
+                  ) -> dict:
+    """Medians per engine; per-round ratios ntio / llama.cpp (repacking off), ntio / its disk bound and ntio / the
+    lower of the disk bound and its compute rate."""
     entry = {"cap": label, "cap_bytes": cap, "engines": {}}
     for engine, rows in runs.items():
         peaks = [row["peak_bytes"] for row in rows if row["peak_bytes"] is not None]
@@ -176,6 +192,10 @@ def summarize_cap(label: str, cap: int, runs: dict[str, list[dict]], disk: list[
         entry["ntio_bound_tok_s"] = [None if x is None else round(x, 3) for x in bounds]
         entry["ntio_ratio_to_bound"] = [None if x is None else round(x, 3) for x in ratios]
         entry["median_ntio_ratio_to_bound"] = median(ratios)
+        both = [min(bound, rate) if bound and rate else None for bound, rate in zip(bounds, compute)]
+        ratios = [tok_s(row) / b if b else None for row, b in zip(ntio, both)]
+        entry["ntio_ratio_to_disk_and_compute_bound"] = [None if x is None else round(x, 3) for x in ratios]
+        entry["median_ntio_ratio_to_disk_and_compute_bound"] = median(ratios)
     return entry
 
 
@@ -183,20 +203,22 @@ def markdown_table(models: list[dict]) -> str:
     """One row per (model, cap, engine); the ratio, bytes and bound columns are ntio's."""
     fmt = lambda x, spec: "–" if x is None else format(x, spec)
     lines = ["| model | cap | engine | median decode tok/s | ntio / llama.cpp (repack off) | MB read/token "
-             "| ntio / bound | peak GB |", "|---|---|---|---|---|---|---|---|"]
+             "| ntio / bound | ntio / min(bound, compute) | peak GB |", "|---|---|---|---|---|---|---|---|---|"]
     for model in models:
         for entry in model["caps"]:
             for engine, e in entry["engines"].items():
                 ok = [row for row in e["runs"] if tok_s(row)]
                 speed = (f"{e['median_tok_s']:.2f} ({len(ok)}/{len(e['runs'])} ok)" if ok
                          else e["runs"][-1]["outcome"].split(":")[0])
-                ratio, per_token, bound = None, None, None
+                ratio, per_token, bound, both = None, None, None, None
                 if engine == "ntio":
                     ratio, bound = entry.get("median_ratio_vs_llamacpp_norepack"), entry["median_ntio_ratio_to_bound"]
+                    both = entry["median_ntio_ratio_to_disk_and_compute_bound"]
                     per_token = statistics.median(row["bytes_read_per_token"] for row in ok) / 1e6 if ok else None
                 peak = e["max_peak_bytes"] / 1e9 if e["max_peak_bytes"] is not None else None
                 lines.append(f"| {model['model']} | {entry['cap']} | {e['label']} | {speed} | {fmt(ratio, '.2f')} "
-                             f"| {fmt(per_token, '.0f')} | {fmt(bound, '.2f')} | {fmt(peak, '.2f')} |")
+                             f"| {fmt(per_token, '.0f')} | {fmt(bound, '.2f')} | {fmt(both, '.2f')} "
+                             f"| {fmt(peak, '.2f')} |")
     return "\n".join(lines)
 
 
@@ -219,12 +241,15 @@ def main() -> None:
     models = [parse_model(spec) for spec in args.model]
     spans = {path: layer_span(path) for path, _ in models}
     disk = {path: [] for path, _ in models}
+    compute: dict[Path, list[float | None]] = {path: [] for path, _ in models}
     runs = {(path, label): {engine: [] for engine in engines} for path, caps in models for label in caps}
     for r in range(args.rounds):
         order = engines[r % len(engines):] + engines[: r % len(engines)]
         for path, caps in models:
             disk[path].append(round(disk_gb_s(path, spans[path], DISK_BYTES), 3))
-            print(f"round {r} {path.name}: disk {disk[path][-1]} GB/s", file=sys.stderr)
+            compute[path].append(compute_rate(path, args) if "ntio" in engines else None)
+            print(f"round {r} {path.name}: disk {disk[path][-1]} GB/s, ntio resident {compute[path][-1]} tok/s",
+                  file=sys.stderr)
             for label, cap in caps.items():
                 for engine in order:
                     run = {"round": r, **run_engine(engine, path, cap, args)}
@@ -238,8 +263,9 @@ def main() -> None:
     for path, caps in models:
         result["models"].append({
             "model": path.name, "path": str(path), "file_gb": round(path.stat().st_size / 1e9, 3),
-            "disk_gb_s": disk[path],
-            "caps": [summarize_cap(label, cap, runs[path, label], disk[path]) for label, cap in caps.items()]})
+            "disk_gb_s": disk[path], "ntio_resident_tok_s": compute[path],
+            "caps": [summarize_cap(label, cap, runs[path, label], disk[path], compute[path])
+                     for label, cap in caps.items()]})
     text = json.dumps(result)
     if args.out:
         tmp = args.out.with_name(args.out.name + ".tmp")
