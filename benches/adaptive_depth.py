@@ -45,7 +45,9 @@ from ntio.policies.cosine_skip import CosineSkipPolicy
 from ntio.policies.base import LOAD_ALL, LoadDecision, Observation
 from ntio.policies.dense import DensePolicy
 from ntio.policies.early_exit import EarlyExitPolicy
-from ntio.policies.depth_profile import SKIP_LABEL_COS, DepthProfile, LayerRecorder, calibrate_depth
+from ntio.kernels.quant import dequantize
+from ntio.policies.depth_profile import (SKIP_LABEL_COS, DepthProfile, LayerRecorder, calibrate_depth,
+                                        proxy_features)
 from ntio.policies.layer_skip import PredictedSkipPolicy, skip_mask
 from sparse_ffn import calibration_text
 
@@ -131,12 +133,18 @@ def agreement(a: list[int], b: list[int]) -> float:
     return n / max(len(a), 1)
 
 
-def bench_model(name: str, args) -> list[dict]:
-    path = resolve_model(name)
-    m = ntio.load(path)
+def calibrate(m: ntio.LLM, args) -> Path:
+    """`ntio calibrate`'s profile on the calibration text, probes every fourth layer from a quarter deep."""
     calib = Path(tempfile.mkdtemp()) / "depth.calib"
     calibrate_depth(m, calibration_text(), sorted(set(range(m.config.n_layers // 4 - 1, m.config.n_layers - 1, 4))),
                     n_tokens=args.calib_tokens).save(calib)
+    return calib
+
+
+def bench_model(name: str, args) -> list[dict]:
+    path = resolve_model(name)
+    m = ntio.load(path)
+    calib = calibrate(m, args)
     readme = (ROOT / "README.md").read_text()
     m.policy = DensePolicy()
     dense = m.perplexity(readme).perplexity
@@ -243,6 +251,35 @@ def exit_oracle(m: ntio.LLM, calib: Path, text: str, deltas: list[float]) -> lis
     return rows
 
 
+def proxy_check(m: ntio.LLM, calib: Path, text: str, ranks: list[int]) -> dict:
+    """Why the proxy is a linear read: per probe, the correlation with the exit head's true entropy on `text` of
+    (a) the calibrated linear read (`--adaptive`'s) and (b) the seed's proxy, the entropy of logits through a rank-r
+    factor of the output head (truncated SVD), from the same normed exit estimate of h_L."""
+    cal = Calibration.load(calib, fingerprint(m.engine, m.tokenizer.vocabulary), m.config.d_model)
+    profile = DepthProfile.from_calibration(cal, str(calib), m.config.n_layers, m.config.d_model)
+    head = m.engine.globals.output
+    u, sv, vh = torch.linalg.svd(dequantize(head.raw, head.qtype, head.shape).float(), full_matrices=False)
+    m.policy = recorder = LayerRecorder(profile.probes)  # u [V, D], sv [D], vh [D, D]
+    ids = m.tokenizer.encode(text)
+    true, linear, low = [], [], {r: [] for r in ranks}  # per window: [n, P]
+    entropy = lambda logits: -(torch.log_softmax(logits, -1).exp() * torch.log_softmax(logits, -1)).sum(-1)
+    for a in range(0, len(ids), 512):
+        m.engine.forward(torch.tensor(ids[a : a + 512]), 0)
+        x = {p: m.engine.final_norm(recorder.seen[p] @ cal.heads[p][0] + cal.heads[p][1]) for p in profile.probes}
+        true.append(torch.stack([entropy(m.engine.head_logits(recorder.seen[p] @ cal.heads[p][0] + cal.heads[p][1]))
+                                 for p in profile.probes], 1))
+        linear.append(torch.stack([proxy_features(x[p]) @ profile.proxy_weights["entropy"][j]
+                                   for j, p in enumerate(profile.probes)], 1))
+        for r in ranks:
+            low[r].append(torch.stack([entropy((x[p] @ vh[:r].T * sv[:r]) @ u[:, :r].T) for p in profile.probes], 1))
+    m.policy = DensePolicy()
+    y = torch.cat(true)
+    corr = lambda e: [round(float(torch.corrcoef(torch.stack([e[:, j], y[:, j]]))[0, 1]), 3)
+                      for j in range(y.shape[1])]
+    return {"probes": profile.probes, "linear read": corr(torch.cat(linear)),
+            **{f"rank {r} head": corr(torch.cat(low[r])) for r in ranks}}
+
+
 def plot(rows: list[dict], out: Path) -> None:
     import matplotlib
 
@@ -278,9 +315,20 @@ def main() -> None:
     ap.add_argument("--oracle-kl", nargs="+", type=float, default=[0.03, 0.1, 0.3, 1.0])
     ap.add_argument("--tokens", type=int, default=64, help="Greedy tokens per prompt")
     ap.add_argument("--calib-tokens", type=int, default=16384)
+    ap.add_argument("--proxy-ranks", nargs="+", type=int, help="Instead of the price list: how well the linear "
+                                                                "entropy read and rank-r head factors predict the "
+                                                                "exit heads' entropy on README.md, per probe")
     ap.add_argument("--json", type=Path)
     ap.add_argument("--plot", type=Path)
     args = ap.parse_args()
+    if args.proxy_ranks:
+        for name in args.model:
+            m = ntio.load(resolve_model(name))
+            calib = calibrate(m, args)
+            print(json.dumps({"model": name, **proxy_check(m, calib, (ROOT / "README.md").read_text(),
+                                                           args.proxy_ranks)}), flush=True)
+            m.close()
+        return
     rows = [r for name in args.model for r in bench_model(name, args)]
     summary = {"machine": platform.processor() or platform.machine(), "rows": rows}
     if args.json:
