@@ -12,10 +12,10 @@ One pass over a calibration text, split in two: the first 60% fit, the last 40% 
     the predictor's precision and recall all come from these samples, so any budget can be asked for without
     calibrating again.
 
-The seed's proxy, entropy through a rank-r factor of the output head, is not used: on SmolLM2 (README.md) its
-entropy correlates with the true one at 0.13-0.44 for r = 32, 128 and 256, the linear read (fitted on the text's
-first half, tested on the second) at 0.54-0.76, for D multiply-adds instead of (D + V)·r. Entropy itself is a poor
-exit signal there: it correlates with log KL at -0.17..0.04 per probe (benches/RESULTS.md, "Adaptive depth").
+The seed's proxy, entropy through a rank-r factor of the output head, is not used: on SmolLM2 (README.md, probes 6,
+10, ..., 26) it correlates with the exit head's true entropy at 0.11-0.26 for r = 32, 128 and 256, the linear read
+at 0.68-0.82, for D multiply-adds instead of (D + V)·r (`benches/adaptive_depth.py --proxy-ranks`, RESULTS.md
+"Adaptive depth").
 
 Bytes per token are the file's: a layer's encoded bytes when it is computed, the output head's always (the token
 embedding's one row is left out). `dense_bytes` is what a token reads with every layer.
