@@ -290,16 +290,16 @@ def plot(rows: list[dict], out: Path) -> None:
     fig, axes = plt.subplots(1, len(models), figsize=(6 * len(models), 4.5), squeeze=False)
     for ax, model in zip(axes[0], models):
         ax.scatter([1.0], [1.0], marker="*", s=120, color="black", label="dense")
-        for method in ("cosine", "skip", "exit kl", "exit entropy", "exit entropy monotone", "exit kl, every K/V",
-                       "exit entropy, every K/V", "exit oracle"):
+        for color, method in enumerate(("cosine", "skip", "exit kl", "exit entropy", "exit entropy monotone",
+                                        "exit kl, every K/V", "exit entropy, every K/V", "exit oracle")):
             pts = sorted((r["scoring"]["bytes_fraction"], r["perplexity_ratio"]) for r in rows
                          if r["model"] == model and r["method"] == method and "perplexity_ratio" in r)
-            if pts:
-                ax.plot(*zip(*pts), marker="o", label=method)
+            if pts:  # one colour per method in every panel
+                ax.plot(*zip(*pts), marker="o", color=f"C{color}", label=method)
         ax.set(title=model, xlabel="bytes read per token / dense", ylabel="perplexity / dense", yscale="log")
         ax.axhline(1.02, color="grey", linestyle=":", linewidth=1)
         ax.axvline(0.85, color="grey", linestyle=":", linewidth=1)
-        ax.legend()
+        ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(out, dpi=120)
 
