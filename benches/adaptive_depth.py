@@ -251,6 +251,12 @@ def exit_oracle(m: ntio.LLM, calib: Path, text: str, deltas: list[float]) -> lis
     return rows
 
 
+def entropy(logits: torch.Tensor) -> torch.Tensor:
+    """[n, V] logits -> [n] entropy of their distribution, in nats."""
+    logp = torch.log_softmax(logits, -1)
+    return -(logp.exp() * logp).sum(-1)
+
+
 def proxy_check(m: ntio.LLM, calib: Path, text: str, ranks: list[int]) -> dict:
     """Why the proxy is a linear read: per probe, the correlation with the exit head's true entropy on `text` of
     (a) the calibrated linear read (`--adaptive`'s) and (b) the seed's proxy, the entropy of logits through a rank-r
@@ -262,7 +268,6 @@ def proxy_check(m: ntio.LLM, calib: Path, text: str, ranks: list[int]) -> dict:
     m.policy = recorder = LayerRecorder(profile.probes)  # u [V, D], sv [D], vh [D, D]
     ids = m.tokenizer.encode(text)
     true, linear, low = [], [], {r: [] for r in ranks}  # per window: [n, P]
-    entropy = lambda logits: -(torch.log_softmax(logits, -1).exp() * torch.log_softmax(logits, -1)).sum(-1)
     for a in range(0, len(ids), 512):
         m.engine.forward(torch.tensor(ids[a : a + 512]), 0)
         x = {p: m.engine.final_norm(recorder.seen[p] @ cal.heads[p][0] + cal.heads[p][1]) for p in profile.probes}

@@ -163,8 +163,7 @@ class EarlyExitPolicy(LoadPolicy):
     _running: torch.Tensor | None = field(default=None, init=False)  # [T] bool
     _reach: int = field(default=0, init=False)  # no token of the current pass computes a layer from here on
     _last_layer: int = field(default=-1, init=False)
-    _prompt: bool = field(default=False, init=False)  # the current forward is a prompt's (`prompt_full_depth`)
-    _full: bool = field(default=False, init=False)  # the current pass computes every layer
+    _full: bool = field(default=False, init=False)  # the current forward is a prompt's: it computes every layer
     _device: torch.device = field(default=torch.device("cpu"), init=False)
     _device_copies: dict[int, tuple[torch.Tensor, ...]] = field(default_factory=dict, init=False)
 
@@ -175,10 +174,9 @@ class EarlyExitPolicy(LoadPolicy):
 
     def begin_forward(self, start_pos: int, n_tokens: int) -> None:
         # A forward over several tokens is a prompt's, all of whose chunks compute whole (a last chunk of 1 too).
-        self._prompt = self.prompt_full_depth and n_tokens > 1
+        self._full = self.prompt_full_depth and n_tokens > 1
 
     def begin_pass(self, start_pos: int, n_tokens: int) -> None:
-        self._full = self._prompt
         if start_pos == 0 or self._full:
             self._prev, self._decided = self._top, 0  # a new sequence, or a prompt computed whole
         self._positions = list(range(self._decided, self._decided + n_tokens))

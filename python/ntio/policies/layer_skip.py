@@ -121,7 +121,7 @@ def held_out_fraction(profile: DepthProfile, threshold: float, max_consecutive: 
 @dataclass
 class PredictedSkipPolicy(LoadPolicy):
     """Skips, per token, the later layers its predictor is confident about (see the module's doc).
-    prompt_full_depth: passes over more than one token compute every layer and adapt the thresholds (generation's
+    prompt_full_depth: forwards over more than one token compute every layer and adapt the thresholds (generation's
     prefill); False: every pass is decided token by token (teacher-forced scoring)."""
 
     profile: DepthProfile
@@ -132,8 +132,7 @@ class PredictedSkipPolicy(LoadPolicy):
     layer_bytes_read: list[int] = field(default_factory=list, init=False)  # per token decided: bytes it needed
     _skips: torch.Tensor | None = field(default=None, init=False)  # [T, later] bool for the current pass
     _probs: torch.Tensor | None = field(default=None, init=False)  # [T, later] of a prompt's prefill
-    _prompt: bool = field(default=False, init=False)  # the current forward is a prompt's (`prompt_full_depth`)
-    _full: bool = field(default=False, init=False)  # the current pass computes every layer
+    _full: bool = field(default=False, init=False)  # the current forward is a prompt's: it computes every layer
     _last_layer: int = field(default=-1, init=False)  # the last layer the current pass computed
     _device: torch.device = field(default=torch.device("cpu"), init=False)
 
@@ -148,10 +147,9 @@ class PredictedSkipPolicy(LoadPolicy):
 
     def begin_forward(self, start_pos: int, n_tokens: int) -> None:
         # A forward over several tokens is a prompt's, all of whose chunks compute whole (a last chunk of 1 too).
-        self._prompt = self.prompt_full_depth and n_tokens > 1
+        self._full = self.prompt_full_depth and n_tokens > 1
 
     def begin_pass(self, start_pos: int, n_tokens: int) -> None:
-        self._full = self._prompt
         if self._full and start_pos == 0:
             self.thresholds = torch.full_like(self.thresholds, self.setting.threshold)  # a new prompt
         self._skips, self._last_layer, self._probs = None, -1, None
