@@ -21,8 +21,8 @@ from ntio import _core
 from ntio.kernels import cpu_kernels, quant
 from ntio.formats.gguf_file import GGUFFile
 
-TYPES = [T.Q4_1, T.Q8_0, T.Q4_0, T.Q4_K, T.Q6_K, T.Q5_K, T.Q5_0, T.Q5_1, T.F16, T.BF16, T.F32]
-K_QUANTS = {T.Q4_K, T.Q5_K, T.Q6_K}
+TYPES = [T.Q4_1, T.Q8_0, T.Q4_0, T.Q4_K, T.Q6_K, T.Q5_K, T.Q5_0, T.Q5_1, T.TQ1_0, T.TQ2_0, T.F16, T.BF16, T.F32]
+K_QUANTS = {T.Q4_K, T.Q5_K, T.Q6_K, T.TQ1_0, T.TQ2_0}  # blocks of 256: activations in spans of KERNEL_K_SPAN
 TOL = 1e-5
 
 
@@ -111,10 +111,10 @@ def test_activation_codes_are_q8_0s_to_the_bit() -> None:
     np.testing.assert_allclose(y.numpy(), q8_rounded(x) @ w.T, rtol=1e-6, atol=0)
 
 
-@pytest.mark.parametrize("qtype", [T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0], ids=lambda q: q.name)
+@pytest.mark.parametrize("qtype", [T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.TQ1_0, T.TQ2_0], ids=lambda q: q.name)
 def test_gguf_py_quantized_blocks(qtype: T) -> None:
     rng = np.random.default_rng(7)
-    shape = (67, 96)
+    shape = (67, 256 if qtype in K_QUANTS else 96)
     raw = gguf.quants.quantize(rng.standard_normal(shape, dtype=np.float32), qtype)
     check(raw, qtype, shape, 3, rng)
 

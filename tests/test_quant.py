@@ -19,12 +19,12 @@ from ntio.kernels import quant
 from ntio.errors import UnsupportedModelError
 from ntio.formats.gguf_file import GGUFFile
 
-ALL_TYPES = [T.F32, T.F16, T.BF16, T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q4_K, T.Q5_K, T.Q6_K]
+ALL_TYPES = [T.F32, T.F16, T.BF16, T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q4_K, T.Q5_K, T.Q6_K, T.TQ1_0, T.TQ2_0]
 QUANTIZED = [t for t in ALL_TYPES if t not in (T.F32, T.F16, T.BF16)]
 # Byte offsets of the fp16 fields in each block (llama.cpp block_* structs), written independently of ntio.kernels.quant.
 F16_FIELDS = {
     T.Q8_0: (0,), T.Q4_0: (0,), T.Q4_1: (0, 2), T.Q5_0: (0,), T.Q5_1: (0, 2),
-    T.Q4_K: (0, 2), T.Q5_K: (0, 2), T.Q6_K: (208,),
+    T.Q4_K: (0, 2), T.Q5_K: (0, 2), T.Q6_K: (208,), T.TQ1_0: (52,), T.TQ2_0: (64,),
 }
 
 
@@ -97,6 +97,26 @@ def test_gguf_quantized_data_matches_reference(qtype: T, shape_kind: str) -> Non
     data.reshape(-1)[:4] = [0.0, -0.0, 1e-7, -65504.0]  # zeros, an fp16 subnormal, fp16 max
     raw = ref_quantize(data, qtype)
     assert_bit_exact(ours(raw, qtype, shape), reference(raw, qtype, shape))
+
+
+@pytest.mark.parametrize("qtype", [T.TQ1_0, T.TQ2_0], ids=lambda t: t.name)
+@pytest.mark.parametrize("edge", ["all -1", "all 0", "all +1", "mixed", "scale 0"])
+def test_ternary_edge_blocks_match_reference(qtype: T, edge: str) -> None:
+    """gguf-py's own ternary quantizer on blocks of one value (every code 0, 1 or 2: the packing's extremes, e.g. a
+    TQ1_0 byte of five 2s is 255), on a mix, and on a block whose scale is 0."""
+    rng = np.random.default_rng(int(qtype))
+    shape = (3, 512)
+    values = {"all -1": -0.25, "all 0": 0.0, "all +1": 0.25}
+    data = (np.full(shape, values[edge], np.float32) if edge in values
+            else rng.choice(np.array([-0.5, 0.0, 0.5], np.float32), shape))
+    raw = ref_quantize(data, qtype)
+    if edge == "scale 0":
+        d_at = F16_FIELDS[qtype][0]
+        raw.reshape(-1, gguf.GGML_QUANT_SIZES[qtype][1])[:, d_at : d_at + 2] = 0
+    expected = reference(raw, qtype, shape)
+    if edge in values:
+        assert (expected == values[edge]).all()
+    assert_bit_exact(ours(raw, qtype, shape), expected)
 
 
 @pytest.mark.parametrize("qtype", ALL_TYPES, ids=lambda t: t.name)
@@ -247,7 +267,7 @@ def test_bad_out_rejected() -> None:
             quant.dequantize(raw, T.Q8_0, (2, 32), out=bad)
 
 
-@pytest.mark.parametrize("qtype", [T.Q2_K, T.Q3_K, T.IQ2_XXS, T.Q8_1, T.TQ1_0], ids=lambda t: t.name)
+@pytest.mark.parametrize("qtype", [T.Q2_K, T.Q3_K, T.IQ2_XXS, T.Q8_1, T.IQ4_NL], ids=lambda t: t.name)
 def test_unsupported_types(qtype: T) -> None:
     assert qtype not in quant.SUPPORTED_TYPES
     shape = (1, 256)

@@ -804,3 +804,104 @@ impl SimdDense for blocks::BF16 {
         _mm256_castsi256_ps(_mm256_slli_epi32(bits, 16))
     }
 }
+
+/// TQ1_0/TQ2_0: ternary codes with one float16 scale per block of 256 (at byte `D_AT`); their integer sums need
+/// no sub-scales (every multiplier is 1).
+trait Ternary: SimdFormat {
+    const D_AT: usize;
+}
+
+impl Ternary for blocks::TQ1_0 {
+    const D_AT: usize = 52;
+}
+
+impl Ternary for blocks::TQ2_0 {
+    const D_AT: usize = 64;
+}
+
+impl<F: Ternary> SuperBlock for F {
+    type IntScales = f32;
+
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn int_scales(b: *const u8) -> f32 {
+        // SAFETY: the block has `Self::BYTES` bytes, its d at D_AT..D_AT + 2.
+        let d = unsafe { b.add(F::D_AT).cast::<u16>().read_unaligned() };
+        _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(i32::from(d))))
+    }
+
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn multipliers(_s: &f32, _g: usize) -> __m256i {
+        _mm256_set1_epi16(1)
+    }
+
+    fn block_d(s: &f32) -> f32 {
+        *s
+    }
+
+    /// Ternary types are symmetric: no offsets.
+    unsafe fn group_ms(_s: &f32) -> __m256 {
+        _mm256_setzero_ps()
+    }
+}
+
+impl SimdFormat for blocks::TQ2_0 {
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn code_bytes(b: *const u8, g: usize) -> __m256i {
+        // SAFETY: the caller passes 66 readable bytes; group g's codes are bits 2(g % 4).. of qs[32(g / 4)..].
+        let qs = unsafe { load32(b.add(32 * (g / 4))) };
+        _mm256_sub_epi8(bits32(qs, 2 * (g % 4), 3), _mm256_set1_epi8(1))
+    }
+
+    fn int_kernel() -> Kernel {
+        Kernel::Row(int::<blocks::TQ2_0>())
+    }
+}
+
+/// Trit n of each of 32 TQ1_0 bytes (`blocks::tq1_trit`), with 3ⁿ in `pow3`'s 16-bit lanes (a lane's two bytes
+/// share it): the bytes times 3ⁿ mod 256, each moved to the high byte of its lane, then (· 3) >> 8 by `mulhi`.
+#[target_feature(enable = "avx2,fma,f16c")]
+fn trits(bytes: __m256i, pow3: __m256i) -> __m256i {
+    // (low byte · 3ⁿ mod 256) << 8: the product's high byte is shifted out.
+    let low = _mm256_slli_epi16(_mm256_mullo_epi16(bytes, pow3), 8);
+    // (high byte · 256 · 3ⁿ) mod 2¹⁶ = (high byte · 3ⁿ mod 256) << 8.
+    let high = _mm256_mullo_epi16(
+        _mm256_and_si256(bytes, _mm256_set1_epi16(0xFF00u16 as i16)),
+        pow3,
+    );
+    let three = _mm256_set1_epi16(3);
+    _mm256_or_si256(
+        _mm256_mulhi_epu16(low, three),
+        _mm256_slli_epi16(_mm256_mulhi_epu16(high, three), 8),
+    )
+}
+
+impl SimdFormat for blocks::TQ1_0 {
+    /// Groups 0-4: trit g of qs[0..32]; 5 and 6: trits 2(g - 5) and 2(g - 5) + 1 of qs[32..48] (one per 128-bit
+    /// half); 7: trit 4 of qs[32..48], then the 4 bytes of qh four times with trits 0, 1, 2, 3 (`blocks::tq1_place`).
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn code_bytes(b: *const u8, g: usize) -> __m256i {
+        let pow = |n: usize| _mm_set1_epi16(i16::from(blocks::POW3[n]));
+        // SAFETY (all loads): the caller passes 54 readable bytes; qs is 0..48, qh 48..52.
+        let (bytes, pow3) = unsafe {
+            match g {
+                0..=4 => (load32(b), _mm256_set1_epi16(i16::from(blocks::POW3[g]))),
+                5 | 6 => (
+                    _mm256_broadcastsi128_si256(_mm_loadu_si128(b.add(32).cast())),
+                    _mm256_set_m128i(pow(2 * g - 9), pow(2 * g - 10)),
+                ),
+                _ => (
+                    _mm256_set_m128i(
+                        _mm_set1_epi32(b.add(48).cast::<i32>().read_unaligned()),
+                        _mm_loadu_si128(b.add(32).cast()),
+                    ),
+                    _mm256_set_m128i(_mm_setr_epi16(1, 1, 3, 3, 9, 9, 27, 27), pow(4)),
+                ),
+            }
+        };
+        _mm256_sub_epi8(trits(bytes, pow3), _mm256_set1_epi8(1))
+    }
+
+    fn int_kernel() -> Kernel {
+        Kernel::Row(int::<blocks::TQ1_0>())
+    }
+}

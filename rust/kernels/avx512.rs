@@ -353,3 +353,25 @@ impl Avx512Format for blocks::Q6K {
         scaled_i8(_mm256_sub_epi8(q, _mm256_set1_epi8(32)), d0, d1)
     }
 }
+
+/// The ternary types: codes as the AVX2 decoder gives them (-1..=2 as int8), times the block's d.
+macro_rules! ternary_format {
+    ($t:ty, $d_at:expr) => {
+        impl Avx512Format for $t {
+            type Scales = __m512;
+            #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
+            unsafe fn block_scales(b: *const u8) -> __m512 {
+                unsafe { half(b.add($d_at)) }
+            }
+            #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
+            unsafe fn weights(b: *const u8, d: &__m512, g: usize) -> [__m512; 2] {
+                // SAFETY: AVX-512 F implies the AVX2, FMA and F16C the decoder needs; `b` holds the block.
+                let codes = unsafe { <$t as super::avx2::SimdFormat>::code_bytes(b, g) };
+                scaled_i8(codes, *d, *d)
+            }
+        }
+    };
+}
+
+ternary_format!(blocks::TQ1_0, 52);
+ternary_format!(blocks::TQ2_0, 64);

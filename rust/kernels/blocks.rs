@@ -236,6 +236,63 @@ impl Format for Q6K {
     }
 }
 
+/// TQ2_0 (66 B): qs 64 B, d f16 at 64; ternary codes in 2 bits. Group g = 4h + l (half h of 128 elements):
+/// element j is bits 2l..2l+2 of qs[32h + j].   x = d * (q - 1), q in 0..=2 (a stray 3 decodes as +2, as ggml's)
+pub struct TQ2_0;
+impl Format for TQ2_0 {
+    const BLOCK: usize = 256;
+    const BYTES: usize = 66;
+    const SUB: usize = 32;
+    const AFFINE: bool = false;
+    fn scales(b: &[u8], d: &mut [f32; MAX_SUBS], _m: &mut [f32; MAX_SUBS]) {
+        d[..8].fill(f16_at(b, 64));
+    }
+    fn codes(b: &[u8], g: usize, q: &mut [i32; GROUP]) {
+        let (h, l) = (g / 4, g % 4);
+        for (j, q) in q.iter_mut().enumerate() {
+            *q = i32::from((b[32 * h + j] >> (2 * l)) & 3) - 1;
+        }
+    }
+}
+
+/// Powers of three: a TQ1_0 byte holds trit n as the top "digit" of (byte · 3ⁿ mod 256) · 3 / 256.
+pub const POW3: [u8; 5] = [1, 3, 9, 27, 81];
+
+/// Trit n (0..=2) of a TQ1_0 byte: ggml packs 5 (or 4) trits t as ceil(Σ tₙ 3^(4-n) · 256 / 243), so that
+/// multiplying by 3ⁿ (mod 256) brings trit n to the top, and · 3 >> 8 reads it.
+pub fn tq1_trit(byte: u8, n: usize) -> i32 {
+    (i32::from(byte.wrapping_mul(POW3[n])) * 3) >> 8
+}
+
+/// Where TQ1_0 element `e` lives: (byte offset in the block, trit n). qs[0..32] hold elements 32n + j (n < 5),
+/// qs[32..48] elements 160 + 16n + j, qh (bytes 48..52) elements 240 + 4n + j (n < 4).
+pub fn tq1_place(e: usize) -> (usize, usize) {
+    match e {
+        0..160 => (e % 32, e / 32),
+        160..240 => (32 + (e - 160) % 16, (e - 160) / 16),
+        _ => (48 + (e - 240) % 4, (e - 240) / 4),
+    }
+}
+
+/// TQ1_0 (54 B): qs 48 B (5 trits a byte), qh 4 B (4 trits a byte), d f16 at 52; element order as
+/// `tq1_place`.   x = d * (q - 1)
+pub struct TQ1_0;
+impl Format for TQ1_0 {
+    const BLOCK: usize = 256;
+    const BYTES: usize = 54;
+    const SUB: usize = 32;
+    const AFFINE: bool = false;
+    fn scales(b: &[u8], d: &mut [f32; MAX_SUBS], _m: &mut [f32; MAX_SUBS]) {
+        d[..8].fill(f16_at(b, 52));
+    }
+    fn codes(b: &[u8], g: usize, q: &mut [i32; GROUP]) {
+        for (j, q) in q.iter_mut().enumerate() {
+            let (at, n) = tq1_place(GROUP * g + j);
+            *q = tq1_trit(b[at], n) - 1;
+        }
+    }
+}
+
 /// F32: little-endian float32.
 pub struct F32;
 impl Dense for F32 {

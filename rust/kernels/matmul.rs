@@ -33,10 +33,12 @@ pub enum QType {
     Q5K = 13,
     Q6K = 14,
     BF16 = 30,
+    TQ1_0 = 34,
+    TQ2_0 = 35,
 }
 
 impl QType {
-    pub const ALL: [QType; 11] = [
+    pub const ALL: [QType; 13] = [
         QType::F32,
         QType::F16,
         QType::Q4_0,
@@ -48,6 +50,8 @@ impl QType {
         QType::Q5K,
         QType::Q6K,
         QType::BF16,
+        QType::TQ1_0,
+        QType::TQ2_0,
     ];
 
     /// The type with ggml id `id`, if supported.
@@ -75,6 +79,8 @@ impl QType {
             QType::Q4K => q::<blocks::Q4K>(),
             QType::Q5K => q::<blocks::Q5K>(),
             QType::Q6K => q::<blocks::Q6K>(),
+            QType::TQ1_0 => q::<blocks::TQ1_0>(),
+            QType::TQ2_0 => q::<blocks::TQ2_0>(),
         }
     }
 
@@ -98,6 +104,8 @@ impl QType {
             QType::Q4K => quantized_kernel::<blocks::Q4K>(isa, int),
             QType::Q5K => quantized_kernel::<blocks::Q5K>(isa, int),
             QType::Q6K => quantized_kernel::<blocks::Q6K>(isa, int),
+            QType::TQ1_0 => quantized_kernel::<blocks::TQ1_0>(isa, int),
+            QType::TQ2_0 => quantized_kernel::<blocks::TQ2_0>(isa, int),
         }
     }
 

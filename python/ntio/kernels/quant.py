@@ -243,6 +243,37 @@ def _dq_q6_k(b: torch.Tensor, out: torch.Tensor) -> None:
     _scale(out, _signed(codes, 32), d)
 
 
+def _dq_tq2_0(b: torch.Tensor, out: torch.Tensor) -> None:
+    # TQ2_0 block (66 B): qs 64 B, d f16 (at 64). Two halves h of 128 elements: element 32l + j of half h is bits
+    # 2l..2l+2 of qs[32h + j].   x = d * (q - 1): ternary codes 0..2 (a stray 3 decodes as +2, as in ggml)
+    nb = b.shape[0]
+    qs = _words(b[:, :64]).view(nb, 2, 1, -1)  # [nb, half, 1, 32 B as words]
+    codes = torch.empty((nb, 2, 4, 32), dtype=torch.uint8, device=b.device)  # [nb, half, l, j]
+    dst = codes.view(qs.dtype)
+    torch.bitwise_right_shift(qs, _const((0, 2, 4, 6), qs.dtype, qs.device, (4, 1)), out=dst)
+    dst.bitwise_and_(_rep(0x03, qs.dtype))
+    _scale(out, _signed(codes, 1).view(nb, 1, 1, -1), _f16(b, 64))
+
+
+_POW3 = (1, 3, 9, 27, 81)
+
+
+def _trits(q: torch.Tensor, count: int) -> torch.Tensor:
+    """TQ1_0 bytes [nb, 1, L] -> trits [nb, count, L] uint8: trit n of a byte is ((byte · 3ⁿ mod 256) · 3) >> 8
+    (ggml packs a byte's trits as a base-3 fraction of 256, most significant first)."""
+    top = q * _const(_POW3[:count], torch.uint8, q.device, (count, 1))  # uint8: wraps mod 256
+    return (top.to(torch.int16) * 3).bitwise_right_shift_(8).to(torch.uint8)
+
+
+def _dq_tq1_0(b: torch.Tensor, out: torch.Tensor) -> None:
+    # TQ1_0 block (54 B): qs 48 B (5 trits a byte), qh 4 B (4 trits a byte), d f16 (at 52). Elements 32n + j: trit
+    # n of qs[j] (j < 32); 160 + 16n + j: trit n of qs[32 + j]; 240 + 4n + j: trit n of qh[j].   x = d * (q - 1)
+    nb = b.shape[0]
+    codes = torch.cat([_trits(b[:, None, :32], 5).view(nb, -1), _trits(b[:, None, 32:48], 5).view(nb, -1),
+                       _trits(b[:, None, 48:52], 4).view(nb, -1)], dim=1)
+    _scale(out, _signed(codes, 1).view(nb, 1, 1, -1), _f16(b, 52))
+
+
 _DEQUANTIZERS: dict[T, Callable[[torch.Tensor, torch.Tensor], None]] = {
     T.F32: _dq_float(torch.float32),
     T.F16: _dq_float(torch.float16),
@@ -255,7 +286,11 @@ _DEQUANTIZERS: dict[T, Callable[[torch.Tensor, torch.Tensor], None]] = {
     T.Q4_K: _dq_q4_k,
     T.Q5_K: _dq_q5_k,
     T.Q6_K: _dq_q6_k,
+    T.TQ1_0: _dq_tq1_0,
+    T.TQ2_0: _dq_tq2_0,
 }
+
+TERNARY_TYPES: frozenset[gguf.GGMLQuantizationType] = frozenset({T.TQ1_0, T.TQ2_0})
 
 SUPPORTED_TYPES: frozenset[gguf.GGMLQuantizationType] = frozenset(_DEQUANTIZERS)
 
@@ -399,6 +434,23 @@ def _rand_q6_k(blocks: np.ndarray, rng: np.random.Generator) -> None:
     _put_f16(blocks, 208, _jitter(rng, nb) * np.float32(_WEIGHT_STD / (18.5 * 9.5)))
 
 
+def _rand_tq2_0(blocks: np.ndarray, rng: np.random.Generator) -> None:
+    # codes 0..2 in every 2-bit field (no stray 3s); ternary codes have std sqrt(2/3)
+    trits = rng.integers(0, 3, (blocks.shape[0], 64, 4), dtype=np.uint8)
+    blocks[:, :64] = trits[..., 0] | trits[..., 1] << 2 | trits[..., 2] << 4 | trits[..., 3] << 6
+    _put_f16(blocks, 64, _jitter(rng, blocks.shape[0]) * np.float32(_WEIGHT_STD / 0.816))
+
+
+def _rand_tq1_0(blocks: np.ndarray, rng: np.random.Generator) -> None:
+    # valid packings, as ggml writes them: 5 trits (value v < 243) as ceil(v · 256 / 243); qh's 4 trits as a 5-trit
+    # value whose last trit is 0
+    nb = blocks.shape[0]
+    values = rng.integers(0, 243, (nb, 52), dtype=np.uint16)
+    values[:, 48:] = values[:, 48:] // 3 * 3
+    blocks[:, :52] = ((values * 256 + 242) // 243).astype(np.uint8)
+    _put_f16(blocks, 52, _jitter(rng, nb) * np.float32(_WEIGHT_STD / 0.816))
+
+
 _RANDOM_FILL = {
     T.Q8_0: _rand_legacy(0, None, 73.9, 0.0),
     T.Q4_0: _rand_legacy(0, None, 4.61, 0.0),
@@ -408,6 +460,8 @@ _RANDOM_FILL = {
     T.Q4_K: _rand_k(4.61, 7.5),
     T.Q5_K: _rand_k(9.23, 15.5),
     T.Q6_K: _rand_q6_k,
+    T.TQ1_0: _rand_tq1_0,
+    T.TQ2_0: _rand_tq2_0,
 }
 
 
