@@ -8,8 +8,8 @@ use pyo3::prelude::*;
 use crate::buffer_bindings::Lent;
 use crate::buffers::{self, Access};
 use crate::kernels::{
-    self, Activations8, AttentionShape, BlockCache, BlockSettings, BlockWeights, Isa, KernelError,
-    Matrix, Prologue, QType, RopeKind,
+    self, Activations8, AttentionShape, BlockCache, BlockSettings, BlockWeights, Gate, Isa,
+    KernelError, Matrix, Prologue, QType, RopeKind,
 };
 
 impl From<KernelError> for PyErr {
@@ -23,72 +23,98 @@ impl From<KernelError> for PyErr {
     }
 }
 
-/// out [t, Σn] = prologue(x) [t, k] · [W1; W2; ...]ᵀ with each Wi [ni, k] GGUF-encoded as ggml type `qtype` in
-/// `raw`, given as `matrices` [(raw, qtype, n), ...]; float32 in and out.
+/// A matrix as Python gives it: (raw, ggml type id, n, scale).
+type PyMatrix<'py> = (Bound<'py, PyAny>, u32, usize, f32);
+/// A matrix whose bytes are lent for a call.
+type LentMatrix = (Lent<u8>, QType, usize, f32);
+
+/// Lends a matrix's bytes, checking its type.
+fn lend_matrix(m: &PyMatrix) -> PyResult<LentMatrix> {
+    Ok((
+        Lent::<u8>::typed(&m.0, "raw", Access::Read)?,
+        kernel_type(m.1)?,
+        m.2,
+        m.3,
+    ))
+}
+
+/// The kernel's view of a lent matrix.
 ///
-/// x: t * k float32 (t * 2k with `swiglu`); raw: exactly the encoded size of its matrix, uint8; out: t * Σn
+/// # Safety
+/// The caller must keep the export alive and unwritten while the view is used.
+unsafe fn matrix(m: &LentMatrix) -> Matrix<'_> {
+    Matrix {
+        // SAFETY: guaranteed by the caller.
+        raw: unsafe { m.0.as_slice() },
+        qtype: m.1,
+        n: m.2,
+        scale: m.3,
+    }
+}
+
+/// The gate activation named `name`, or a ValueError.
+fn checked_gate(name: &str) -> PyResult<Gate> {
+    Gate::from_name(name).ok_or_else(|| {
+        PyValueError::new_err(format!(
+            "unknown gate activation {name:?} (known: silu, relu2)"
+        ))
+    })
+}
+
+/// out [t, Σn] = prologue(x) [t, k] · [W1; W2; ...]ᵀ with each Wi [ni, k] GGUF-encoded as ggml type `qtype` in
+/// `raw`, given as `matrices` [(raw, qtype, n, scale), ...] (each product times its scale); float32 in and out.
+///
+/// x: t * k float32 (t * 2k with `gate`); raw: exactly the encoded size of its matrix, uint8; out: t * Σn
 /// float32, writable, overlapping neither x nor any raw; norm: k float32. All C-contiguous buffers (numpy arrays;
 /// torch tensors via `.numpy()`), checked here, each refusal a `BufferError` (a ValueError) naming the argument.
-/// Prologue: `norm` (RMSNorm with `eps`), or `swiglu` (x = [gate | up] rows: silu(gate) · up), or none.
+/// Prologue, in this order: `gate` (`silu` or `relu2`: x = [gate | up] rows -> act(gate) · up), then `norm`
+/// (RMSNorm with `eps`); either or both may be absent.
 /// `isa`: `best`, `avx512`, `avx2` or `scalar` (a set this CPU lacks is a ValueError); `int8`: quantize
 /// activations to 8 bits (quantized types), else float32.
 #[pyfunction]
-#[pyo3(signature = (x, t, k, matrices, out, *, isa = "best", int8 = true, norm = None, eps = 0.0, swiglu = false))]
+#[pyo3(signature = (x, t, k, matrices, out, *, isa = "best", int8 = true, norm = None, eps = 0.0, gate = None))]
 #[allow(clippy::too_many_arguments)]
 fn quantized_matmul(
     py: Python<'_>,
     x: &Bound<'_, PyAny>,
     t: usize,
     k: usize,
-    matrices: Vec<(Bound<'_, PyAny>, u32, usize)>,
+    matrices: Vec<PyMatrix<'_>>,
     out: &Bound<'_, PyAny>,
     isa: &str,
     int8: bool,
     norm: Option<&Bound<'_, PyAny>>,
     eps: f32,
-    swiglu: bool,
+    gate: Option<&str>,
 ) -> PyResult<()> {
     let isa = checked_isa(isa)?;
+    let gate = gate.map(checked_gate).transpose()?;
     let x = Lent::<f32>::typed(x, "x", Access::Read)?;
     let out = Lent::<f32>::typed(out, "out", Access::Write)?;
     buffers::disjoint(("out", out.range()), ("x", x.range()))?;
-    let mut raws = Vec::with_capacity(matrices.len());
-    for (raw, qtype, n) in &matrices {
-        let raw = Lent::<u8>::typed(raw, "raw", Access::Read)?;
-        buffers::disjoint(("out", out.range()), ("raw", raw.range()))?;
-        raws.push((raw, kernel_type(*qtype)?, *n));
+    let mut lent = Vec::with_capacity(matrices.len());
+    for m in &matrices {
+        let m = lend_matrix(m)?;
+        buffers::disjoint(("out", out.range()), ("raw", m.0.range()))?;
+        lent.push(m);
     }
     let norm = norm
         .map(|w| Lent::<f32>::typed(w, "norm", Access::Read))
         .transpose()?;
-    if norm.is_some() && swiglu {
-        return Err(PyValueError::new_err(
-            "norm and swiglu are two prologues: give one",
-        ));
-    }
     let activations = activations(int8);
     py.detach(|| {
         // SAFETY: `out` shares no byte with `x` or any `raw` (checked above), so the one mutable slice aliases
         // nothing here; the exports live until this function returns; the caller (`ntio.kernels.cpu_kernels`)
         // runs no Python code on these tensors during the call. Sizes are the kernel's to check.
         let (x, out) = unsafe { (x.as_slice(), out.as_mut_slice()) };
-        let matrices: Vec<Matrix> = raws
-            .iter()
-            // SAFETY: as above.
-            .map(|(raw, qtype, n)| Matrix {
-                raw: unsafe { raw.as_slice() },
-                qtype: *qtype,
-                n: *n,
-            })
-            .collect();
-        let prologue = match &norm {
+        // SAFETY: as above.
+        let matrices: Vec<Matrix> = lent.iter().map(|m| unsafe { matrix(m) }).collect();
+        let prologue = Prologue {
+            gate,
             // SAFETY: as above (read-only, overlapping is harmless).
-            Some(w) => Prologue::RmsNorm {
-                weight: unsafe { w.as_slice() },
-                eps,
-            },
-            None if swiglu => Prologue::SwiGlu,
-            None => Prologue::None,
+            norm: norm
+                .as_ref()
+                .and_then(|w| Prologue::norm(unsafe { w.as_slice() }, eps).norm),
         };
         kernels::quantized_matmul(x, t, k, prologue, &matrices, out, isa, activations)
     })?;
@@ -163,25 +189,27 @@ fn attend(
 }
 
 /// A pre-norm decoder block over T new tokens (`rust/kernels/block.rs`): h [T, D] float32 updated in place,
-/// h += Wo · attention(rope(Wqkv · rms_norm(h) + qkv_bias)), then h += Wdown · swiglu(Wgate_up · rms_norm(h)).
-/// Matrices as in `quantized_matmul` ((raw, ggml type id, n)); the cache, rotation and mask as in `attend`.
-/// h and the caches are written and must share no memory with each other or any other buffer.
+/// h += Wo · attn_sub_norm(attention(rope(Wqkv · rms_norm(h) + qkv_bias))), then
+/// h += Wdown · ffn_sub_norm(act(Wgate · x) · (Wup · x)), x = rms_norm(h); the sub-norms are optional (BitNet's),
+/// `gate` names act (`silu` or `relu2`). Matrices as in `quantized_matmul` ((raw, ggml type id, n, scale)); the
+/// cache, rotation and mask as in `attend`. h and the caches are written and must share no memory with each other
+/// or any other buffer.
 #[pyfunction]
 #[pyo3(signature = (h, d, attn_norm, qkv, qkv_bias, wo, ffn_norm, gate_up, down, cache_k, cache_v, capacity, start,
-                    cos, sin, mask, *, eps, n_heads, n_kv_heads, head_dim, rope_dim, neox, isa = "best",
-                    int8 = true))]
+                    cos, sin, mask, *, eps, n_heads, n_kv_heads, head_dim, rope_dim, neox, attn_sub_norm = None,
+                    ffn_sub_norm = None, gate = "silu", isa = "best", int8 = true))]
 #[allow(clippy::too_many_arguments)]
 fn decoder_block(
     py: Python<'_>,
     h: &Bound<'_, PyAny>,
     d: usize,
     attn_norm: &Bound<'_, PyAny>,
-    qkv: Vec<(Bound<'_, PyAny>, u32, usize)>,
+    qkv: Vec<PyMatrix<'_>>,
     qkv_bias: Option<&Bound<'_, PyAny>>,
-    wo: (Bound<'_, PyAny>, u32, usize),
+    wo: PyMatrix<'_>,
     ffn_norm: &Bound<'_, PyAny>,
-    gate_up: Vec<(Bound<'_, PyAny>, u32, usize)>,
-    down: (Bound<'_, PyAny>, u32, usize),
+    gate_up: Vec<PyMatrix<'_>>,
+    down: PyMatrix<'_>,
     cache_k: &Bound<'_, PyAny>,
     cache_v: &Bound<'_, PyAny>,
     capacity: usize,
@@ -195,23 +223,20 @@ fn decoder_block(
     head_dim: usize,
     rope_dim: usize,
     neox: bool,
+    attn_sub_norm: Option<&Bound<'_, PyAny>>,
+    ffn_sub_norm: Option<&Bound<'_, PyAny>>,
+    gate: &str,
     isa: &str,
     int8: bool,
 ) -> PyResult<()> {
     let isa = checked_isa(isa)?;
+    let gate = checked_gate(gate)?;
     let h = Lent::<f32>::typed(h, "h", Access::Write)?;
     let cache_k = Lent::<f32>::typed(cache_k, "cache_k", Access::Write)?;
     let cache_v = Lent::<f32>::typed(cache_v, "cache_v", Access::Write)?;
-    let lend = |m: &(Bound<'_, PyAny>, u32, usize)| -> PyResult<(Lent<u8>, QType, usize)> {
-        Ok((
-            Lent::<u8>::typed(&m.0, "raw", Access::Read)?,
-            kernel_type(m.1)?,
-            m.2,
-        ))
-    };
-    let qkv = qkv.iter().map(lend).collect::<PyResult<Vec<_>>>()?;
-    let gate_up = gate_up.iter().map(lend).collect::<PyResult<Vec<_>>>()?;
-    let (wo, down) = (lend(&wo)?, lend(&down)?);
+    let qkv = qkv.iter().map(lend_matrix).collect::<PyResult<Vec<_>>>()?;
+    let gate_up = gate_up.iter().map(lend_matrix).collect::<PyResult<Vec<_>>>()?;
+    let (wo, down) = (lend_matrix(&wo)?, lend_matrix(&down)?);
     let floats =
         |obj: &Bound<'_, PyAny>, name: &'static str| Lent::<f32>::typed(obj, name, Access::Read);
     let (attn_norm, ffn_norm) = (
@@ -220,6 +245,12 @@ fn decoder_block(
     );
     let (cos, sin) = (floats(cos, "cos")?, floats(sin, "sin")?);
     let qkv_bias = qkv_bias.map(|b| floats(b, "qkv_bias")).transpose()?;
+    let attn_sub_norm = attn_sub_norm
+        .map(|b| floats(b, "attn_sub_norm"))
+        .transpose()?;
+    let ffn_sub_norm = ffn_sub_norm
+        .map(|b| floats(b, "ffn_sub_norm"))
+        .transpose()?;
     let mask = mask
         .map(|m| Lent::<u8>::typed(m, "mask", Access::Read))
         .transpose()?;
@@ -238,11 +269,14 @@ fn decoder_block(
     ];
     read.extend(qkv.iter().chain(&gate_up).map(|m| ("raw", m.0.range())));
     read.extend(qkv_bias.iter().map(|b| ("qkv_bias", b.range())));
+    read.extend(attn_sub_norm.iter().map(|b| ("attn_sub_norm", b.range())));
+    read.extend(ffn_sub_norm.iter().map(|b| ("ffn_sub_norm", b.range())));
     read.extend(mask.iter().map(|m| ("mask", m.range())));
     disjoint_writes(&written, &read)?;
     let settings = BlockSettings {
         eps,
         attention: attention_shape(n_heads, n_kv_heads, head_dim, rope_dim, neox),
+        gate,
         isa,
         activations: activations(int8),
     };
@@ -251,21 +285,15 @@ fn decoder_block(
         // (checked above); the exports live until this function returns, and the caller runs no Python code on
         // these tensors meanwhile.
         unsafe {
-            fn matrix(m: &(Lent<u8>, QType, usize)) -> Matrix<'_> {
-                // SAFETY: see the enclosing block.
-                Matrix {
-                    raw: unsafe { m.0.as_slice() },
-                    qtype: m.1,
-                    n: m.2,
-                }
-            }
             let weights = BlockWeights {
                 attn_norm: attn_norm.as_slice(),
-                qkv: qkv.iter().map(matrix).collect(),
+                qkv: qkv.iter().map(|m| matrix(m)).collect(),
                 qkv_bias: qkv_bias.as_ref().map(|b| b.as_slice()),
+                attn_sub_norm: attn_sub_norm.as_ref().map(|b| b.as_slice()),
                 wo: matrix(&wo),
                 ffn_norm: ffn_norm.as_slice(),
-                gate_up: gate_up.iter().map(matrix).collect(),
+                gate_up: gate_up.iter().map(|m| matrix(m)).collect(),
+                ffn_sub_norm: ffn_sub_norm.as_ref().map(|b| b.as_slice()),
                 down: matrix(&down),
             };
             let cache = BlockCache {

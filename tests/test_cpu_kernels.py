@@ -229,14 +229,14 @@ def test_the_binding_refuses_wrong_buffers() -> None:
     x = np.random.default_rng(8).standard_normal((2, 64), dtype=np.float32)
     out = np.full((2, 8), np.nan, np.float32)
     q = int(T.Q4_1)
-    _core.quantized_matmul(x, 2, 64, [(raw, q, 8)], out)
+    _core.quantized_matmul(x, 2, 64, [(raw, q, 8, 1.0)], out)
     expected = cpu_kernels.quantized_linear(torch.from_numpy(x), torch.from_numpy(raw), T.Q4_1, (8, 64))
     np.testing.assert_array_equal(out, expected.numpy())
 
     def refused(match: str, exc: type[Exception] = _core.BufferError, **args: object) -> None:
         call = {"x": x, "raw": raw, "out": out} | args
         with pytest.raises(exc, match=match):
-            _core.quantized_matmul(call["x"], 2, 64, [(call["raw"], q, 8)], call["out"])
+            _core.quantized_matmul(call["x"], 2, 64, [(call["raw"], q, 8, 1.0)], call["out"])
 
     refused(r'x must hold float32 elements, got buffer format "d" \(8-byte items\)', x=x.astype(np.float64))
     refused("x must hold float32 elements", x=x.view(np.int32))
@@ -259,13 +259,15 @@ def test_the_binding_refuses_wrong_buffers() -> None:
     refused("out overlaps raw", raw=memory[:320], out=memory[316:380].view(np.float32))
     refused("x must support the buffer protocol", TypeError, x=x.tolist())
     with pytest.raises(_core.BufferError, match="norm must hold float32 elements"):
-        _core.quantized_matmul(x, 2, 64, [(raw, q, 8)], out, norm=np.ones(64))
+        _core.quantized_matmul(x, 2, 64, [(raw, q, 8, 1.0)], out, norm=np.ones(64))
     with pytest.raises(ValueError, match="norm has 32 floats, not k = 64"):
-        _core.quantized_matmul(x, 2, 64, [(raw, q, 8)], out, norm=np.ones(32, np.float32))
+        _core.quantized_matmul(x, 2, 64, [(raw, q, 8, 1.0)], out, norm=np.ones(32, np.float32))
     with pytest.raises(_core.BufferError, match="out overlaps raw"):  # the second matrix's raw
-        _core.quantized_matmul(x, 2, 64, [(raw[:160], q, 4), (memory[:160], q, 4)], memory[156:220].view(np.float32))
+        _core.quantized_matmul(x, 2, 64, [(raw[:160], q, 4, 1.0), (memory[:160], q, 4, 1.0)], memory[156:220].view(np.float32))
     with pytest.raises(ValueError, match="ggml type 10 is not supported"):
-        _core.quantized_matmul(x, 2, 64, [(raw, 10, 8)], out)
+        _core.quantized_matmul(x, 2, 64, [(raw, 10, 8, 1.0)], out)
+    with pytest.raises(ValueError, match='unknown gate activation "gelu"'):
+        _core.quantized_matmul(x, 2, 64, [(raw, q, 8, 1.0)], out, gate="gelu")
     np.testing.assert_array_equal(out, expected.numpy())  # no refused call wrote to out
 
 

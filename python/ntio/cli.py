@@ -566,11 +566,12 @@ def fetch(name, list_models) -> None:
 @click.option("-o", "--output", required=True, type=click.Path(dir_okay=False, path_type=Path))
 @click.option("--layers", type=click.IntRange(min=1), help="Keep only this many layers (e.g. a few 70B-shaped ones)")
 @click.option("--type", "matrix_type", type=click.Choice(["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K",
-                                                          "F16", "BF16"]), default="Q4_K", show_default=True,
-              help="Type of the block matrices")
+                                                          "TQ1_0", "TQ2_0", "F16", "BF16"]), default="Q4_K",
+              show_default=True, help="Type of the block matrices (TQ1_0/TQ2_0: a BitNet b1.58 file)")
 @click.option("--seed", type=int, default=0, show_default=True)
 def synth(preset, output, layers, matrix_type, seed) -> None:
-    """Write a random-weight Llama-shaped GGUF (for I/O and scale benchmarks; never for quality claims)."""
+    """Write a random-weight Llama-shaped GGUF, BitNet-shaped for ternary types (for I/O and scale benchmarks;
+    never for quality claims)."""
     import gguf
 
     from ntio.synth import preset as synth_preset

@@ -1,5 +1,9 @@
 """Random-weight Llama-shaped GGUF files, for tests of types a real small model lacks and for I/O/scale benchmarks.
 
+Ternary matrix types (TQ1_0/TQ2_0) make a BitNet file (`bitnet`: the Llama block plus its two sub-norms, the head
+tied to a Q4_K token embedding, as llama.cpp's quantizer types a ternary model's embedding), since ternary weights
+are what BitNet models are trained for; every other type makes a `llama` file.
+
 Never for quality claims: the weights are noise. Files are written tensor by tensor (memory stays at one tensor,
 so a 70B-shaped layer stack can be written on a small machine), to a temporary name renamed at the end.
 The tokenizer is a minimal byte-level BPE (256 byte symbols, a few merges) plus BOS/EOS, padded to vocab_size.
@@ -15,6 +19,8 @@ import gguf
 import numpy as np
 
 from ntio.kernels import quant
+from ntio.models.bitnet import BITNET
+from ntio.models.family import Family
 from ntio.models.llama import LLAMA
 
 Q = gguf.GGMLQuantizationType
@@ -53,7 +59,15 @@ PRESETS: dict[str, SynthSpec] = {
 
 
 def preset(name: str, **overrides) -> SynthSpec:
-    return replace(PRESETS[name], **overrides)
+    """The preset `name` with `overrides`; a ternary matrix type (BitNet) ties the head to a Q4_K embedding."""
+    spec = replace(PRESETS[name], **overrides)
+    if spec.matrix_type in quant.TERNARY_TYPES and "output_type" not in overrides:
+        spec = replace(spec, output_type=None, embd_type=overrides.get("embd_type", Q.Q4_K))
+    return spec
+
+
+def _family(spec: SynthSpec) -> Family:
+    return BITNET if spec.matrix_type in quant.TERNARY_TYPES else LLAMA
 
 
 def _tensor_table(spec: SynthSpec) -> list[tuple[str, tuple[int, ...], gguf.GGMLQuantizationType]]:
@@ -64,14 +78,18 @@ def _tensor_table(spec: SynthSpec) -> list[tuple[str, tuple[int, ...], gguf.GGML
     shapes = {
         "attn_norm": (D,), "attn_q": (Qw, D), "attn_k": (KV, D), "attn_v": (KV, D), "attn_output": (D, Qw),
         "ffn_norm": (D,), "ffn_gate": (F, D), "ffn_up": (F, D), "ffn_down": (D, F),
+        "attn_sub_norm": (Qw,), "ffn_sub_norm": (F,),
     }
     table = [("token_embd.weight", (V, D), spec.embd_type), ("output_norm.weight", (D,), Q.F32)]
     if spec.rope_factors is not None:
         table.append(("rope_freqs.weight", (len(spec.rope_factors),), Q.F32))
     if spec.output_type is not None:
         table.append(("output.weight", (V, D), spec.output_type))
+    family = _family(spec)
+    if family is BITNET and spec.output_type is not None:
+        raise ValueError("a BitNet file's head is its token embedding (llama.cpp reads no output.weight for it)")
     for layer in range(spec.n_layers):
-        for t in LLAMA.tensors:
+        for t in (t for t in family.tensors if not t.optional):
             qtype = spec.part_types.get(t.part, spec.matrix_type) if t.matrix else Q.F32
             table.append((t.name(layer), shapes[t.part], qtype))
     return table
@@ -116,7 +134,7 @@ def write_synthetic_gguf(path: str | os.PathLike[str], spec: SynthSpec) -> Path:
     tmp = path.with_name(path.name + ".tmp")
     rng = np.random.default_rng(spec.seed)
     table = _tensor_table(spec)
-    w = gguf.GGUFWriter(tmp, "llama")
+    w = gguf.GGUFWriter(tmp, _family(spec).name)
     try:
         w.add_name("ntio synthetic (random weights)")
         w.add_block_count(spec.n_layers)

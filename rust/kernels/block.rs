@@ -1,36 +1,45 @@
-//! One pre-norm decoder block (Llama / Qwen2 shape) for a few tokens over a float32 KV cache, in one call:
+//! One pre-norm decoder block (Llama / Qwen2 / BitNet shape) for a few tokens over a float32 KV cache, in one
+//! call:
 //!
-//!   h += Wo · attention(rope(Wqkv · rms_norm(h) + bias))
-//!   h += Wdown · (silu(Wgate · x) · (Wup · x)),  x = rms_norm(h)
+//!   h += Wo · sub_norm(attention(rope(Wqkv · rms_norm(h) + bias)))
+//!   h += Wdown · sub_norm(act(Wgate · x) · (Wup · x)),  x = rms_norm(h)
 //!
+//! (act: SiLU, or BitNet's squared ReLU; the sub-norms are BitNet's, absent elsewhere; every product is scaled by
+//! its matrix's `scale`.)
 //! The same products (`quantized_matmul` with its norm and SwiGLU prologues) and attention (`attend`) as the
 //! Python layer runs them one call at a time, in the same order, so the result is bit for bit the same; what goes
 //! is ~6 crossings into Python per layer, the cost of a decode step of a small model.
 
 use super::attention::{attend, AttentionShape};
-use super::matmul::{quantized_matmul, Activations8, Isa, KernelError, Matrix, Prologue};
+use super::matmul::{quantized_matmul, Activations8, Gate, Isa, KernelError, Matrix, Prologue};
 
-/// A block's weights: norms [D], row-stacked matrices, and Qwen2's q/k/v bias.
+/// A block's weights: norms [D], row-stacked matrices, Qwen2's q/k/v bias and BitNet's sub-norms.
 pub struct BlockWeights<'a> {
     pub attn_norm: &'a [f32],
     /// Rows stack to [(Hq + 2 Hkv) hd, D].
     pub qkv: Vec<Matrix<'a>>,
     /// [(Hq + 2 Hkv) hd], or none.
     pub qkv_bias: Option<&'a [f32]>,
+    /// [Hq hd]: RMSNorm of the attention's output before Wo, or none.
+    pub attn_sub_norm: Option<&'a [f32]>,
     /// [D, Hq hd].
     pub wo: Matrix<'a>,
     pub ffn_norm: &'a [f32],
     /// Rows stack to [2F, D]: gate rows, then up rows.
     pub gate_up: Vec<Matrix<'a>>,
+    /// [F]: RMSNorm of the gated activations before Wdown, or none.
+    pub ffn_sub_norm: Option<&'a [f32]>,
     /// [D, F].
     pub down: Matrix<'a>,
 }
 
-/// The block's kernel settings: RMSNorm epsilon, attention shape, kernel set and activation path.
+/// The block's kernel settings: RMSNorm epsilon, attention shape, the FFN's gate activation, kernel set and
+/// activation path.
 #[derive(Clone, Copy)]
 pub struct BlockSettings {
     pub eps: f32,
     pub attention: AttentionShape,
+    pub gate: Gate,
     pub isa: Isa,
     pub activations: Activations8,
 }
@@ -47,10 +56,10 @@ pub struct BlockCache<'a> {
 }
 
 /// h [T, D] through the block, in place (see the module).
-pub fn decoder_block(
+pub fn decoder_block<'a>(
     h: &mut [f32],
     d: usize,
-    w: &BlockWeights,
+    w: &BlockWeights<'a>,
     cache: BlockCache,
     s: BlockSettings,
 ) -> Result<(), KernelError> {
@@ -67,7 +76,7 @@ pub fn decoder_block(
     };
     let width: usize = w.qkv.iter().map(|m| m.n).sum();
     let mut qkv = vec![0f32; t * width];
-    let norm = |weight| Prologue::RmsNorm { weight, eps: s.eps };
+    let norm = |weight| Prologue::norm(weight, s.eps);
     product(h, d, norm(w.attn_norm), &w.qkv, &mut qkv)?;
     if let Some(bias) = w.qkv_bias {
         if bias.len() != width {
@@ -96,18 +105,21 @@ pub fn decoder_block(
         a,
     )?;
     let mut update = vec![0f32; t * d];
-    product(
-        &attn,
-        a.n_heads * a.head_dim,
-        Prologue::None,
-        &[w.wo],
-        &mut update,
-    )?;
+    let sub_norm = |weight: Option<&'a [f32]>| weight.and_then(|weight| norm(weight).norm);
+    let attn_out = Prologue {
+        gate: None,
+        norm: sub_norm(w.attn_sub_norm),
+    };
+    product(&attn, a.n_heads * a.head_dim, attn_out, &[w.wo], &mut update)?;
     add(h, &update);
     let d_ff = w.gate_up.iter().map(|m| m.n).sum::<usize>() / 2;
     let mut gate_up = vec![0f32; t * 2 * d_ff];
     product(h, d, norm(w.ffn_norm), &w.gate_up, &mut gate_up)?;
-    product(&gate_up, d_ff, Prologue::SwiGlu, &[w.down], &mut update)?;
+    let gated = Prologue {
+        gate: Some(s.gate),
+        norm: sub_norm(w.ffn_sub_norm),
+    };
+    product(&gate_up, d_ff, gated, &[w.down], &mut update)?;
     add(h, &update);
     Ok(())
 }

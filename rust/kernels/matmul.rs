@@ -234,63 +234,117 @@ fn mismatch(message: String) -> Result<(), KernelError> {
     Err(KernelError::Mismatch(message))
 }
 
-/// A weight matrix [n, k] in its GGUF encoding (n rows of k / block blocks), row-major.
+/// A weight matrix [n, k] in its GGUF encoding (n rows of k / block blocks), row-major, whose products are
+/// multiplied by `scale` (a per-tensor weight scale, as BitNet's; 1 for every other model: exact).
 #[derive(Clone, Copy)]
 pub struct Matrix<'a> {
     pub raw: &'a [u8],
     pub qtype: QType,
     pub n: usize,
+    pub scale: f32,
 }
 
-/// What is done to the activations before the product, once for every matrix of the call.
+impl<'a> Matrix<'a> {
+    /// A matrix with no scale of its own.
+    pub fn new(raw: &'a [u8], qtype: QType, n: usize) -> Matrix<'a> {
+        Matrix {
+            raw,
+            qtype,
+            n,
+            scale: 1.0,
+        }
+    }
+}
+
+/// The activation of a gated feed-forward network's gate: SwiGLU's SiLU, or squared ReLU (BitNet b1.58).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Gate {
+    /// silu(g) = g / (1 + exp(-g))
+    Silu,
+    /// relu(g)²
+    Relu2,
+}
+
+impl Gate {
+    /// The gate named `name` (`silu`, `relu2`), if there is one.
+    pub fn from_name(name: &str) -> Option<Gate> {
+        match name {
+            "silu" => Some(Gate::Silu),
+            "relu2" => Some(Gate::Relu2),
+            _ => None,
+        }
+    }
+
+    /// act(g) · u, in the order the reference computes it (transformers, llama.cpp).
+    fn gated(self, g: f32, u: f32) -> f32 {
+        match self {
+            Gate::Silu => g / (1.0 + (-g).exp()) * u,
+            Gate::Relu2 => {
+                let r = g.max(0.0);
+                r * r * u
+            }
+        }
+    }
+}
+
+/// RMSNorm of each row: x / sqrt(mean(x²) + eps) · weight [k].
 #[derive(Clone, Copy)]
-pub enum Prologue<'a> {
-    None,
-    /// RMSNorm of each row: x / sqrt(mean(x²) + eps) · weight [k].
-    RmsNorm {
-        weight: &'a [f32],
-        eps: f32,
-    },
-    /// x [t, 2k] holds [gate | up] rows: silu(gate) · up, [t, k] (SwiGLU's input to the down projection).
-    SwiGlu,
+pub struct RmsNorm<'a> {
+    pub weight: &'a [f32],
+    pub eps: f32,
 }
 
-impl Prologue<'_> {
+/// What is done to the activations before the product, once for every matrix of the call, in this order: an
+/// optional gating (x [t, 2k] holds [gate | up] rows -> act(gate) · up, [t, k]: a gated FFN's input to its down
+/// projection), then an optional RMSNorm of each row.
+#[derive(Clone, Copy, Default)]
+pub struct Prologue<'a> {
+    pub gate: Option<Gate>,
+    pub norm: Option<RmsNorm<'a>>,
+}
+
+impl<'a> Prologue<'a> {
+    /// RMSNorm only.
+    pub fn norm(weight: &'a [f32], eps: f32) -> Prologue<'a> {
+        Prologue {
+            gate: None,
+            norm: Some(RmsNorm { weight, eps }),
+        }
+    }
+
     /// Floats per activation row given for `k` product columns.
     fn row_len(&self, k: usize) -> usize {
-        match self {
-            Prologue::SwiGlu => 2 * k,
-            _ => k,
+        if self.gate.is_some() {
+            2 * k
+        } else {
+            k
         }
     }
 
     /// x [t, row_len] -> [t, k]: borrowed as is, or computed.
     fn apply<'x>(&self, x: &'x [f32], t: usize, k: usize) -> std::borrow::Cow<'x, [f32]> {
-        match *self {
-            Prologue::None => std::borrow::Cow::Borrowed(x),
-            Prologue::RmsNorm { weight, eps } => {
-                let mut y = x.to_vec();
-                for row in y.chunks_exact_mut(k) {
-                    let mean = row.iter().map(|v| v * v).sum::<f32>() / k as f32;
-                    let scale = 1.0 / (mean + eps).sqrt();
-                    for (v, w) in row.iter_mut().zip(weight) {
-                        *v = *v * scale * w;
-                    }
+        let mut y = match self.gate {
+            None if self.norm.is_none() => return std::borrow::Cow::Borrowed(x),
+            None => x.to_vec(),
+            Some(gate) => x
+                .chunks_exact(2 * k)
+                .take(t)
+                .flat_map(|row| {
+                    let (g, u) = row.split_at(k);
+                    g.iter().zip(u).map(move |(&g, &u)| gate.gated(g, u))
+                })
+                .collect(),
+        };
+        if let Some(RmsNorm { weight, eps }) = self.norm {
+            for row in y.chunks_exact_mut(k) {
+                let mean = row.iter().map(|v| v * v).sum::<f32>() / k as f32;
+                let scale = 1.0 / (mean + eps).sqrt();
+                for (v, w) in row.iter_mut().zip(weight) {
+                    *v = *v * scale * w;
                 }
-                std::borrow::Cow::Owned(y)
             }
-            Prologue::SwiGlu => std::borrow::Cow::Owned(
-                x.chunks_exact(2 * k)
-                    .take(t)
-                    .flat_map(|row| {
-                        let (gate, up) = row.split_at(k);
-                        gate.iter()
-                            .zip(up)
-                            .map(|(&g, &u)| g / (1.0 + (-g).exp()) * u)
-                    })
-                    .collect(),
-            ),
         }
+        std::borrow::Cow::Owned(y)
     }
 }
 
@@ -336,7 +390,7 @@ pub fn quantized_matmul(
             t * row_len
         ));
     }
-    if let Prologue::RmsNorm { weight, .. } = prologue {
+    if let Some(RmsNorm { weight, .. }) = prologue.norm {
         if weight.len() != k {
             return mismatch(format!("norm has {} floats, not k = {k}", weight.len()));
         }
@@ -406,7 +460,7 @@ pub fn quantized_matmul(
                         for (bi, a) in blocks.iter().enumerate() {
                             kernel(a, row, &mut y);
                             for (ti, &v) in y[..a.t].iter().enumerate() {
-                                store(bi, ti, c, v);
+                                store(bi, ti, c, v * m.scale);
                             }
                         }
                     }
@@ -420,7 +474,7 @@ pub fn quantized_matmul(
                             kernel(a, rows, row_bytes, &mut y);
                             for (ti, lanes) in y[..a.t].iter().enumerate() {
                                 for (j, &v) in lanes[..count].iter().enumerate() {
-                                    store(bi, ti, c + j, v);
+                                    store(bi, ti, c + j, v * m.scale);
                                 }
                             }
                         }
@@ -526,8 +580,8 @@ mod tests {
             .map(|&b| f32::from(b) / 127.0 - 1.0)
             .collect();
         let mut out = vec![0f32; t * n];
-        let m = Matrix { raw: &w, qtype, n };
-        quantized_matmul(&x, t, k, Prologue::None, &[m], &mut out, isa, act).unwrap();
+        let m = Matrix::new(&w, qtype, n);
+        quantized_matmul(&x, t, k, Prologue::default(), &[m], &mut out, isa, act).unwrap();
         out
     }
 
@@ -604,16 +658,12 @@ mod tests {
                     .collect();
                 let product = |raw: &[u8], rows: usize| {
                     let mut out = vec![0f32; t * rows];
-                    let m = Matrix {
-                        raw,
-                        qtype,
-                        n: rows,
-                    };
+                    let m = Matrix::new(raw, qtype, rows);
                     quantized_matmul(
                         &x,
                         t,
                         k,
-                        Prologue::None,
+                        Prologue::default(),
                         &[m],
                         &mut out,
                         isa,
@@ -650,11 +700,7 @@ mod tests {
     fn mismatched_sizes_are_errors() {
         let x = vec![0f32; 64];
         let call = |raw: &[u8], t: usize, k: usize, prologue: Prologue, out: usize| {
-            let m = Matrix {
-                raw,
-                qtype: QType::Q4_1,
-                n: 2,
-            };
+            let m = Matrix::new(raw, QType::Q4_1, 2);
             let mut out = vec![0f32; out];
             quantized_matmul(
                 &x[..t.max(1) * k.min(64)],
@@ -668,23 +714,18 @@ mod tests {
             )
         };
         let bad = |r: Result<(), KernelError>| assert!(matches!(r, Err(KernelError::Mismatch(_))));
-        bad(call(&[0; 39], 1, 64, Prologue::None, 2)); // 80 bytes needed
-        bad(call(&[0; 80], 1, 48, Prologue::None, 2)); // k not whole blocks
-        bad(call(&[0; 80], 0, 64, Prologue::None, 2)); // no rows
-        bad(call(&[0; 80], 1, 64, Prologue::None, 1)); // out too small
-        bad(call(&[0; 80], 1, 64, Prologue::SwiGlu, 2)); // SwiGLU takes [gate | up]: 128 floats a row
+        bad(call(&[0; 39], 1, 64, Prologue::default(), 2)); // 80 bytes needed
+        bad(call(&[0; 80], 1, 48, Prologue::default(), 2)); // k not whole blocks
+        bad(call(&[0; 80], 0, 64, Prologue::default(), 2)); // no rows
+        bad(call(&[0; 80], 1, 64, Prologue::default(), 1)); // out too small
+        let swiglu = Prologue {
+            gate: Some(Gate::Silu),
+            norm: None,
+        };
+        bad(call(&[0; 80], 1, 64, swiglu, 2)); // SwiGLU takes [gate | up]: 128 floats a row
         let norm = [1f32; 32];
-        bad(call(
-            &[0; 80],
-            1,
-            64,
-            Prologue::RmsNorm {
-                weight: &norm,
-                eps: 1e-5,
-            },
-            2,
-        )); // norm of k floats
-        assert!(call(&[0; 80], 1, 64, Prologue::None, 2).is_ok());
+        bad(call(&[0; 80], 1, 64, Prologue::norm(&norm, 1e-5), 2)); // norm of k floats
+        assert!(call(&[0; 80], 1, 64, Prologue::default(), 2).is_ok());
     }
 
     /// Several matrices of different types in one call: each one's columns equal its own call's, and the
@@ -706,31 +747,41 @@ mod tests {
             .iter()
             .zip(&raws)
             .zip([5, 7, 9])
-            .map(|((&qtype, raw), n)| Matrix { raw, qtype, n })
+            .map(|((&qtype, raw), n)| Matrix::new(raw, qtype, n))
             .collect();
         let norm: Vec<f32> = (0..k).map(|i| 0.5 + i as f32 / k as f32).collect();
-        let gated: Vec<f32> = x
-            .chunks_exact(2 * k)
-            .flat_map(|r| (0..k).map(move |i| r[i] / (1.0 + (-r[i]).exp()) * r[k + i]))
-            .collect();
-        let normed: Vec<f32> = x[..t * k]
-            .chunks_exact(k)
-            .flat_map(|r| {
-                let s = 1.0 / (r.iter().map(|v| v * v).sum::<f32>() / k as f32 + 1e-5).sqrt();
-                r.iter().zip(&norm).map(move |(v, w)| v * s * w)
-            })
-            .collect();
+        let gated = |act: fn(f32) -> f32| -> Vec<f32> {
+            x.chunks_exact(2 * k)
+                .flat_map(|r| (0..k).map(move |i| act(r[i]) * r[k + i]))
+                .collect()
+        };
+        let silu = gated(|g| g / (1.0 + (-g).exp()));
+        let relu2 = gated(|g| g.max(0.0) * g.max(0.0));
+        let normed = |x: &[f32]| -> Vec<f32> {
+            x.chunks_exact(k)
+                .flat_map(|r| {
+                    let s = 1.0 / (r.iter().map(|v| v * v).sum::<f32>() / k as f32 + 1e-5).sqrt();
+                    r.iter().zip(&norm).map(move |(v, w)| v * s * w)
+                })
+                .collect()
+        };
+        let gated_norm = |gate| Prologue {
+            gate: Some(gate),
+            norm: Prologue::norm(&norm, 1e-5).norm,
+        };
+        let (normed_x, normed_relu2) = (normed(&x[..t * k]), normed(&relu2));
         let cases = [
-            (Prologue::None, &x[..t * k], &x[..t * k]),
-            (Prologue::SwiGlu, &x[..], &gated[..]),
+            (Prologue::default(), &x[..t * k], &x[..t * k]),
             (
-                Prologue::RmsNorm {
-                    weight: &norm,
-                    eps: 1e-5,
+                Prologue {
+                    gate: Some(Gate::Silu),
+                    norm: None,
                 },
-                &x[..t * k],
-                &normed[..],
+                &x[..],
+                &silu[..],
             ),
+            (Prologue::norm(&norm, 1e-5), &x[..t * k], &normed_x[..]),
+            (gated_norm(Gate::Relu2), &x[..], &normed_relu2[..]),
         ];
         for (prologue, input, plain) in cases {
             let mut all = vec![0f32; t * 21];
@@ -752,7 +803,7 @@ mod tests {
                     plain,
                     t,
                     k,
-                    Prologue::None,
+                    Prologue::default(),
                     &[*m],
                     &mut one,
                     Isa::Best,
@@ -764,6 +815,47 @@ mod tests {
                 }
                 first += m.n;
             }
+        }
+    }
+
+    /// A matrix's scale multiplies its outputs, and only its own: a scale of 1 changes no bit.
+    #[test]
+    fn a_matrix_scale_multiplies_its_outputs() {
+        let (t, k) = (2, 256);
+        let x: Vec<f32> = bytes(t * k, 5)
+            .iter()
+            .map(|&b| f32::from(b) / 127.0 - 1.0)
+            .collect();
+        let (a, b) = (bytes(3 * 66, 6), bytes(4 * 54, 7));
+        let product = |scales: [f32; 2]| {
+            let ms = [
+                Matrix {
+                    scale: scales[0],
+                    ..Matrix::new(&a, QType::TQ2_0, 3)
+                },
+                Matrix {
+                    scale: scales[1],
+                    ..Matrix::new(&b, QType::TQ1_0, 4)
+                },
+            ];
+            let mut out = vec![0f32; t * 7];
+            quantized_matmul(
+                &x,
+                t,
+                k,
+                Prologue::default(),
+                &ms,
+                &mut out,
+                Isa::Best,
+                Activations8::Int8,
+            )
+            .unwrap();
+            out
+        };
+        let (plain, scaled) = (product([1.0, 1.0]), product([0.5, 3.0]));
+        for (i, (p, s)) in plain.iter().zip(&scaled).enumerate() {
+            let want = p * if i % 7 < 3 { 0.5 } else { 3.0 };
+            assert_eq!(s.to_bits(), want.to_bits(), "output {i}");
         }
     }
 }

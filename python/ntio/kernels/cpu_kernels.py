@@ -128,13 +128,14 @@ Weight = tuple[torch.Tensor, "gguf.GGMLQuantizationType | int", tuple[int, int]]
 
 
 def fused_linear(x: torch.Tensor, weights: list[Weight], out: torch.Tensor | None = None, *,
-                 norm: torch.Tensor | None = None, eps: float = 0.0, swiglu: bool = False, isa: str = "best",
+                 norm: torch.Tensor | None = None, eps: float = 0.0, gate: str | None = None, isa: str = "best",
                  int8: bool = True) -> torch.Tensor:
     """prologue(x) [T, K] · [W1; W2; ...]ᵀ -> [T, ΣN]: several matrices of one input K, each (raw, qtype, (N, K))
     as in `quantized_linear`, in one call that prepares (and quantizes) the activations once.
 
-    Prologue: `norm` [K] float32 applies RMSNorm (x / sqrt(mean(x²) + eps) · norm) to each row first; `swiglu`
-    takes x [T, 2K] as [gate | up] rows and multiplies silu(gate) · up. Errors as in `quantized_linear`.
+    Prologue, in this order: `gate` ("silu" or "relu2") takes x [T, 2K] as [gate | up] rows and multiplies
+    act(gate) · up; `norm` [K] float32 applies RMSNorm (x / sqrt(mean(x²) + eps) · norm) to each row. Errors as
+    in `quantized_linear`.
     """
     xa = _array("x", x)
     if xa.ndim != 2:
@@ -143,8 +144,9 @@ def fused_linear(x: torch.Tensor, weights: list[Weight], out: torch.Tensor | Non
     if t == 0:
         raise ValueError("x has no rows")
     k = weights[0][2][1]
-    if xa.shape[1] != (2 * k if swiglu else k):
-        raise ValueError(f"x has {xa.shape[1]} columns, the weights [N, {k}] need {2 * k if swiglu else k}")
+    width = 2 * k if gate else k
+    if xa.shape[1] != width:
+        raise ValueError(f"x has {xa.shape[1]} columns, the weights [N, {k}] need {width}")
     matrices = []
     for raw, qtype, (n, kw) in weights:
         if kw != k:
@@ -152,8 +154,8 @@ def fused_linear(x: torch.Tensor, weights: list[Weight], out: torch.Tensor | Non
         rawa = _array("raw", raw)
         if rawa.ndim != 1:
             raise ValueError(f"raw must be 1-D, got shape {rawa.shape}")
-        matrices.append((rawa, _kernel_type(qtype), n))
-    total = sum(n for _, _, n in matrices)
+        matrices.append((rawa, _kernel_type(qtype), n, 1.0))
+    total = sum(m[2] for m in matrices)
     if out is None:
         outa = np.empty((t, total), np.float32)
         out = torch.from_numpy(outa)  # ~1 us, vs ~4 us for torch.empty(...).numpy()
@@ -164,7 +166,7 @@ def fused_linear(x: torch.Tensor, weights: list[Weight], out: torch.Tensor | Non
     norma = None if norm is None else _array("norm", norm)
     # The Rust binding checks dtypes, C-contiguity, out writable and overlapping neither x nor any raw, and sizes;
     # the arrays' buffer exports hold the tensors' memory until it returns.
-    _core.quantized_matmul(xa, t, k, matrices, outa, isa=isa, int8=int8, norm=norma, eps=eps, swiglu=swiglu)
+    _core.quantized_matmul(xa, t, k, matrices, outa, isa=isa, int8=int8, norm=norma, eps=eps, gate=gate)
     return out
 
 

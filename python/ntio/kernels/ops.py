@@ -31,20 +31,22 @@ from ntio.kernels import cpu_kernels, quant
 
 @dataclass(frozen=True)
 class EncodedMatrix:
-    """A weight matrix [N, K] in its GGUF encoding: N rows of K / block_size blocks each, row-major."""
+    """A weight matrix [N, K] in its GGUF encoding: N rows of K / block_size blocks each, row-major; its products
+    are multiplied by `scale` (a per-tensor weight scale, which only BitNet files carry)."""
 
     raw: torch.Tensor  # uint8 [encoded_nbytes(qtype, shape)], contiguous, on the compute device (or pinned host)
     qtype: gguf.GGMLQuantizationType
     shape: tuple[int, int]  # (N, K)
+    scale: float = 1.0
 
     @property
     def row_nbytes(self) -> int:
         return self.raw.numel() // self.shape[0]
 
     @functools.cached_property
-    def kernel_arg(self) -> tuple[np.ndarray, int, int]:
-        """(raw as numpy, ggml type id, N): what the CPU kernels take, made once per matrix (CPU only)."""
-        return self.raw.numpy(), int(self.qtype), self.shape[0]
+    def kernel_arg(self) -> tuple[np.ndarray, int, int, float]:
+        """(raw as numpy, ggml type id, N, scale): what the CPU kernels take, made once per matrix (CPU only)."""
+        return self.raw.numpy(), int(self.qtype), self.shape[0], self.scale
 
     def encoded_rows(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows `ids` [T] of the encoding: [T, row_nbytes] uint8."""
@@ -63,13 +65,14 @@ def fuse_adjacent(matrices: list[EncodedMatrix]) -> list[EncodedMatrix]:
         if (
             last is not None
             and last.qtype == m.qtype
+            and last.scale == m.scale
             and last.shape[1] == m.shape[1]
             and last.raw.device == m.raw.device
             and last.raw.untyped_storage().data_ptr() == m.raw.untyped_storage().data_ptr()
             and last.raw.storage_offset() + last.raw.numel() == m.raw.storage_offset()
         ):
             span = last.raw.as_strided((last.raw.numel() + m.raw.numel(),), (1,))
-            fused[-1] = EncodedMatrix(span, m.qtype, (last.shape[0] + m.shape[0], m.shape[1]))
+            fused[-1] = EncodedMatrix(span, m.qtype, (last.shape[0] + m.shape[0], m.shape[1]), m.scale)
         else:
             fused.append(m)
     return fused
@@ -77,7 +80,8 @@ def fuse_adjacent(matrices: list[EncodedMatrix]) -> list[EncodedMatrix]:
 
 def row_slice(w: EncodedMatrix, start: int, stop: int) -> EncodedMatrix:
     """Rows [start, stop) of w, as a view (rows are whole blocks in a row-major encoding)."""
-    return EncodedMatrix(w.raw[start * w.row_nbytes : stop * w.row_nbytes], w.qtype, (stop - start, w.shape[1]))
+    return EncodedMatrix(w.raw[start * w.row_nbytes : stop * w.row_nbytes], w.qtype, (stop - start, w.shape[1]),
+                         w.scale)
 
 
 def split_rows(ws: list[EncodedMatrix], n_first: int) -> tuple[EncodedMatrix, EncodedMatrix]:
@@ -188,7 +192,7 @@ def uses_cpu_kernel(x: torch.Tensor, ws: list[EncodedMatrix]) -> bool:
 
 
 def _kernel_product(x: torch.Tensor, ws: list[EncodedMatrix], norm: torch.Tensor | None = None, eps: float = 0.0,
-                    swiglu: bool = False) -> torch.Tensor:
+                    gate: str | None = None) -> torch.Tensor:
     """The CPU kernels' product of x with the row-stacked ws (`cpu_kernels.fused_linear`'s prologues), with the
     running engine's kernel choice. The hot path of a decode step: straight to the binding, which checks every
     buffer and size itself."""
@@ -196,7 +200,7 @@ def _kernel_product(x: torch.Tensor, ws: list[EncodedMatrix], norm: torch.Tensor
     out = np.empty((x.shape[0], sum(w.shape[0] for w in ws)), np.float32)
     _core.quantized_matmul(x.contiguous().numpy(), x.shape[0], ws[0].shape[1], [w.kernel_arg for w in ws], out,
                            isa=choice.isa, int8=choice.int8, norm=None if norm is None else norm.numpy(), eps=eps,
-                           swiglu=swiglu)
+                           gate=gate)
     return torch.from_numpy(out)
 
 
@@ -207,12 +211,13 @@ def linear(x: torch.Tensor, w: EncodedMatrix) -> torch.Tensor:
     n, k = w.shape
     rows = max(1, SCRATCH_BYTES // (4 * k))
     if rows >= n:
-        return F.linear(x, _dequantized_rows(w, 0, n))
-    out = torch.empty((x.shape[0], n), dtype=torch.float32, device=x.device)
-    for start in range(0, n, rows):
-        stop = min(start + rows, n)
-        out[:, start:stop] = F.linear(x, _dequantized_rows(w, start, stop))
-    return out
+        out = F.linear(x, _dequantized_rows(w, 0, n))
+    else:
+        out = torch.empty((x.shape[0], n), dtype=torch.float32, device=x.device)
+        for start in range(0, n, rows):
+            stop = min(start + rows, n)
+            out[:, start:stop] = F.linear(x, _dequantized_rows(w, start, stop))
+    return out if w.scale == 1.0 else out.mul_(w.scale)
 
 
 def linear_concat(x: torch.Tensor, ws: list[EncodedMatrix]) -> torch.Tensor:
@@ -237,13 +242,24 @@ def normed_linear(x: torch.Tensor, weight: torch.Tensor, eps: float, ws: list[En
     return linear_concat(rms_norm(x, weight, eps), ws)
 
 
-def swiglu_linear(gate_up: torch.Tensor, w: EncodedMatrix) -> torch.Tensor:
-    """gate_up [T, 2F] = [gate | up] -> (silu(gate) · up) @ Wᵀ: [T, N]. On the CPU kernels the gating runs in the
+def _relu2(x: torch.Tensor) -> torch.Tensor:
+    return F.relu(x).square()
+
+
+# The gate activations of gated feed-forward networks, by the names the kernels take.
+GATES = {"silu": F.silu, "relu2": _relu2}
+
+
+def gated_linear(gate_up: torch.Tensor, w: EncodedMatrix, gate: str = "silu", norm: torch.Tensor | None = None,
+                 eps: float = 0.0) -> torch.Tensor:
+    """gate_up [T, 2F] = [gate | up] -> rms_norm(act(gate) · up) @ Wᵀ: [T, N], with act one of GATES and the norm
+    only where a weight `norm` [F] is given (BitNet's sub-norm). On the CPU kernels the gating and norm run in the
     same call as the product."""
     if uses_cpu_kernel(gate_up, [w]):
-        return _kernel_product(gate_up, [w], swiglu=True)
-    gate, up = gate_up.chunk(2, dim=-1)
-    return linear(F.silu(gate) * up, w)
+        return _kernel_product(gate_up, [w], norm=norm, eps=eps, gate=gate)
+    g, up = gate_up.chunk(2, dim=-1)
+    gated = GATES[gate](g) * up
+    return linear(gated if norm is None else rms_norm(gated, norm, eps), w)
 
 
 def uses_cpu_attention(qkv: torch.Tensor, k_cache: torch.Tensor) -> bool:
@@ -279,10 +295,12 @@ def decoder_block(h: torch.Tensor, norms: tuple[torch.Tensor, torch.Tensor], wqk
                   qkv_bias: torch.Tensor | None, wo: EncodedMatrix, w_gate_up: list[EncodedMatrix],
                   w_down: EncodedMatrix, k_cache: torch.Tensor, v_cache: torch.Tensor, start_pos: int,
                   rope: tuple[torch.Tensor, torch.Tensor], mask: torch.Tensor | None, eps: float,
-                  heads: tuple[int, int, int], *, neox: bool) -> torch.Tensor:
+                  heads: tuple[int, int, int], *, neox: bool, gate: str = "silu",
+                  sub_norms: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """A pre-norm block in one CPU kernel call (ntio._core.decoder_block): h + attention(rms_norm(h)), then
-    + swiglu(rms_norm(.)), with the same products and attention as the per-op path, bit for bit. h: [T, D]
-    (not modified) -> [T, D]; the other arguments as in `normed_linear`, `cached_attention` and `swiglu_linear`."""
+    + gated FFN(rms_norm(.)), with the same products and attention as the per-op path, bit for bit. h: [T, D]
+    (not modified) -> [T, D]; sub_norms: BitNet's (attention output [Hq hd], gated activations [F]) or None; the
+    other arguments as in `normed_linear`, `cached_attention` and `gated_linear`."""
     choice = _kernels.get()
     n_heads, n_kv_heads, hd = heads
     cos, sin = rope
@@ -293,7 +311,9 @@ def decoder_block(h: torch.Tensor, norms: tuple[torch.Tensor, torch.Tensor], wqk
                         [w.kernel_arg for w in w_gate_up], w_down.kernel_arg, k_cache.numpy(), v_cache.numpy(),
                         k_cache.shape[1], start_pos, cos.contiguous().numpy(), sin.contiguous().numpy(), mask_u8,
                         eps=eps, n_heads=n_heads, n_kv_heads=n_kv_heads, head_dim=hd, rope_dim=2 * cos.shape[-1],
-                        neox=neox, isa=choice.isa, int8=choice.int8)
+                        neox=neox, attn_sub_norm=None if sub_norms is None else sub_norms[0].numpy(),
+                        ffn_sub_norm=None if sub_norms is None else sub_norms[1].numpy(), gate=gate,
+                        isa=choice.isa, int8=choice.int8)
     return out
 
 

@@ -291,6 +291,27 @@ _DEQUANTIZERS: dict[T, Callable[[torch.Tensor, torch.Tensor], None]] = {
 }
 
 TERNARY_TYPES: frozenset[gguf.GGMLQuantizationType] = frozenset({T.TQ1_0, T.TQ2_0})
+_TERNARY_SCALE_AT = {T.TQ1_0: 52, T.TQ2_0: 64}  # byte offset of the float16 d in a block
+
+
+def first_bad_scale(raw: torch.Tensor, qtype: gguf.GGMLQuantizationType | int) -> tuple[int, float] | None:
+    """(block index, value) of the first block of a ternary tensor whose scale d is not finite, else None (also for
+    every other type). raw: the tensor's encoded bytes, 1-D uint8, on any device.
+
+    Ternary blocks are scale · {-1, 0, +1}: an inf or NaN scale would spread through every product it meets, so a
+    model's ternary tensors are checked once, when their bytes are first in memory."""
+    qt = _qtype(qtype)
+    if qt not in TERNARY_TYPES or raw.numel() == 0:
+        return None
+    type_size = gguf.GGML_QUANT_SIZES[qt][1]
+    at = _TERNARY_SCALE_AT[qt]
+    blocks = raw.view(-1, type_size)
+    d = blocks[:, at : at + 2].contiguous().view(torch.float16)[:, 0]
+    bad = (~torch.isfinite(d)).nonzero()
+    if bad.numel() == 0:
+        return None
+    i = int(bad[0, 0])
+    return i, float(d[i])
 
 SUPPORTED_TYPES: frozenset[gguf.GGMLQuantizationType] = frozenset(_DEQUANTIZERS)
 

@@ -45,6 +45,7 @@ class ModelConfig:
     rms_eps: float
     rope_scaling: RopeScaling
     tied_embeddings: bool
+    ffn_gate: str = "silu"  # the FFN's gate activation (a key of ntio.kernels.ops.GATES)
 
     @property
     def family(self) -> Family:
@@ -109,6 +110,11 @@ class ModelConfig:
         else:
             raise UnsupportedModelError(f"{g.path}: rope scaling {scaling_type!r} is not supported")
         _check_layers(g, n_layers, key("block_count"))
+        gates = FAMILIES[arch].gates
+        ffn_gate = str(g.metadata.get(key("hidden_activation"), gates[0])) if len(gates) > 1 else gates[0]
+        if ffn_gate not in gates:
+            raise UnsupportedModelError(f"{g.path}: metadata key {key('hidden_activation')!r} is {ffn_gate[:40]!r}; "
+                                        f"ntio runs {arch} models with {' or '.join(gates)}")
         return cls(
             architecture=arch,
             n_layers=n_layers,
@@ -123,6 +129,7 @@ class ModelConfig:
             rms_eps=_positive(g, key("attention.layer_norm_rms_epsilon")),
             rope_scaling=scaling,
             tied_embeddings="output.weight" not in g.tensors,
+            ffn_gate=ffn_gate,
         )
 
 

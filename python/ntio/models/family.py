@@ -26,7 +26,8 @@ class BlockTensor:
 
     part: str
     shape: Callable[[ModelConfig], tuple[int, ...]]  # PyTorch-order shape, from the config
-    matrix: bool  # a matrix stays in its GGUF encoding; a vector (norm, bias) is decoded to float32 once
+    matrix: bool  # a matrix stays in its GGUF encoding; a vector (norm, bias, scale) is decoded to float32 once
+    optional: bool = False  # a file may leave it out (BitNet's per-tensor scales)
 
     def name(self, layer: int) -> str:
         """GGUF tensor name: blk.{layer}.attn_q.weight, blk.{layer}.attn_q.bias."""
@@ -42,8 +43,11 @@ BlockFunction = Callable[..., "torch.Tensor"]
 @dataclass(frozen=True)
 class Family:
     name: str  # GGUF general.architecture
-    tensors: tuple[BlockTensor, ...]  # every tensor of one block, all required
+    tensors: tuple[BlockTensor, ...]  # every tensor of one block, required unless marked optional
     rope: str  # "interleaved" (pairs 2i, 2i+1: llama.cpp permutes Llama's q/k rows for it) | "neox" (i, i + d/2)
+    # The FFN gate activations a file may name in `{arch}.hidden_activation` (ntio.kernels.ops.GATES); the first
+    # is the family's default, and a family with one ignores the key, as llama.cpp does.
+    gates: tuple[str, ...] = ("silu",)
 
     @functools.cached_property
     def block(self) -> BlockFunction:

@@ -40,6 +40,10 @@ class LayerWeights:
     ffn_norm: torch.Tensor  # [D] float32
     w_gate_up: list[EncodedMatrix]  # rows stack to [2F, D]: gate rows then up rows
     w_down: EncodedMatrix  # [D, F]
+    # BitNet's sub-norms: RMSNorm weights of the attention output before wo [Hq*hd] and of the gated activations
+    # before w_down [F]; None for the other families.
+    attn_sub_norm: torch.Tensor | None = None
+    ffn_sub_norm: torch.Tensor | None = None
     # FFN neuron ranges [start, stop) whose gate/up rows were loaded (a load policy's "rows" decision); None: all.
     # w_gate_up then holds only the bytes of those rows: the others were never read.
     ffn_rows: tuple[tuple[int, int], ...] | None = None
@@ -171,7 +175,7 @@ def attention(
     if ops.uses_cpu_attention(qkv, k_cache):
         attn = ops.cached_attention(qkv, k_cache, v_cache, start_pos, rope, mask, (cfg.n_heads, cfg.n_kv_heads, hd),
                                     neox=rope_kind == "neox")  # [T, Hq hd]
-        return ops.linear(attn, w.wo)
+        return _attention_output(attn, w, cfg.rms_eps)
     qk_width = cfg.q_width + cfg.kv_width
     # Query and key heads rotated together: [T, Hq + Hkv, hd]
     qk = ROPE_KINDS[rope_kind](qkv[:, :qk_width].view(n_tokens, cfg.n_heads + cfg.n_kv_heads, hd), *rope)
@@ -183,17 +187,26 @@ def attention(
     attn = F.scaled_dot_product_attention(
         q.transpose(0, 1), keys, values, attn_mask=mask, enable_gqa=cfg.n_heads != cfg.n_kv_heads
     )  # [Hq, T, hd]
-    return ops.linear(attn.transpose(0, 1).reshape(n_tokens, cfg.q_width), w.wo)
+    return _attention_output(attn.transpose(0, 1).reshape(n_tokens, cfg.q_width), w, cfg.rms_eps)
 
 
-def swiglu(h: torch.Tensor, w: LayerWeights, eps: float, taps: dict[str, torch.Tensor] | None = None
-           ) -> torch.Tensor:
-    """SwiGLU feed-forward of x = rms_norm(h): [T, D] -> down(silu(gate x) * up x): [T, D].
+def _attention_output(attn: torch.Tensor, w: LayerWeights, eps: float) -> torch.Tensor:
+    """wo · attn [T, Hq hd] -> [T, D], through BitNet's sub-norm first where the block has one."""
+    if w.attn_sub_norm is None:
+        return ops.linear(attn, w.wo)
+    return ops.normed_linear(attn, w.attn_sub_norm, eps, [w.wo])
+
+
+def gated_ffn(h: torch.Tensor, w: LayerWeights, cfg: ModelConfig, taps: dict[str, torch.Tensor] | None = None
+              ) -> torch.Tensor:
+    """Gated feed-forward of x = rms_norm(h): [T, D] -> down(sub_norm(act(gate x) * up x)): [T, D], act being
+    cfg.ffn_gate (SiLU: SwiGLU; BitNet's squared ReLU) and sub_norm BitNet's (absent in the other families).
 
     With `w.ffn_rows`, only those neurons are computed and the others count as 0 (the down projection is whole);
     with `w.ffn_mask`, each token's down product takes only the neurons it keeps.
     taps["ffn_gate"] receives the gate pre-activations [T, F] (zeros for neurons not computed) when taps is given.
     """
+    eps = cfg.rms_eps
     if w.ffn_rows is None:
         gate_up = ops.normed_linear(h, w.ffn_norm, eps, w.w_gate_up)  # [T, 2F]: gate | up
     else:
@@ -203,8 +216,9 @@ def swiglu(h: torch.Tensor, w: LayerWeights, eps: float, taps: dict[str, torch.T
         taps["ffn_gate"] = gate_up[:, :d_ff]
     if w.ffn_mask is not None:
         gate, up = gate_up[:, :d_ff], gate_up[:, d_ff:]
-        return ops.linear(F.silu(gate) * up * w.ffn_mask(gate, up), w.w_down)
-    return ops.swiglu_linear(gate_up, w.w_down)
+        gated = ops.GATES[cfg.ffn_gate](gate) * up * w.ffn_mask(gate, up)
+        return ops.linear(gated if w.ffn_sub_norm is None else rms_norm(gated, w.ffn_sub_norm, eps), w.w_down)
+    return ops.gated_linear(gate_up, w.w_down, cfg.ffn_gate, w.ffn_sub_norm, eps)
 
 
 def _sparse_gate_up(x: torch.Tensor, w: LayerWeights) -> tuple[torch.Tensor, torch.Tensor]:
@@ -231,15 +245,17 @@ def pre_norm_block(
     rope_kind: str,
     taps: dict[str, torch.Tensor] | None = None,
 ) -> torch.Tensor:
-    """h + attention(norm(h)), then + swiglu(norm(.)): [T, D] -> [T, D]. A few tokens on the CPU run the whole
+    """h + attention(norm(h)), then + gated_ffn(norm(.)): [T, D] -> [T, D]. A few tokens on the CPU run the whole
     block as one kernel call (the same products and attention, bit for bit) unless the FFN is a row subset or
     masked, or taps are asked for."""
     if (taps is None and w.ffn_rows is None and w.ffn_mask is None
             and ops.uses_cpu_block(h, k_cache, [*w.wqkv, w.wo, *w.w_gate_up, w.w_down])):
+        sub_norms = None if w.attn_sub_norm is None else (w.attn_sub_norm, w.ffn_sub_norm)
         return ops.decoder_block(h, (w.attn_norm, w.ffn_norm), w.wqkv, w.qkv_bias, w.wo, w.w_gate_up, w.w_down,
                                  k_cache, v_cache, start_pos, rope, mask, cfg.rms_eps,
-                                 (cfg.n_heads, cfg.n_kv_heads, cfg.head_dim), neox=rope_kind == "neox")
+                                 (cfg.n_heads, cfg.n_kv_heads, cfg.head_dim), neox=rope_kind == "neox",
+                                 gate=cfg.ffn_gate, sub_norms=sub_norms)
     h = h + attention(h, w, k_cache, v_cache, start_pos, rope, mask, cfg, rope_kind)
-    return h + swiglu(h, w, cfg.rms_eps, taps)
+    return h + gated_ffn(h, w, cfg, taps)
 
 

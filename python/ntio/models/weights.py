@@ -7,8 +7,9 @@ block's encoded bytes (wherever they were read into) as `LayerWeights`; matrices
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -35,7 +36,8 @@ class WeightLayout:
         self.cfg = cfg
         self.family = cfg.family
         self.blocks: list[dict[str, TensorInfo]] = [
-            {t.part: self._checked(t.name(layer), t.shape(cfg)) for t in self.family.tensors}
+            {t.part: self._checked(t.name(layer), t.shape(cfg)) for t in self.family.tensors
+             if not t.optional or t.name(layer) in g.tensors}
             for layer in range(cfg.n_layers)
         ]
         self.token_embd = self._checked("token_embd.weight", (cfg.vocab_size, cfg.d_model))
@@ -64,6 +66,31 @@ class WeightLayout:
     def block_nbytes(self, layer: int) -> int:
         return sum(info.nbytes for info in self.blocks[layer].values())
 
+    def check_scales(self, info: TensorInfo, raw: RawTensor) -> None:
+        """A ModelFormatError naming file, tensor and offset if `info` (its encoded bytes `raw`, on any device) is a
+        ternary tensor with a block whose scale is inf or NaN (quant.first_bad_scale), or a per-tensor weight scale
+        that is not a finite number; nothing for other tensors. Each tensor is checked once, when its bytes are
+        first in memory (a store's bytes are also covered by its checksums from then on)."""
+        if info.name.endswith(".scale"):
+            value = float(quant.dequantize(raw, info.qtype, info.shape)[0])
+            if not math.isfinite(value):
+                raise ModelFormatError(f"{self.file.path}: tensor {info.name!r} (file offset {info.offset}): the "
+                                       f"weight scale is {value}; the file is corrupt")
+            return
+        bad = quant.first_bad_scale(raw, info.qtype)
+        if bad is not None:
+            block, value = bad
+            type_size = quant.encoded_nbytes(info.qtype, (quant.QK_K,))
+            raise ModelFormatError(
+                f"{self.file.path}: tensor {info.name!r}: block {block} (file offset {info.offset + block * type_size}) "
+                f"has a non-finite scale ({value}); the file is corrupt"
+            )
+
+    def check_block(self, layer: int, raw: Callable[[str], RawTensor]) -> None:
+        """`check_scales` on every tensor of block `layer`; raw(part) gives a tensor's bytes."""
+        for part, info in self.blocks[layer].items():
+            self.check_scales(info, raw(part))
+
 
 @dataclass(frozen=True)
 class BlockVectors:
@@ -73,16 +100,23 @@ class BlockVectors:
     attn_norm: torch.Tensor  # [D]
     ffn_norm: torch.Tensor  # [D]
     qkv_bias: torch.Tensor | None  # [Q + 2 KV], q/k/v biases concatenated; None for families without them
+    attn_sub_norm: torch.Tensor | None = None  # [Q] (BitNet)
+    ffn_sub_norm: torch.Tensor | None = None  # [F] (BitNet)
+    scales: dict[str, float] = field(default_factory=dict)  # matrix part -> its per-tensor scale (BitNet), if any
 
 
 def decode_vectors(tensors: dict[str, TensorInfo], raw: Callable[[str], RawTensor]) -> BlockVectors:
-    def vector(part: str) -> torch.Tensor:
-        info = tensors[part]
-        return quant.dequantize(raw(part), info.qtype, info.shape)
+    """The vectors of a block whose tensors are `tensors` (part -> info); raw(part) gives a tensor's bytes."""
+
+    def vector(part: str) -> torch.Tensor | None:
+        info = tensors.get(part)
+        return None if info is None else quant.dequantize(raw(part), info.qtype, info.shape)
 
     bias_parts = ("attn_q.bias", "attn_k.bias", "attn_v.bias")
     qkv_bias = torch.cat([vector(p) for p in bias_parts]) if bias_parts[0] in tensors else None
-    return BlockVectors(vector("attn_norm"), vector("ffn_norm"), qkv_bias)
+    scales = {part.removesuffix(".scale"): float(vector(part)[0]) for part in tensors if part.endswith(".scale")}
+    return BlockVectors(vector("attn_norm"), vector("ffn_norm"), qkv_bias, vector("attn_sub_norm"),
+                        vector("ffn_sub_norm"), scales)
 
 
 def encoded_block(
@@ -95,11 +129,12 @@ def encoded_block(
     fused into single products (ops.fuse_adjacent).
     """
 
+    v = vectors if vectors is not None else decode_vectors(tensors, raw)
+
     def matrix(part: str) -> EncodedMatrix:
         info = tensors[part]
-        return EncodedMatrix(raw(part), info.qtype, info.shape)
+        return EncodedMatrix(raw(part), info.qtype, info.shape, v.scales.get(part, 1.0))
 
-    v = vectors if vectors is not None else decode_vectors(tensors, raw)
     return LayerWeights(
         attn_norm=v.attn_norm,
         wqkv=ops.fuse_adjacent([matrix("attn_q"), matrix("attn_k"), matrix("attn_v")]),
@@ -108,6 +143,8 @@ def encoded_block(
         ffn_norm=v.ffn_norm,
         w_gate_up=ops.fuse_adjacent([matrix("ffn_gate"), matrix("ffn_up")]),
         w_down=matrix("ffn_down"),
+        attn_sub_norm=v.attn_sub_norm,
+        ffn_sub_norm=v.ffn_sub_norm,
     )
 
 
@@ -121,7 +158,9 @@ def load_global_weights(
     False: the output head streams (GlobalWeights.output is None), and a tied table must then come as token_embd."""
 
     def matrix(info: TensorInfo) -> EncodedMatrix:
-        return EncodedMatrix(read(info).to(device), info.qtype, info.shape)
+        raw = read(info)
+        layout.check_scales(info, raw)
+        return EncodedMatrix(raw.to(device), info.qtype, info.shape)
 
     def decoded(info: TensorInfo) -> torch.Tensor:
         return quant.dequantize(read(info).to(device), info.qtype, info.shape)

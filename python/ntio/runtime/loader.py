@@ -623,7 +623,8 @@ class LayerLoader:
             return buf[start : start + tensors[part].nbytes]
 
         vectors = self._vectors.get(layer)
-        if vectors is None:
+        if vectors is None:  # the layer's first bytes in memory (a resident layer's only ones)
+            self.layout.check_block(layer, raw)
             vectors = decode_vectors(tensors, raw)
             if keep_vectors:
                 self._vectors[layer] = vectors
