@@ -37,6 +37,7 @@ import torch.nn.functional as F
 
 import ntio
 from ntio.fetch import resolve_model
+from ntio.formats.gguf_metadata import copy_metadata
 from ntio.policies.base import FFNMask, LoadPolicy
 from ntio.policies.sparse_ffn import NeuronSelection, SparseFFNPolicy, consecutive_groups
 
@@ -116,15 +117,8 @@ def with_requantized_down(src: Path, dst: Path, qtype: gguf.GGMLQuantizationType
     transpose [F, D] quantized to `qtype` from the dequantized values, dequantized again and transposed back,
     stored as float32."""
     reader = gguf.GGUFReader(src)
-    arch = reader.fields["general.architecture"].contents()
-    writer = gguf.GGUFWriter(dst, arch)
-    for key, value in reader.fields.items():
-        if key.startswith("GGUF.") or key == "general.architecture":
-            continue
-        if value.types[0] == gguf.GGUFValueType.ARRAY:
-            writer.add_array(key, value.contents())
-        else:
-            writer.add_key_value(key, value.contents(), value.types[0])
+    writer = gguf.GGUFWriter(dst, reader.fields["general.architecture"].contents())
+    copy_metadata(reader, writer)
     for t in reader.tensors:
         if t.name.endswith("ffn_down.weight"):
             rows = gguf.quants.dequantize(t.data, t.tensor_type).T  # [F, D]

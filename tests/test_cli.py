@@ -12,6 +12,7 @@ import gguf
 import numpy as np
 import pytest
 
+from ntio.formats.gguf_metadata import copy_metadata
 from ntio.synth import SynthSpec, write_synthetic_gguf
 
 
@@ -152,17 +153,11 @@ def _rewrite(src: Path, dst: Path, *, arch: str | None = None, drop_key: str | N
     old_arch = reader.fields["general.architecture"].contents()
     arch_name = arch or old_arch
     w = gguf.GGUFWriter(dst, arch_name)
-    for key, field in reader.fields.items():
-        if key.startswith("GGUF.") or key == "general.architecture" or key == drop_key:
-            continue
-        if key.startswith(f"{old_arch}."):
-            key = f"{arch_name}.{key[len(old_arch) + 1:]}"
-        value = field.contents()
-        vtype = field.types[0]
-        if vtype == gguf.GGUFValueType.ARRAY:
-            w.add_array(key, value)
-        else:
-            w.add_key_value(key, value, vtype)
+
+    def renamed(key: str) -> str:
+        return f"{arch_name}.{key[len(old_arch) + 1:]}" if key.startswith(f"{old_arch}.") else key
+
+    copy_metadata(reader, w, keep=lambda key: key != drop_key, rename=renamed)
     for t in reader.tensors:
         qtype = t.tensor_type
         data = t.data

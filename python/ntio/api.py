@@ -209,6 +209,12 @@ class LLM:
         if self.draft is not None:
             self.draft.close()
 
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
     # -- prompts ---------------------------------------------------------------------------------------------
 
     def encode_prompt(self, prompt: str | Sequence[int], *, chat: bool = False, system: str | None = None) -> list[int]:
