@@ -1,7 +1,8 @@
 """ntio (every layer resident, and every layer read from disk at each use) against llama.cpp on the same GGUF.
 
-Each engine runs in a fresh process: load, then one greedy chat completion of `--tokens` tokens on the same prompt,
-with the same thread count; decode and prefill tok/s come from each engine's own counters (ntio's Completion,
+Each engine runs in a fresh process: load, then one greedy chat completion of `--tokens` tokens on the same prompt
+(for ntio as plain text where the model has no chat template, as the synthetic ones: llama-cpp-python then applies
+its default format), with the same thread count; decode and prefill tok/s come from each engine's own counters (ntio's Completion,
 llama.cpp's perf context via ../shared/tools/llamacpp_decode.py). Engines alternate within every round (the order
 rotates), and the result is one JSON object: per-round figures, medians, and median per-round ratios to llama.cpp.
 
@@ -29,11 +30,13 @@ PEER_PYTHON = Path.home() / ".cache" / "ntio-peers" / "llamacpp-venv" / "bin" / 
 _NTIO = r"""
 import json, sys
 import ntio
+from ntio.formats.model_file import open_model_file
 from ntio.kernels import cpu_kernels
 path, tiers, tokens, threads, prompt = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), sys.argv[5]
 cpu_kernels.set_threads(threads)
 m = ntio.load(path, max_context=1024, tiers=tiers, threads=threads)
-c = m.generate(prompt, chat=True, max_new_tokens=tokens)
+chat = "tokenizer.chat_template" in open_model_file(path).metadata  # synthetic models have none: plain text
+c = m.generate(prompt, chat=chat, max_new_tokens=tokens)
 print(json.dumps({"decode_tok_s": c.decode_tok_s, "prefill_tok_s": c.prefill_tok_s,
                   "read_mb_per_token": m.stats.summary()["bytes_read_per_token"] / 1e6}))
 """

@@ -27,6 +27,7 @@ import ntio
 from bitnet_model import ternarised_model, write_gguf
 from ntio.errors import ModelFormatError
 from ntio.formats.gguf_metadata import copy_metadata
+from ntio.formats.store import convert
 from ntio.synth import preset, write_synthetic_gguf
 from references import hf_perplexity, rel_l2
 
@@ -181,8 +182,8 @@ def _edited(src: Path, dst: Path, *, drop: str | None = None, bad_scale: str | N
         data = np.array(t.data)
         if t.name == bad_scale:
             d_at = {T.TQ1_0: 52, T.TQ2_0: 64}[t.tensor_type]
-            data.reshape(-1, data.shape[-1] // (data.shape[-1] // gguf.GGML_QUANT_SIZES[t.tensor_type][1]))[
-                2, d_at : d_at + 2] = np.array([np.inf], np.float16).view(np.uint8)
+            blocks = data.reshape(-1, gguf.GGML_QUANT_SIZES[t.tensor_type][1])
+            blocks[2, d_at : d_at + 2] = np.array([np.inf], np.float16).view(np.uint8)
         w.add_tensor(t.name, data, raw_dtype=t.tensor_type)
     w.write_header_to_file()
     w.write_kv_data_to_file()
@@ -222,3 +223,21 @@ def test_bad_bitnet_files_are_one_line_on_the_cli(synthetic, tmp_path):
                        (_ntio("info", str(norm)), "missing tensor 'blk.0.ffn_sub_norm.weight'")):
         assert run.returncode == 1 and "Traceback" not in run.stderr
         assert len(run.stderr.strip().splitlines()) == 1 and named in run.stderr, run.stderr
+
+
+@pytest.mark.parametrize("qtype", [T.TQ2_0, T.TQ1_0], ids=lambda t: t.name)
+def test_a_ternary_store_gives_the_gguf_tokens(synthetic, tmp_path, qtype):
+    """`ntio convert` keeps ternary blocks as they are: the store, streamed from disk, gives the GGUF's greedy
+    tokens, resident."""
+    store = convert(synthetic[qtype], tmp_path / "model.ntio")
+    with ntio.load(synthetic[qtype], tiers="A") as gguf_model, ntio.load(store, tiers="C") as store_model:
+        want = gguf_model.generate("hello", max_new_tokens=12, temperature=0.0).token_ids
+        assert store_model.generate("hello", max_new_tokens=12, temperature=0.0).token_ids == want
+
+
+def test_convert_refuses_a_non_finite_block_scale(synthetic, tmp_path):
+    bad = _edited(synthetic[T.TQ1_0], tmp_path / "bad.gguf", bad_scale="blk.1.attn_v.weight")
+    run = _ntio("convert", str(bad), "-o", str(tmp_path / "bad.ntio"))
+    assert run.returncode == 1 and len(run.stderr.strip().splitlines()) == 1, run.stderr
+    assert "tensor 'blk.1.attn_v.weight': block 2" in run.stderr
+    assert list(tmp_path.iterdir()) == [bad]  # nothing half-written

@@ -432,6 +432,7 @@ def info(model, as_json) -> None:
     from ntio.fetch import resolve_model
     from ntio.models.config import ModelConfig
     from ntio.formats.model_file import open_model_file
+    from ntio.formats.store import layer_of
     from ntio.models.weights import WeightLayout
 
     g = open_model_file(resolve_model(model))
@@ -444,10 +445,12 @@ def info(model, as_json) -> None:
         "name": g.metadata.get("general.name"), "n_layers": cfg.n_layers, "d_model": cfg.d_model, "d_ff": cfg.d_ff,
         "n_heads": cfg.n_heads, "n_kv_heads": cfg.n_kv_heads, "vocab_size": cfg.vocab_size,
         "context_length": cfg.context_length, "rope_theta": cfg.rope_theta, "rope_scaling": cfg.rope_scaling.kind,
-        "tied_embeddings": cfg.tied_embeddings, "tokenizer": g.metadata.get("tokenizer.ggml.model"),
-        "n_tensors": len(g.tensors), "tensor_types": dict(types.most_common()),
+        "tied_embeddings": cfg.tied_embeddings, "ffn_gate": cfg.ffn_gate,
+        "tokenizer": g.metadata.get("tokenizer.ggml.model"), "n_tensors": len(g.tensors), "tensor_types": dict(types.most_common()),
         "bytes_per_layer": layer_bytes, "layer_bytes_total": sum(layer_bytes),
         "tensor_bytes_total": sum(t.nbytes for t in g.tensors.values()),
+        "layer_bits_per_weight": round(8 * sum(t.nbytes for t in g.tensors.values() if layer_of(t.name) is not None)
+                                 / max(1, sum(t.n_elements for t in g.tensors.values() if layer_of(t.name) is not None)), 3),
     }
     if as_json:
         click.echo(json.dumps(summary))

@@ -805,55 +805,104 @@ impl SimdDense for blocks::BF16 {
     }
 }
 
-/// TQ1_0/TQ2_0: ternary codes with one float16 scale per block of 256 (at byte `D_AT`); their integer sums need
-/// no sub-scales (every multiplier is 1).
-trait Ternary: SimdFormat {
+/// TQ1_0/TQ2_0: ternary codes c (0..=2; TQ2_0's 2-bit field may hold a stray 3) with one float16 scale d per
+/// block of 256 (at byte `D_AT`): weight = d · (c - 1).
+trait Ternary: Format {
     const D_AT: usize;
+    /// Codes c of group `g` of the block at `b` (`Self::BYTES` readable bytes), byte j = element j.
+    unsafe fn unsigned_codes(b: *const u8, g: usize) -> __m256i;
 }
 
-impl Ternary for blocks::TQ1_0 {
-    const D_AT: usize = 52;
+impl<F: Ternary> SimdFormat for F {
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn code_bytes(b: *const u8, g: usize) -> __m256i {
+        // SAFETY: the caller's contract is `unsigned_codes`'.
+        _mm256_sub_epi8(unsafe { F::unsigned_codes(b, g) }, _mm256_set1_epi8(1))
+    }
+
+    fn int_kernel() -> Kernel {
+        // SAFETY: `matmul` selects this kernel only when `available()` returned true.
+        Kernel::Row(|a, row, y| unsafe { ternary_row::<F>(a, row, y) })
+    }
+}
+
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn ternary_row<F: Ternary>(a: &Activations, row: &[u8], y: &mut [f32; MAX_T]) {
+    // Tiles of 8, 4, 2 or 1 activation rows share each group's decoded codes, as in `int_row`.
+    let mut t0 = 0;
+    while t0 < a.t {
+        let out = &mut y[t0..];
+        // SAFETY: (all four) same contract as this function; t0 + R <= a.t.
+        t0 += match a.t - t0 {
+            8.. => unsafe { ternary_rows::<F, 8>(a, row, t0, out) },
+            4..=7 => unsafe { ternary_rows::<F, 4>(a, row, t0, out) },
+            2..=3 => unsafe { ternary_rows::<F, 2>(a, row, t0, out) },
+            _ => unsafe { ternary_rows::<F, 1>(a, row, t0, out) },
+        };
+    }
+}
+
+/// y[0..R] for activation rows t0..t0 + R; returns R.
+///
+/// Σ (c - 1)·x = Σ c·x - Σ x over an activation span: the unsigned codes go straight into `maddubs` (no sign
+/// trick), whose pair sums (|c·x + c'·x'| <= 2·3·127) add up in 16 bits over the span's 4 groups; one `madd` per
+/// span widens them, and the span's Σx (`Q8Rows::lane_sums`, 8 lanes of 16 elements) comes off in 32 bits. The
+/// integer sum is exact; each row has its own accumulators, so its result does not depend on R.
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn ternary_rows<F: Ternary, const R: usize>(
+    a: &Activations,
+    row: &[u8],
+    t0: usize,
+    y: &mut [f32],
+) -> usize {
+    let q8 = a.q8_for(F::BLOCK);
+    let span = activation_span(F::BLOCK);
+    let (groups, per_block, per_span) = (F::BLOCK / GROUP, F::BLOCK / span, span / GROUP);
+    let spans = a.k / span;
+    let ones = _mm256_set1_epi16(1);
+    let mut acc = [_mm256_setzero_ps(); R];
+    for (bi, b) in row.chunks_exact(F::BYTES).enumerate() {
+        prefetch(b.as_ptr().wrapping_add(ROW_PREFETCH), F::BYTES);
+        // SAFETY: the block holds its d at D_AT..D_AT + 2.
+        let d = unsafe { b.as_ptr().add(F::D_AT).cast::<u16>().read_unaligned() };
+        let d = _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(i32::from(d))));
+        for sp in 0..per_block {
+            let mut pairs = [_mm256_setzero_si256(); R];
+            for g in sp * per_span..(sp + 1) * per_span {
+                // SAFETY: `b` holds F::BYTES bytes.
+                let c = unsafe { F::unsigned_codes(b.as_ptr(), g) };
+                let gi = bi * groups + g;
+                for r in 0..R {
+                    // SAFETY: `matmul` quantized t * k codes (t0 + r < t) and checked row.len() == k / BLOCK *
+                    // BYTES, so group gi of row t0 + r is inside them.
+                    let x = unsafe { load32(q8.codes.as_ptr().add((t0 + r) * a.k + gi * GROUP).cast()) };
+                    pairs[r] = _mm256_add_epi16(pairs[r], _mm256_maddubs_epi16(c, x));
+                }
+            }
+            let si = bi * per_block + sp;
+            for r in 0..R {
+                // SAFETY: the row's lane sums hold 8 per span, `spans` spans (`Q8Rows::q8_k`).
+                let sum_x = unsafe { load32(q8.lane_sums.as_ptr().add(8 * ((t0 + r) * spans + si)).cast()) };
+                let isum = _mm256_sub_epi32(_mm256_madd_epi16(pairs[r], ones), sum_x);
+                let scale = _mm256_set1_ps(d * q8.scales[(t0 + r) * spans + si]);
+                acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), scale, acc[r]);
+            }
+        }
+    }
+    for r in 0..R {
+        y[r] = hsum(acc[r]);
+    }
+    R
 }
 
 impl Ternary for blocks::TQ2_0 {
     const D_AT: usize = 64;
-}
 
-impl<F: Ternary> SuperBlock for F {
-    type IntScales = f32;
-
+    /// Group g = 4h + l: bits 2l..2l+2 of qs[32h..32h + 32].
     #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn int_scales(b: *const u8) -> f32 {
-        // SAFETY: the block has `Self::BYTES` bytes, its d at D_AT..D_AT + 2.
-        let d = unsafe { b.add(F::D_AT).cast::<u16>().read_unaligned() };
-        _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(i32::from(d))))
-    }
-
-    #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn multipliers(_s: &f32, _g: usize) -> __m256i {
-        _mm256_set1_epi16(1)
-    }
-
-    fn block_d(s: &f32) -> f32 {
-        *s
-    }
-
-    /// Ternary types are symmetric: no offsets.
-    unsafe fn group_ms(_s: &f32) -> __m256 {
-        _mm256_setzero_ps()
-    }
-}
-
-impl SimdFormat for blocks::TQ2_0 {
-    #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn code_bytes(b: *const u8, g: usize) -> __m256i {
-        // SAFETY: the caller passes 66 readable bytes; group g's codes are bits 2(g % 4).. of qs[32(g / 4)..].
-        let qs = unsafe { load32(b.add(32 * (g / 4))) };
-        _mm256_sub_epi8(bits32(qs, 2 * (g % 4), 3), _mm256_set1_epi8(1))
-    }
-
-    fn int_kernel() -> Kernel {
-        Kernel::Row(int::<blocks::TQ2_0>())
+    unsafe fn unsigned_codes(b: *const u8, g: usize) -> __m256i {
+        // SAFETY: the caller passes 66 readable bytes; qs is 0..64.
+        bits32(unsafe { load32(b.add(32 * (g / 4))) }, 2 * (g % 4), 3)
     }
 }
 
@@ -875,11 +924,13 @@ fn trits(bytes: __m256i, pow3: __m256i) -> __m256i {
     )
 }
 
-impl SimdFormat for blocks::TQ1_0 {
+impl Ternary for blocks::TQ1_0 {
+    const D_AT: usize = 52;
+
     /// Groups 0-4: trit g of qs[0..32]; 5 and 6: trits 2(g - 5) and 2(g - 5) + 1 of qs[32..48] (one per 128-bit
     /// half); 7: trit 4 of qs[32..48], then the 4 bytes of qh four times with trits 0, 1, 2, 3 (`blocks::tq1_place`).
     #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn code_bytes(b: *const u8, g: usize) -> __m256i {
+    unsafe fn unsigned_codes(b: *const u8, g: usize) -> __m256i {
         let pow = |n: usize| _mm_set1_epi16(i16::from(blocks::POW3[n]));
         // SAFETY (all loads): the caller passes 54 readable bytes; qs is 0..48, qh 48..52.
         let (bytes, pow3) = unsafe {
@@ -898,10 +949,6 @@ impl SimdFormat for blocks::TQ1_0 {
                 ),
             }
         };
-        _mm256_sub_epi8(trits(bytes, pow3), _mm256_set1_epi8(1))
-    }
-
-    fn int_kernel() -> Kernel {
-        Kernel::Row(int::<blocks::TQ1_0>())
+        trits(bytes, pow3)
     }
 }

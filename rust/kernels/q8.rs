@@ -9,6 +9,9 @@
 
 use super::blocks::GROUP;
 
+/// Elements per entry of `Q8Rows::lane_sums`.
+pub const LANE: usize = 16;
+
 /// x [t, k] as 8-bit codes with one scale per span.
 pub struct Q8Rows {
     /// [t, k] codes in -127..=127, row-major.
@@ -17,6 +20,9 @@ pub struct Q8Rows {
     pub scales: Vec<f32>,
     /// [t, k / GROUP] Σx̂ = scale · Σcodes of each 32 elements (what affine weights' offsets multiply).
     pub sums: Vec<f32>,
+    /// [t, k / LANE] Σcodes of each LANE elements: per span, the integer Σx the ternary kernels take off their
+    /// codes' sums, as one vector of 8 lanes (spans of 128).
+    pub lane_sums: Vec<i32>,
     span: usize,
     k: usize,
 }
@@ -46,10 +52,15 @@ impl Q8Rows {
                     .map(|g| d * g.iter().map(|&c| i32::from(c)).sum::<i32>() as f32),
             );
         }
+        let lane_sums = codes
+            .chunks_exact(LANE)
+            .map(|c| c.iter().map(|&c| i32::from(c)).sum())
+            .collect();
         Q8Rows {
             codes,
             scales,
             sums,
+            lane_sums,
             span,
             k,
         }

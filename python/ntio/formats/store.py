@@ -22,11 +22,13 @@ from typing import Any
 
 import gguf
 import numpy as np
+import torch
 
 from ntio import _core
 from ntio.errors import ModelFormatError
 from ntio.files import replacing
 from ntio.formats.gguf_file import GGUFFile, ModelFileBase, TensorInfo
+from ntio.kernels import quant
 
 STORE_MAGIC: bytes = _core.STORE_MAGIC
 STORE_SUFFIX = ".ntio"
@@ -142,6 +144,9 @@ def convert(source: str | os.PathLike[str], target: str | os.PathLike[str], prog
         for group_index, (group, group_offsets) in enumerate(zip(groups, offsets)):
             for t, offset in zip(group, group_offsets):
                 data = g.tensor_bytes(t.name)
+                if t.qtype in quant.TERNARY_TYPES:  # a store is written from sound blocks only
+                    quant.check_scales(torch.from_numpy(np.array(data)), t.qtype, f"{g.path}: tensor {t.name!r}",
+                                       t.offset)
                 f.seek(offset)
                 f.write(data)
                 records.append({

@@ -24,7 +24,7 @@ import gguf
 import numpy as np
 import torch
 
-from ntio.errors import UnsupportedModelError
+from ntio.errors import ModelFormatError, UnsupportedModelError
 
 T = gguf.GGMLQuantizationType
 QK_K = 256  # elements in a K-quant super-block
@@ -294,24 +294,24 @@ TERNARY_TYPES: frozenset[gguf.GGMLQuantizationType] = frozenset({T.TQ1_0, T.TQ2_
 _TERNARY_SCALE_AT = {T.TQ1_0: 52, T.TQ2_0: 64}  # byte offset of the float16 d in a block
 
 
-def first_bad_scale(raw: torch.Tensor, qtype: gguf.GGMLQuantizationType | int) -> tuple[int, float] | None:
-    """(block index, value) of the first block of a ternary tensor whose scale d is not finite, else None (also for
-    every other type). raw: the tensor's encoded bytes, 1-D uint8, on any device.
+def check_scales(raw: torch.Tensor, qtype: gguf.GGMLQuantizationType | int, where: str, file_offset: int) -> None:
+    """A ModelFormatError naming `where` (file and tensor) and the block's file offset if a block of a ternary tensor
+    has an inf or NaN scale d; nothing for other types. raw: the tensor's encoded bytes, 1-D uint8, on any device,
+    starting at `file_offset` in its file.
 
-    Ternary blocks are scale · {-1, 0, +1}: an inf or NaN scale would spread through every product it meets, so a
-    model's ternary tensors are checked once, when their bytes are first in memory."""
+    Ternary blocks are d · {-1, 0, +1}: a non-finite d would spread through every product it meets, so a model's
+    ternary tensors are checked once, when their bytes are first in memory (and before a store is written)."""
     qt = _qtype(qtype)
     if qt not in TERNARY_TYPES or raw.numel() == 0:
-        return None
+        return
     type_size = gguf.GGML_QUANT_SIZES[qt][1]
     at = _TERNARY_SCALE_AT[qt]
-    blocks = raw.view(-1, type_size)
-    d = blocks[:, at : at + 2].contiguous().view(torch.float16)[:, 0]
+    d = raw.view(-1, type_size)[:, at : at + 2].contiguous().view(torch.float16)[:, 0]
     bad = (~torch.isfinite(d)).nonzero()
-    if bad.numel() == 0:
-        return None
-    i = int(bad[0, 0])
-    return i, float(d[i])
+    if bad.numel():
+        block = int(bad[0, 0])
+        raise ModelFormatError(f"{where}: block {block} (file offset {file_offset + block * type_size}) has a "
+                               f"non-finite scale ({float(d[block])})")
 
 SUPPORTED_TYPES: frozenset[gguf.GGMLQuantizationType] = frozenset(_DEQUANTIZERS)
 

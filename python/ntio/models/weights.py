@@ -68,23 +68,16 @@ class WeightLayout:
 
     def check_scales(self, info: TensorInfo, raw: RawTensor) -> None:
         """A ModelFormatError naming file, tensor and offset if `info` (its encoded bytes `raw`, on any device) is a
-        ternary tensor with a block whose scale is inf or NaN (quant.first_bad_scale), or a per-tensor weight scale
+        ternary tensor with a block whose scale is inf or NaN (quant.check_scales), or a per-tensor weight scale
         that is not a finite number; nothing for other tensors. Each tensor is checked once, when its bytes are
         first in memory (a store's bytes are also covered by its checksums from then on)."""
+        where = f"{self.file.path}: tensor {info.name!r}"
         if info.name.endswith(".scale"):
             value = float(quant.dequantize(raw, info.qtype, info.shape)[0])
             if not math.isfinite(value):
-                raise ModelFormatError(f"{self.file.path}: tensor {info.name!r} (file offset {info.offset}): the "
-                                       f"weight scale is {value}; the file is corrupt")
+                raise ModelFormatError(f"{where} (file offset {info.offset}): the weight scale is {value}")
             return
-        bad = quant.first_bad_scale(raw, info.qtype)
-        if bad is not None:
-            block, value = bad
-            type_size = quant.encoded_nbytes(info.qtype, (quant.QK_K,))
-            raise ModelFormatError(
-                f"{self.file.path}: tensor {info.name!r}: block {block} (file offset {info.offset + block * type_size}) "
-                f"has a non-finite scale ({value}); the file is corrupt"
-            )
+        quant.check_scales(raw, info.qtype, where, info.offset)
 
     def check_block(self, layer: int, raw: Callable[[str], RawTensor]) -> None:
         """`check_scales` on every tensor of block `layer`; raw(part) gives a tensor's bytes."""
