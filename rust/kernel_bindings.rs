@@ -235,7 +235,10 @@ fn decoder_block(
     let cache_k = Lent::<f32>::typed(cache_k, "cache_k", Access::Write)?;
     let cache_v = Lent::<f32>::typed(cache_v, "cache_v", Access::Write)?;
     let qkv = qkv.iter().map(lend_matrix).collect::<PyResult<Vec<_>>>()?;
-    let gate_up = gate_up.iter().map(lend_matrix).collect::<PyResult<Vec<_>>>()?;
+    let gate_up = gate_up
+        .iter()
+        .map(lend_matrix)
+        .collect::<PyResult<Vec<_>>>()?;
     let (wo, down) = (lend_matrix(&wo)?, lend_matrix(&down)?);
     let floats =
         |obj: &Bound<'_, PyAny>, name: &'static str| Lent::<f32>::typed(obj, name, Access::Read);

@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from ntio.formats.gguf_metadata import copy_metadata
+from ntio.synth import SynthSpec, write_hyperparameters
 
 # HF name in a layer -> GGUF part (ternarised projections first, then the norms).
 PROJECTIONS = {
@@ -73,17 +74,13 @@ def write_gguf(model, path: Path, qtype: gguf.GGMLQuantizationType, tokenizer_fr
     """`model` (from `ternarised_model`) as a `bitnet` GGUF at `path`, its matrices in `qtype`, its tokenizer
     metadata copied from the GGUF `tokenizer_from` (whose vocabulary must be the model's size)."""
     cfg = model.config
+    assert cfg.rms_norm_eps == 1e-5  # write_hyperparameters' epsilon
     w = gguf.GGUFWriter(path, "bitnet")
     w.add_name("ntio test BitNet b1.58 (random ternary weights)")
-    w.add_block_count(cfg.num_hidden_layers)
-    w.add_context_length(cfg.max_position_embeddings)
-    w.add_embedding_length(cfg.hidden_size)
-    w.add_feed_forward_length(cfg.intermediate_size)
-    w.add_head_count(cfg.num_attention_heads)
-    w.add_head_count_kv(cfg.num_key_value_heads)
-    w.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
-    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    w.add_vocab_size(cfg.vocab_size)
+    write_hyperparameters(w, SynthSpec(
+        n_layers=cfg.num_hidden_layers, d_model=cfg.hidden_size, d_ff=cfg.intermediate_size,
+        n_heads=cfg.num_attention_heads, n_kv_heads=cfg.num_key_value_heads, vocab_size=cfg.vocab_size,
+        context_length=cfg.max_position_embeddings, rope_theta=cfg.rope_parameters["rope_theta"]))
     if cfg.hidden_act != "silu":  # llama.cpp's default
         w.add_string("bitnet.hidden_activation", cfg.hidden_act)
     copy_metadata(_reader(tokenizer_from), w, keep=lambda key: key.startswith("tokenizer."))

@@ -34,3 +34,14 @@ def hf_perplexity(model, ids: list[int], ctx: int) -> tuple[float, int]:
         nll += float(torch.nn.functional.cross_entropy(logits[:-1], torch.tensor(window[1:]), reduction="sum"))
         count += len(window) - 1
     return float(torch.tensor(nll / count).exp()), count
+
+
+@torch.inference_mode()
+def hf_greedy(model, ids: list[int], n: int, near_tie: float) -> tuple[list[int], int]:
+    """(the reference's n greedy tokens after `ids`, how many of them to compare): up to the first step whose top
+    two logits are closer than `near_tie`, where float rounding may pick either token."""
+    out = model.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False, output_scores=True,
+                         return_dict_in_generate=True, eos_token_id=None, pad_token_id=0)
+    want = out.sequences[0, len(ids):].tolist()
+    margins = [float(s[0].topk(2).values[0] - s[0].topk(2).values[1]) for s in out.scores]
+    return want, next((i for i, m in enumerate(margins) if m < near_tie), len(want))

@@ -29,7 +29,7 @@ from ntio.errors import ModelFormatError
 from ntio.formats.gguf_metadata import copy_metadata
 from ntio.formats.store import convert
 from ntio.synth import preset, write_synthetic_gguf
-from references import hf_perplexity, rel_l2
+from references import hf_greedy, hf_perplexity, rel_l2
 
 pytest.importorskip("transformers")
 T = gguf.GGMLQuantizationType
@@ -85,11 +85,7 @@ def test_greedy_tokens_match_transformers_up_to_a_near_tie(model, files):
         with ntio.load(path, max_context=512, cpu_activations="float32", tiers=tiers) as ours:
             for prompt in PROMPTS[:3]:
                 ids = ours.encode_prompt(prompt)
-                out = model.generate(torch.tensor([ids]), max_new_tokens=32, do_sample=False, output_scores=True,
-                                     return_dict_in_generate=True, eos_token_id=None, pad_token_id=0)
-                want = out.sequences[0, len(ids):].tolist()
-                margins = [float(s[0].topk(2).values[0] - s[0].topk(2).values[1]) for s in out.scores]
-                compared = next((i for i, m in enumerate(margins) if m < NEAR_TIE), len(want))
+                want, compared = hf_greedy(model, ids, 32, NEAR_TIE)
                 assert compared >= 16, f"{prompt!r}: near-tie at step {compared}; pick another prompt"
                 got = ours.generate(ids, max_new_tokens=32, temperature=0.0).token_ids
                 assert got[:compared] == want[:compared], (tiers, prompt)

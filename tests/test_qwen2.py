@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import ntio
-from references import hf_model, hf_perplexity, rel_l2
+from references import hf_greedy, hf_model, hf_perplexity, rel_l2
 
 pytest.importorskip("transformers")  # the oracle (tests/references.py)
 pytestmark = pytest.mark.qwen
@@ -57,11 +57,7 @@ def test_greedy_64_tokens_identical_up_to_a_near_tie(pair):
     ours, ref = pair
     for prompt in GREEDY_PROMPTS:
         ids = ours.encode_prompt(prompt)
-        out = ref.generate(torch.tensor([ids]), max_new_tokens=64, do_sample=False, output_scores=True,
-                           return_dict_in_generate=True, eos_token_id=None, pad_token_id=0)
-        want = out.sequences[0, len(ids):].tolist()
-        margins = [float(s[0].topk(2).values[0] - s[0].topk(2).values[1]) for s in out.scores]
-        compared = next((i for i, m in enumerate(margins) if m < NEAR_TIE), len(want))
+        want, compared = hf_greedy(ref, ids, 64, NEAR_TIE)
         assert compared >= 32, f"{prompt!r}: near-tie at step {compared}; pick another prompt"
         got = ours.generate(ids, max_new_tokens=64, temperature=0.0).token_ids
         assert got[:compared] == want[:compared], prompt

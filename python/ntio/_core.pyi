@@ -114,29 +114,33 @@ KERNEL_MAX_T: int
 KERNEL_K_SPAN: int
 """Elements per activation scale for the K-quants (the 32-element types take 32)."""
 
-def quantized_matmul(x: Buffer, t: int, k: int, matrices: list[tuple[Buffer, int, int]], out: Buffer, *,
-                     isa: str = "best", int8: bool = True, norm: Buffer | None = None, eps: float = 0.0,
-                     swiglu: bool = False) -> None:
-    """out [t, Σn] = prologue(x) [t, k] @ [W1; W2; ...].T, each matrix given as (raw, ggml type id, n): W [n, k]
-    GGUF-encoded in raw (GIL released).
+Matrix = tuple[Buffer, int, int, float]  # (raw, ggml type id, n, scale)
 
-    x: t * k float32 (t * 2k with swiglu); raw: uint8, exactly W's encoded size; out: t * Σn float32, writable,
+def quantized_matmul(x: Buffer, t: int, k: int, matrices: list[Matrix], out: Buffer, *, isa: str = "best",
+                     int8: bool = True, norm: Buffer | None = None, eps: float = 0.0, gate: str | None = None) -> None:
+    """out [t, Σn] = prologue(x) [t, k] @ [W1; W2; ...].T, each matrix given as (raw, ggml type id, n, scale): W
+    [n, k] GGUF-encoded in raw, its products times scale (GIL released).
+
+    x: t * k float32 (t * 2k with gate); raw: uint8, exactly W's encoded size; out: t * Σn float32, writable,
     sharing no memory with x or any raw; norm: k float32; all C-contiguous buffers (numpy arrays; torch tensors via
-    `.numpy()`). Prologue: norm (RMSNorm of each row with eps), or swiglu (x rows are [gate | up]: silu(gate) *
-    up), or none. BufferError (a ValueError) naming the argument for a wrong element type, layout, writability or
-    overlap; ValueError for an unsupported type, sizes that do not match, or a kernel set this CPU lacks. isa:
-    `best`, `avx512`, `avx2` or `scalar`; int8: activations of quantized types quantized to 8 bits (Q8_0 spans of
-    32; spans of 128 for the K-quants) with integer products, else float32.
+    `.numpy()`). Prologue, in this order: gate (`silu` or `relu2`: x rows are [gate | up] -> act(gate) * up), then
+    norm (RMSNorm of each row with eps); either may be absent. BufferError (a ValueError) naming the argument for a
+    wrong element type, layout, writability or overlap; ValueError for an unsupported type or gate, sizes that do
+    not match, or a kernel set this CPU lacks. isa: `best`, `avx512`, `avx2` or `scalar`; int8: activations of
+    quantized types quantized to 8 bits (Q8_0 spans of 32; spans of 128 for the 256-element types) with integer
+    products, else float32.
     """
-def decoder_block(h: Buffer, d: int, attn_norm: Buffer, qkv: list[tuple[Buffer, int, int]], qkv_bias: Buffer | None,
-                  wo: tuple[Buffer, int, int], ffn_norm: Buffer, gate_up: list[tuple[Buffer, int, int]],
-                  down: tuple[Buffer, int, int], cache_k: Buffer, cache_v: Buffer, capacity: int, start: int,
-                  cos: Buffer, sin: Buffer, mask: Buffer | None, *, eps: float, n_heads: int, n_kv_heads: int,
-                  head_dim: int, rope_dim: int, neox: bool, isa: str = "best", int8: bool = True) -> None:
+def decoder_block(h: Buffer, d: int, attn_norm: Buffer, qkv: list[Matrix], qkv_bias: Buffer | None, wo: Matrix,
+                  ffn_norm: Buffer, gate_up: list[Matrix], down: Matrix, cache_k: Buffer, cache_v: Buffer,
+                  capacity: int, start: int, cos: Buffer, sin: Buffer, mask: Buffer | None, *, eps: float,
+                  n_heads: int, n_kv_heads: int, head_dim: int, rope_dim: int, neox: bool,
+                  attn_sub_norm: Buffer | None = None, ffn_sub_norm: Buffer | None = None, gate: str = "silu",
+                  isa: str = "best", int8: bool = True) -> None:
     """A pre-norm decoder block over T new tokens, h [T, D] float32 updated in place (GIL released):
-    h += Wo attention(rope(Wqkv rms_norm(h) + qkv_bias)), then h += Wdown swiglu(Wgate_up rms_norm(h)); matrices
-    as in `quantized_matmul`, cache, rotation and mask as in `attend`. h and the caches share no memory with each
-    other or any other buffer; refusals name the buffer."""
+    h += Wo attn_sub_norm(attention(rope(Wqkv rms_norm(h) + qkv_bias))), then
+    h += Wdown ffn_sub_norm(act(Wgate x) * (Wup x)), x = rms_norm(h), the sub-norms only where given (BitNet's) and
+    act named by gate (`silu`, `relu2`); matrices as in `quantized_matmul`, cache, rotation and mask as in `attend`.
+    h and the caches share no memory with each other or any other buffer; refusals name the buffer."""
 def check_kernel_isa(name: str) -> None:
     """ValueError unless kernel set `name` (`best`, `avx512`, `avx2`, `scalar`) exists and this CPU runs it."""
 def attend(qkv: Buffer, cache_k: Buffer, cache_v: Buffer, capacity: int, start: int, cos: Buffer, sin: Buffer,

@@ -129,6 +129,20 @@ def _byte_level_vocab(vocab_size: int) -> _Vocab:
     return _Vocab(tokens, types, list(_MERGES), bos_id, bos_id + 1)
 
 
+def write_hyperparameters(w: gguf.GGUFWriter, spec: SynthSpec) -> None:
+    """The shape keys of `spec` (layers, widths, heads, context, RoPE base, RMSNorm epsilon 1e-5, vocabulary)."""
+    w.add_block_count(spec.n_layers)
+    w.add_context_length(spec.context_length)
+    w.add_embedding_length(spec.d_model)
+    w.add_feed_forward_length(spec.d_ff)
+    w.add_head_count(spec.n_heads)
+    w.add_head_count_kv(spec.n_kv_heads)
+    w.add_rope_freq_base(spec.rope_theta)
+    w.add_rope_dimension_count(spec.d_model // spec.n_heads)
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_vocab_size(spec.vocab_size)
+
+
 def write_synthetic_gguf(path: str | os.PathLike[str], spec: SynthSpec) -> Path:
     path = Path(path)
     tmp = path.with_name(path.name + ".tmp")
@@ -137,16 +151,7 @@ def write_synthetic_gguf(path: str | os.PathLike[str], spec: SynthSpec) -> Path:
     w = gguf.GGUFWriter(tmp, _family(spec).name)
     try:
         w.add_name("ntio synthetic (random weights)")
-        w.add_block_count(spec.n_layers)
-        w.add_context_length(spec.context_length)
-        w.add_embedding_length(spec.d_model)
-        w.add_feed_forward_length(spec.d_ff)
-        w.add_head_count(spec.n_heads)
-        w.add_head_count_kv(spec.n_kv_heads)
-        w.add_rope_freq_base(spec.rope_theta)
-        w.add_rope_dimension_count(spec.d_model // spec.n_heads)
-        w.add_layer_norm_rms_eps(1e-5)
-        w.add_vocab_size(spec.vocab_size)
+        write_hyperparameters(w, spec)
         vocab = _byte_level_vocab(spec.vocab_size)
         w.add_tokenizer_model("gpt2")
         w.add_tokenizer_pre("gpt-2")

@@ -18,7 +18,7 @@ use std::arch::x86_64::*;
 
 use super::blocks::{self, Dense, Format, GROUP, MAX_SUBS};
 use super::rows::{
-    activation_span, Activations, GroupKernel, Kernel, RowKernel, GROUP_ROWS, MAX_T,
+    activation_span, in_tiles, Activations, GroupKernel, Kernel, RowKernel, GROUP_ROWS, MAX_T,
 };
 
 /// Whether this CPU runs the kernels of this module.
@@ -105,18 +105,8 @@ pub fn dense<D: SimdDense>() -> RowKernel {
 unsafe fn quantized_row<F: SimdFormat>(a: &Activations, row: &[u8], y: &mut [f32; MAX_T]) {
     // Tiles of R activation rows keep their accumulators in registers; the weight row (a few hundred bytes)
     // is re-read from L1 cache for each tile, so memory traffic stays one pass.
-    let mut t0 = 0;
-    while t0 < a.t {
-        let left = a.t - t0;
-        let out = &mut y[t0..];
-        // SAFETY: (all four) same contract as this function; t0 + R <= a.t.
-        t0 += match left {
-            8.. => unsafe { quantized_tile::<F, 8>(a, row, t0, out) },
-            4..=7 => unsafe { quantized_tile::<F, 4>(a, row, t0, out) },
-            2..=3 => unsafe { quantized_tile::<F, 2>(a, row, t0, out) },
-            _ => unsafe { quantized_tile::<F, 1>(a, row, t0, out) },
-        };
-    }
+    // The tiles' contract is this function's.
+    in_tiles!(a.t, y, |t0, out| quantized_tile::<F>(a, row, t0, out));
 }
 
 /// y[0..R] for activation rows t0..t0 + R; returns R.
@@ -172,18 +162,8 @@ unsafe fn int_row<F: SuperBlock>(a: &Activations, row: &[u8], y: &mut [f32; MAX_
     // The groups of an activation span (`activation_span`: 128 elements of a K-quant block) add their integer
     // sums (scaled by integer sub-scales inside `madd`) before any float work: one float scale per span.
     // Tiles of 8, 4, 2 or 1 activation rows share each group's decoded codes; the weight row is re-read from L1
-    // cache for each tile.
-    let mut t0 = 0;
-    while t0 < a.t {
-        let out = &mut y[t0..];
-        // SAFETY: (all four) same contract as this function; t0 + R <= a.t.
-        t0 += match a.t - t0 {
-            8.. => unsafe { int_rows::<F, 8>(a, row, t0, out) },
-            4..=7 => unsafe { int_rows::<F, 4>(a, row, t0, out) },
-            2..=3 => unsafe { int_rows::<F, 2>(a, row, t0, out) },
-            _ => unsafe { int_rows::<F, 1>(a, row, t0, out) },
-        };
-    }
+    // cache for each tile. The tiles' contract is this function's.
+    in_tiles!(a.t, y, |t0, out| int_rows::<F>(a, row, t0, out));
 }
 
 /// One group of one activation row against weight codes `w` (|w| in `wu`), with lane multipliers `mv`:
@@ -306,17 +286,10 @@ unsafe fn int_group_rows<F: SimdFormat>(
             .div_ceil(a.k / GROUP)
             .next_multiple_of(CACHE_LINE),
     };
-    let mut t0 = 0;
-    while t0 < a.t {
-        let out = &mut y[t0..];
-        // SAFETY: (all four) `ptrs` point at rows of row_bytes = k / 32 blocks; t0 + R <= a.t.
-        t0 += match a.t - t0 {
-            8.. => unsafe { int_group_tile::<F, 8>(a, &ptrs, t0, out, ahead) },
-            4..=7 => unsafe { int_group_tile::<F, 4>(a, &ptrs, t0, out, ahead) },
-            2..=3 => unsafe { int_group_tile::<F, 2>(a, &ptrs, t0, out, ahead) },
-            _ => unsafe { int_group_tile::<F, 1>(a, &ptrs, t0, out, ahead) },
-        };
-    }
+    // The tiles' contract: `ptrs` point at rows of row_bytes = k / 32 blocks.
+    in_tiles!(a.t, y, |t0, out| int_group_tile::<F>(
+        a, &ptrs, t0, out, ahead
+    ));
 }
 
 const CACHE_LINE: usize = 64;
@@ -828,18 +801,9 @@ impl<F: Ternary> SimdFormat for F {
 
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn ternary_row<F: Ternary>(a: &Activations, row: &[u8], y: &mut [f32; MAX_T]) {
-    // Tiles of 8, 4, 2 or 1 activation rows share each group's decoded codes, as in `int_row`.
-    let mut t0 = 0;
-    while t0 < a.t {
-        let out = &mut y[t0..];
-        // SAFETY: (all four) same contract as this function; t0 + R <= a.t.
-        t0 += match a.t - t0 {
-            8.. => unsafe { ternary_rows::<F, 8>(a, row, t0, out) },
-            4..=7 => unsafe { ternary_rows::<F, 4>(a, row, t0, out) },
-            2..=3 => unsafe { ternary_rows::<F, 2>(a, row, t0, out) },
-            _ => unsafe { ternary_rows::<F, 1>(a, row, t0, out) },
-        };
-    }
+    // Tiles of 8, 4, 2 or 1 activation rows share each group's decoded codes, as in `int_row`. The tiles'
+    // contract is this function's.
+    in_tiles!(a.t, y, |t0, out| ternary_rows::<F>(a, row, t0, out));
 }
 
 /// y[0..R] for activation rows t0..t0 + R; returns R.
@@ -875,14 +839,23 @@ unsafe fn ternary_rows<F: Ternary, const R: usize>(
                 for r in 0..R {
                     // SAFETY: `matmul` quantized t * k codes (t0 + r < t) and checked row.len() == k / BLOCK *
                     // BYTES, so group gi of row t0 + r is inside them.
-                    let x = unsafe { load32(q8.codes.as_ptr().add((t0 + r) * a.k + gi * GROUP).cast()) };
+                    let x = unsafe {
+                        load32(q8.codes.as_ptr().add((t0 + r) * a.k + gi * GROUP).cast())
+                    };
                     pairs[r] = _mm256_add_epi16(pairs[r], _mm256_maddubs_epi16(c, x));
                 }
             }
             let si = bi * per_block + sp;
             for r in 0..R {
                 // SAFETY: the row's lane sums hold 8 per span, `spans` spans (`Q8Rows::q8_k`).
-                let sum_x = unsafe { load32(q8.lane_sums.as_ptr().add(8 * ((t0 + r) * spans + si)).cast()) };
+                let sum_x = unsafe {
+                    load32(
+                        q8.lane_sums
+                            .as_ptr()
+                            .add(8 * ((t0 + r) * spans + si))
+                            .cast(),
+                    )
+                };
                 let isum = _mm256_sub_epi32(_mm256_madd_epi16(pairs[r], ones), sum_x);
                 let scale = _mm256_set1_ps(d * q8.scales[(t0 + r) * spans + si]);
                 acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), scale, acc[r]);

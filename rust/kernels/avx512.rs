@@ -12,7 +12,7 @@
 use std::arch::x86_64::*;
 
 use super::blocks::{self, Format, GROUP, MAX_SUBS};
-use super::rows::{Activations, RowKernel, MAX_T};
+use super::rows::{in_tiles, Activations, RowKernel, MAX_T};
 
 /// Whether this CPU runs the kernels of this module.
 pub fn available() -> bool {
@@ -41,17 +41,8 @@ pub fn quantized<F: Avx512Format>() -> RowKernel {
 unsafe fn quantized_row<F: Avx512Format>(a: &Activations, row: &[u8], y: &mut [f32; MAX_T]) {
     // Tiles of R activation rows keep two accumulators each in registers (two, so that T = 1 is not bound by
     // FMA latency); the weight row (a few hundred bytes) is re-read from L1 cache for each tile.
-    let mut t0 = 0;
-    while t0 < a.t {
-        let out = &mut y[t0..];
-        // SAFETY: (all four) same contract as this function; t0 + R <= a.t.
-        t0 += match a.t - t0 {
-            8.. => unsafe { quantized_tile::<F, 8>(a, row, t0, out) },
-            4..=7 => unsafe { quantized_tile::<F, 4>(a, row, t0, out) },
-            2..=3 => unsafe { quantized_tile::<F, 2>(a, row, t0, out) },
-            _ => unsafe { quantized_tile::<F, 1>(a, row, t0, out) },
-        };
-    }
+    // The tiles' contract is this function's.
+    in_tiles!(a.t, y, |t0, out| quantized_tile::<F>(a, row, t0, out));
 }
 
 /// y[0..R] for activation rows t0..t0 + R; returns R.

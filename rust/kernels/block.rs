@@ -110,7 +110,13 @@ pub fn decoder_block<'a>(
         gate: None,
         norm: sub_norm(w.attn_sub_norm),
     };
-    product(&attn, a.n_heads * a.head_dim, attn_out, &[w.wo], &mut update)?;
+    product(
+        &attn,
+        a.n_heads * a.head_dim,
+        attn_out,
+        &[w.wo],
+        &mut update,
+    )?;
     add(h, &update);
     let d_ff = w.gate_up.iter().map(|m| m.n).sum::<usize>() / 2;
     let mut gate_up = vec![0f32; t * 2 * d_ff];

@@ -31,6 +31,7 @@ mod team;
 pub use attention::{attend, AttentionShape, RopeKind};
 pub use block::{decoder_block, BlockCache, BlockSettings, BlockWeights};
 pub use matmul::{
-    quantized_matmul, set_threads, threads, Activations8, Gate, Isa, KernelError, Matrix, Prologue, QType,
+    quantized_matmul, set_threads, threads, Activations8, Gate, Isa, KernelError, Matrix, Prologue,
+    QType,
 };
 pub use rows::{K_SPAN, MAX_T};

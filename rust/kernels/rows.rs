@@ -82,3 +82,25 @@ impl Activations<'_> {
         self.sums[ti * (self.k / GROUP) + gi]
     }
 }
+
+/// Runs a tile kernel over activation rows 0..`rows` in tiles of 8, 4, 2 or 1 rows, largest first:
+/// `in_tiles!(rows, y, |t0, out| tile::<F>(args...))` calls `tile::<F, R>(args...)` with `t0` the tile's first
+/// row and `out` = `&mut y[t0..]`; the tile returns R. Every tile kernel computes each row with its own
+/// accumulators, so a row's result does not depend on the tile it falls in.
+macro_rules! in_tiles {
+    ($rows:expr, $y:expr, |$t0:ident, $out:ident| $tile:ident::<$f:ty>($($arg:expr),* $(,)?)) => {{
+        let mut $t0 = 0;
+        while $t0 < $rows {
+            let $out = &mut $y[$t0..];
+            // SAFETY: (all four) the tile's contract is the calling kernel's (given at the call), with
+            // t0 + R <= rows.
+            $t0 += match $rows - $t0 {
+                8.. => unsafe { $tile::<$f, 8>($($arg),*) },
+                4..=7 => unsafe { $tile::<$f, 4>($($arg),*) },
+                2..=3 => unsafe { $tile::<$f, 2>($($arg),*) },
+                _ => unsafe { $tile::<$f, 1>($($arg),*) },
+            };
+        }
+    }};
+}
+pub(crate) use in_tiles;
