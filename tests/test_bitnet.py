@@ -237,3 +237,18 @@ def test_convert_refuses_a_non_finite_block_scale(synthetic, tmp_path):
     assert run.returncode == 1 and len(run.stderr.strip().splitlines()) == 1, run.stderr
     assert "tensor 'blk.1.attn_v.weight': block 2" in run.stderr
     assert list(tmp_path.iterdir()) == [bad]  # nothing half-written
+
+
+def test_a_ternary_row_of_part_of_a_block_is_one_line(synthetic, tmp_path):
+    """A TQ2_0 tensor whose rows hold 128 elements (ne0 patched in the header) is refused by the header parser,
+    naming the tensor."""
+    data = bytearray(synthetic[T.TQ2_0].read_bytes())
+    name = b"blk.0.attn_k.weight"
+    at = data.index(len(name).to_bytes(8, "little") + name) + 8 + len(name) + 4  # past the name and n_dims: ne0
+    assert int.from_bytes(data[at : at + 8], "little") == 256
+    data[at : at + 8] = (128).to_bytes(8, "little")
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(bytes(data))
+    run = _ntio("info", str(bad))
+    assert run.returncode == 1 and len(run.stderr.strip().splitlines()) == 1, run.stderr
+    assert "'blk.0.attn_k.weight'" in run.stderr and "not a multiple of the TQ2_0 block (256)" in run.stderr
