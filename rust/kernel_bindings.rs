@@ -413,6 +413,10 @@ pub fn register(m: &Bound<PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(decoder_block, m)?)?;
     m.add("KERNEL_TYPES", QType::ALL.map(|q| q as u32).to_vec())?;
     m.add("KERNEL_MAX_T", kernels::MAX_T)?;
-    m.add("KERNEL_K_SPAN", kernels::K_SPAN)?;
+    let spans: std::collections::HashMap<u32, usize> = QType::ALL
+        .iter()
+        .filter_map(|q| q.span().map(|s| (*q as u32, s)))
+        .collect();
+    m.add("KERNEL_SPANS", spans)?;
     Ok(())
 }

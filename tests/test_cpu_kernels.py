@@ -2,8 +2,9 @@
 weights, then a float64 matmul, on random well-formed blocks and on the real SmolLM2-135M-Instruct tensors, for every
 type, shape, batch size and kernel set:
   * 8-bit activations (the default): against the float64 product with x rounded as the kernels see it: through
-    gguf-py's own Q8_0 quantizer (`quantize` then `dequantize`) for the 32-element types, and in spans of 128 with
-    a float32 scale (`q8k_rounded`; llama.cpp's Q8_K takes 256) for the K-quants; the kernels' integer sums are
+    gguf-py's own Q8_0 quantizer (`quantize` then `dequantize`) for the 32-element types, and in spans of 128 (the
+    K-quants; llama.cpp's Q8_K takes 256) or 256 (the ternary types) with a float32 scale (`q8k_rounded`) for the
+    256-element ones; the kernels' integer sums are
     exact, so relative L2 error <= 1e-5;
   * float32 activations (`int8=False`): against x itself, and against `F.linear` on ntio's dequantized weights."""
 
@@ -22,7 +23,7 @@ from ntio.kernels import cpu_kernels, quant
 from ntio.formats.gguf_file import GGUFFile
 
 TYPES = [T.Q4_1, T.Q8_0, T.Q4_0, T.Q4_K, T.Q6_K, T.Q5_K, T.Q5_0, T.Q5_1, T.TQ1_0, T.TQ2_0, T.F16, T.BF16, T.F32]
-K_QUANTS = {T.Q4_K, T.Q5_K, T.Q6_K, T.TQ1_0, T.TQ2_0}  # blocks of 256: activations in spans of KERNEL_K_SPAN
+K_QUANTS = {T.Q4_K, T.Q5_K, T.Q6_K, T.TQ1_0, T.TQ2_0}  # blocks of 256: activations in spans of 128 or 256
 TOL = 1e-5
 
 
@@ -45,9 +46,10 @@ def q8_rounded(x: np.ndarray) -> np.ndarray:
     return np.asarray(ref_dequantize(gguf.quants.quantize(x, T.Q8_0), T.Q8_0), np.float64).reshape(x.shape)
 
 
-def q8k_rounded(x: np.ndarray) -> np.ndarray:
-    """x [t, k] in spans of KERNEL_K_SPAN: d = max|x| / 127 (float32), codes round(x · (1/d)), ties away from 0."""
-    spans = x.reshape(-1, _core.KERNEL_K_SPAN)
+def q8k_rounded(x: np.ndarray, qtype: T) -> np.ndarray:
+    """x [t, k] in spans of `qtype`'s KERNEL_SPANS: d = max|x| / 127 (float32), codes round(x · (1/d)), ties away
+    from 0."""
+    spans = x.reshape(-1, _core.KERNEL_SPANS[int(qtype)])
     d = np.abs(spans).max(axis=1, keepdims=True) / np.float32(127)
     inv = np.divide(np.float32(1), d, out=np.zeros_like(d), where=d != 0)
     codes = gguf.quants.np_roundf(spans * inv)
@@ -63,7 +65,7 @@ def check(raw: np.ndarray, qtype: T, shape: tuple[int, int], t: int, rng: np.ran
     raw_t = torch.from_numpy(np.ascontiguousarray(raw).reshape(-1))
     y = cpu_kernels.quantized_linear(torch.from_numpy(x), raw_t, qtype, shape, isa=isa)
     assert y.shape == (t, n) and y.dtype == torch.float32
-    x_seen = x.astype(np.float64) if qtype in DENSE else q8k_rounded(x) if qtype in K_QUANTS else q8_rounded(x)
+    x_seen = x.astype(np.float64) if qtype in DENSE else q8k_rounded(x, qtype) if qtype in K_QUANTS else q8_rounded(x)
     assert rel(y, x_seen @ w64.T) <= TOL
     y = cpu_kernels.quantized_linear(torch.from_numpy(x), raw_t, qtype, shape, isa=isa, int8=False)
     assert rel(y, x.astype(np.float64) @ w64.T) <= TOL

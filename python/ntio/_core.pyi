@@ -111,7 +111,7 @@ KERNEL_TYPES: list[int]
 """ggml type ids `quantized_matmul` supports."""
 KERNEL_MAX_T: int
 """Activation rows the kernels take at once (longer inputs run in blocks of this many)."""
-KERNEL_K_SPAN: int
+KERNEL_SPANS: dict[int, int]  # ggml type id -> elements per activation scale of its integer kernels
 """Elements per activation scale for the K-quants (the 32-element types take 32)."""
 
 Matrix = tuple[Buffer, int, int, float]  # (raw, ggml type id, n, scale)

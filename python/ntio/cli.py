@@ -409,6 +409,8 @@ def perplexity(text_file, ctx, sparse_ffn, keep, as_json, **opts) -> None:
         raise
     if selection is not None and (opts_depth["adaptive"] or opts_depth["cosine_skip"] is not None):
         raise OptionError("sparse_ffn", "does not combine with adaptive depth")
+    if selection is not None and m.config.ffn_gate != "silu":
+        raise OptionError("sparse_ffn", f"scores SwiGLU's silu(gate) · up; this model's gate is {m.config.ffn_gate}")
     depth = _depth_policy(m, opts_depth, prompt_full_depth=False)
     r = m.perplexity(text, ctx=ctx)
     sparse = {"rule": selection.rule, "keep": selection.keep} if selection else None

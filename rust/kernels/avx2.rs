@@ -18,7 +18,7 @@ use std::arch::x86_64::*;
 
 use super::blocks::{self, Dense, Format, GROUP, MAX_SUBS};
 use super::rows::{
-    activation_span, in_tiles, Activations, GroupKernel, Kernel, RowKernel, GROUP_ROWS, MAX_T,
+    in_tiles, Activations, GroupKernel, Kernel, RowKernel, GROUP_ROWS, MAX_T,
 };
 
 /// Whether this CPU runs the kernels of this module.
@@ -159,7 +159,7 @@ unsafe fn quantized_tile<F: SimdFormat, const R: usize>(
 
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn int_row<F: SuperBlock>(a: &Activations, row: &[u8], y: &mut [f32; MAX_T]) {
-    // The groups of an activation span (`activation_span`: 128 elements of a K-quant block) add their integer
+    // The groups of an activation span (`Format::SPAN`: 128 elements of a K-quant block) add their integer
     // sums (scaled by integer sub-scales inside `madd`) before any float work: one float scale per span.
     // Tiles of 8, 4, 2 or 1 activation rows share each group's decoded codes; the weight row is re-read from L1
     // cache for each tile. The tiles' contract is this function's.
@@ -211,10 +211,10 @@ unsafe fn int_rows<F: SuperBlock, const R: usize>(
     t0: usize,
     y: &mut [f32],
 ) -> usize {
-    let q8 = a.q8_for(F::BLOCK);
+    let q8 = a.q8_for(F::SPAN);
     let mut acc = [_mm256_setzero_ps(); R];
     let mut mvec = [_mm256_setzero_ps(); R]; // offsets·Σx̂
-    let span = activation_span(F::BLOCK);
+    let span = F::SPAN;
     let (groups, per_block, per_span) = (F::BLOCK / GROUP, F::BLOCK / span, span / GROUP);
     let (spans, gs) = (a.k / span, a.k / GROUP);
     for (bi, b) in row.chunks_exact(F::BYTES).enumerate() {
@@ -335,7 +335,7 @@ unsafe fn int_group_tile<F: SimdFormat, const R: usize>(
     y: &mut [[f32; GROUP_ROWS]],
     ahead: Prefetch,
 ) -> usize {
-    let q8 = a.q8_for(GROUP);
+    let q8 = a.q8_for(F::SPAN);
     let gs = a.k / GROUP;
     let ones = _mm256_set1_epi16(1);
     let mut acc = [_mm256_setzero_ps(); R];
@@ -808,10 +808,11 @@ unsafe fn ternary_row<F: Ternary>(a: &Activations, row: &[u8], y: &mut [f32; MAX
 
 /// y[0..R] for activation rows t0..t0 + R; returns R.
 ///
-/// Σ (c - 1)·x = Σ c·x - Σ x over an activation span: the unsigned codes go straight into `maddubs` (no sign
-/// trick), whose pair sums (|c·x + c'·x'| <= 2·3·127) add up in 16 bits over the span's 4 groups; one `madd` per
-/// span widens them, and the span's Σx (`Q8Rows::lane_sums`, 8 lanes of 16 elements) comes off in 32 bits. The
-/// integer sum is exact; each row has its own accumulators, so its result does not depend on R.
+/// Σ (c - 1)·x = Σ c·x - Σ x over an activation span (a whole block, `TERNARY_SPAN`): the unsigned codes go
+/// straight into `maddubs` (no sign trick), whose pair sums (|c·x + c'·x'| <= 2·3·127) add up in 16 bits over the
+/// span's 8 groups (<= 6096); one `madd` per span widens them, and the span's Σx (`Q8Rows::lane_sums`, 8 lanes)
+/// comes off in 32 bits. The integer sum is exact; each row has its own accumulators, so its result does not
+/// depend on R.
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn ternary_rows<F: Ternary, const R: usize>(
     a: &Activations,
@@ -819,8 +820,8 @@ unsafe fn ternary_rows<F: Ternary, const R: usize>(
     t0: usize,
     y: &mut [f32],
 ) -> usize {
-    let q8 = a.q8_for(F::BLOCK);
-    let span = activation_span(F::BLOCK);
+    let q8 = a.q8_for(F::SPAN);
+    let span = F::SPAN;
     let (groups, per_block, per_span) = (F::BLOCK / GROUP, F::BLOCK / span, span / GROUP);
     let spans = a.k / span;
     let ones = _mm256_set1_epi16(1);

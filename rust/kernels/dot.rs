@@ -43,7 +43,7 @@ pub fn int_row<F: Format>(a: &Activations, row: &[u8], y: &mut [f32; MAX_T]) {
     let mut q = [0i32; GROUP];
     let mut acc = [0f32; MAX_T];
     let groups = F::BLOCK / GROUP;
-    let q8 = a.q8_for(F::BLOCK);
+    let q8 = a.q8_for(F::SPAN);
     for (bi, b) in row.chunks_exact(F::BYTES).enumerate() {
         F::scales(b, &mut d, &mut m);
         for g in 0..groups {

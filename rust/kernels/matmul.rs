@@ -9,7 +9,7 @@ use std::sync::{Arc, RwLock};
 use super::blocks::{self, Dense, Format, GROUP};
 use super::dot;
 use super::q8::Q8Rows;
-use super::rows::{activation_span, Activations, Kernel, RowKernel, GROUP_ROWS, K_SPAN, MAX_T};
+use super::rows::{Activations, Kernel, RowKernel, GROUP_ROWS, MAX_T};
 use super::team::Team;
 
 /// Least work per task, in multiply-adds (weights x activation rows): ~5 us of integer kernel on one core. With
@@ -84,6 +84,26 @@ impl QType {
         }
     }
 
+    /// Elements per activation scale in the integer kernels (`Format::SPAN`); dense types take none.
+    pub fn span(self) -> Option<usize> {
+        fn q<F: Format>() -> Option<usize> {
+            Some(F::SPAN)
+        }
+        match self {
+            QType::F32 | QType::F16 | QType::BF16 => None,
+            QType::Q4_0 => q::<blocks::Q4_0>(),
+            QType::Q4_1 => q::<blocks::Q4_1>(),
+            QType::Q5_0 => q::<blocks::Q5_0>(),
+            QType::Q5_1 => q::<blocks::Q5_1>(),
+            QType::Q8_0 => q::<blocks::Q8_0>(),
+            QType::Q4K => q::<blocks::Q4K>(),
+            QType::Q5K => q::<blocks::Q5K>(),
+            QType::Q6K => q::<blocks::Q6K>(),
+            QType::TQ1_0 => q::<blocks::TQ1_0>(),
+            QType::TQ2_0 => q::<blocks::TQ2_0>(),
+        }
+    }
+
     fn affine(self) -> bool {
         matches!(self, QType::Q4_1 | QType::Q5_1 | QType::Q4K | QType::Q5K)
     }
@@ -107,10 +127,6 @@ impl QType {
             QType::TQ1_0 => quantized_kernel::<blocks::TQ1_0>(isa, int),
             QType::TQ2_0 => quantized_kernel::<blocks::TQ2_0>(isa, int),
         }
-    }
-
-    fn dense(self) -> bool {
-        matches!(self, QType::F32 | QType::F16 | QType::BF16)
     }
 }
 
@@ -409,11 +425,11 @@ pub fn quantized_matmul(
     let x = prologue.apply(x, t, k);
     let x = &x[..];
     let int = activations == Activations8::Int8;
-    // Which activation spans the matrices need (`activation_span`): 32 for the legacy types, K_SPAN for the
-    // K-quants (when it differs).
-    let span = |m: &&Matrix| (!m.qtype.dense()).then(|| activation_span(m.qtype.block().0));
-    let legacy = int && matrices.iter().any(|m| span(&m) == Some(GROUP));
-    let super_blocks = int && matrices.iter().any(|m| span(&m).is_some_and(|s| s > GROUP));
+    // The activation spans the matrices need (`Format::SPAN`), each quantized once: spans of 32 exactly as
+    // llama.cpp's Q8_0 (float16 scales), longer ones with float32 scales.
+    let mut spans: Vec<usize> = matrices.iter().filter_map(|m| m.qtype.span()).collect();
+    spans.sort_unstable();
+    spans.dedup();
     let affine = matrices.iter().any(|m| m.qtype.affine());
     // Blocks of up to MAX_T activation rows: each weight row meets every block while it is in L1 cache.
     let blocks: Vec<Activations> = x
@@ -425,8 +441,11 @@ pub fn quantized_matmul(
             } else {
                 Vec::new()
             },
-            q8: legacy.then(|| Q8Rows::q8_0(x, k)),
-            q8k: super_blocks.then(|| Q8Rows::q8_k(x, k, K_SPAN)),
+            q8: if int {
+                spans.iter().map(|&s| Q8Rows::in_spans(x, k, s)).collect()
+            } else {
+                Vec::new()
+            },
             t: x.len() / k,
             k,
         })

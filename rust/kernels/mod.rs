@@ -34,4 +34,4 @@ pub use matmul::{
     quantized_matmul, set_threads, threads, Activations8, Gate, Isa, KernelError, Matrix, Prologue,
     QType,
 };
-pub use rows::{K_SPAN, MAX_T};
+pub use rows::MAX_T;

@@ -1,16 +1,14 @@
 //! Activations quantized to 8 bits per span of elements, as llama.cpp quantizes them for its integer dot products:
 //! - `Q8Rows::q8_0`: spans of 32, exactly llama.cpp's (and gguf-py's) Q8_0 blocks: d = max|x| / 127 rounded to
 //!   float16, codes q = round(x / d') with d' the float32 d before rounding (ties away from zero);
-//! - `Q8Rows::q8_k`: longer spans (`rows::K_SPAN`: 128; llama.cpp's Q8_K takes 256) with a float32 d = max|x| /
-//!   127, for the K-quants: a span's integer sums over several 32-element groups add up before any float work.
+//! - `Q8Rows::q8_k`: longer spans (`blocks::K_SPAN`: 128 for the K-quants, llama.cpp's Q8_K takes 256;
+//!   `blocks::TERNARY_SPAN`: 256 for the ternary types) with a float32 d = max|x| / 127: a span's integer sums
+//!   over several 32-element groups add up before any float work.
 //! Either way x ≈ x̂ = d·q. The integer kernels multiply weight codes with these codes and scale each span's
 //! integer sum once. Affine weight types (d·q + m) take Σx̂ = d·Σq per 32 elements, as llama.cpp's Q8_1 and
 //! Q8_K's bsums, so every product is exactly W · x̂.
 
 use super::blocks::GROUP;
-
-/// Elements per entry of `Q8Rows::lane_sums`.
-pub const LANE: usize = 16;
 
 /// x [t, k] as 8-bit codes with one scale per span.
 pub struct Q8Rows {
@@ -20,20 +18,29 @@ pub struct Q8Rows {
     pub scales: Vec<f32>,
     /// [t, k / GROUP] Σx̂ = scale · Σcodes of each 32 elements (what affine weights' offsets multiply).
     pub sums: Vec<f32>,
-    /// [t, k / LANE] Σcodes of each LANE elements: per span, the integer Σx the ternary kernels take off their
-    /// codes' sums, as one vector of 8 lanes (spans of 128).
+    /// [t, k / (span / 8)] Σcodes of each eighth of a span: per span, the integer Σx the ternary kernels take
+    /// off their codes' sums, as one vector of 8 lanes.
     pub lane_sums: Vec<i32>,
     span: usize,
     k: usize,
 }
 
 impl Q8Rows {
+    /// x [t, k] in spans of `span` (k a multiple of it): `q8_0` for spans of 32, else `q8_k`.
+    pub fn in_spans(x: &[f32], k: usize, span: usize) -> Q8Rows {
+        if span == GROUP {
+            Q8Rows::q8_0(x, k)
+        } else {
+            Q8Rows::q8_k(x, k, span)
+        }
+    }
+
     /// llama.cpp's Q8_0 of x [t, k] (k a multiple of 32).
     pub fn q8_0(x: &[f32], k: usize) -> Q8Rows {
         Q8Rows::quantize(x, k, GROUP, round_to_f16)
     }
 
-    /// Spans of `span` elements with float32 scales, for the K-quants (k a multiple of span).
+    /// Spans of `span` elements with float32 scales, for the K-quants and ternary types (k a multiple of span).
     pub fn q8_k(x: &[f32], k: usize, span: usize) -> Q8Rows {
         Q8Rows::quantize(x, k, span, |d| d)
     }
@@ -53,7 +60,7 @@ impl Q8Rows {
             );
         }
         let lane_sums = codes
-            .chunks_exact(LANE)
+            .chunks_exact(span / 8)
             .map(|c| c.iter().map(|&c| i32::from(c)).sum())
             .collect();
         Q8Rows {
@@ -64,6 +71,11 @@ impl Q8Rows {
             span,
             k,
         }
+    }
+
+    /// Elements per scale.
+    pub fn span(&self) -> usize {
+        self.span
     }
 
     /// Codes of group `gi` (32 elements) of activation row `ti`.

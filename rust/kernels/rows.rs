@@ -9,21 +9,6 @@ use super::q8::Q8Rows;
 /// `matmul` runs longer inputs (prefill) through it in blocks while each weight row stays in L1 cache.
 pub const MAX_T: usize = 32;
 
-/// Elements per activation scale for the K-quants' super-blocks of 256 (a span never crosses a weight block).
-/// llama.cpp's Q8_K takes 256; 128 was measured as fast and half as lossy (Qwen2.5-Coder-1.5B Q4_K_M, decode
-/// tok/s and perplexity over the float32 path, passes of 32 tokens: span 256 17.0, +0.77%; 128 17.2, +0.38%;
-/// 32 15.2, +0.25%).
-pub const K_SPAN: usize = 128;
-
-/// Elements per activation scale for weights in blocks of `block`: 32 for the 32-element types, K_SPAN for the
-/// K-quants. The integer kernels add a span's integer sums before any float work.
-pub const fn activation_span(block: usize) -> usize {
-    if block == GROUP {
-        GROUP
-    } else {
-        K_SPAN
-    }
-}
 
 /// One output row for every activation row: `y[t]` for t < `a.t`, from the encoded weight row `row`.
 pub type RowKernel = fn(&Activations, &[u8], &mut [f32; MAX_T]);
@@ -46,15 +31,13 @@ pub enum Kernel {
 }
 
 /// The activations of a call: x [t, k] row-major, for affine types Σx of every 32-element group, and for the
-/// integer kernels x quantized per group.
+/// integer kernels x quantized in the spans the call's weight formats take (`Format::SPAN`).
 pub struct Activations<'a> {
     pub x: &'a [f32],
     /// [t, k / GROUP] group sums Σx for the float kernels of affine types (else empty).
     pub sums: Vec<f32>,
-    /// x as 8-bit codes in spans of 32 (legacy types) and of 256 (K-quants): the integer kernels' input, each
-    /// made when a matrix of the call needs it.
-    pub q8: Option<Q8Rows>,
-    pub q8k: Option<Q8Rows>,
+    /// x as 8-bit codes, once per span a matrix of the call needs (integer kernels only).
+    pub q8: Vec<Q8Rows>,
     pub t: usize,
     pub k: usize,
 }
@@ -65,15 +48,12 @@ impl Activations<'_> {
         &self.x[ti * self.k + gi * GROUP..][..GROUP]
     }
 
-    /// The quantized activations whose span is `block` (a weight format's block: 32 or 256); only the integer
-    /// kernels call this, and `matmul` quantizes for them.
-    pub fn q8_for(&self, block: usize) -> &Q8Rows {
-        let q8 = if activation_span(block) == GROUP {
-            &self.q8
-        } else {
-            &self.q8k
-        };
-        q8.as_ref()
+    /// The quantized activations in spans of `span` (a format's `SPAN`); only the integer kernels call this, and
+    /// `matmul` quantizes for them.
+    pub fn q8_for(&self, span: usize) -> &Q8Rows {
+        self.q8
+            .iter()
+            .find(|q| q.span() == span)
             .expect("integer kernels are given quantized activations")
     }
 
