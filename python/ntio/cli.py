@@ -1,4 +1,4 @@
-"""`ntio` command line: generate, chat, calibrate, perplexity, info, plan, convert, fetch.
+"""`ntio` command line: generate, chat, serve, calibrate, perplexity, info, plan, convert, fetch.
 
 Every model argument (`-m`, MODEL) is a file or a name from `ntio fetch --list`, fetched on first use.
 
@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
+import signal
 import sys
 from collections import Counter
 from pathlib import Path
@@ -284,6 +285,45 @@ def generate(prompt, max_new_tokens, chat, system, temperature, top_k, top_p, re
             click.echo(f"[speculation: {sp['tokens_per_pass']:.2f} tokens per target pass ({sp['passes']} passes); "
                        f"{sources or 'nothing drafted'}; drafting {sp['draft_s']:.3f} s, verifying "
                        f"{sp['verify_s']:.3f} s]", err=True)
+
+
+@main.command()
+@_model_options
+@click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on")
+@click.option("--port", type=click.IntRange(0, 65535), default=8000, show_default=True)
+@click.option("--parallel", type=click.IntRange(1, 56), default=4, show_default=True,
+              help="Requests answered at once, each step one pass over the model for all of them; the context "
+                   "(--ctx-size) is split among them")
+@click.option("--max-queue", type=click.IntRange(min=0), default=64, show_default=True,
+              help="Requests that may wait for a slot; more get 429")
+@click.option("--api-key", envvar="NTIO_API_KEY", help="Require this bearer token on /v1/ (env NTIO_API_KEY)")
+@click.option("--model-id", help="The model's name in the API (default: the name or file name given to -m)")
+def serve(host, port, parallel, max_queue, api_key, model_id, **opts) -> None:
+    """Serve the model over an OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions, /v1/models,
+    /health, /metrics), answering up to --parallel requests in shared passes."""
+    try:
+        import uvicorn
+
+        from ntio.serving.app import create_app
+    except ImportError as e:
+        raise NtioError(f"ntio serve needs the serve extra ({e.name} is missing): pip install 'ntio[serve]'") from None
+    from ntio.fetch import DEFAULT_NAME
+    from ntio.serving.scheduler import Scheduler
+
+    name = model_id or Path(opts["model"] or DEFAULT_NAME).name
+    m = _load(**_split(opts))
+    slot_context = m.engine.kv.capacity // parallel
+    if slot_context < 16:
+        raise OptionError("parallel", f"{parallel} leaves {slot_context} positions per request of the "
+                                      f"{m.engine.kv.capacity}-token context: raise --ctx-size or lower --parallel")
+    scheduler = Scheduler(m, parallel, max_queue, slot_context)
+    app = create_app(m, scheduler, name, api_key)
+    click.echo(f"ntio: serving {name} on http://{host}:{port}/v1 ({parallel} requests at once, {slot_context} "
+               f"tokens each)", err=True)
+    # uvicorn shuts down gracefully on SIGTERM (in-flight requests finish), then raises the signal again for the
+    # handler it found: with this one, a finished shutdown exits 0.
+    signal.signal(signal.SIGTERM, lambda *_: None)
+    uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning")).run()
 
 
 @main.command()

@@ -168,14 +168,33 @@ def attention(
     k_cache, v_cache: [Hkv, capacity, hd] for this layer; rope_kind: a key of ROPE_KINDS. A few tokens over a
     float32 cache on the CPU take one kernel call (ops.cached_attention) for RoPE, the cache writes and attention.
     """
-    n_tokens, end, hd = h.shape[0], start_pos + h.shape[0], cfg.head_dim
-    qkv = ops.normed_linear(h, w.attn_norm, cfg.rms_eps, w.wqkv)  # [T, Q + 2 KV]
-    if w.qkv_bias is not None:
-        qkv = qkv + w.qkv_bias
+    attn = attend(_qkv(h, w, cfg), k_cache, v_cache, start_pos, rope, mask, cfg, rope_kind)
+    return _attention_output(attn, w, cfg.rms_eps)
+
+
+def _qkv(h: torch.Tensor, w: LayerWeights, cfg: ModelConfig) -> torch.Tensor:
+    """The queries, keys and values of rms_norm(h): [T, D] -> [T, Q + 2 KV] (with the biases, where any)."""
+    qkv = ops.normed_linear(h, w.attn_norm, cfg.rms_eps, w.wqkv)
+    return qkv if w.qkv_bias is None else qkv + w.qkv_bias
+
+
+def attend(
+    qkv: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    start_pos: int,
+    rope: tuple[torch.Tensor, torch.Tensor],
+    mask: torch.Tensor | None,
+    cfg: ModelConfig,
+    rope_kind: str,
+) -> torch.Tensor:
+    """RoPE on one sequence's new queries and keys, their K/V written at start_pos.. of its layer cache, and
+    attention over the cache: qkv [T, Q + 2 KV] -> [T, Hq hd]. A few tokens over a float32 cache on the CPU take
+    one kernel call (ops.cached_attention)."""
+    n_tokens, end, hd = qkv.shape[0], start_pos + qkv.shape[0], cfg.head_dim
     if ops.uses_cpu_attention(qkv, k_cache):
-        attn = ops.cached_attention(qkv, k_cache, v_cache, start_pos, rope, mask, (cfg.n_heads, cfg.n_kv_heads, hd),
-                                    neox=rope_kind == "neox")  # [T, Hq hd]
-        return _attention_output(attn, w, cfg.rms_eps)
+        return ops.cached_attention(qkv, k_cache, v_cache, start_pos, rope, mask, (cfg.n_heads, cfg.n_kv_heads, hd),
+                                    neox=rope_kind == "neox")
     qk_width = cfg.q_width + cfg.kv_width
     # Query and key heads rotated together: [T, Hq + Hkv, hd]
     qk = ROPE_KINDS[rope_kind](qkv[:, :qk_width].view(n_tokens, cfg.n_heads + cfg.n_kv_heads, hd), *rope)
@@ -187,7 +206,7 @@ def attention(
     attn = F.scaled_dot_product_attention(
         q.transpose(0, 1), keys, values, attn_mask=mask, enable_gqa=cfg.n_heads != cfg.n_kv_heads
     )  # [Hq, T, hd]
-    return _attention_output(attn.transpose(0, 1).reshape(n_tokens, cfg.q_width), w, cfg.rms_eps)
+    return attn.transpose(0, 1).reshape(n_tokens, cfg.q_width)
 
 
 def _attention_output(attn: torch.Tensor, w: LayerWeights, eps: float) -> torch.Tensor:
@@ -259,3 +278,31 @@ def pre_norm_block(
     return h + gated_ffn(h, w, cfg, taps)
 
 
+
+
+@dataclass
+class SequenceRows:
+    """One sequence's part of a batched block: its rows of h, its layer's KV cache, and where its tokens go."""
+
+    rows: slice  # of h [ΣT, D]
+    k_cache: torch.Tensor  # [Hkv, capacity, hd]: this layer's
+    v_cache: torch.Tensor
+    start_pos: int
+    rope: tuple[torch.Tensor, torch.Tensor]  # cos, sin [T, rope_dim/2]
+    mask: torch.Tensor | None  # [T, start_pos + T]
+
+
+def batched_block(h: torch.Tensor, w: LayerWeights, sequences: Sequence[SequenceRows], cfg: ModelConfig,
+                  rope_kind: str) -> torch.Tensor:
+    """h [ΣT, D] of several sequences through one block: every product over all their rows at once (the layer's
+    weights are read once for the batch), attention per sequence over its own KV cache. Each row's products are
+    the ones it gets alone (the CPU kernels compute rows independently), and so is its attention; one sequence
+    takes `pre_norm_block` (the same ops, in one kernel call on the CPU)."""
+    if len(sequences) == 1:
+        s = sequences[0]
+        return pre_norm_block(h, w, s.k_cache, s.v_cache, s.start_pos, s.rope, s.mask, cfg, rope_kind)
+    qkv = _qkv(h, w, cfg)
+    attn = torch.cat([attend(qkv[s.rows], s.k_cache, s.v_cache, s.start_pos, s.rope, s.mask, cfg, rope_kind)
+                      for s in sequences])
+    h = h + _attention_output(attn, w, cfg.rms_eps)
+    return h + gated_ffn(h, w, cfg)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
@@ -18,7 +19,8 @@ from ntio.kernels import cpu_kernels, ops
 from ntio.models.config import ModelConfig
 from ntio.kernels.ops import EncodedMatrix
 from ntio.kernels.ops import rms_norm
-from ntio.models.layers import GlobalWeights, LayerWeights, causal_mask, rope_tables, token_positions
+from ntio.models.layers import (GlobalWeights, LayerWeights, SequenceRows, batched_block, causal_mask, rope_tables,
+                                token_positions)
 from ntio.policies.base import LOAD_ALL, SKIP, LoadDecision, LoadPolicy, Observation, overrides
 from ntio.runtime.kv_cache import KVCache
 
@@ -45,6 +47,15 @@ class LayerSource(Protocol):
 
     def head_chunks(self) -> Iterator[tuple[int, EncodedMatrix]]:
         """A streamed output head in row chunks (first row, rows [R, D]); used when the head is not resident."""
+
+
+@dataclass(frozen=True)
+class Segment:
+    """One sequence's part of a batched pass (`Engine.forward_batch`): new tokens at positions start_pos.. of kv."""
+
+    tokens: torch.Tensor  # [T] int64
+    start_pos: int
+    kv: KVCache
 
 
 def _decision(w: LayerWeights | None) -> LoadDecision:
@@ -90,6 +101,53 @@ class Engine:
             parts = self._run(tokens, start_pos, lambda h, _: self._logits(self.final_norm(h)), parents)
             return parts[0] if len(parts) == 1 else torch.cat(parts)
         return self._run(tokens, start_pos, lambda h, _: self._logits(self.final_norm(h[-1:]))[0], parents)[-1]
+
+    @torch.inference_mode()
+    def forward_batch(self, segments: Sequence[Segment]) -> list[torch.Tensor]:
+        """Several sequences in one pass: segment i's tokens [T_i] at positions start_pos.. of its own KV cache
+        (not this engine's) -> its last-position logits [V]. Each layer is read once for the whole batch and its
+        products run over all ΣT_i rows; attention runs per sequence (`layers.batched_block`). Every row gets what
+        it gets in a pass of its own (the CPU kernels compute rows independently) as long as ΣT_i <= the kernels'
+        rows (`ops.KERNEL_ROWS`). Dense load policies only; caches are cropped to their start first, as in
+        `forward`."""
+        if not segments:
+            raise ValueError("a batched pass needs at least one sequence")
+        policy = self.layers.policy
+        if any(overrides(policy, hook) for hook in ("tokens", "ffn_mask", "observe", "revert", "begin_pass")):
+            raise NtioError(f"batched passes run dense layers only, not the {type(policy).__name__} load policy")
+        for s in segments:
+            end = s.start_pos + s.tokens.shape[0]
+            if s.tokens.shape[0] == 0 or end > s.kv.capacity:
+                raise ContextOverflowError(f"{end} tokens do not fit in a sequence's context of {s.kv.capacity}")
+            s.kv.crop(min(s.start_pos, s.kv.length))
+            if s.start_pos != s.kv.length:
+                raise ValueError(f"start_pos {s.start_pos} leaves a gap after the {s.kv.length} cached positions")
+        cfg, block = self.cfg, batched_block
+        rows = [s.tokens.shape[0] for s in segments]
+        ends = [sum(rows[: i + 1]) for i in range(len(rows))]
+        longest = max(s.start_pos + n for s, n in zip(segments, rows))
+        with self._step(ends[-1], longest):
+            h = ops.embedding(torch.cat([s.tokens for s in segments]), self.globals.token_embd)  # [ΣT, D]
+            tables = [(rope_tables(self.globals.inv_freq, token_positions(s.start_pos, n, None, h.device)),
+                       causal_mask(s.start_pos, n, h.device)) for s, n in zip(segments, rows)]
+            self.layers.begin_forward(ends[-1])
+            try:
+                for layer in range(cfg.n_layers):
+                    w = self.layers.block(layer)
+                    if w is None:
+                        raise NtioError(f"the load policy skipped layer {layer}: batched passes run every layer")
+                    sequences = [SequenceRows(slice(end - n, end), s.kv.k[layer], s.kv.v[layer], s.start_pos, rope,
+                                              s.kv.attention_mask(layer, mask, n, s.start_pos + n))
+                                 for s, n, end, (rope, mask) in zip(segments, rows, ends, tables)]
+                    h = block(h, w, sequences, cfg, cfg.family.rope)
+                    for s, n in zip(segments, rows):
+                        s.kv.record(layer, s.start_pos, n, skipped=False)
+                logits = self._logits(self.final_norm(h[[end - 1 for end in ends]]))  # [B, V]
+            finally:
+                self.layers.end_forward()
+        for s in segments:
+            s.kv.commit(s.start_pos, s.tokens.tolist())
+        return list(logits)
 
     @torch.inference_mode()
     def nll(self, tokens: torch.Tensor, start_pos: int) -> torch.Tensor:

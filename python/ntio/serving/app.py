@@ -1,0 +1,190 @@
+"""The HTTP side of `ntio serve`: an OpenAI-compatible API (FastAPI, run by uvicorn) over the scheduler.
+
+Endpoints: GET /v1/models, POST /v1/chat/completions and /v1/completions (streamed as server-sent events ending in
+`data: [DONE]`, or whole), GET /health, GET /metrics (Prometheus text). Every error is OpenAI's shape with a one-line
+message: 400 (bad JSON, a parameter of the wrong type or out of range, prompt + max_tokens beyond the context), 401
+(with --api-key: a missing or wrong bearer token), 404 (an unknown model or route), 413 (a body over the limit), 429
+(`parallel` requests active and `max_queue` waiting). A client that disconnects frees its slot at the next step.
+SIGTERM (uvicorn's graceful shutdown) stops taking connections, lets the requests in flight finish, then stops the
+engine thread; the process exits 0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import threading
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import FastAPI, Request as HTTPRequest
+from fastapi.responses import JSONResponse, PlainTextResponse, Response as HTTPResponse, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from ntio.serving.protocol import APIError, Parsed, Response, parse
+from ntio.serving.scheduler import Request, Scheduler
+
+MAX_BODY_BYTES = 4 << 20  # a request body larger than this is refused (413) before it is parsed
+# How often a waiting non-streamed request looks whether its client is still there.
+DISCONNECT_POLL_S = 0.5
+
+
+def _error(e: APIError) -> JSONResponse:
+    return JSONResponse(e.body(), status_code=e.status)
+
+
+def create_app(llm, scheduler: Scheduler, model_id: str, api_key: str | None = None,
+               max_body: int = MAX_BODY_BYTES) -> FastAPI:
+    """The FastAPI app serving `llm` as `model_id` through `scheduler` (started and drained by the app's lifespan)."""
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        scheduler.start()
+        try:
+            yield
+        finally:  # after uvicorn has let the requests in flight finish
+            await asyncio.to_thread(scheduler.shutdown)
+
+    app = FastAPI(title="ntio", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_: HTTPRequest, e: StarletteHTTPException) -> JSONResponse:
+        kind = "not_found" if e.status_code == 404 else "invalid_request_error"
+        return _error(APIError(e.status_code, str(e.detail), kind=kind))
+
+    @app.middleware("http")
+    async def authorize(request: HTTPRequest, call_next):
+        if api_key is not None and request.url.path.startswith("/v1/"):
+            if request.headers.get("authorization", "") != f"Bearer {api_key}":
+                return _error(APIError(401, "a valid API key is required (Authorization: Bearer KEY)",
+                                       kind="authentication_error", code="invalid_api_key"))
+        return await call_next(request)
+
+    @app.get("/health")
+    async def health() -> dict[str, str]:
+        return {"status": "ok"}
+
+    @app.get("/metrics")
+    async def metrics() -> PlainTextResponse:
+        return PlainTextResponse(_prometheus(scheduler), media_type="text/plain; version=0.0.4")
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        return {"object": "list", "data": [{"id": model_id, "object": "model", "created": 0, "owned_by": "ntio"}]}
+
+    async def complete(http: HTTPRequest, chat: bool) -> HTTPResponse:
+        try:
+            body = await _json_body(http, max_body)
+            parsed = parse(body, llm, chat=chat, model_id=model_id, context=scheduler.slot_context)
+        except APIError as e:
+            return _error(e)
+        loop = asyncio.get_running_loop()
+        events: asyncio.Queue = asyncio.Queue()
+        request = Request(parsed.prompt_ids, parsed.max_tokens, parsed.sampling, parsed.stop,
+                          lambda *event: loop.call_soon_threadsafe(events.put_nowait, event))
+        if not scheduler.submit(request):
+            return _error(APIError(429, f"the server is busy: {len(scheduler.slots)} requests are being answered and "
+                                        f"{scheduler.max_queue} are waiting; retry later", kind="rate_limit_error",
+                                   code="server_busy"))
+        response = Response(parsed, model_id)
+        if parsed.stream:
+            return StreamingResponse(_stream(events, request.cancelled, parsed, response),
+                                     media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        return await _whole(http, events, request.cancelled, response)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(http: HTTPRequest) -> HTTPResponse:
+        return await complete(http, chat=True)
+
+    @app.post("/v1/completions")
+    async def completions(http: HTTPRequest) -> HTTPResponse:
+        return await complete(http, chat=False)
+
+    return app
+
+
+async def _json_body(http: HTTPRequest, max_body: int) -> Any:
+    """The request's JSON, read no further than `max_body` bytes."""
+    declared = http.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > max_body:
+        raise APIError(413, f"the request body is {declared} bytes; at most {max_body} are accepted")
+    raw = bytearray()
+    async for chunk in http.stream():
+        raw += chunk
+        if len(raw) > max_body:
+            raise APIError(413, f"the request body is over {max_body} bytes")
+    try:
+        return json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise APIError(400, f"the request body is not valid JSON ({e})") from None
+
+
+async def _whole(http: HTTPRequest, events: asyncio.Queue, cancelled: threading.Event,
+                 response: Response) -> HTTPResponse:
+    """Wait for the whole answer; a client gone meanwhile cancels the request."""
+    text: list[str] = []
+    try:
+        while True:
+            try:
+                event = await asyncio.wait_for(events.get(), DISCONNECT_POLL_S)
+            except TimeoutError:
+                if await http.is_disconnected():
+                    cancelled.set()
+                    return HTTPResponse(status_code=499)
+                continue
+            if event[0] == "text":
+                text.append(event[1])
+            elif event[0] == "done":
+                return JSONResponse(response.whole("".join(text), event[1], event[2]))
+            else:
+                return _error(APIError(500, f"the model failed: {event[1]}", kind="server_error"))
+    finally:
+        cancelled.set()  # a no-op once done; frees the slot if this handler was cancelled
+
+
+async def _stream(events: asyncio.Queue, cancelled: threading.Event, parsed: Parsed,
+                  response: Response) -> AsyncIterator[str]:
+    """Server-sent events: the text as it is generated, the finish reason, the usage chunk if asked, [DONE]. A
+    client that disconnects stops this generator, which cancels the request."""
+    usage = parsed.include_usage
+    try:
+        if parsed.chat:
+            yield _sse(response.chunk("", None, usage))  # the role first, as OpenAI does
+        while True:
+            event = await events.get()
+            if event[0] == "text":
+                yield _sse(response.chunk(event[1], None, usage))
+            elif event[0] == "done":
+                yield _sse(response.chunk(None if parsed.chat else "", event[1], usage))
+                if usage:
+                    yield _sse(response.usage_chunk(event[2]))
+                break
+            else:
+                yield _sse(APIError(500, f"the model failed: {event[1]}", kind="server_error").body())
+                break
+        yield "data: [DONE]\n\n"
+    finally:
+        cancelled.set()
+
+
+def _sse(obj: dict[str, Any]) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+def _prometheus(scheduler: Scheduler) -> str:
+    m = scheduler.metrics
+    rows = [
+        ("ntio_requests_total", "counter", "Requests accepted", m.requests),
+        ("ntio_requests_refused_total", "counter", "Requests refused because the server was full", m.refused),
+        ("ntio_prompt_tokens_total", "counter", "Prompt tokens of accepted requests", m.prompt_tokens),
+        ("ntio_generation_tokens_total", "counter", "Tokens generated", m.generated_tokens),
+        ("ntio_steps_total", "counter", "Batched passes over the model", m.steps),
+        ("ntio_decode_tokens_per_second", "gauge", "Tokens decoded per second of decoding passes, all requests",
+         m.decode_tok_s),
+        ("ntio_bytes_read_per_token", "gauge", "Bytes read from disk per decoded token (shared by a pass's requests)",
+         m.bytes_read_per_token),
+        ("ntio_requests_active", "gauge", "Requests being answered", m.active),
+        ("ntio_requests_queued", "gauge", "Requests waiting for a slot", m.queued),
+    ]
+    return "".join(f"# HELP {name} {text}\n# TYPE {name} {kind}\n{name} {value}\n" for name, kind, text, value in rows)

@@ -1,0 +1,239 @@
+"""`ntio serve` against real clients: the server is started by the test on a free loopback port (SmolLM2), driven by
+the official `openai` client (streamed and not) and by raw HTTP for the error cases, loaded by 32 concurrent clients,
+and stopped with SIGTERM. Every greedy answer is compared with what `LLM.generate` gives the same prompt alone:
+batched passes compute each sequence's rows as its own pass would (tests/test_serve.py asserts equality, and names
+the first request that differs)."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+
+import pytest
+
+import ntio
+
+openai = pytest.importorskip("openai")
+httpx = pytest.importorskip("httpx")
+pytest.importorskip("fastapi")
+pytest.importorskip("uvicorn")
+
+MODEL_ID = "smollm2-135m"
+QUESTIONS = [
+    "What is the capital of France?",
+    "Name three colours.",
+    "Write a haiku about disks.",
+    "What is 2 + 2?",
+    "Give me a word that rhymes with cat.",
+    "Say hello in Spanish.",
+    "What is a prime number?",
+    "List two fruits.",
+]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def _server(*args: str) -> Iterator[tuple[str, subprocess.Popen]]:
+    """`ntio serve` on a free loopback port: (base URL, process) once /health answers; SIGTERM at the end."""
+    port = _free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "ntio.cli", "serve", "-m", MODEL_ID, "--port", str(port), *args],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            if proc.poll() is not None:
+                raise AssertionError(f"ntio serve exited {proc.returncode}: {proc.stderr.read()}")
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                    break
+            if time.monotonic() > deadline:
+                raise AssertionError("ntio serve did not come up in 120 s")
+            time.sleep(0.2)
+        yield url, proc
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(60)
+            if proc.poll() is None:
+                proc.kill()
+
+
+@pytest.fixture(scope="module")
+def server():
+    with _server("--parallel", "4", "--ctx-size", "2048", "--max-queue", "256") as (url, proc):
+        yield url
+    assert proc.returncode == 0, proc.stderr.read()
+
+
+@pytest.fixture(scope="module")
+def solo(smollm2_path):
+    """What `LLM.generate` gives each question alone (greedy, chat template, 8 tokens): text and token count."""
+    with ntio.load(smollm2_path, max_context=512) as m:
+        return {q: m.generate(q, max_new_tokens=8, chat=True, temperature=0.0) for q in QUESTIONS}
+
+
+def _client(url: str, **kwargs) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120, **kwargs)
+
+
+def _ask(client: openai.OpenAI, question: str, **kwargs):
+    return client.chat.completions.create(model=MODEL_ID, messages=[{"role": "user", "content": question}],
+                                          max_tokens=8, temperature=0, **kwargs)
+
+
+def test_models_and_health(server):
+    assert [m.id for m in _client(server).models.list().data] == [MODEL_ID]
+    assert httpx.get(f"{server}/health").json() == {"status": "ok"}
+
+
+def test_chat_completion_is_the_solo_answer(server, solo):
+    q = QUESTIONS[0]
+    r = _ask(_client(server), q)
+    want = solo[q]
+    assert r.choices[0].message.role == "assistant"
+    assert r.choices[0].message.content == want.text
+    assert r.choices[0].finish_reason == want.finish_reason
+    assert r.usage.completion_tokens == want.n_generated_tokens and r.usage.prompt_tokens == want.n_prompt_tokens
+
+
+def test_streamed_chat_with_usage(server, solo):
+    q = QUESTIONS[1]
+    chunks = list(_ask(_client(server), q, stream=True, stream_options={"include_usage": True}))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert text == solo[q].text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == solo[q].finish_reason
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == solo[q].n_generated_tokens
+
+
+def test_completions_streamed_and_not(server, smollm2_path):
+    with ntio.load(smollm2_path, max_context=512) as m:
+        want = m.generate("The capital of France is", max_new_tokens=6, temperature=0.0)
+    client = _client(server)
+    r = client.completions.create(model=MODEL_ID, prompt="The capital of France is", max_tokens=6, temperature=0)
+    assert r.choices[0].text == want.text and r.choices[0].finish_reason == "length"
+    chunks = list(client.completions.create(model=MODEL_ID, prompt="The capital of France is", max_tokens=6,
+                                            temperature=0, stream=True))
+    assert "".join(c.choices[0].text for c in chunks) == want.text
+
+
+def test_stop_strings_and_seeded_sampling(server):
+    client = _client(server)
+    r = client.completions.create(model=MODEL_ID, prompt="1, 2, 3, 4,", max_tokens=16, temperature=0, stop=[" 7"])
+    assert r.choices[0].finish_reason == "stop" and " 7" not in r.choices[0].text
+    sampled = [client.completions.create(model=MODEL_ID, prompt="Once upon a time", max_tokens=12, temperature=1.0,
+                                         top_p=0.9, seed=42).choices[0].text for _ in range(2)]
+    assert sampled[0] == sampled[1]  # the same seed, the same draws
+
+
+def _error(response: httpx.Response, status: int, param: str | None = None) -> str:
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and "\n" not in error["message"]
+    if param is not None:
+        assert error["param"] == param, error
+    return error["message"]
+
+
+def test_bad_requests_get_openai_errors(server):
+    url = f"{server}/v1/chat/completions"
+    ok = {"model": MODEL_ID, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    _error(httpx.post(url, content=b"{not json"), 400)
+    _error(httpx.post(url, json=[1, 2]), 400)
+    _error(httpx.post(url, json={**ok, "temperature": "hot"}), 400, "temperature")
+    _error(httpx.post(url, json={**ok, "top_p": 2}), 400, "top_p")
+    _error(httpx.post(url, json={**ok, "max_tokens": 0}), 400, "max_tokens")
+    _error(httpx.post(url, json={**ok, "n": 2}), 400, "n")
+    _error(httpx.post(url, json={**ok, "stop": ["a", "b", "c", "d", "e"]}), 400, "stop")
+    _error(httpx.post(url, json={**ok, "messages": [{"role": "robot", "content": "hi"}]}), 400, "messages[0].role")
+    _error(httpx.post(url, json={**ok, "model": "gpt-9"}), 404, "model")
+    message = _error(httpx.post(url, json={**ok, "max_tokens": 600}), 400, "max_tokens")
+    assert "600" in message and "512" in message  # the two numbers: 2048 tokens over 4 sequences
+    _error(httpx.post(url, content=b" " * (5 << 20)), 413)
+    _error(httpx.post(f"{server}/v1/completions", json={"model": MODEL_ID, "prompt": [10**9]}), 400, "prompt")
+    _error(httpx.get(f"{server}/v1/nowhere"), 404)
+    assert _ask(_client(server), "hi").choices  # and it still serves
+
+
+def test_32_clients_get_their_solo_answers(server, solo):
+    """32 concurrent clients x 4 requests over 4 slots (the rest queue): every answer is the solo answer, nothing
+    hangs, and no slot is left held."""
+    answers: dict[tuple[int, int], str] = {}
+    failures: list[str] = []
+
+    def client_thread(c: int) -> None:
+        client = _client(server)
+        for i in range(4):
+            q = QUESTIONS[(c + i) % len(QUESTIONS)]
+            try:
+                answers[(c, i)] = _ask(client, q).choices[0].message.content
+            except Exception as e:  # noqa: BLE001 - reported below with the request
+                failures.append(f"client {c} request {i}: {type(e).__name__}: {e}")
+
+    threads = [threading.Thread(target=client_thread, args=(c,)) for c in range(32)]
+    t0 = time.monotonic()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=max(1.0, 300 - (time.monotonic() - t0)))
+    assert not any(t.is_alive() for t in threads), "requests hung"
+    assert not failures, failures[:3]
+    differ = [(c, i) for (c, i), text in answers.items() if text != solo[QUESTIONS[(c + i) % len(QUESTIONS)]].text]
+    assert not differ, f"{len(differ)} of 128 answers differ from the solo answer, first {differ[0]}"
+    metrics = httpx.get(f"{server}/metrics").text
+    assert "ntio_requests_active 0\n" in metrics and "ntio_requests_queued 0\n" in metrics
+
+
+def test_full_server_refuses_and_a_disconnect_frees_the_slot():
+    with _server("--parallel", "1", "--max-queue", "0", "--ctx-size", "512") as (url, _):
+        body = {"model": MODEL_ID, "prompt": "1, 2, 3, 4, 5, 6, 7, 8, 9, 10,", "max_tokens": 400, "temperature": 0,
+                "stream": True}
+        with httpx.Client(timeout=60) as http, http.stream("POST", f"{url}/v1/completions", json=body) as long:
+            assert long.status_code == 200
+            lines = long.iter_lines()  # kept: a dropped line iterator closes the stream
+            next(lines)  # the request holds the one slot
+            _error(httpx.post(f"{url}/v1/completions", json={**body, "stream": False, "max_tokens": 2}), 429)
+        # The long stream's client went away: its slot is free at the next step.
+        deadline = time.monotonic() + 30
+        while "ntio_requests_active 0\n" not in httpx.get(f"{url}/metrics").text:
+            assert time.monotonic() < deadline, "the disconnected request kept its slot"
+            time.sleep(0.1)
+        assert httpx.post(f"{url}/v1/completions", json={**body, "stream": False, "max_tokens": 2}).status_code == 200
+
+
+def test_api_key():
+    with _server("--parallel", "1", "--ctx-size", "512", "--api-key", "s3cret") as (url, _):
+        _error(httpx.get(f"{url}/v1/models"), 401)
+        _error(httpx.get(f"{url}/v1/models", headers={"Authorization": "Bearer wrong"}), 401)
+        assert httpx.get(f"{url}/v1/models", headers={"Authorization": "Bearer s3cret"}).status_code == 200
+        assert httpx.get(f"{url}/health").status_code == 200  # health and metrics need no key
+
+
+def test_sigterm_finishes_the_request_in_flight_and_exits_0():
+    with _server("--parallel", "1", "--ctx-size", "512") as (url, proc):
+        body = {"model": MODEL_ID, "prompt": "Once upon a time", "max_tokens": 48, "temperature": 0, "stream": True}
+        with httpx.Client(timeout=60) as http, http.stream("POST", f"{url}/v1/completions", json=body) as stream:
+            lines = stream.iter_lines()
+            first = next(line for line in lines if line)
+            proc.send_signal(signal.SIGTERM)
+            rest = [line for line in lines if line]
+        events = [first, *rest]
+        assert events[-1] == "data: [DONE]"
+        chunks = [json.loads(e.removeprefix("data: ")) for e in events[:-1]]
+        assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+        assert proc.wait(60) == 0, proc.stderr.read()
