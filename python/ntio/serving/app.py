@@ -84,8 +84,8 @@ def create_app(llm, scheduler: Scheduler, model_id: str, api_key: str | None = N
         request = Request(parsed.prompt_ids, parsed.max_tokens, parsed.sampling, parsed.stop,
                           lambda *event: loop.call_soon_threadsafe(events.put_nowait, event))
         if not scheduler.submit(request):
-            return _error(APIError(429, f"the server is busy: {len(scheduler.slots)} requests are being answered and "
-                                        f"{scheduler.max_queue} are waiting; retry later", kind="rate_limit_error",
+            return _error(APIError(429, f"the server is busy (it answers {len(scheduler.slots)} requests at once and "
+                                        f"queues {scheduler.max_queue}); retry later", kind="rate_limit_error",
                                    code="server_busy"))
         response = Response(parsed, model_id)
         if parsed.stream:

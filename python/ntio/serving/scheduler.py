@@ -155,7 +155,12 @@ class Scheduler:
                 self._admit()
             self._drop_cancelled()
             if self._active:
-                self._step()
+                try:
+                    self._step()
+                except Exception as e:  # an I/O error, a bug: the step's requests fail, the server goes on
+                    for slot, seq in list(self._active.items()):
+                        seq.request.emit("error", f"{type(e).__name__}: {e}")
+                        self._release(slot)
 
     def _admit(self) -> None:
         """Move queued requests into free slots (caller holds the lock), each into the slot whose cache shares the
@@ -204,13 +209,7 @@ class Scheduler:
             rows -= len(chunk)
             batch.append((slot, seq, not seq.prefilling))
         t0 = time.perf_counter()
-        try:
-            logits = self.engine.forward_batch(segments)
-        except Exception as e:  # an I/O error, a bug: every request of the pass fails, the server goes on
-            for slot, seq, _ in batch:
-                seq.request.emit("error", f"{type(e).__name__}: {e}")
-                self._release(slot)
-            return
+        logits = self.engine.forward_batch(segments)
         elapsed = time.perf_counter() - t0
         read = self.llm.stats.last().get("bytes_read", 0)
         self.llm.stats.reset()  # a server runs for days: keep the step's figures here, not a list of every step

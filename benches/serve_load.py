@@ -1,0 +1,195 @@
+"""Serving under load: aggregate tok/s of `ntio serve` and llama.cpp's `llama-server` at 1, 2, 4, 8 concurrent clients.
+
+Each engine runs as a server in its own process with the same slots (`--parallel`), context per slot, threads and
+model file; engines alternate within every round (the order rotates). At each concurrency c, c client threads each
+send `--requests` streamed chat completions one after another (greedy, `--tokens` tokens, each client its own
+questions) through the `openai` client; the aggregate is the completion tokens of all of them over the wall time
+from the first request to the last answer. Once per round, `ntio generate` decodes one question alone in a fresh
+process: the single-client HTTP decode rate (from the first streamed token to the last) is compared with it.
+
+    python benches/serve_load.py [--model NAME|PATH] [--tiers A] [--clients 1 2 4 8] [--requests 2] [--tokens 64]
+                                 [--rounds 3] [--parallel 8] [--slot-context 512] [--threads 2]
+                                 [--engines ntio,llama-server] [--llama-server PATH] [--out FILE]
+
+Prints one JSON object (per-round figures, medians, ratios); a Markdown table for benches/RESULTS.md on stderr.
+llama-server comes from ../shared/tools/build-llama-server.sh.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import platform
+import socket
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import openai
+
+from ntio.fetch import resolve_model
+
+QUESTIONS = [
+    "Write a short paragraph about rivers.", "Explain what a hash table is.", "Describe a sunrise over the sea.",
+    "Give three tips for learning to code.", "What makes a good cup of tea?", "Summarize the water cycle.",
+    "Describe a busy market.", "Why do leaves change colour in autumn?",
+]
+NTIO = Path(sys.executable).with_name("ntio")
+LLAMA_SERVER = Path.home() / ".cache/ntio-peers/llama-server-0.3.36/build/bin/llama-server"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def _serving(cmd: list[str], url: str, health: str):
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 600
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"{cmd[0]} exited {proc.returncode}: {proc.stderr.read()[-2000:]}")
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(url + health, timeout=2).status_code == 200:
+                    break
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{cmd[0]} did not come up")
+            time.sleep(0.3)
+        yield
+    finally:
+        proc.terminate()
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(60)
+        if proc.poll() is None:
+            proc.kill()
+
+
+def _server_cmd(engine: str, model: str, port: int, args: argparse.Namespace) -> tuple[list[str], str]:
+    ctx = args.parallel * args.slot_context
+    if engine == "ntio":
+        return ([str(NTIO), "serve", "-m", model, "--port", str(port), "--parallel", str(args.parallel),
+                 "--ctx-size", str(ctx), "--threads", str(args.threads), "--tiers", args.tiers,
+                 "--max-queue", "64", "--model-id", "m"], "/health")
+    return ([args.llama_server, "-m", model, "--host", "127.0.0.1", "--port", str(port), "--parallel",
+             str(args.parallel), "-c", str(ctx), "-t", str(args.threads), "-tb", str(args.threads), "--alias", "m",
+             "--no-webui", "-np", str(args.parallel)], "/health")
+
+
+def _one(client: openai.OpenAI, question: str, tokens: int) -> tuple[int, float | None]:
+    """One streamed chat completion: (completion tokens, decode tok/s from the first token to the last)."""
+    stamps, usage = [], None
+    stream = client.chat.completions.create(model="m", messages=[{"role": "user", "content": question}],
+                                            max_tokens=tokens, temperature=0, stream=True,
+                                            stream_options={"include_usage": True})
+    for chunk in stream:
+        if chunk.usage is not None:
+            usage = chunk.usage.completion_tokens
+        if chunk.choices and chunk.choices[0].delta.content:
+            stamps.append(time.perf_counter())
+    n = usage if usage is not None else len(stamps)
+    rate = (n - 1) / (stamps[-1] - stamps[0]) if len(stamps) > 1 and stamps[-1] > stamps[0] else None
+    return n, rate
+
+
+def _load(url: str, clients: int, args: argparse.Namespace) -> dict:
+    counts, rates, errors = [], [], []
+
+    def run(c: int) -> None:
+        client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=1800)
+        for i in range(args.requests):
+            try:
+                n, rate = _one(client, QUESTIONS[(c + i) % len(QUESTIONS)], args.tokens)
+                counts.append(n)
+                if rate is not None:
+                    rates.append(rate)
+            except Exception as e:  # noqa: BLE001 - counted and reported
+                errors.append(f"{type(e).__name__}: {e}")
+
+    threads = [threading.Thread(target=run, args=(c,)) for c in range(clients)]
+    t0 = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    wall = time.perf_counter() - t0
+    return {"aggregate_tok_s": sum(counts) / wall, "tokens": sum(counts), "wall_s": wall,
+            "request_decode_tok_s": statistics.median(rates) if rates else None, "errors": errors[:3]}
+
+
+def _generate(model: str, args: argparse.Namespace) -> float:
+    out = subprocess.run([str(NTIO), "generate", "-m", model, "--chat", "-p", QUESTIONS[0], "-n", str(args.tokens),
+                          "--threads", str(args.threads), "--tiers", args.tiers, "--json"],
+                         capture_output=True, text=True, check=True)
+    return json.loads(out.stdout)["decode_tok_s"]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default=None)
+    ap.add_argument("--tiers", default="A", help="ntio's tiers (A: resident; C: every layer read from disk)")
+    ap.add_argument("--clients", type=int, nargs="+", default=[1, 2, 4, 8])
+    ap.add_argument("--requests", type=int, default=2, help="requests per client, one after another")
+    ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--parallel", type=int, default=8)
+    ap.add_argument("--slot-context", type=int, default=512)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--engines", default="ntio,llama-server")
+    ap.add_argument("--llama-server", default=str(LLAMA_SERVER))
+    ap.add_argument("--out", type=Path)
+    args = ap.parse_args()
+    model = str(resolve_model(args.model))
+    engines = args.engines.split(",")
+    rounds = []
+    for r in range(args.rounds):
+        row: dict = {"ntio_generate_decode_tok_s": _generate(model, args)} if "ntio" in engines else {}
+        for engine in engines[r % len(engines):] + engines[: r % len(engines)]:
+            port = _free_port()
+            cmd, health = _server_cmd(engine, model, port, args)
+            url = f"http://127.0.0.1:{port}"
+            with _serving(cmd, url, health):
+                for c in args.clients:
+                    row[f"{engine}_{c}"] = result = _load(url, c, args)
+                    print(json.dumps({"round": r, "engine": engine, "clients": c, **result}), file=sys.stderr)
+        rounds.append(row)
+    summary: dict = {"model": os.path.basename(model), "tiers": args.tiers, "machine": platform.processor() or
+                     platform.machine(), "threads": args.threads, "parallel": args.parallel, "tokens": args.tokens,
+                     "requests_per_client": args.requests, "rounds": rounds}
+    med = lambda key, what="aggregate_tok_s": statistics.median(row[key][what] for row in rounds)  # noqa: E731
+    for engine in engines:
+        for c in args.clients:
+            summary[f"{engine}_{c}_aggregate_tok_s"] = med(f"{engine}_{c}")
+    if "ntio" in engines:
+        one = args.clients[0]
+        summary["ntio_scaling"] = {c: statistics.median(row[f"ntio_{c}"]["aggregate_tok_s"] /
+                                                        row[f"ntio_{one}"]["aggregate_tok_s"] for row in rounds)
+                                   for c in args.clients}
+        summary["ntio_generate_decode_tok_s"] = statistics.median(row["ntio_generate_decode_tok_s"] for row in rounds)
+        summary["http_1_client_vs_generate"] = statistics.median(
+            row[f"ntio_{one}"]["request_decode_tok_s"] / row["ntio_generate_decode_tok_s"] for row in rounds)
+    if "ntio" in engines and "llama-server" in engines:
+        summary["ntio_vs_llama_server"] = {c: statistics.median(
+            row[f"ntio_{c}"]["aggregate_tok_s"] / row[f"llama-server_{c}"]["aggregate_tok_s"] for row in rounds)
+            for c in args.clients}
+    text = json.dumps(summary, indent=1)
+    if args.out:
+        args.out.write_text(text)
+    print(text)
+    print("| clients | " + " | ".join(f"{e} aggregate tok/s" for e in engines) + " |", file=sys.stderr)
+    print("|---" * (len(engines) + 1) + "|", file=sys.stderr)
+    for c in args.clients:
+        print(f"| {c} | " + " | ".join(f"{summary[f'{e}_{c}_aggregate_tok_s']:.1f}" for e in engines) + " |",
+              file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()
