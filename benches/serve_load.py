@@ -3,7 +3,7 @@
 Each engine runs as a server in its own process with the same slots (`--parallel`), context per slot, threads and
 model file; engines alternate within every round (the order rotates). At each concurrency c, c client threads each
 send `--requests` streamed chat completions one after another (greedy, `--tokens` tokens, each client its own
-questions) through the `openai` client; the aggregate is the completion tokens of all of them over the wall time
+questions) as raw server-sent events (httpx); the aggregate is the completion tokens of all of them over the wall time
 from the first request to the last answer. Once per round, `ntio generate` decodes one question alone in a fresh
 process: the single-client HTTP decode rate (from the first streamed token to the last) is compared with it.
 
@@ -31,7 +31,6 @@ import time
 from pathlib import Path
 
 import httpx
-import openai
 
 from ntio.fetch import resolve_model
 
@@ -84,17 +83,23 @@ def _server_cmd(engine: str, model: str, port: int, args: argparse.Namespace) ->
              "--no-webui", "-np", str(args.parallel)], "/health")
 
 
-def _one(client: openai.OpenAI, question: str, tokens: int) -> tuple[int, float | None]:
-    """One streamed chat completion: (completion tokens, decode tok/s from the first token to the last)."""
+def _one(client: httpx.Client, url: str, question: str, tokens: int) -> tuple[int, float | None]:
+    """One streamed chat completion: (completion tokens, decode tok/s from the first token to the last). Raw
+    server-sent events through httpx: a light client, so that the client's own CPU time (on the same machine)
+    weighs little on the servers measured."""
     stamps, usage = [], None
-    stream = client.chat.completions.create(model="m", messages=[{"role": "user", "content": question}],
-                                            max_tokens=tokens, temperature=0, stream=True,
-                                            stream_options={"include_usage": True})
-    for chunk in stream:
-        if chunk.usage is not None:
-            usage = chunk.usage.completion_tokens
-        if chunk.choices and chunk.choices[0].delta.content:
-            stamps.append(time.perf_counter())
+    body = {"model": "m", "messages": [{"role": "user", "content": question}], "max_tokens": tokens,
+            "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
+    with client.stream("POST", f"{url}/v1/chat/completions", json=body) as response:
+        response.raise_for_status()
+        for line in response.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if chunk.get("usage"):
+                usage = chunk["usage"]["completion_tokens"]
+            if chunk.get("choices") and chunk["choices"][0]["delta"].get("content"):
+                stamps.append(time.perf_counter())
     n = usage if usage is not None else len(stamps)
     rate = (n - 1) / (stamps[-1] - stamps[0]) if len(stamps) > 1 and stamps[-1] > stamps[0] else None
     return n, rate
@@ -104,10 +109,10 @@ def _load(url: str, clients: int, args: argparse.Namespace) -> dict:
     counts, rates, errors = [], [], []
 
     def run(c: int) -> None:
-        client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=1800)
+        client = httpx.Client(timeout=1800)
         for i in range(args.requests):
             try:
-                n, rate = _one(client, QUESTIONS[(c + i) % len(QUESTIONS)], args.tokens)
+                n, rate = _one(client, url, QUESTIONS[(c + i) % len(QUESTIONS)], args.tokens)
                 counts.append(n)
                 if rate is not None:
                     rates.append(rate)

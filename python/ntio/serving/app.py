@@ -81,8 +81,15 @@ def create_app(llm, scheduler: Scheduler, model_id: str, api_key: str | None = N
             return _error(e)
         loop = asyncio.get_running_loop()
         events: asyncio.Queue = asyncio.Queue()
-        request = Request(parsed.prompt_ids, parsed.max_tokens, parsed.sampling, parsed.stop,
-                          lambda *event: loop.call_soon_threadsafe(events.put_nowait, event))
+        text: list[str] = []  # a whole answer's pieces, gathered on the engine thread
+
+        def emit(*event) -> None:
+            if event[0] == "text" and not parsed.stream:
+                text.append(event[1])  # no wake-up of the event loop per token: it only needs the end
+            else:
+                loop.call_soon_threadsafe(events.put_nowait, event)
+
+        request = Request(parsed.prompt_ids, parsed.max_tokens, parsed.sampling, parsed.stop, emit)
         if not scheduler.submit(request):
             return _error(APIError(429, f"the server is busy (it answers {len(scheduler.slots)} requests at once and "
                                         f"queues {scheduler.max_queue}); retry later", kind="rate_limit_error",
@@ -91,7 +98,7 @@ def create_app(llm, scheduler: Scheduler, model_id: str, api_key: str | None = N
         if parsed.stream:
             return StreamingResponse(_stream(events, request.cancelled, parsed, response),
                                      media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-        return await _whole(http, events, request.cancelled, response)
+        return await _whole(http, events, text, request.cancelled, response)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(http: HTTPRequest) -> HTTPResponse:
@@ -120,10 +127,10 @@ async def _json_body(http: HTTPRequest, max_body: int) -> Any:
         raise APIError(400, f"the request body is not valid JSON ({e})") from None
 
 
-async def _whole(http: HTTPRequest, events: asyncio.Queue, cancelled: threading.Event,
+async def _whole(http: HTTPRequest, events: asyncio.Queue, text: list[str], cancelled: threading.Event,
                  response: Response) -> HTTPResponse:
-    """Wait for the whole answer; a client gone meanwhile cancels the request."""
-    text: list[str] = []
+    """Wait for the end of the answer whose pieces the engine thread gathers in `text`; a client gone meanwhile
+    cancels the request."""
     try:
         while True:
             try:
@@ -133,9 +140,7 @@ async def _whole(http: HTTPRequest, events: asyncio.Queue, cancelled: threading.
                     cancelled.set()
                     return HTTPResponse(status_code=499)
                 continue
-            if event[0] == "text":
-                text.append(event[1])
-            elif event[0] == "done":
+            if event[0] == "done":
                 return JSONResponse(response.whole("".join(text), event[1], event[2]))
             else:
                 return _error(APIError(500, f"the model failed: {event[1]}", kind="server_error"))
