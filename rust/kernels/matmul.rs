@@ -61,36 +61,27 @@ impl QType {
 
     /// (elements, bytes) per block.
     pub fn block(self) -> (usize, usize) {
-        fn q<F: Format>() -> (usize, usize) {
-            (F::BLOCK, F::BYTES)
+        let (elements, bytes, _) = self.layout();
+        (elements, bytes)
+    }
+
+    /// Elements per activation scale in the integer kernels (`Format::SPAN`); dense types take none.
+    pub fn span(self) -> Option<usize> {
+        self.layout().2
+    }
+
+    /// (elements, bytes) per block and the activation span, from the type's format.
+    fn layout(self) -> (usize, usize, Option<usize>) {
+        fn q<F: Format>() -> (usize, usize, Option<usize>) {
+            (F::BLOCK, F::BYTES, Some(F::SPAN))
         }
-        fn d<D: Dense>() -> (usize, usize) {
-            (1, D::BYTES)
+        fn d<D: Dense>() -> (usize, usize, Option<usize>) {
+            (1, D::BYTES, None)
         }
         match self {
             QType::F32 => d::<blocks::F32>(),
             QType::F16 => d::<blocks::F16>(),
             QType::BF16 => d::<blocks::BF16>(),
-            QType::Q4_0 => q::<blocks::Q4_0>(),
-            QType::Q4_1 => q::<blocks::Q4_1>(),
-            QType::Q5_0 => q::<blocks::Q5_0>(),
-            QType::Q5_1 => q::<blocks::Q5_1>(),
-            QType::Q8_0 => q::<blocks::Q8_0>(),
-            QType::Q4K => q::<blocks::Q4K>(),
-            QType::Q5K => q::<blocks::Q5K>(),
-            QType::Q6K => q::<blocks::Q6K>(),
-            QType::TQ1_0 => q::<blocks::TQ1_0>(),
-            QType::TQ2_0 => q::<blocks::TQ2_0>(),
-        }
-    }
-
-    /// Elements per activation scale in the integer kernels (`Format::SPAN`); dense types take none.
-    pub fn span(self) -> Option<usize> {
-        fn q<F: Format>() -> Option<usize> {
-            Some(F::SPAN)
-        }
-        match self {
-            QType::F32 | QType::F16 | QType::BF16 => None,
             QType::Q4_0 => q::<blocks::Q4_0>(),
             QType::Q4_1 => q::<blocks::Q4_1>(),
             QType::Q5_0 => q::<blocks::Q5_0>(),
