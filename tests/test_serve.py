@@ -46,11 +46,11 @@ def _free_port() -> int:
 
 
 @contextlib.contextmanager
-def _server(*args: str) -> Iterator[tuple[str, subprocess.Popen]]:
+def _server(*args: str, env: dict[str, str] | None = None) -> Iterator[tuple[str, subprocess.Popen]]:
     """`ntio serve` on a free loopback port: (base URL, process) once /health answers; SIGTERM at the end."""
     port = _free_port()
     proc = subprocess.Popen([sys.executable, "-m", "ntio.cli", "serve", "-m", MODEL_ID, "--port", str(port), *args],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, **(env or {})})
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 120
@@ -237,3 +237,19 @@ def test_sigterm_finishes_the_request_in_flight_and_exits_0():
         chunks = [json.loads(e.removeprefix("data: ")) for e in events[:-1]]
         assert chunks[-1]["choices"][0]["finish_reason"] == "length"
         assert proc.wait(60) == 0, proc.stderr.read()
+
+
+def test_a_disk_error_fails_the_request_and_the_server_goes_on(smollm2_path):
+    """Every layer on disk, and reads of layer 10 failing with EIO: each request gets a 500 in OpenAI's shape naming
+    the file and offset, and the server keeps answering, with no slot held."""
+    from ntio.formats.gguf_file import GGUFFile
+
+    offset = GGUFFile(smollm2_path).tensors["blk.10.ffn_up.weight"].offset
+    with _server("--parallel", "2", "--ctx-size", "512", "--tiers", "C",
+                 env={"NTIO_INJECT_FAULTS": f"eio@{offset}"}) as (url, _):
+        body = {"model": MODEL_ID, "prompt": "Hello", "max_tokens": 4, "temperature": 0}
+        for _ in range(2):
+            message = _error(httpx.post(f"{url}/v1/completions", json=body, timeout=60), 500)
+            assert "SmolLM2" in message and "offset" in message, message
+        assert httpx.get(f"{url}/health").status_code == 200
+        assert "ntio_requests_active 0\n" in httpx.get(f"{url}/metrics").text
