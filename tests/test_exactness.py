@@ -32,11 +32,6 @@ PPL_TEXT = Path(__file__).parent / "data" / "apache-2.0.txt"
 
 
 @pytest.fixture(scope="module")
-def hf_smollm2(smollm2_path):
-    return hf_model(smollm2_path)
-
-
-@pytest.fixture(scope="module")
 def smollm2(smollm2_path):
     return ntio.load(smollm2_path, max_context=1024, cpu_activations="float32")
 

@@ -18,7 +18,7 @@ import torch
 
 import ntio
 from ntio import _core
-from references import hf_model, hf_perplexity, rel_l2
+from references import hf_perplexity, rel_l2
 from test_cli import ntio as run_cli
 
 transformers = pytest.importorskip("transformers")
@@ -45,11 +45,6 @@ def int8(smollm2_path):
 @pytest.fixture(scope="module")
 def float32(smollm2_path):
     return ntio.load(smollm2_path, max_context=1024, cpu_activations="float32")
-
-
-@pytest.fixture(scope="module")
-def hf_smollm2(smollm2_path):
-    return hf_model(smollm2_path)
 
 
 @torch.inference_mode()

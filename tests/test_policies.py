@@ -17,16 +17,11 @@ import ntio
 from ntio.formats.model_file import plan_layer_read
 from ntio.policies.base import LOAD_ALL, SKIP, LoadDecision, LoadPolicy, Observation
 from ntio.policies.dense import DensePolicy
-from references import hf_model, rel_l2
+from references import rel_l2
 
 pytest.importorskip("transformers")  # the oracle (tests/references.py)
 
 PROMPT = "The quick brown fox jumps over the lazy dog because"
-
-
-@pytest.fixture(scope="module")
-def hf_smollm2(smollm2_path):
-    return hf_model(smollm2_path)
 
 
 class ReaderSpy:

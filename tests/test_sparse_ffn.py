@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 import ntio
 from ntio.policies.sparse_ffn import NeuronSelection, SparseFFNPolicy, consecutive_groups
-from references import hf_model, rel_l2
+from references import rel_l2
 
 PROMPT = "The quick brown fox jumps over the lazy dog because"
 
@@ -79,8 +79,7 @@ def _masked_mlp(mlp, keep: float):
 
 
 @torch.inference_mode()
-def test_the_engine_computes_exactly_the_kept_neurons_as_transformers_does(smollm2_path):
-    pytest.importorskip("transformers")
+def test_the_engine_computes_exactly_the_kept_neurons_as_transformers_does(smollm2_path, hf_smollm2, monkeypatch):
     keep = 0.3
     policy = SparseFFNPolicy(NeuronSelection("down", keep))
     m = ntio.load(smollm2_path, max_context=64, policy=policy, cpu_activations="float32")
@@ -90,11 +89,10 @@ def test_the_engine_computes_exactly_the_kept_neurons_as_transformers_does(smoll
     decode = m.engine.forward(torch.tensor([11]), len(ids))  # T = 1: the CPU kernels
     assert policy.union_fraction() == pytest.approx(math.ceil(keep * 1536) / 1536)  # one token: its own
     m.close()
-    hf = hf_model(smollm2_path)
-    dense = hf(torch.tensor([ids + [11]]), use_cache=False).logits[0]
-    for layer in hf.model.layers:
-        layer.mlp.forward = _masked_mlp(layer.mlp, keep)
-    want = hf(torch.tensor([ids + [11]]), use_cache=False).logits[0]
+    dense = hf_smollm2(torch.tensor([ids + [11]]), use_cache=False).logits[0]
+    for layer in hf_smollm2.model.layers:
+        monkeypatch.setattr(layer.mlp, "forward", _masked_mlp(layer.mlp, keep))
+    want = hf_smollm2(torch.tensor([ids + [11]]), use_cache=False).logits[0]
     assert rel_l2(want, dense) > 0.05  # the masking matters ...
     assert rel_l2(got, want[:-1]) <= 1e-4  # ... and both engines mask the same neurons
     assert rel_l2(decode, want[-1]) <= 1e-4

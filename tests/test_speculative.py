@@ -44,7 +44,7 @@ def smollm2(smollm2_path):
 def test_greedy_with_prompt_lookup_is_token_for_token_plain_greedy(smollm2_path, tiers):
     m = ntio.load(smollm2_path, tiers=tiers)
     drafted = accepted = 0
-    for prompt in PROMPTS:
+    for prompt in PROMPTS if tiers == "auto" else PROMPTS[::3]:  # streamed tiers: the same drafts, fewer prompts
         ids = m.encode_prompt(prompt, chat=True)
         plain = m.generate(ids, 48)
         assert m.generate(ids, 48, lookup=True).token_ids == plain.token_ids, prompt
@@ -56,14 +56,16 @@ def test_greedy_with_prompt_lookup_is_token_for_token_plain_greedy(smollm2_path,
     m.close()
     # The drafts were real: many tokens drafted, many accepted, some rejected (both verdicts were exercised). Counted
     # on the fixed-length drafts: the adaptive chooser's lengths follow measured pass times, so its counts vary.
-    assert drafted > 40 and 20 < accepted < drafted
+    assert 0 < accepted < drafted
+    if tiers == "auto":
+        assert drafted > 40 and accepted > 20
 
 
 @pytest.mark.parametrize("tiers", ["auto", "C"])
 def test_greedy_with_the_qwen_draft_model_is_token_for_token_plain_greedy(qwen15_path, qwen05_path, tiers):
     m = ntio.load(qwen15_path, draft=qwen05_path, tiers=tiers)
     assert m.draft is not None and m.draft.tokenizer is m.tokenizer
-    for prompt in CODE_PROMPTS[: 3 if tiers == "auto" else 1]:
+    for prompt in CODE_PROMPTS[: 2 if tiers == "auto" else 1]:
         ids = m.encode_prompt(prompt, chat=True)
         plain = m.generate(ids, 40, use_draft=False)
         # Every pass drafts a tree (the model's chain, its next two choices per step, a short lookup match): all
