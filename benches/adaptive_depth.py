@@ -23,7 +23,7 @@ Prints one JSON object per setting, writes them all to --json, and plots perplex
     cd benches && python adaptive_depth.py --model smollm2-135m qwen2.5-coder-1.5b --cosine 0.98 0.95 \
         --budgets 0.97 0.93 0.85 --calib-tokens 8192 --json adaptive_depth.json --plot adaptive_depth.png
 
-(matplotlib for --plot: `pip install matplotlib`; the benchmark imports `sparse_ffn` beside it: run it from benches/.)
+(matplotlib for --plot: `pip install ntio[plot]`; the benchmark imports `sparse_ffn` beside it: run it from benches/.)
 """
 
 from __future__ import annotations

@@ -40,6 +40,7 @@ class _Group(click.Group):
 
 
 @click.group(cls=_Group)
+@click.version_option(_core.__version__, prog_name="ntio-bench")
 def main() -> None:
     """Benchmarks of ntio's reader (O_DIRECT unless --buffered)."""
 

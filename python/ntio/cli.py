@@ -17,6 +17,7 @@ from pathlib import Path
 
 import click
 
+from ntio._core import __version__
 from ntio.errors import NtioError, OptionError
 
 MODEL_HELP = ("GGUF model or ntio store, or a model name from `ntio fetch --list` (fetched on first use); default: "
@@ -229,7 +230,7 @@ def _drafts(opts: dict) -> dict:
 
 
 @click.group(cls=_Group)
-@click.version_option(package_name="ntio")
+@click.version_option(__version__, prog_name="ntio")
 def main() -> None:
     """ntio: run LLMs bigger than memory by streaming transformer layers from disk."""
 
