@@ -169,6 +169,7 @@ class MappedLayers:
         self._blocks = [encoded_block(t, lambda part, t=t: raw(t[part])) for t in layout.blocks]
         self.stats = None
         self.policy = DensePolicy()
+        self.timeline = None
 
     def begin_forward(self, n_tokens: int) -> None:
         pass

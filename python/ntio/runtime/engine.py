@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -23,6 +24,7 @@ from ntio.models.layers import (GlobalWeights, LayerWeights, SequenceRows, batch
                                 token_positions)
 from ntio.policies.base import LOAD_ALL, SKIP, LoadDecision, LoadPolicy, Observation, overrides
 from ntio.runtime.kv_cache import KVCache
+from ntio.runtime.timeline import Timeline
 
 # Longer inputs run as several forward passes of at most this many tokens, which bounds activation memory (an 8B
 # model's take ~190 KB per token). A tight memory budget lowers it, down to MIN_PREFILL_CHUNK (ntio.runtime.budget):
@@ -37,6 +39,7 @@ class LayerSource(Protocol):
     """Supplies each block's weights, ready to compute, in layer order (ntio.runtime.loader.LayerLoader)."""
 
     policy: LoadPolicy
+    timeline: Timeline | None  # when set, the engine records each layer's span in it
 
     def begin_forward(self, n_tokens: int) -> None: ...
 
@@ -283,9 +286,11 @@ class Engine:
         mask = causal_mask(start_pos, n_tokens, h.device, parents)
         if overrides(policy, "begin_pass"):
             policy.begin_pass(start_pos, n_tokens)
+        timeline = self.layers.timeline
         self.layers.begin_forward(n_tokens)
         try:
             for layer in range(cfg.n_layers):
+                began = time.perf_counter() if timeline is not None else 0.0
                 w = self.layers.block(layer)
                 if masks_ffn and w is not None and (ffn_mask := policy.ffn_mask(layer)) is not None:
                     w = dataclasses.replace(w, ffn_mask=ffn_mask)
@@ -309,7 +314,13 @@ class Engine:
                 if observed:
                     gate = taps.get("ffn_gate") if taps is not None else None
                     policy.observe(Observation(layer, start_pos, h_in, h, _decision(w), gate))
-            return project(policy.readout(h))
+                if timeline is not None:
+                    timeline.layer_done(layer, began)
+            began = time.perf_counter() if timeline is not None else 0.0
+            out = project(policy.readout(h))
+            if timeline is not None:
+                timeline.layer_done(cfg.n_layers, began)  # the output head
+            return out
         finally:
             self.layers.end_forward()
 

@@ -58,6 +58,7 @@ from ntio.policies.base import LOAD_ALL, LoadDecision, LoadPolicy, overrides
 from ntio.policies.dense import DensePolicy
 from ntio.runtime.disk_rows import DiskRows
 from ntio.runtime.stats import ForwardStats, StreamStats
+from ntio.runtime.timeline import Timeline
 from ntio.runtime.tiers import TierPlan
 from ntio.models.weights import BlockVectors, WeightLayout, decode_vectors, encoded_block
 
@@ -153,6 +154,7 @@ class LayerLoader:
         self.policy = policy if policy is not None else DensePolicy()
         self.stats = StreamStats(layers_per_tier=plan.counts)
         self._forward: ForwardStats | None = None
+        self.timeline: Timeline | None = None  # set by `ntio profile`: every forward's spans, layer by layer
         try:
             self.reader = _core.Reader(layout.file.path, backend=backend)  # the reader's default request size and depth
         except OSError as e:
@@ -344,6 +346,8 @@ class LayerLoader:
     def begin_forward(self, n_tokens: int) -> None:
         self._forward = self.stats.begin(n_tokens)
         self._forward_start = time.perf_counter()
+        if self.timeline is not None:
+            self.timeline.begin(n_tokens)
 
     def end_forward(self) -> None:
         """Tier C is read at every use: the next forward reads its groups again (already prefetched, if async).
@@ -357,6 +361,8 @@ class LayerLoader:
             if self._forward is not None:
                 self._forward.wall_s = time.perf_counter() - self._forward_start
                 self._forward = None
+            if self.timeline is not None:
+                self.timeline.end()
 
     def block(self, layer: int) -> LayerWeights | None:
         """The layer's weights for this forward, or None when its policy skips it."""
@@ -551,9 +557,14 @@ class LayerLoader:
         end = submitted + (pending.handle.elapsed or 0.0)  # elapsed counts from submit; the reader's queue is FIFO
         busy = max(0.0, end - max(submitted, self._busy_until))
         self._busy_until = max(self._busy_until, end)
+        waited = time.perf_counter()
         if self._forward is not None:
-            self._forward.io_wait_s += time.perf_counter() - t0
+            self._forward.io_wait_s += waited - t0
             self._forward.io_busy_s += busy
+        if self.timeline is not None:
+            self.timeline.add("wait", grp.layers[0], t0, waited)
+            for layer, nbytes in pending.nbytes.items():
+                self.timeline.add("read", layer, submitted, end, nbytes)
         self._count_read(pending.nbytes)
         for layer in grp.streamed:
             if layer in self._host:
@@ -583,7 +594,12 @@ class LayerLoader:
             for layer in layers:
                 base, n = grp.offsets[layer], self._reads[layer].nbytes
                 src = self._host[layer] if layer in self._host else self._slot_bytes[index][base : base + n]
+                timed = self.timeline.copy_events(layer, n) if self.timeline is not None else None
+                if timed:
+                    timed[0].record(self._copy_stream)
                 dst[base : base + n].copy_(src, non_blocking=True)
+                if timed:
+                    timed[1].record(self._copy_stream)
             self._copied[index].record(self._copy_stream)
         if self._forward is not None:
             self._forward.bytes_h2d += sum(self._reads[layer].nbytes for layer in layers)

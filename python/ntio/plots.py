@@ -1,0 +1,66 @@
+"""Figures, drawn with matplotlib (the `plot` extra): a decode step per layer (`ntio profile --plot`).
+
+Files are written as a temporary file beside the target, then renamed: never half a PNG."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from ntio.errors import OptionError
+
+COLOURS = {"read": "#4c72b0", "copy": "#dd8452", "compute": "#55a868", "wait": "#c44e52"}
+
+
+def pyplot(option: str):
+    """matplotlib's pyplot on a file-only backend, or an error naming the option that asked for a figure."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise OptionError(option, "needs matplotlib: pip install 'ntio[plot]'") from None
+    return plt
+
+
+def save_png(fig, path: Path) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    try:
+        fig.savefig(tmp, format="png", dpi=120, bbox_inches="tight")
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def draw_step(report: dict, path: Path) -> None:
+    """One forward of `ntio.runtime.timeline.forward_report` (with `title`): a lane per layer on a time axis, its
+    read and host-to-device copy above, its wait then compute below; totals in the legend."""
+    plt = pyplot("--plot")
+    from matplotlib.patches import Patch
+
+    rows, totals = report["layers"], report["totals"]
+    fig, ax = plt.subplots(figsize=(11, 1.6 + 0.2 * len(rows)))
+    for y, row in enumerate(rows):
+        for kind in ("read", "copy"):
+            for start, end in row[kind]:
+                ax.barh(y - 0.2, end - start, left=start, height=0.4, color=COLOURS[kind])
+        waited = row["start_ms"] + row["wait_ms"]
+        ax.barh(y + 0.2, row["wait_ms"], left=row["start_ms"], height=0.4, color=COLOURS["wait"])
+        ax.barh(y + 0.2, row["end_ms"] - waited, left=waited, height=0.4, color=COLOURS["compute"])
+    ax.set_yticks(range(len(rows)), [f"{r['layer']} {r['tier'] or ''}".strip() for r in rows], fontsize=7)
+    ax.invert_yaxis()
+    ax.axvline(0, color="grey", linewidth=0.5)
+    ax.axvline(totals["wall_ms"], color="grey", linewidth=0.5)
+    ax.set_xlabel("ms from the step's start (reads before 0 were issued ahead, during the step before)")
+    ax.set_ylabel("layer, tier")
+    ax.set_title(f"{report['title']}: {totals['wall_ms']:.1f} ms, bound by {totals['bound_by']}", fontsize=9)
+    ax.legend(handles=[
+        Patch(color=COLOURS["read"], label=f"read: {totals['read_bytes'] / 1e6:.1f} MB, busy {totals['read_busy_ms']:.1f} ms"),
+        Patch(color=COLOURS["copy"], label=f"copy: {totals['copy_bytes'] / 1e6:.1f} MB, busy {totals['copy_busy_ms']:.1f} ms"),
+        Patch(color=COLOURS["compute"], label=f"compute: {totals['compute_ms']:.1f} ms"),
+        Patch(color=COLOURS["wait"], label=f"waiting: {totals['wait_ms']:.1f} ms"),
+    ], loc="upper center", bbox_to_anchor=(0.5, -0.45 / (1.6 + 0.2 * len(rows)) - 0.04), ncol=4, fontsize=8,
+        frameon=False)
+    save_png(fig, path)
+    plt.close(fig)
