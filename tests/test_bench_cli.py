@@ -47,6 +47,42 @@ def test_extents_reads_the_fraction_and_compares_with_sequential(data_file):
     assert r["gb_s"] > 0 and r["seq_gb_s"] > 0 and r["ratio"] == pytest.approx(r["gb_s"] / r["seq_gb_s"])
 
 
+FIO_JSON = {  # the shape of fio's --output-format=json (fio-3.33): options as given, bandwidth in bytes per second
+    "fio version": "fio-3.33", "global options": {"rw": "read", "direct": "1", "iodepth": "4"},
+    "jobs": [{"jobname": "a", "job options": {"bs": "64k"}, "read": {"bw_bytes": 900_000_000}},
+             {"jobname": "b", "job options": {"bs": "1M", "iodepth": "16"}, "read": {"bw_bytes": 2_100_000_000}}],
+}
+
+
+def test_read_sweep_covers_every_size_and_depth_and_draws_fio_beside(data_file, tmp_path):
+    import matplotlib.image
+
+    fio, png = tmp_path / "fio.json", tmp_path / "sweep.png"
+    fio.write_text(json.dumps(FIO_JSON))
+    r = run("read", str(data_file), "--sweep", "--sweep-sizes", "65536,262144", "--sweep-depths", "1,4",
+            "--size", str(1 << 20), "--fio", str(fio), "--plot", str(png))
+    assert [(c["block_size"], c["queue_depth"]) for c in r["cells"]] == [(65536, 1), (65536, 4), (262144, 1),
+                                                                         (262144, 4)]
+    assert all(c["bytes"] == 1 << 20 and c["gb_s"] > 0 for c in r["cells"])
+    assert r["fio"] == [{"block_size": 65536, "queue_depth": 4, "gb_s": 0.9},
+                        {"block_size": 1 << 20, "queue_depth": 16, "gb_s": 2.1}]
+    pixels = matplotlib.image.imread(png)
+    assert pixels.shape[0] > 200 and pixels[..., :3].std() > 0.05  # drawn, not blank
+
+
+def test_bad_sweep_input_is_one_line(data_file, tmp_path):
+    bad = tmp_path / "fio.json"
+    bad.write_text('{"jobs": [{"job options": {"bs": "64k"}}]}')  # no read figures
+    result = CliRunner().invoke(bench, ["read", str(data_file), "--sweep", "--fio", str(bad)])
+    assert result.exit_code == 1
+    assert result.output.strip() == f"ntio-bench: error: {bad}: not fio's JSON output of read jobs (KeyError: 'read')"
+    result = CliRunner().invoke(bench, ["read", str(data_file), "--plot", str(tmp_path / "x.png")])
+    assert result.exit_code == 2 and "--plot and --fio draw a --sweep" in result.output
+    result = CliRunner().invoke(bench, ["read", str(data_file), "--sweep", "--sweep-depths", "4,0"])
+    assert result.exit_code == 2 and "'4,0': comma-separated positive integers" in result.output
+    assert not (tmp_path / "x.png").exists()
+
+
 def test_layers_of_a_gguf_and_its_store(tmp_path):
     from ntio.formats.store import convert
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -22,7 +23,7 @@ import click
 import numpy as np
 
 from ntio import _core
-from ntio.errors import NtioError
+from ntio.errors import NtioError, OptionError
 
 # Extents land in a scratch buffer of at most this many bytes (wrapping around): the bytes are thrown away.
 SCRATCH_BYTES = 64 << 20
@@ -34,6 +35,9 @@ class _Group(click.Group):
     def invoke(self, ctx: click.Context):
         try:
             return super().invoke(ctx)
+        except OptionError as e:
+            click.echo(f"ntio-bench: error: --{e.option.replace('_', '-')} {e.problem}", err=True)
+            raise SystemExit(1) from None
         except (NtioError, OSError, ValueError) as e:
             click.echo(f"ntio-bench: error: {e}", err=True)
             raise SystemExit(1) from None
@@ -104,15 +108,68 @@ def _span(path: Path, block: int, limit: int | None) -> int:
     return usable
 
 
+def _int_list(ctx, param, value: str) -> list[int]:
+    try:
+        numbers = [int(v) for v in value.split(",")]
+    except ValueError:
+        numbers = []
+    if not numbers or min(numbers) < 1:
+        raise click.BadParameter(f"{value!r}: comma-separated positive integers", ctx, param)
+    return numbers
+
+
 @main.command()
 @click.argument("file", type=click.Path(exists=True, dir_okay=False, path_type=Path))
 @click.option("--block-size", type=SIZE, default=1 << 20, show_default=True, help="Bytes per request")
 @click.option("--pattern", type=click.Choice(["seq", "random"]), default="seq", show_default=True)
 @click.option("--size", "--limit", "limit", type=SIZE, help="Read at most this many bytes of FILE")
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed of --pattern random")
+@click.option("--sweep", is_flag=True,
+              help="Every --sweep-sizes request size at every --sweep-depths queue depth (instead of --block-size "
+                   "and --queue-depth), each over --size bytes (default 256 MiB)")
+@click.option("--sweep-sizes", default=",".join(str(4096 << 2 * i) for i in range(6)), show_default=True,
+              callback=_int_list, help="Request sizes of --sweep, in bytes")
+@click.option("--sweep-depths", default="1,4,16,64", show_default=True, callback=_int_list,
+              help="Queue depths of --sweep")
+@click.option("--plot", type=click.Path(dir_okay=False, path_type=Path),
+              help="With --sweep: draw bandwidth against request size, a line per queue depth, into this PNG "
+                   "(needs ntio[plot])")
+@click.option("--fio", "fio_json", type=click.Path(exists=True, dir_okay=False, path_type=Path),
+              help="fio's --output-format=json of sequential reads (jobs with bs and iodepth): drawn beside ntio")
 @_backend_option
-def read(file, block_size, pattern, limit, seed, as_json, queue_depth, direct, backend) -> None:
+def read(file, block_size, pattern, limit, seed, sweep, sweep_sizes, sweep_depths, plot, fio_json, as_json,
+         queue_depth, direct, backend) -> None:
     """Read FILE in requests of --block-size with --queue-depth in flight: bandwidth, IOPS, latency."""
+    if not sweep and (plot or fio_json):
+        raise click.UsageError("--plot and --fio draw a --sweep")
+    if not sweep:
+        _emit(_read_once(file, block_size, queue_depth, pattern, limit, seed, direct, backend), as_json)
+        return
+    from ntio.plots import draw_read_sweep, pyplot
+
+    if plot is not None:
+        pyplot("plot")
+    fio = _fio_points(fio_json) if fio_json else []
+    limit = limit or 256 << 20
+    cells = [_read_once(file, size, depth, pattern, limit, seed, direct, backend)
+             for size in sweep_sizes for depth in sweep_depths]
+    result = {"command": "read-sweep", "file": str(file), "pattern": pattern, "cold": direct, "bytes": limit,
+              "cells": [{k: c[k] for k in ("block_size", "queue_depth", "backend", "bytes", "gb_s", "iops",
+                                           "lat_p50_us", "lat_p99_us")} for c in cells], "fio": fio}
+    if plot is not None:
+        draw_read_sweep(result, plot)
+    if as_json:
+        click.echo(json.dumps(result))
+        return
+    click.echo(f"GB/s reading {file} ({pattern}, {'O_DIRECT' if direct else 'page cache'}, {cells[0]['backend']})")
+    click.echo(f"{'request':>10}" + "".join(f"{f'QD {d}':>9}" for d in sweep_depths))
+    for size in sweep_sizes:
+        row = [c["gb_s"] for c in result["cells"] if c["block_size"] == size]
+        click.echo(f"{size:>10}" + "".join(f"{g:>9.3f}" for g in row))
+
+
+def _read_once(file: Path, block_size: int, queue_depth: int, pattern: str, limit: int | None, seed: int,
+               direct: bool, backend: str | None) -> dict:
     span = _span(file, block_size, limit)
     offsets = list(range(0, span, block_size))
     if pattern == "random":
@@ -120,8 +177,30 @@ def read(file, block_size, pattern, limit, seed, as_json, queue_depth, direct, b
     extents, scratch = _scratch_extents(offsets, block_size)
     result = {"command": "read", "file": str(file), "pattern": pattern, "block_size": block_size,
               "queue_depth": queue_depth, "cold": direct}
-    result |= _timed(file, extents, scratch, _backend(direct, backend), queue_depth, block_size)
-    _emit(result, as_json)
+    return result | _timed(file, extents, scratch, _backend(direct, backend), queue_depth, block_size)
+
+
+def _fio_points(path: Path) -> list[dict]:
+    """(block size, queue depth, GB/s) of each read job in fio's JSON output; bs and iodepth from the job's options,
+    else the global ones; fio's size suffixes are powers of 1024."""
+    try:
+        report = json.loads(path.read_text())
+        points = []
+        for job in report["jobs"]:
+            opts = {**report.get("global options", {}), **job.get("job options", {})}
+            points.append({"block_size": _fio_size(opts.get("bs", "4k")), "queue_depth": int(opts.get("iodepth", 1)),
+                           "gb_s": job["read"]["bw_bytes"] / 1e9})
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
+        raise NtioError(f"{path}: not fio's JSON output of read jobs ({type(e).__name__}: {e})") from None
+    return points
+
+
+def _fio_size(text: str) -> int:
+    """fio's size ('4k', '1M', '128KiB', '65536') in bytes: its suffixes are powers of 1024."""
+    m = re.fullmatch(r"(\d+)([kmg]?)(i?b)?", text.strip().lower())
+    if m is None:
+        raise ValueError(f"bs {text!r}")
+    return int(m[1]) * 1024 ** " kmg".index(m[2] or " ")
 
 
 @main.command()

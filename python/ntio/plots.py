@@ -1,4 +1,5 @@
-"""Figures, drawn with matplotlib (the `plot` extra): a decode step per layer (`ntio profile --plot`).
+"""Figures, drawn with matplotlib (the `plot` extra): a decode step per layer (`ntio profile --plot`) and the
+reader's bandwidth against request size and queue depth (`ntio-bench read --sweep --plot`).
 
 Files are written as a temporary file beside the target, then renamed: never half a PNG."""
 
@@ -36,7 +37,7 @@ def save_png(fig, path: Path) -> None:
 def draw_step(report: dict, path: Path) -> None:
     """One forward of `ntio.runtime.timeline.forward_report` (with `title`): a lane per layer on a time axis, its
     read and host-to-device copy above, its wait then compute below; totals in the legend."""
-    plt = pyplot("--plot")
+    plt = pyplot("plot")
     from matplotlib.patches import Patch
 
     rows, totals = report["layers"], report["totals"]
@@ -62,5 +63,38 @@ def draw_step(report: dict, path: Path) -> None:
         Patch(color=COLOURS["wait"], label=f"waiting: {totals['wait_ms']:.1f} ms"),
     ], loc="upper center", bbox_to_anchor=(0.5, -0.45 / (1.6 + 0.2 * len(rows)) - 0.04), ncol=4, fontsize=8,
         frameon=False)
+    save_png(fig, path)
+    plt.close(fig)
+
+
+def draw_read_sweep(result: dict, path: Path) -> None:
+    """`ntio-bench read --sweep --json`'s object: GB/s against request size (log 2), a line per queue depth; fio's
+    jobs, where given, as crosses in the colour of their queue depth."""
+    plt = pyplot("plot")
+    fig, ax = plt.subplots(figsize=(8, 5))
+    depths = sorted({c["queue_depth"] for c in result["cells"]} | {f["queue_depth"] for f in result["fio"]})
+    colour = dict(zip(depths, plt.get_cmap("viridis")([i / max(1, len(depths) - 1) for i in range(len(depths))])))
+    for depth in depths:
+        cells = sorted((c for c in result["cells"] if c["queue_depth"] == depth), key=lambda c: c["block_size"])
+        if cells:
+            ax.plot([c["block_size"] for c in cells], [c["gb_s"] for c in cells], "o-", color=colour[depth],
+                    label=f"ntio QD {depth}")
+        fio = [f for f in result["fio"] if f["queue_depth"] == depth]
+        if fio:
+            ax.plot([f["block_size"] for f in fio], [f["gb_s"] for f in fio], "x", markersize=10, mew=2,
+                    color=colour[depth], label=f"fio QD {depth}")
+    ax.set_xscale("log", base=2)
+    sizes = sorted({c["block_size"] for c in result["cells"]} | {f["block_size"] for f in result["fio"]})
+    ax.set_xticks(sizes, [f"{s >> 20} MiB" if s >= 1 << 20 else f"{s >> 10} KiB" if s >= 1024 else f"{s} B"
+                          for s in sizes])
+    ax.minorticks_off()
+    ax.set_xlabel("request size (bytes)")
+    ax.set_ylabel("GB/s (1e9 B/s)")
+    ax.set_ylim(bottom=0)
+    ax.grid(alpha=0.3)
+    cache = "O_DIRECT" if result["cold"] else "page cache"
+    ax.set_title(f"{Path(result['file']).name}: {result['pattern']} reads, {cache}, {result['bytes'] / 2**20:.0f} MiB "
+                 f"per point", fontsize=9)
+    ax.legend(fontsize=8)
     save_png(fig, path)
     plt.close(fig)
