@@ -109,6 +109,21 @@ def test_sparse_ffn_options_are_checked(smollm2_path, tmp_path, args, flag):
     assert_user_error(ntio("perplexity", "-m", str(smollm2_path), "-f", str(text), *args), flag)
 
 
+def test_version_and_help_start_without_torch():
+    """`ntio --version` prints the version compiled into the native module (Cargo.toml's) without importing torch;
+    `python -m ntio` is the same command."""
+    from ntio import __version__
+
+    code = ("import runpy, sys\nsys.argv = ['ntio', sys.argv[1]]\ntry:\n    runpy.run_module('ntio', run_name='__main__')\n"
+            "except SystemExit:\n    pass\nprint('torch' in sys.modules)")
+    for flag in ("--version", "--help"):
+        proc = subprocess.run([sys.executable, "-c", code, flag], capture_output=True, text=True, timeout=60)
+        assert proc.returncode == 0, proc.stderr
+        assert proc.stdout.splitlines()[-1] == "False"
+    assert proc.stdout.startswith("Usage: ntio [OPTIONS] COMMAND")
+    assert ntio("--version").stdout == f"ntio, version {__version__}\n"
+
+
 def test_info_reports_layers(smollm2_path):
     proc = ntio("info", str(smollm2_path), "--json")
     assert proc.returncode == 0, proc.stderr
