@@ -3,6 +3,8 @@ in float32 (it dequantizes with gguf-py), and the distance the tests compare log
 
 from __future__ import annotations
 
+import contextlib
+import functools
 from pathlib import Path
 
 import torch
@@ -10,25 +12,33 @@ import torch
 
 def hf_model(path: Path, **config):
     """transformers' float32 model of a GGUF file (`config` overrides its config, e.g. rope_scaling)."""
-    import gguf
     import transformers
 
-    # transformers parses the file's metadata twice per load (once for the config, once for the weights), in Python:
-    # 15 s for SmolLM2's vocabulary alone. Both parses get one reader; the bytes are read-only (a memory map).
-    reader, parse = None, gguf.GGUFReader
+    with _gguf_parsed_once():
+        return transformers.AutoModelForCausalLM.from_pretrained(
+            str(path.parent), gguf_file=path.name, dtype=torch.float32, **config
+        ).eval()
+
+
+@contextlib.contextmanager
+def _gguf_parsed_once():
+    """transformers parses a GGUF's metadata twice per load (for the config, then for the weights) and builds gguf-py's
+    tensor name map once per module, all in Python: 45 s for SmolLM2, most of it repeated. Within this block both
+    parses get one reader (its bytes are a read-only memory map) and the name map is built once per architecture."""
+    import gguf
+
+    reader, parse, name_map = None, gguf.GGUFReader, gguf.get_tensor_name_map
 
     def shared_reader(*args, **kwargs):
         nonlocal reader
         reader = reader or parse(*args, **kwargs)
         return reader
 
-    gguf.GGUFReader = shared_reader
+    gguf.GGUFReader, gguf.get_tensor_name_map = shared_reader, functools.cache(name_map)
     try:
-        return transformers.AutoModelForCausalLM.from_pretrained(
-            str(path.parent), gguf_file=path.name, dtype=torch.float32, **config
-        ).eval()
+        yield
     finally:
-        gguf.GGUFReader = parse
+        gguf.GGUFReader, gguf.get_tensor_name_map = parse, name_map
 
 
 def rel_l2(a: torch.Tensor, b: torch.Tensor) -> float:

@@ -109,14 +109,17 @@ def _model_options(f):
 
 def _load(model, ctx_size, kv_dtype, threads, device, tiers, gpu_memory_budget, ram_budget, layer_group_size,
           prefetch_depth, sync, io_backend, verify, cpu_activations, **speculation):
+    from ntio.fetch import resolve_model
+
+    # Before torch is imported, so that an unknown name fails at once, and before the progress bar below (a fetch
+    # shows its own).
+    model = resolve_model(model)
     import torch
 
     from ntio.api import load
-    from ntio.fetch import resolve_model
 
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise NtioError(f"--device {device}: CUDA is not available here")
-    model = resolve_model(model)  # before the progress bar below: a fetch shows its own
     from rich.console import Console
     from rich.progress import Progress
 
