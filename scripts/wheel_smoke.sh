@@ -7,15 +7,17 @@
 # and CI caches no wheels. What is under test is ntio's own wheel: its native module, its Python files, its metadata
 # and its entry points; `import ntio` must resolve to the fresh venv.
 set -euo pipefail
-repo="$(cd "$(dirname "$0")/.." && pwd)"
+shopt -s nullglob
+repo="$(cd "$(dirname "$0")/.." && pwd -P)"
 work="$(mktemp -d)"
 trap 'rm -rf "$work"' EXIT
 cd "$repo"
 
-.venv/bin/maturin build --release --quiet --out "$work/dist"
+.venv/bin/maturin build --release --quiet --interpreter .venv/bin/python --out "$work/dist"
 .venv/bin/maturin sdist --out "$work/dist"
 wheel=("$work"/dist/ntio-*-abi3-*.whl)
 sdist=("$work"/dist/ntio-*.tar.gz)
+[[ ${#wheel[@]} == 1 && ${#sdist[@]} == 1 ]] || { echo "wheel_smoke: expected one wheel and one sdist" >&2; exit 1; }
 # The sdist builds anywhere: it holds the crate, the Python package, the README and the licence.
 listing="$(tar -tzf "${sdist[0]}")"
 for member in Cargo.toml Cargo.lock pyproject.toml README.md LICENSE rust/lib.rs python/ntio/__init__.py; do

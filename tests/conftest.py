@@ -30,7 +30,7 @@ def qwen15_path() -> Path:
 @pytest.fixture(scope="session")
 def hf_smollm2(smollm2_path):
     """transformers' float32 SmolLM2 on the same file (the oracle, tests/references.py): loaded once, as its load
-    parses the GGUF in Python (~30 s). A test that edits its weights or modules restores them."""
+    parses the GGUF in Python (~17 s, ~30 s before `references._gguf_parsed_once`). A test that edits its weights or modules restores them."""
     pytest.importorskip("transformers")
     from references import hf_model
 

@@ -23,16 +23,16 @@ def hf_model(path: Path, **config):
 @contextlib.contextmanager
 def _gguf_parsed_once():
     """transformers parses a GGUF's metadata twice per load (for the config, then for the weights) and builds gguf-py's
-    tensor name map once per module, all in Python: 45 s for SmolLM2, most of it repeated. Within this block both
+    tensor name map once per module, all in Python: 30 s for SmolLM2 here, most of it repeated. Within this block both
     parses get one reader (its bytes are a read-only memory map) and the name map is built once per architecture."""
     import gguf
 
-    reader, parse, name_map = None, gguf.GGUFReader, gguf.get_tensor_name_map
+    readers, parse, name_map = {}, gguf.GGUFReader, gguf.get_tensor_name_map
 
-    def shared_reader(*args, **kwargs):
-        nonlocal reader
-        reader = reader or parse(*args, **kwargs)
-        return reader
+    def shared_reader(path, *args, **kwargs):
+        key = str(path)
+        readers[key] = readers.get(key) or parse(path, *args, **kwargs)
+        return readers[key]
 
     gguf.GGUFReader, gguf.get_tensor_name_map = shared_reader, functools.cache(name_map)
     try:

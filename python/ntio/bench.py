@@ -145,15 +145,17 @@ def read(file, block_size, pattern, limit, seed, sweep, sweep_sizes, sweep_depth
     if not sweep:
         _emit(_read_once(file, block_size, queue_depth, pattern, limit, seed, direct, backend), as_json)
         return
-    from ntio.plots import draw_read_sweep, pyplot
+    from ntio.plots import check_figure_path, draw_read_sweep
 
     if plot is not None:
-        pyplot("plot")
+        check_figure_path(plot)
     fio = _fio_points(fio_json) if fio_json else []
     limit = limit or 256 << 20
+    for size in sweep_sizes:
+        _span(file, size, limit)  # every size fits before the first read
     cells = [_read_once(file, size, depth, pattern, limit, seed, direct, backend)
              for size in sweep_sizes for depth in sweep_depths]
-    result = {"command": "read-sweep", "file": str(file), "pattern": pattern, "cold": direct, "bytes": limit,
+    result = {"command": "read-sweep", "file": str(file), "pattern": pattern, "cold": direct,
               "cells": [{k: c[k] for k in ("block_size", "queue_depth", "backend", "bytes", "gb_s", "iops",
                                            "lat_p50_us", "lat_p99_us")} for c in cells], "fio": fio}
     if plot is not None:

@@ -484,41 +484,45 @@ def profile(prompt, max_new_tokens, chat, plot, as_json, **opts) -> None:
     from ntio.runtime.timeline import Timeline, forward_report
 
     if plot is not None:
-        from ntio.plots import draw_step, pyplot
+        from ntio.plots import check_figure_path, draw_step
 
-        pyplot("plot")  # before loading the model: a missing extra is one line, at once
+        check_figure_path(plot)  # before loading the model: a missing extra or directory is one line, at once
     m = _load(**_split(opts))
     timeline = m.loader.timeline = Timeline(m.device)
-    c = m.generate(prompt, max_new_tokens, chat=chat, temperature=0.0)
-    m.loader.timeline = None
-    m.close()
-    steps = [f for f in timeline.forwards if f.n_tokens == 1]
+    try:
+        c = m.generate(prompt, max_new_tokens, chat=chat, temperature=0.0)
+    finally:
+        m.loader.timeline = None
+        m.close()
+    # Greedy without drafts: each token after the first is one forward of one token, the last forwards recorded.
+    steps = timeline.forwards[len(timeline.forwards) - (c.n_generated_tokens - 1):] if c.n_generated_tokens > 1 else []
     if not steps:
-        raise OptionError("prompt", f"the model stopped after {c.n_generated_tokens} token: no decode step to profile")
+        raise OptionError("prompt", "ends where the model stops at once: no decode step to profile (try another)")
     walls = [f.end - f.start for f in steps]
     median = sorted(range(len(steps)), key=walls.__getitem__)[len(steps) // 2]
-    report = forward_report(steps[median], m.config.n_layers, m.plan.tiers)
+    following = steps[median + 1] if median + 1 < len(steps) else None
+    report = forward_report(steps[median], m.config.n_layers, m.plan.tiers, following)
     report |= {
         "title": f"{m.path.name}, tiers {m.plan.describe()}, {m.device}: decode step {median + 1} of {len(steps)} "
                  f"(median)",
         "model": str(m.path), "tiers": m.plan.describe(), "device": str(m.device), "step": median,
         "steps_wall_ms": [round(w * 1e3, 4) for w in walls], "stats": m.stats.summary(),
     }
-    if plot is not None:
-        draw_step(report, plot)
     if as_json:
         click.echo(json.dumps(report))
-        return
-    click.echo(f"{'layer':>5} {'tier':>4} {'wait ms':>9} {'compute ms':>10} {'read MB':>8} {'read ms from..to':>18}")
-    for r in report["layers"]:
-        span = " ".join(f"{a:.2f}..{b:.2f}" for a, b in r["read"][:1])
-        click.echo(f"{r['layer']:>5} {r['tier'] or '':>4} {r['wait_ms']:>9.3f} {r['compute_ms']:>10.3f} "
-                   f"{r['read_bytes'] / 1e6:>8.2f} {span:>18}")
-    t = report["totals"]
-    click.echo(f"{report['title']}: {t['wall_ms']:.2f} ms; layers {t['layers_ms']:.2f} ms = compute "
-               f"{t['compute_ms']:.2f} + waiting {t['wait_ms']:.2f}; read {t['read_bytes'] / 1e6:.1f} MB "
-               f"(busy {t['read_busy_ms']:.2f} ms); bound by {t['bound_by']}"
-               + (f"; plot {plot}" if plot is not None else ""))
+    else:
+        click.echo(f"{'layer':>5} {'tier':>4} {'wait ms':>9} {'compute ms':>10} {'read MB':>8} "
+                   f"{'read ms from..to':>18}")
+        for r in report["layers"]:
+            span = " ".join(f"{a:.2f}..{b:.2f}" for a, b in r["read"][:1])
+            click.echo(f"{r['layer']:>5} {r['tier'] or '':>4} {r['wait_ms']:>9.3f} {r['compute_ms']:>10.3f} "
+                       f"{r['read_bytes'] / 1e6:>8.2f} {span:>18}")
+        t = report["totals"]
+        click.echo(f"{report['title']}: {t['wall_ms']:.2f} ms; layers {t['layers_ms']:.2f} ms = compute "
+                   f"{t['compute_ms']:.2f} + waiting {t['wait_ms']:.2f}; read {t['read_bytes'] / 1e6:.1f} MB "
+                   f"(disk busy {t['read_busy_ms']:.2f} ms of the step); bound by {t['bound_by']}")
+    if plot is not None:
+        draw_step(report, plot)
 
 
 @main.command()

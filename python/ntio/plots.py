@@ -8,7 +8,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from ntio.errors import OptionError
+from ntio.errors import NtioError, OptionError
 
 COLOURS = {"read": "#4c72b0", "copy": "#dd8452", "compute": "#55a868", "wait": "#c44e52"}
 
@@ -25,11 +25,20 @@ def pyplot(option: str):
     return plt
 
 
+def check_figure_path(path: Path) -> None:
+    """Before the work a figure draws: matplotlib is there, and the PNG's directory exists."""
+    pyplot("plot")
+    if not path.parent.is_dir():
+        raise OptionError("plot", f"{path}: no directory {path.parent}")
+
+
 def save_png(fig, path: Path) -> None:
     tmp = path.with_name(f".{path.name}.tmp")
     try:
         fig.savefig(tmp, format="png", dpi=120, bbox_inches="tight")
         os.replace(tmp, path)
+    except OSError as e:
+        raise NtioError(f"{path}: cannot write the figure ({e.strerror or e})") from None
     finally:
         tmp.unlink(missing_ok=True)
 
@@ -46,6 +55,8 @@ def draw_step(report: dict, path: Path) -> None:
         for kind in ("read", "copy"):
             for start, end in row[kind]:
                 ax.barh(y - 0.2, end - start, left=start, height=0.4, color=COLOURS[kind])
+        for start, end in row["read_ahead"]:  # the next step's read of this layer, issued during this one
+            ax.barh(y - 0.2, end - start, left=start, height=0.4, color=COLOURS["read"], alpha=0.4)
         waited = row["start_ms"] + row["wait_ms"]
         ax.barh(y + 0.2, row["wait_ms"], left=row["start_ms"], height=0.4, color=COLOURS["wait"])
         ax.barh(y + 0.2, row["end_ms"] - waited, left=waited, height=0.4, color=COLOURS["compute"])
@@ -53,7 +64,8 @@ def draw_step(report: dict, path: Path) -> None:
     ax.invert_yaxis()
     ax.axvline(0, color="grey", linewidth=0.5)
     ax.axvline(totals["wall_ms"], color="grey", linewidth=0.5)
-    ax.set_xlabel("ms from the step's start (reads before 0 were issued ahead, during the step before)")
+    ax.set_xlabel("ms from the step's start (reads before 0 were issued during the step before; pale: the next "
+                  "step's reads, issued during this one)")
     ax.set_ylabel("layer, tier")
     ax.set_title(f"{report['title']}: {totals['wall_ms']:.1f} ms, bound by {totals['bound_by']}", fontsize=9)
     ax.legend(handles=[
@@ -93,7 +105,8 @@ def draw_read_sweep(result: dict, path: Path) -> None:
     ax.set_ylim(bottom=0)
     ax.grid(alpha=0.3)
     cache = "O_DIRECT" if result["cold"] else "page cache"
-    ax.set_title(f"{Path(result['file']).name}: {result['pattern']} reads, {cache}, {result['bytes'] / 2**20:.0f} MiB "
+    per_point = min(c["bytes"] for c in result["cells"])
+    ax.set_title(f"{Path(result['file']).name}: {result['pattern']} reads, {cache}, {per_point / 2**20:.0f} MiB "
                  f"per point", fontsize=9)
     ax.legend(fontsize=8)
     save_png(fig, path)

@@ -403,7 +403,12 @@ class LayerLoader:
     def _make_current(self, group: int) -> None:
         self.load_group(group)
         if self.cuda:
-            torch.cuda.current_stream(self.device).wait_event(self._copied[self._current[1]])
+            copied = self._copied[self._current[1]]
+            if self.timeline is not None:  # profiling: waiting for the copy is waiting, not compute
+                started = time.perf_counter()
+                copied.synchronize()
+                self.timeline.add("wait", self.groups[group].layers[0], started, time.perf_counter())
+            torch.cuda.current_stream(self.device).wait_event(copied)
         # Read ahead the next streamed groups in use order, wrapping around to the next forward's first ones.
         order = [g for g in self._streamed_groups if g > group] + [g for g in self._streamed_groups if g <= group]
         holds = overrides(self.policy, "holds")

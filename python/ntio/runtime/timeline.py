@@ -4,11 +4,13 @@ A `Timeline` set on the loader (`LayerLoader.timeline`; None, the default, recor
 in `time.perf_counter` seconds:
 - layer: from the engine asking for a layer's weights to its block's output (the output head is layer n_layers);
 - wait: the compute thread blocked on a streamed read, inside some layer's span;
-- read: a streamed layer's read, from submit to the reader's end; read ahead, it may start in the forward before;
+- read: a streamed layer's read, from submit to the reader's end, kept with the forward that computes on it; read
+  ahead, it starts in the forward before, whose report counts it too (`forward_report`'s `next_forward`);
 - copy: its host-to-device copy on CUDA, timed by events on the copy stream.
-A layer's compute is its span less the waits in it, so a forward's layers (and head) add up to its wall time less
-the embedding and the bookkeeping around the loop. On CUDA each layer synchronizes the device so that its span is the
-GPU's time: profiling serializes what would otherwise overlap with the host.
+A layer's compute is its span less the waits in it. A forward's wall time runs from the loader's begin_forward to its
+end_forward (the embedding comes before, the sampling after); its layers and head cover all of it but the loop's
+bookkeeping. On CUDA each layer synchronizes the device so that its span is the GPU's time, and a wait for a
+layer's host-to-device copy is a wait: profiling serializes what would otherwise overlap with the host.
 """
 
 from __future__ import annotations
@@ -18,13 +20,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-KINDS = ("layer", "wait", "read", "copy")
-
-
 @dataclass
 class Span:
-    kind: str  # one of KINDS
-    layer: int
+    kind: str  # layer, wait, read or copy
+    layer: int  # the output head's chunks count from n_layers
     start: float
     end: float
     nbytes: int = 0
@@ -40,30 +39,30 @@ class Forward:
 
 class Timeline:
     def __init__(self, device: torch.device) -> None:
-        self.cuda = device.type == "cuda"
+        self.device, self.cuda = device, device.type == "cuda"
         self.forwards: list[Forward] = []
         self._copies: list[tuple[int, int, torch.cuda.Event, torch.cuda.Event]] = []  # (layer, bytes, start, end)
         self._origin: tuple[float, torch.cuda.Event] | None = None  # host time of a device event, to place copies
 
     def begin(self, n_tokens: int) -> None:
         if self.cuda:
-            torch.cuda.synchronize()
+            torch.cuda.synchronize(self.device)
             origin = torch.cuda.Event(enable_timing=True)
-            origin.record()
-            torch.cuda.synchronize()
+            origin.record(torch.cuda.current_stream(self.device))
+            torch.cuda.synchronize(self.device)
             self._origin = (time.perf_counter(), origin)
         self.forwards.append(Forward(n_tokens, time.perf_counter()))
 
     def end(self) -> None:
         forward = self.forwards[-1]
+        forward.end = time.perf_counter()
         if self._copies:
-            torch.cuda.synchronize()
+            torch.cuda.synchronize(self.device)
             host, origin = self._origin
             for layer, nbytes, start, end in self._copies:
                 forward.spans.append(Span("copy", layer, host + origin.elapsed_time(start) / 1e3,
                                           host + origin.elapsed_time(end) / 1e3, nbytes))
             self._copies.clear()
-        forward.end = time.perf_counter()
 
     def add(self, kind: str, layer: int, start: float, end: float, nbytes: int = 0) -> None:
         self.forwards[-1].spans.append(Span(kind, layer, start, end, nbytes))
@@ -71,7 +70,7 @@ class Timeline:
     def layer_done(self, layer: int, start: float) -> None:
         """The layer's span ends now (on CUDA, once the device has finished its work)."""
         if self.cuda:
-            torch.cuda.synchronize()
+            torch.cuda.synchronize(self.device)
         self.add("layer", layer, start, time.perf_counter())
 
     def copy_events(self, layer: int, nbytes: int) -> tuple[torch.cuda.Event, torch.cuda.Event]:
@@ -81,50 +80,54 @@ class Timeline:
         return start, end
 
 
-def forward_report(forward: Forward, n_layers: int, tiers: list[str]) -> dict:
+def forward_report(forward: Forward, n_layers: int, tiers: list[str], next_forward: Forward | None = None) -> dict:
     """One forward's figures per layer (the head is the row with layer "head"), in ms from its start, and totals.
 
-    compute_ms = the layer's span less the waits in it; read/copy figures are the layer's own bytes and the span of
-    the read that carried them (layers of one group share it)."""
+    compute_ms = the layer's span less the waits in it. read/copy: the layer's own bytes and the span of the read
+    that carried them (layers of one group share it); read_ahead: the next forward's read of the layer where it
+    started before this forward ended (busy figures count it, clipped to this forward)."""
 
     def ms(t: float) -> float:
         return round((t - forward.start) * 1e3, 4)
 
-    def of_layer(kind: str, layer: int) -> list[Span]:
-        return [s for s in forward.spans if s.kind == kind and s.layer == layer]
+    def of_row(spans: list[Span], kind: str, layer: int) -> list[Span]:
+        head = layer == n_layers  # the head's chunks are units n_layers, n_layers + 1, ...
+        return [s for s in spans if s.kind == kind and (s.layer >= n_layers if head else s.layer == layer)]
 
+    ahead = [s for s in (next_forward.spans if next_forward else []) if s.kind == "read" and s.start < forward.end]
     rows = []
     for span in sorted((s for s in forward.spans if s.kind == "layer"), key=lambda s: s.start):
         wait = sum(s.end - s.start for s in forward.spans if s.kind == "wait" and span.start <= s.start < span.end)
-        reads, copies = of_layer("read", span.layer), of_layer("copy", span.layer)
+        reads, copies = of_row(forward.spans, "read", span.layer), of_row(forward.spans, "copy", span.layer)
         head = span.layer == n_layers
         rows.append({
             "layer": "head" if head else span.layer, "tier": None if head else tiers[span.layer],
             "start_ms": ms(span.start), "end_ms": ms(span.end),
             "wait_ms": round(wait * 1e3, 4), "compute_ms": round((span.end - span.start - wait) * 1e3, 4),
             "read": [[ms(s.start), ms(s.end)] for s in reads], "read_bytes": sum(s.nbytes for s in reads),
+            "read_ahead": [[ms(s.start), ms(s.end)] for s in of_row(ahead, "read", span.layer)],
             "copy": [[ms(s.start), ms(s.end)] for s in copies], "copy_bytes": sum(s.nbytes for s in copies),
         })
+    reads = [s for s in forward.spans if s.kind == "read"] + ahead
     totals = {
         "wall_ms": round((forward.end - forward.start) * 1e3, 4),
         "layers_ms": round(sum(r["end_ms"] - r["start_ms"] for r in rows), 4),
         "wait_ms": round(sum(r["wait_ms"] for r in rows), 4),
         "compute_ms": round(sum(r["compute_ms"] for r in rows), 4),
-        "read_busy_ms": round(_union_ms(forward, "read"), 4),
+        "read_busy_ms": round(_busy_ms(forward, reads), 4),
         "read_bytes": sum(r["read_bytes"] for r in rows),
-        "copy_busy_ms": round(_union_ms(forward, "copy"), 4),
+        "copy_busy_ms": round(_busy_ms(forward, [s for s in forward.spans if s.kind == "copy"]), 4),
         "copy_bytes": sum(r["copy_bytes"] for r in rows),
     }
     totals["bound_by"] = _bound(totals)
     return {"tokens": forward.n_tokens, "layers": rows, "totals": totals}
 
 
-def _union_ms(forward: Forward, kind: str) -> float:
-    """Time within the forward covered by at least one span of this kind (reads overlap: a group's layers share
-    one, and the reader keeps several groups in flight); what was read ahead during the forward before is not
-    counted."""
+def _busy_ms(forward: Forward, spans: list[Span]) -> float:
+    """Time within the forward covered by at least one of the spans (reads overlap: a group's layers share one, and
+    the reader keeps several groups in flight)."""
     total, reach = 0.0, forward.start
-    for s in sorted((s for s in forward.spans if s.kind == kind), key=lambda s: s.start):
+    for s in sorted(spans, key=lambda s: s.start):
         end = min(s.end, forward.end)
         if end > reach:
             total += end - max(s.start, reach)
