@@ -4,8 +4,12 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 python3 -m venv .venv
+# The Rust tests compile while pip downloads (~3 GB, mostly torch); cargo's lock on target/ keeps the two builds apart.
+PYO3_PYTHON="$PWD/.venv/bin/python" cargo test --release --quiet --no-run &
+rust_tests=$!
 .venv/bin/python -m pip install -q --upgrade pip
 .venv/bin/python -m pip install -q -e '.[dev]'
+wait "$rust_tests"
 PYO3_PYTHON="$PWD/.venv/bin/python" cargo test --release --quiet
 bash scripts/wheel_smoke.sh
 .venv/bin/python -m pytest -q
