@@ -88,7 +88,7 @@ def test_perplexity_json(smollm2_path, tmp_path):
 
 def test_perplexity_prices_a_sparse_ffn(smollm2_path, tmp_path):
     text = tmp_path / "t.txt"
-    text.write_text(Path(__file__).parent.joinpath("data", "apache-2.0.txt").read_text()[:2000])
+    text.write_text(Path(__file__).parent.joinpath("data", "apache-2.0.txt").read_text()[:1000])
     runs = {}
     for extra in ([], ["--sparse-ffn", "down", "--keep", "0.3"], ["--sparse-ffn", "gate", "--keep", "0.3"]):
         proc = ntio("perplexity", "-m", str(smollm2_path), "-f", str(text), "--ctx", "128", "--json", *extra)

@@ -25,9 +25,9 @@ PROMPTS = [
 ]
 GREEDY_PROMPTS = ["def quicksort(arr):\n", "class Stack:\n    def __init__(self):\n"]
 PPL_TEXT = Path(__file__).parent / "data" / "apache-2.0.txt"
-# ~1,000 tokens (two 512-token windows) for 0.5B, which checks the windowing; ~300 (part of one window) for 1.5B,
-# whose float32 reference costs ~40 s per window here.
-PPL_CHARS = {"0.5b": 5000, "1.5b": 1500}
+# (characters, window) per size: ~520 tokens in two 256-token windows and a bit for 0.5B, which checks the windowing;
+# ~300 tokens in part of one 512-token window for 1.5B, whose float32 reference costs ~40 s per full window here.
+PPL = {"0.5b": (2600, 256), "1.5b": (1500, 512)}
 # Greedy prompts per size: the 1.5B (the same graph at ~3x the reference's cost) runs one.
 GREEDY = {"0.5b": GREEDY_PROMPTS, "1.5b": GREEDY_PROMPTS[:1]}
 # A reference step whose top two logits are closer than this is a near-tie: float32 rounding may pick either.
@@ -68,10 +68,11 @@ def test_greedy_64_tokens_identical_up_to_a_near_tie(pair):
 
 
 def test_perplexity_within_half_percent(pair):
-    """ntio's convention (one tokenization, non-overlapping 512-token windows, each window's first token unscored)
-    computed with transformers' logits on ntio's token ids."""
+    """ntio's convention (one tokenization, non-overlapping windows, each window's first token unscored) computed
+    with transformers' logits on ntio's token ids."""
     ours, ref, size = pair
-    text, ctx = PPL_TEXT.read_text()[: PPL_CHARS[size]], 512
+    chars, ctx = PPL[size]
+    text = PPL_TEXT.read_text()[:chars]
     got = ours.perplexity(text, ctx=ctx)
     want, count = hf_perplexity(ref, ours.tokenizer.encode(text), ctx)
     assert got.n_tokens == count
