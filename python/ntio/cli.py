@@ -1,6 +1,7 @@
 """`ntio` command line: generate, chat, serve, calibrate, perplexity, info, plan, convert, fetch.
 
-Every model argument (`-m`, MODEL) is a file or a name from `ntio fetch --list`, fetched on first use.
+Every model argument (`-m`, MODEL) is a file (GGUF or ntio store), a Hugging Face checkpoint directory (llama or
+qwen2: config.json, safetensors, tokenizer.json), or a name from `ntio fetch --list`, fetched on first use.
 
 User errors (`NtioError`) print one line on stderr and exit 1; click's usage errors exit 2; Ctrl-C exits 130.
 `--json` prints exactly one JSON object on stdout and nothing else there.
@@ -20,10 +21,11 @@ import click
 from ntio._core import __version__
 from ntio.errors import NtioError, OptionError
 
-MODEL_HELP = ("GGUF model or ntio store, or a model name from `ntio fetch --list` (fetched on first use); default: "
+MODEL_HELP = ("GGUF model, ntio store or Hugging Face checkpoint directory, or a model name from `ntio fetch --list` (fetched on first use); default: "
               "smollm2-135m, SmolLM2-135M-Instruct Q4_1")
-# A path or a name: the command resolves it with `fetch.resolve_model` (an existing file wins over a name).
-MODEL_ARG = click.Path(dir_okay=False)
+# A path (a model file or checkpoint directory) or a name: the command resolves it with `fetch.resolve_model` (an
+# existing path wins over a name).
+MODEL_ARG = click.Path()
 
 
 # OptionError names a library parameter; each has a CLI flag of the same name (`top_p` -> `--top-p`) but these
@@ -626,22 +628,25 @@ def plan(model, ctx_size, ram_budget, gpu_memory_budget, tiers, device, kv_dtype
 @main.command()
 @click.argument("model", type=MODEL_ARG, metavar="MODEL")
 @click.option("-o", "--output", type=click.Path(dir_okay=False, path_type=Path),
-              help="Store to write (default: MODEL's file with the suffix .ntio)")
-def convert(model, output) -> None:
-    """Convert the GGUF MODEL (a file, or a name from `ntio fetch --list`) into an ntio store (layers contiguous and
-    4096-aligned, checksummed)."""
+              help="Store to write (default: MODEL's file, or checkpoint directory, with the suffix .ntio)")
+@click.option("--type", "matrix_type", type=click.Choice(["F16", "BF16", "Q8_0", "Q4_0"]),
+              help="Encode float (F32/F16/BF16) matrices as this type (default: as they are); norms and biases stay")
+def convert(model, output, matrix_type) -> None:
+    """Convert MODEL (a GGUF file, a Hugging Face checkpoint directory, or a name from `ntio fetch --list`) into an
+    ntio store (layers contiguous and 4096-aligned, checksummed)."""
     from rich.console import Console
     from rich.progress import BarColumn, DownloadColumn, Progress, TimeRemainingColumn, TransferSpeedColumn
 
     from ntio.fetch import resolve_model
-    from ntio.formats.store import STORE_SUFFIX, convert as convert_to_store
+    from ntio.formats.store import MATRIX_TYPES, STORE_SUFFIX, convert as convert_to_store
 
     model = resolve_model(model)
     output = output or model.with_suffix(STORE_SUFFIX)
     columns = ("{task.description}", BarColumn(), DownloadColumn(), TransferSpeedColumn(), TimeRemainingColumn())
     with Progress(*columns, console=Console(stderr=True), transient=True) as bar:
         task = bar.add_task(f"converting {model.name}", total=None)
-        convert_to_store(model, output, progress=lambda done, total: bar.update(task, completed=done, total=total))
+        convert_to_store(model, output, progress=lambda done, total: bar.update(task, completed=done, total=total),
+                         matrix_type=MATRIX_TYPES[matrix_type] if matrix_type else None)
     click.echo(str(output))
 
 

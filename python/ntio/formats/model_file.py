@@ -1,6 +1,6 @@
 """Model files of either format (GGUF, ntio store) and reading their layers, tensors and row ranges as extents.
 
-- `open_model_file(path)` → `GGUFFile | StoreFile`, by magic.
+- `open_model_file(path)` → `GGUFFile | StoreFile`, by magic, or a `Checkpoint` for a Hugging Face checkpoint directory.
 - `extent_index(model_file)` → the Rust `ExtentIndex`: `layer_extents(model_file, layer)`,
   `tensor_extent(model_file, name)` and `row_extent(model_file, name, start, stop)` give `(file_offset, length)`.
   A row of a row-major encoded tensor is `K / block * type_size` bytes, so an FFN neuron group (rows of gate and
@@ -23,28 +23,31 @@ import numpy as np
 
 from ntio import _core
 from ntio.errors import ModelFormatError, read_error
+from ntio.formats.checkpoint import Checkpoint, is_checkpoint
 from ntio.formats.gguf_file import GGUF_MAGIC, GGUFFile
 from ntio.io import Check, read_into
 from ntio.formats.store import STORE_MAGIC, StoreFile, layer_of, tensor_rows
 
-ModelFile = GGUFFile | StoreFile
+ModelFile = GGUFFile | StoreFile | Checkpoint
 
 # Layer reads cover whole blocks of this size, at offsets of this alignment in file and buffer: O_DIRECT lands them
 # straight in the buffer.
 _DEST_ALIGNMENT = 4096
 
-_gguf_indexes: weakref.WeakKeyDictionary[GGUFFile, _core.ExtentIndex] = weakref.WeakKeyDictionary()
+_gguf_indexes: weakref.WeakKeyDictionary[GGUFFile | Checkpoint, _core.ExtentIndex] = weakref.WeakKeyDictionary()
 
 
 def open_model_file(path: str | os.PathLike[str]) -> ModelFile:
     path = Path(path)
+    if is_checkpoint(path):
+        return Checkpoint(path)
     try:
         with open(path, "rb") as f:
             magic = f.read(len(STORE_MAGIC))
     except FileNotFoundError:
         raise ModelFormatError(f"{path}: no such file") from None
     except IsADirectoryError:
-        raise ModelFormatError(f"{path}: is a directory, not a model file") from None
+        raise ModelFormatError(f"{path}: is a directory without a config.json, not a model file or checkpoint") from None
     if magic.startswith(GGUF_MAGIC):
         return GGUFFile(path)
     if magic == STORE_MAGIC:
@@ -53,9 +56,11 @@ def open_model_file(path: str | os.PathLike[str]) -> ModelFile:
 
 
 def extent_index(model_file: ModelFile) -> _core.ExtentIndex:
-    """The index of a model file's tensors (a GGUF's is built on first use and cached)."""
+    """The index of a model file's tensors (a GGUF's or a checkpoint's is built on first use and cached)."""
     if isinstance(model_file, StoreFile):
         return model_file.index
+    if isinstance(model_file, Checkpoint):
+        model_file.check_single_file()
     index = _gguf_indexes.get(model_file)
     if index is None:
         table = [(t.name, t.offset, t.nbytes, tensor_rows(t), layer_of(t.name)) for t in model_file.tensors.values()]

@@ -1,4 +1,5 @@
-"""The ntio store: a GGUF model re-laid out for streaming, and `convert`, which writes one.
+"""The ntio store: a GGUF model or Hugging Face checkpoint re-laid out for streaming, and `convert`, which writes one
+(optionally encoding a checkpoint's float matrices as F16, BF16, Q8_0 or Q4_0).
 
 Layout (the Rust core parses it: `rust/store/`):
 
@@ -27,11 +28,18 @@ import torch
 from ntio import _core
 from ntio.errors import ModelFormatError
 from ntio.files import replacing
+from ntio.formats.checkpoint import Checkpoint, is_checkpoint
 from ntio.formats.gguf_file import GGUFFile, ModelFileBase, TensorInfo
 from ntio.kernels import quant
 
 STORE_MAGIC: bytes = _core.STORE_MAGIC
 STORE_SUFFIX = ".ntio"
+
+# What `convert --type` may encode float matrices as.
+MATRIX_TYPES = {t.name: t for t in (gguf.GGMLQuantizationType.F16, gguf.GGMLQuantizationType.BF16,
+                                    gguf.GGMLQuantizationType.Q8_0, gguf.GGMLQuantizationType.Q4_0)}
+_FLOAT_TYPES = {gguf.GGMLQuantizationType.F32: np.float32, gguf.GGMLQuantizationType.F16: np.float16,
+                gguf.GGMLQuantizationType.BF16: np.uint16}
 
 # progress(bytes_done, bytes_total)
 Progress = Callable[[int, int], None]
@@ -122,14 +130,47 @@ def verify_tensor(index: _core.ExtentIndex, name: str, data: np.ndarray) -> None
         raise ModelFormatError(str(e)) from None
 
 
-def convert(source: str | os.PathLike[str], target: str | os.PathLike[str], progress: Progress | None = None) -> Path:
-    """Write the GGUF `source` as a store at `target`.
+def _target_type(t: TensorInfo, matrix_type: gguf.GGMLQuantizationType | None) -> gguf.GGMLQuantizationType:
+    """What tensor `t` is written as: float matrices (2-D) as `matrix_type`, or as F16 where a row does not fill whole
+    blocks of it (as llama.cpp's converter falls back); vectors and quantized tensors as they are. With Q4_0 the
+    token embedding and output head take Q8_0, as llama-quantize keeps them wider: on SmolLM2 a Q4_0 head (tied
+    to the embedding) alone raised perplexity by a third."""
+    if matrix_type is None or t.qtype not in _FLOAT_TYPES or len(t.shape) != 2:
+        return t.qtype
+    if matrix_type == gguf.GGMLQuantizationType.Q4_0 and t.name in ("token_embd.weight", "output.weight"):
+        matrix_type = gguf.GGMLQuantizationType.Q8_0
+    block = gguf.GGML_QUANT_SIZES[matrix_type][0]
+    return matrix_type if t.shape[-1] % block == 0 else gguf.GGMLQuantizationType.F16
+
+
+def _encoded(data: np.ndarray, t: TensorInfo, qtype: gguf.GGMLQuantizationType) -> np.ndarray:
+    """A float tensor's bytes re-encoded as `qtype` (uint8)."""
+    if qtype == t.qtype:
+        return data
+    values = data.view(_FLOAT_TYPES[t.qtype])
+    if t.qtype == gguf.GGMLQuantizationType.BF16:
+        values = (values.astype(np.uint32) << 16).view(np.float32)
+    values = values.astype(np.float32).reshape(t.shape)
+    if qtype == gguf.GGMLQuantizationType.F16:
+        return values.astype(np.float16).view(np.uint8).reshape(-1)
+    if qtype == gguf.GGMLQuantizationType.BF16:
+        return quant.bf16_bytes(values).reshape(-1)
+    return gguf.quants.quantize(values, qtype).reshape(-1)
+
+
+def convert(source: str | os.PathLike[str], target: str | os.PathLike[str], progress: Progress | None = None,
+            matrix_type: gguf.GGMLQuantizationType | None = None) -> Path:
+    """Write the GGUF or Hugging Face checkpoint `source` as a store at `target`, float matrices encoded as
+    `matrix_type` when given (a key of MATRIX_TYPES).
 
     The store is written to a temporary file in the target's directory and renamed into place at the end: an
     interrupted or failed conversion leaves no partial file behind.
     """
-    g = GGUFFile(source)
+    g = Checkpoint(source) if is_checkpoint(Path(source)) else GGUFFile(source)
     target = Path(target)
+    types = {t.name: _target_type(t, matrix_type) for t in g.tensors.values()}
+    sizes = {t.name: quant.encoded_nbytes(types[t.name], t.shape) if types[t.name] != t.qtype else t.nbytes
+             for t in g.tensors.values()}
     globals_ = [t for t in g.tensors.values() if layer_of(t.name) is None]
     n_layers = max((layer_of(name) + 1 for name in g.tensors if layer_of(name) is not None), default=0)
     layers: list[list[TensorInfo]] = [[] for _ in range(n_layers)]
@@ -137,21 +178,21 @@ def convert(source: str | os.PathLike[str], target: str | os.PathLike[str], prog
         if (layer := layer_of(t.name)) is not None:
             layers[layer].append(t)
     groups = [globals_, *layers]
-    offsets = _core.plan_store_layout([[t.nbytes for t in group] for group in groups])
+    offsets = _core.plan_store_layout([[sizes[t.name] for t in group] for group in groups])
     total = sum(t.nbytes for t in g.tensors.values())
     with replacing(target) as f:
         records, done = [], 0
         for group_index, (group, group_offsets) in enumerate(zip(groups, offsets)):
             for t, offset in zip(group, group_offsets):
-                data = g.tensor_bytes(t.name)
+                data = _encoded(g.tensor_bytes(t.name), t, types[t.name])
                 if t.qtype in quant.TERNARY_TYPES:  # a store is written from sound blocks only
                     quant.check_scales(torch.from_numpy(np.array(data)), t.qtype, f"{g.path}: tensor {t.name!r}",
                                        t.offset)
                 f.seek(offset)
                 f.write(data)
                 records.append({
-                    "name": t.name, "ggml_type": int(t.qtype), "shape": list(t.shape), "offset": offset,
-                    "nbytes": t.nbytes, "rows": tensor_rows(t), "layer": group_index - 1 if group_index else None,
+                    "name": t.name, "ggml_type": int(types[t.name]), "shape": list(t.shape), "offset": offset,
+                    "nbytes": sizes[t.name], "rows": tensor_rows(t), "layer": group_index - 1 if group_index else None,
                     "checksum": checksum(data),
                 })
                 done += t.nbytes
@@ -159,7 +200,7 @@ def convert(source: str | os.PathLike[str], target: str | os.PathLike[str], prog
                     progress(done, total)
         layer_table = []
         for layer_offsets, group in zip(offsets[1:], layers):
-            end = layer_offsets[-1] + group[-1].nbytes
+            end = layer_offsets[-1] + sizes[group[-1].name]
             layer_table.append({"offset": layer_offsets[0], "length": end - layer_offsets[0]})
         manifest = json.dumps({
             "format_version": _core.STORE_FORMAT_VERSION, "metadata": g.metadata, "tensors": records,

@@ -486,7 +486,7 @@ _RANDOM_FILL = {
 }
 
 
-def _bf16_bytes(x: np.ndarray) -> np.ndarray:
+def bf16_bytes(x: np.ndarray) -> np.ndarray:
     bits = x.astype(np.float32).view(np.uint32)
     return ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16).view(np.uint8)  # round to nearest even
 
@@ -507,7 +507,7 @@ def random_quantized(qtype: gguf.GGMLQuantizationType | int, shape: tuple[int, .
         x = rng.standard_normal(math.prod(shape), dtype=np.float32)
         x *= np.float32(_WEIGHT_STD)
         raw = {T.F32: lambda: x.view(np.uint8), T.F16: lambda: x.astype(np.float16).view(np.uint8),
-               T.BF16: lambda: _bf16_bytes(x)}[qt]()
+               T.BF16: lambda: bf16_bytes(x)}[qt]()
         return raw.reshape(byte_shape)
     blocks = rng.integers(0, 256, nbytes, dtype=np.uint8).reshape(-1, type_size)
     _RANDOM_FILL[qt](blocks, rng)

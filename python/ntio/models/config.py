@@ -1,4 +1,4 @@
-"""Model hyper-parameters read from GGUF metadata.
+"""Model hyper-parameters read from GGUF metadata (a checkpoint's config.json offers them under GGUF's keys).
 
 `ModelConfig` is computed once per file; derived fields (head_dim, q/kv widths) are properties so nothing is stored
 twice. Which architectures are supported is the family registry's word (`ntio.models.registry`).
@@ -6,11 +6,14 @@ twice. Which architectures are supported is the family registry's word (`ntio.mo
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import math
 from dataclasses import dataclass
 from typing import Any
 
 from ntio.errors import ModelFormatError, UnsupportedModelError
+from ntio.formats.checkpoint import ROPE_KIND_KEY
 from ntio.formats.gguf_file import GGUFFile
 from ntio.formats.store import layer_of
 from ntio.models.family import Family
@@ -46,10 +49,11 @@ class ModelConfig:
     rope_scaling: RopeScaling
     tied_embeddings: bool
     ffn_gate: str = "silu"  # the FFN's gate activation (a key of ntio.kernels.ops.GATES)
+    rope_kind: str | None = None  # the file's RoPE pairing where it is not its family's (a Llama checkpoint: "neox")
 
     @property
     def family(self) -> Family:
-        return FAMILIES[self.architecture]
+        return _family(self.architecture, self.rope_kind)
 
     @property
     def head_dim(self) -> int:
@@ -130,7 +134,22 @@ class ModelConfig:
             rope_scaling=scaling,
             tied_embeddings="output.weight" not in g.tensors,
             ffn_gate=ffn_gate,
+            rope_kind=_rope_kind(g),
         )
+
+
+@functools.cache
+def _family(architecture: str, rope_kind: str | None) -> Family:
+    family = FAMILIES[architecture]
+    return family if rope_kind in (None, family.rope) else dataclasses.replace(family, rope=rope_kind)
+
+
+def _rope_kind(g: GGUFFile) -> str | None:
+    kind = g.metadata.get(ROPE_KIND_KEY)
+    if kind is not None and kind not in ("interleaved", "neox"):
+        raise ModelFormatError(f"{g.path}: metadata key {ROPE_KIND_KEY!r} must be 'interleaved' or 'neox', "
+                               f"got {str(kind)[:40]!r}")
+    return kind
 
 
 def _value(g: GGUFFile, key: str, default: Any) -> Any:

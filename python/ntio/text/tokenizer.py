@@ -12,6 +12,9 @@ A GGUF carries no tokenizer.json, only llama.cpp's metadata keys. Two kinds are 
 Special tokens follow llama.cpp's token types: control (3) and unknown (2) tokens are special, so they are matched
 in text only when asked (`special=True`, for rendered chat prompts) and dropped by `decode(skip_special=True)`;
 user-defined (4) tokens are always matched whole, as llama.cpp does.
+
+A Hugging Face checkpoint (and a store converted from one) carries its tokenizer.json whole, which the library runs
+as transformers does.
 """
 
 from __future__ import annotations
@@ -27,6 +30,9 @@ from tokenizers.models import BPE
 from ntio.text.chat import ChatTemplate
 from ntio.errors import ModelFormatError, NtioError, UnsupportedModelError
 from ntio.formats.gguf_file import GGUFFile
+
+# GGUF's key for a Hugging Face tokenizer.json, kept whole: a checkpoint's tokenizer (ntio.formats.checkpoint).
+HF_TOKENIZER_KEY = "tokenizer.huggingface.json"
 
 # llama.cpp's token types (llama_token_type in llama.h).
 _UNKNOWN, _CONTROL, _USER_DEFINED = 2, 3, 4
@@ -167,10 +173,10 @@ def _sentencepiece_merges(tokens: list[str], scores: list[float]) -> list[tuple[
 
 
 def vocabulary_fingerprint(g: GGUFFile) -> str:
-    """A digest of every `tokenizer.ggml.*` key (tokens, merges, types, special ids, pre-tokenizer): two files with
+    """A digest of every `tokenizer.ggml.*` key and a checkpoint's tokenizer.json (tokens, merges, types, special ids, pre-tokenizer): two files with
     the same fingerprint tokenize alike, whatever their chat templates."""
     h = hashlib.sha256()
-    for key in sorted(k for k in g.metadata if k.startswith("tokenizer.ggml.")):
+    for key in sorted(k for k in g.metadata if k.startswith("tokenizer.ggml.") or k == HF_TOKENIZER_KEY):
         h.update(repr((key, g.metadata[key])).encode())
     return h.hexdigest()
 
@@ -198,6 +204,8 @@ class Tokenizer:
 
     @classmethod
     def from_gguf(cls, g: GGUFFile) -> Tokenizer:
+        if "tokenizer.ggml.tokens" not in g.metadata and HF_TOKENIZER_KEY in g.metadata:
+            return cls._from_huggingface(g)
         kind = _metadata(g, "tokenizer.ggml.model", str)
         tokens = list(_metadata(g, "tokenizer.ggml.tokens", list, items=str))
         n = len(tokens)
@@ -259,6 +267,51 @@ class Tokenizer:
             eos_id=eos_id,
             add_bos=_metadata(g, "tokenizer.ggml.add_bos_token", bool, default_bos),
             add_eos=_metadata(g, "tokenizer.ggml.add_eos_token", bool, False),
+            stop_ids=frozenset(stop),
+            chat_template=_metadata(g, "tokenizer.chat_template", str, None),
+            special_tokens={
+                "bos_token": token_text(bos_id),
+                "eos_token": token_text(eos_id),
+                "unk_token": token_text(special_id("unknown")),
+                "pad_token": token_text(special_id("padding")),
+            },
+            source=str(g.path),
+            source_file=g,
+        )
+
+    @classmethod
+    def _from_huggingface(cls, g: GGUFFile) -> Tokenizer:
+        """A checkpoint's fast tokenizer (tokenizer.json, kept whole under HF_TOKENIZER_KEY), as transformers runs it;
+        special ids and the BOS rule come from tokenizer_config.json under GGUF's keys (`ntio.formats.checkpoint`)."""
+        try:
+            backend = _RustTokenizer.from_str(_metadata(g, HF_TOKENIZER_KEY, str))
+        except Exception as e:  # the tokenizers library raises a bare Exception for a tokenizer.json it cannot read
+            raise ModelFormatError(f"{g.path}: {HF_TOKENIZER_KEY} is not a tokenizer the tokenizers library reads "
+                                   f"({str(e)[:80]})") from None
+        n = backend.get_vocab_size(with_added_tokens=True)
+        specials = {t.content for t in backend.get_added_tokens_decoder().values() if t.special}
+
+        def special_id(name: str) -> int | None:
+            key = f"tokenizer.ggml.{name}_token_id"
+            value = _metadata(g, key, int, None)
+            if value is not None and not 0 <= value < n:
+                raise ModelFormatError(f"{g.path}: {key} = {value} is outside the vocabulary (size {n})")
+            return value
+
+        def token_text(token_id: int | None) -> str:
+            return "" if token_id is None else backend.id_to_token(token_id) or ""
+
+        bos_id, eos_id = special_id("bos"), special_id("eos")
+        stop = {i for i in (eos_id,) if i is not None}
+        stop.update(backend.token_to_id(t) for t in specials & _END_OF_TURN_TEXTS)
+        backend.decoder = backend.decoder or decoders.ByteLevel()
+        return cls(
+            backend,
+            vocab_size=n,
+            bos_id=bos_id,
+            eos_id=eos_id,
+            add_bos=_metadata(g, "tokenizer.ggml.add_bos_token", bool, False),
+            add_eos=False,
             stop_ids=frozenset(stop),
             chat_template=_metadata(g, "tokenizer.chat_template", str, None),
             special_tokens={
