@@ -7,6 +7,7 @@ says ntio's NeoX-style RoPE on unpermuted rows is the same model."""
 from __future__ import annotations
 
 import json
+import re
 import struct
 from pathlib import Path
 
@@ -33,9 +34,10 @@ def save_checkpoint(model, tokenizer, directory: Path, dtype: torch.dtype = torc
     fresh one of its config first)."""
     config = model.config.to_dict()
     config.pop("quantization_config", None)
-    fresh = type(model)(type(model.config).from_dict(config)).to(dtype)
-    fresh.load_state_dict(model.state_dict())
-    fresh.save_pretrained(directory)
+    with torch.device("meta"):  # no random initialization: the weights are assigned
+        fresh = type(model)(type(model.config).from_dict(config))
+    fresh.load_state_dict(model.state_dict(), assign=True)
+    fresh.to(dtype).save_pretrained(directory)
     tokenizer.save_pretrained(directory)
     return directory
 
@@ -118,10 +120,15 @@ def test_streamed_and_converted_equal_resident_bit_exact(checkpoint, ours, tmp_p
             m.close()
 
 
+@pytest.fixture(scope="module")
+def float32_perplexity(ours) -> float:
+    return ours.perplexity(PPL_TEXT.read_text()[:1500], ctx=256).perplexity
+
+
 @pytest.mark.parametrize("matrix_type", ["F16", "BF16", "Q8_0", "Q4_0"])
-def test_convert_encodes_float_matrices(checkpoint, ours, tmp_path, matrix_type):
+def test_convert_encodes_float_matrices(checkpoint, float32_perplexity, tmp_path, matrix_type):
     """Each matrix of the store decodes (gguf-py's dequantizer) to the checkpoint's within its type's rounding; norms
-    stay float32; the store runs, its perplexity near the float32 checkpoint's."""
+    stay float32; a quantized store runs, its perplexity near the float32 checkpoint's."""
     qtype = gguf.GGMLQuantizationType[matrix_type]
     store = open_model_file(convert(checkpoint, tmp_path / "m.ntio", matrix_type=qtype))
     source = open_model_file(checkpoint)
@@ -133,15 +140,15 @@ def test_convert_encodes_float_matrices(checkpoint, ours, tmp_path, matrix_type)
         assert info.qtype == (wide if want.ndim == 2 else gguf.GGMLQuantizationType.F32), name
         got = gguf.quants.dequantize(np.asarray(store.tensor_bytes(name)), info.qtype).reshape(want.shape)
         assert rel_l2(torch.from_numpy(got.copy()), torch.from_numpy(want.copy())) <= tolerance, name
-    text = PPL_TEXT.read_text()[:1500]
-    m = ntio.load(store.path, max_context=256)
-    try:
-        ppl = m.perplexity(text, ctx=256).perplexity
-    finally:
-        m.close()
-    # Q4_0 rounds the 135M model's matrices to 16 levels per 32 weights (round-to-nearest, as llama.cpp's reference
-    # quantizer): +18% perplexity here; the wider types stay within 2%.
-    assert abs(ppl / ours.perplexity(text, ctx=256).perplexity - 1) <= {"Q4_0": 0.25}.get(matrix_type, 0.02)
+    if matrix_type in ("Q8_0", "Q4_0"):  # the quantized stores run
+        m = ntio.load(store.path, max_context=256)
+        try:
+            ppl = m.perplexity(PPL_TEXT.read_text()[:1500], ctx=256).perplexity
+        finally:
+            m.close()
+        # Q4_0 rounds the 135M model's matrices to 16 levels per 32 weights (round-to-nearest, as llama.cpp's
+        # reference quantizer): +18% perplexity here; Q8_0 stays within 2%.
+        assert abs(ppl / float32_perplexity - 1) <= {"Q4_0": 0.25, "Q8_0": 0.02}[matrix_type]
 
 
 # --- bad input: one line naming the file and the tensor or key -----------------------------------------------------
@@ -176,14 +183,14 @@ def f32(shape: list[int], begin: int) -> dict:
      "has 8 bytes, but F32 [576] takes 2304"),
     ({"model.layers.0.mlp.experts.weight": f32([4], 0)}, bytes(16), None, "'model.layers.0.mlp.experts.weight' is not "
      "part of a llama model"),
-])
+], ids=["header-too-long", "header-not-json", "overlap", "outside-file", "dtype", "size", "unknown-tensor"])
 def test_bad_safetensors_is_one_line(tiny_dir, header, data, header_len, message):
     shard = tiny_dir / "model.safetensors"
     if header is None:
         shard.write_bytes(struct.pack("<Q", 8) + b"{nope   ")
     else:
         write_safetensors(shard, header, data, header_len)
-    with pytest.raises((ModelFormatError, UnsupportedModelError), match=message) as e:
+    with pytest.raises((ModelFormatError, UnsupportedModelError), match=re.escape(message)) as e:
         open_model_file(tiny_dir)
     assert str(shard) in str(e.value)
 

@@ -102,3 +102,37 @@ def test_chat_template_and_tokenizer_from_the_file(qwen05_path):
     assert text.startswith("<|im_start|>system\n") and text.endswith("<|im_start|>assistant\n")
     reply = m.generate("Write a Python function that returns the square of x.", chat=True, max_new_tokens=48)
     assert "def " in reply.text and "return" in reply.text
+
+
+@torch.inference_mode()
+def test_a_bf16_checkpoint_runs_as_transformers_runs_it(pair, tmp_path):
+    """The 0.5B's weights as a Hugging Face checkpoint in BF16 (`save_pretrained`: q/k/v biases, the ChatML
+    template, a tokenizer.json with the qwen2 split regex), run from the directory: logits as transformers' on the
+    same directory (upcast to float32), tokens and chat prompt as its tokenizer's."""
+    ours_gguf, ref, size = pair
+    if size != "0.5b":
+        pytest.skip("one size is enough for the checkpoint path")
+    import transformers
+    from tokenizers import Tokenizer as RustTokenizer
+    from test_checkpoint import save_checkpoint
+
+    # The tokenizer ntio builds from the GGUF, as a fast tokenizer (transformers' own GGUF conversion takes ~26 s
+    # for this vocabulary, and drops the split regex).
+    tokenizer = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=RustTokenizer.from_str(ours_gguf.tokenizer._backend.to_str()), eos_token="<|im_end|>",
+        pad_token="<|endoftext|>", chat_template=ours_gguf.file.metadata["tokenizer.chat_template"])
+    directory = save_checkpoint(ref, tokenizer, tmp_path / "qwen-hf", dtype=torch.bfloat16)
+    oracle = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
+    theirs = transformers.AutoTokenizer.from_pretrained(directory)
+    ours = ntio.load(directory, max_context=256, cpu_activations="float32")
+    try:
+        assert ours.config.family.rope == "neox" and ours.config.tied_embeddings == ours_gguf.config.tied_embeddings
+        for prompt in PROMPTS[:3]:
+            ids = ours.encode_prompt(prompt)
+            assert ids == theirs.encode(prompt, add_special_tokens=False)
+            assert rel_l2(ours.engine.forward(torch.tensor(ids), 0), oracle(torch.tensor([ids])).logits[0, -1]) <= 1e-4
+        messages = [{"role": "user", "content": "Reverse a string in Python."}]
+        assert ours.tokenizer.render_chat(messages) == theirs.apply_chat_template(messages, tokenize=False,
+                                                                                  add_generation_prompt=True)
+    finally:
+        ours.close()
