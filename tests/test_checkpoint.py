@@ -21,6 +21,7 @@ from ntio.errors import ModelFormatError, UnsupportedModelError
 from ntio.formats.model_file import open_model_file
 from ntio.formats.store import convert
 from references import hf_greedy, hf_perplexity, rel_l2
+from test_cli import assert_user_error, ntio as run_cli
 
 transformers = pytest.importorskip("transformers")  # writes the checkpoint, and is the oracle
 
@@ -29,16 +30,17 @@ PROMPTS = ["The capital of France is", "def fibonacci(n):\n    ", "In 1492, 3 sh
 NEAR_TIE = 1e-3
 
 
-def save_checkpoint(model, tokenizer, directory: Path, dtype: torch.dtype = torch.float32) -> Path:
-    """`model`'s weights as a plain checkpoint (a GGUF-loaded model refuses save_pretrained: it is copied into a
-    fresh one of its config first)."""
+def save_checkpoint(model, tokenizer, directory: Path, dtype: torch.dtype = torch.float32, **save_options) -> Path:
+    """`model`'s weights (and `tokenizer`'s files, unless None) as a plain checkpoint (a GGUF-loaded model refuses
+    save_pretrained: it is copied into a fresh one of its config first)."""
     config = model.config.to_dict()
     config.pop("quantization_config", None)
     with torch.device("meta"):  # no random initialization: the weights are assigned
         fresh = type(model)(type(model.config).from_dict(config))
     fresh.load_state_dict(model.state_dict(), assign=True)
-    fresh.to(dtype).save_pretrained(directory)
-    tokenizer.save_pretrained(directory)
+    fresh.to(dtype).save_pretrained(directory, **save_options)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(directory)
     return directory
 
 
@@ -231,3 +233,21 @@ def test_a_tensor_the_family_needs_is_named(tiny_dir, checkpoint):
     write_safetensors(tiny_dir / "model.safetensors", header, b"".join(blobs))
     with pytest.raises(ModelFormatError, match=r"model.safetensors: missing tensor 'blk.0.attn_norm.weight'"):
         ntio.load(tiny_dir)
+
+
+@torch.inference_mode()
+def test_a_sharded_checkpoint_converts_and_asks_to_be_converted_to_run(hf_smollm2, checkpoint, ours, tmp_path):
+    """Shards named by model.safetensors.index.json: `convert` joins them (the store runs with the single file's
+    bits); running the directory directly is one line saying how (one reader reads one file)."""
+    sharded = save_checkpoint(hf_smollm2, None, tmp_path / "sharded", max_shard_size="200MB")
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (sharded / name).write_bytes((checkpoint / name).read_bytes())
+    assert len(list(sharded.glob("*.safetensors"))) >= 2
+    proc = run_cli("generate", "-m", str(sharded), "-p", "hi", "-n", "1")
+    assert_user_error(proc, f"{sharded}: a checkpoint of", "shards runs once converted: ntio convert")
+    m = ntio.load(convert(sharded, tmp_path / "m.ntio"), max_context=64, cpu_activations="float32")
+    try:
+        ids = torch.tensor(ours.encode_prompt(PROMPTS[0]))
+        assert torch.equal(m.engine.forward(ids, 0), ours.engine.forward(ids, 0))
+    finally:
+        m.close()

@@ -537,6 +537,7 @@ def info(model, as_json) -> None:
     from ntio.formats.model_file import open_model_file
     from ntio.formats.store import layer_of
     from ntio.models.weights import WeightLayout
+    from ntio.text.tokenizer import HF_TOKENIZER_KEY
 
     g = open_model_file(resolve_model(model))
     cfg = ModelConfig.from_gguf(g)
@@ -549,7 +550,8 @@ def info(model, as_json) -> None:
         "n_heads": cfg.n_heads, "n_kv_heads": cfg.n_kv_heads, "vocab_size": cfg.vocab_size,
         "context_length": cfg.context_length, "rope_theta": cfg.rope_theta, "rope_scaling": cfg.rope_scaling.kind,
         "tied_embeddings": cfg.tied_embeddings, "ffn_gate": cfg.ffn_gate,
-        "tokenizer": g.metadata.get("tokenizer.ggml.model"), "n_tensors": len(g.tensors), "tensor_types": dict(types.most_common()),
+        "tokenizer": g.metadata.get("tokenizer.ggml.model") or ("tokenizer.json" if HF_TOKENIZER_KEY in g.metadata
+                                                                 else None), "n_tensors": len(g.tensors), "tensor_types": dict(types.most_common()),
         "bytes_per_layer": layer_bytes, "layer_bytes_total": sum(layer_bytes),
         "tensor_bytes_total": sum(t.nbytes for t in g.tensors.values()),
         "layer_bits_per_weight": round(8 * sum(t.nbytes for t in g.tensors.values() if layer_of(t.name) is not None)
