@@ -52,31 +52,40 @@ def layer_span(path: Path) -> tuple[int, int]:
     return first, last_off + last_len - first
 
 
-def disk_gb_s(path: Path, layers: tuple[int, int], nbytes: int) -> float:
-    """The disk's sustained cold (O_DIRECT) sequential bandwidth over the model's layer bytes (`layers`, from
-    `layer_span`): 64 MiB batches, two in flight (1 MiB requests, QD 32), cycling through the layers until `nbytes`
-    are read, into staging slots of the kind the loader reads into (huge-page backed). `nbytes` is the streamed
-    run's volume: single reads of tens of MB on this VM's disk vary by +-25% from one to the next, 1 GB runs by
-    +-5%."""
-    first, span = layers
+def read_batches(path: Path, batches: list[list[tuple[int, int, int]]], slot_size: int) -> float:
+    """Seconds to read `batches` (reader extents: file offset, length, offset in the slot) of `path` cold
+    (O_DIRECT, 1 MiB requests, QD 32), two batches in flight, into staging slots of `slot_size` bytes of the kind the
+    loader reads into (huge-page backed)."""
     reader = _core.Reader(str(path), request_size=1 << 20, queue_depth=32)
-    pool = _core.StagingPool(2, min(DISK_CHUNK, span))
+    pool = _core.StagingPool(2, slot_size)
     slots = [pool.acquire() for _ in range(2)]
     pending: list = [None, None]  # per slot: its batch in flight
-    start, done, at, turn = time.perf_counter(), 0, 0, 0
-    while done < nbytes:
-        if pending[turn] is not None:
-            pending[turn].wait()
-        n = min(DISK_CHUNK, span - at, nbytes - done)
-        pending[turn] = reader.submit([(first + at, n, 0)], slots[turn])
-        done, at, turn = done + n, (at + n) % span // 4096 * 4096, 1 - turn
+    start = time.perf_counter()
+    for i, extents in enumerate(batches):
+        if pending[i % 2] is not None:
+            pending[i % 2].wait()
+        pending[i % 2] = reader.submit(extents, slots[i % 2])
     for handle in pending:
         if handle is not None:
             handle.wait()
     seconds = time.perf_counter() - start
     for slot in slots:
         slot.release()
-    return done / seconds / 1e9
+    return seconds
+
+
+def disk_gb_s(path: Path, layers: tuple[int, int], nbytes: int) -> float:
+    """The disk's sustained cold (O_DIRECT) sequential bandwidth over the model's layer bytes (`layers`, from
+    `layer_span`): 64 MiB batches, two in flight (`read_batches`), cycling through the layers until `nbytes` are
+    read. `nbytes` is the streamed run's volume: single reads of tens of MB on this VM's disk vary by +-25% from one
+    to the next, 1 GB runs by +-5%."""
+    first, span = layers
+    batches, done, at = [], 0, 0
+    while done < nbytes:
+        n = min(DISK_CHUNK, span - at, nbytes - done)
+        batches.append([(first + at, n, 0)])
+        done, at = done + n, (at + n) % span // 4096 * 4096
+    return done / read_batches(path, batches, min(DISK_CHUNK, span)) / 1e9
 
 
 def decode_tok_s(path: Path, tiers: str, tokens: int, **options) -> tuple[float, float]:

@@ -206,12 +206,12 @@ def _fio_size(text: str) -> int:
 
 
 @main.command()
-@click.argument("model", type=click.Path(dir_okay=False))
+@click.argument("model", type=click.Path())
 @click.option("--request-size", type=SIZE, default=1 << 20, show_default=True)
 @_backend_option
 def layers(model, request_size, as_json, queue_depth, direct, backend) -> None:
-    """Load every layer of MODEL (GGUF or ntio store, or a name from `ntio fetch --list`) cold: time and bandwidth
-    per layer."""
+    """Load every layer of MODEL (GGUF, ntio store or checkpoint directory, or a name from `ntio fetch --list`)
+    cold: time and bandwidth per layer."""
     from ntio.fetch import resolve_model
     from ntio.formats.model_file import extent_index, open_model_file, plan_layer_read
 
@@ -220,7 +220,7 @@ def layers(model, request_size, as_json, queue_depth, direct, backend) -> None:
     per_layer = []
     for layer in range(extent_index(model_file).n_layers):
         extents, size = plan_layer_read(model_file, layer)
-        r = _timed(model, extents, size, _backend(direct, backend), queue_depth, request_size)
+        r = _timed(model_file.path, extents, size, _backend(direct, backend), queue_depth, request_size)
         per_layer.append({"layer": layer, "bytes": r["bytes"], "extents": len(extents), "seconds": r["seconds"],
                           "gb_s": r["gb_s"], "backend": r["backend"]})
     total_bytes = sum(p["bytes"] for p in per_layer)
@@ -262,7 +262,7 @@ def extents(file, extent_size, fraction, limit, request_size, seed, as_json, que
 
 
 @main.command()
-@click.argument("model", type=click.Path(dir_okay=False))
+@click.argument("model", type=click.Path())
 @click.option("--tiers", "tier_specs", multiple=True, default=("A", "C"), show_default=True,
               help="Tier mixes to compare (repeatable): auto, A, B, C or a per-layer spec such as A:0-9,C:10-29")
 @click.option("--tokens", type=click.IntRange(min=1), default=16, show_default=True, help="Decode steps per mix")

@@ -244,6 +244,16 @@ class Tokenizer:
         backend.add_special_tokens(special)
         backend.add_tokens(user_defined)
 
+        end_of_turn = {i for i, (t, ty) in enumerate(zip(tokens, types)) if ty == _CONTROL and t in _END_OF_TURN_TEXTS}
+        return cls._with_settings(g, backend, n, default_ids=default_ids, default_bos=default_bos,
+                                  end_of_turn=end_of_turn)
+
+    @classmethod
+    def _with_settings(cls, g: GGUFFile, backend: _RustTokenizer, n: int, *, default_ids: dict[str, int],
+                       default_bos: bool, end_of_turn: set[int]) -> Tokenizer:
+        """The tokenizer over `backend` (n ids) with `g`'s special ids, BOS/EOS rules and chat template (GGUF keys,
+        `default_ids` where absent); generation stops at EOS, EOT, EOM and the `end_of_turn` control tokens."""
+
         def special_id(name: str) -> int | None:
             key = f"tokenizer.ggml.{name}_token_id"
             value = _metadata(g, key, int, default_ids.get(name))
@@ -253,13 +263,11 @@ class Tokenizer:
                 raise ModelFormatError(f"{g.path}: {key} = {value} is outside the vocabulary (size {n})")
             return value
 
-        bos_id, eos_id = special_id("bos"), special_id("eos")
-        stop = {i for i in (eos_id, special_id("eot"), special_id("eom")) if i is not None}
-        stop.update(i for i, (t, ty) in enumerate(zip(tokens, types)) if ty == _CONTROL and t in _END_OF_TURN_TEXTS)
-
         def token_text(token_id: int | None) -> str:
-            return "" if token_id is None else tokens[token_id]
+            return "" if token_id is None else backend.id_to_token(token_id) or ""
 
+        bos_id, eos_id = special_id("bos"), special_id("eos")
+        stop = {i for i in (eos_id, special_id("eot"), special_id("eom")) if i is not None} | end_of_turn
         return cls(
             backend,
             vocab_size=n,
@@ -290,39 +298,9 @@ class Tokenizer:
                                    f"({str(e)[:80]})") from None
         n = backend.get_vocab_size(with_added_tokens=True)
         specials = {t.content for t in backend.get_added_tokens_decoder().values() if t.special}
-
-        def special_id(name: str) -> int | None:
-            key = f"tokenizer.ggml.{name}_token_id"
-            value = _metadata(g, key, int, None)
-            if value is not None and not 0 <= value < n:
-                raise ModelFormatError(f"{g.path}: {key} = {value} is outside the vocabulary (size {n})")
-            return value
-
-        def token_text(token_id: int | None) -> str:
-            return "" if token_id is None else backend.id_to_token(token_id) or ""
-
-        bos_id, eos_id = special_id("bos"), special_id("eos")
-        stop = {i for i in (eos_id,) if i is not None}
-        stop.update(backend.token_to_id(t) for t in specials & _END_OF_TURN_TEXTS)
         backend.decoder = backend.decoder or decoders.ByteLevel()
-        return cls(
-            backend,
-            vocab_size=n,
-            bos_id=bos_id,
-            eos_id=eos_id,
-            add_bos=_metadata(g, "tokenizer.ggml.add_bos_token", bool, False),
-            add_eos=False,
-            stop_ids=frozenset(stop),
-            chat_template=_metadata(g, "tokenizer.chat_template", str, None),
-            special_tokens={
-                "bos_token": token_text(bos_id),
-                "eos_token": token_text(eos_id),
-                "unk_token": token_text(special_id("unknown")),
-                "pad_token": token_text(special_id("padding")),
-            },
-            source=str(g.path),
-            source_file=g,
-        )
+        return cls._with_settings(g, backend, n, default_ids={}, default_bos=False,
+                                  end_of_turn={backend.token_to_id(t) for t in specials & _END_OF_TURN_TEXTS})
 
     @functools.cached_property
     def vocabulary(self) -> str:
