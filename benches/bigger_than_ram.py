@@ -44,6 +44,8 @@ from pathlib import Path
 
 from ntio.fetch import resolve_model
 from ntio.formats.model_file import open_model_file
+from ntio.plots import check_figure_path
+from figures import bigger_than_ram as draw
 from stream_bound import disk_gb_s, layer_span
 
 PROMPT = "Write a short paragraph about rivers."
@@ -234,7 +236,10 @@ def main() -> None:
     ap.add_argument("--ntio-arg", action="append", default=[], help="extra option for ntio generate (repeatable; "
                                                                      "write --ntio-arg=--sync for a leading dash)")
     ap.add_argument("--out", type=Path, help="also write the JSON object to this file")
+    ap.add_argument("--plot", type=Path, help="draw the result into this PNG (benches/figures.py)")
     args = ap.parse_args()
+    if args.plot:
+        check_figure_path(args.plot)
     engines = args.engines.split(",")
     if unknown := set(engines) - set(ENGINES):
         raise SystemExit(f"unknown engines {sorted(unknown)}: choose from {', '.join(ENGINES)}")
@@ -273,6 +278,8 @@ def main() -> None:
         tmp.replace(args.out)
     print(text)
     print(markdown_table(result["models"]), file=sys.stderr)
+    if args.plot:
+        draw(result, args.plot)
 
 
 if __name__ == "__main__":

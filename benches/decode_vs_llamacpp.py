@@ -22,6 +22,8 @@ import sys
 from pathlib import Path
 
 from ntio.fetch import resolve_model
+from ntio.plots import check_figure_path
+from figures import decode_vs_llamacpp as draw
 
 PROMPT = "Write a short paragraph about rivers."
 PEER_SCRIPT = Path(__file__).resolve().parents[2] / "shared" / "tools" / "llamacpp_decode.py"
@@ -54,7 +56,10 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--llamacpp", default=str(PEER_PYTHON), help="python of the llama-cpp-python venv")
+    ap.add_argument("--plot", type=Path, help="draw the result into this PNG (benches/figures.py)")
     args = ap.parse_args()
+    if args.plot:
+        check_figure_path(args.plot)
     path = str(resolve_model(args.model))
     runs = {
         "ntio_resident": lambda: _last_json([sys.executable, "-c", _NTIO, path, "A", str(args.tokens),
@@ -82,6 +87,8 @@ def main() -> None:
             ratios = [row[f"{name}_{what}"] / row[f"llamacpp_{what}"] for row in rounds]
             summary[f"{name}_{what}_vs_llamacpp"] = statistics.median(ratios)
     print(json.dumps(summary))
+    if args.plot:
+        draw(summary, args.plot)
 
 
 if __name__ == "__main__":

@@ -33,6 +33,8 @@ from pathlib import Path
 import httpx
 
 from ntio.fetch import resolve_model
+from ntio.plots import check_figure_path
+from figures import serve_load as draw
 
 QUESTIONS = [
     "Write a short paragraph about rivers.", "Explain what a hash table is.", "Describe a sunrise over the sea.",
@@ -151,7 +153,10 @@ def main() -> None:
     ap.add_argument("--engines", default="ntio,llama-server")
     ap.add_argument("--llama-server", default=str(LLAMA_SERVER))
     ap.add_argument("--out", type=Path)
+    ap.add_argument("--plot", type=Path, help="draw the result into this PNG (benches/figures.py)")
     args = ap.parse_args()
+    if args.plot:
+        check_figure_path(args.plot)
     model = str(resolve_model(args.model))
     engines = args.engines.split(",")
     rounds = []
@@ -186,6 +191,8 @@ def main() -> None:
             row[f"ntio_{c}"]["aggregate_tok_s"] / row[f"llama-server_{c}"]["aggregate_tok_s"] for row in rounds)
             for c in args.clients}
     text = json.dumps(summary, indent=1)
+    if args.plot:
+        draw(summary, args.plot)
     if args.out:
         args.out.write_text(text)
     print(text)

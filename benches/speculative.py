@@ -16,9 +16,12 @@ import argparse
 import json
 import platform
 import statistics
+from pathlib import Path
 
 import ntio
 from ntio.fetch import resolve_model
+from ntio.plots import check_figure_path
+from figures import speculative as draw
 
 # Chat prompts of three kinds: code, prose, and rewriting a given text (where prompt lookup has something to copy).
 PROMPTS = {
@@ -50,7 +53,10 @@ def main() -> None:
     ap.add_argument("--draft-tokens", type=int, default=8)
     ap.add_argument("--branches", type=int, nargs="+", default=[0, 2],
                     help="next choices per step as extra tree leaves (0: linear drafts); each value is a run")
+    ap.add_argument("--plot", type=Path, help="draw the result into this PNG (benches/figures.py)")
     args = ap.parse_args()
+    if args.plot:
+        check_figure_path(args.plot)
 
     sources = {"lookup": dict(lookup=True, use_draft=False)}
     drafter = "model" if args.draft else "self" if args.self_draft else None
@@ -95,6 +101,8 @@ def main() -> None:
             table[key] = entry
         report["results"][tiers] = table
     print(json.dumps(report, indent=1))
+    if args.plot:
+        draw(report, args.plot)
 
 
 if __name__ == "__main__":

@@ -239,13 +239,15 @@ def test_a_tensor_the_family_needs_is_named(tiny_dir, checkpoint):
 def test_a_sharded_checkpoint_converts_and_asks_to_be_converted_to_run(hf_smollm2, checkpoint, ours, tmp_path):
     """Shards named by model.safetensors.index.json: `convert` joins them (the store runs with the single file's
     bits); running the directory directly is one line saying how (one reader reads one file)."""
-    sharded = save_checkpoint(hf_smollm2, None, tmp_path / "sharded", max_shard_size="200MB")
+    sharded = save_checkpoint(hf_smollm2, None, tmp_path / "smollm2.v2-sharded", max_shard_size="200MB")
     for name in ("tokenizer.json", "tokenizer_config.json"):
         (sharded / name).write_bytes((checkpoint / name).read_bytes())
     assert len(list(sharded.glob("*.safetensors"))) >= 2
     proc = run_cli("generate", "-m", str(sharded), "-p", "hi", "-n", "1")
     assert_user_error(proc, f"{sharded}: a checkpoint of", "shards runs once converted: ntio convert")
-    m = ntio.load(convert(sharded, tmp_path / "m.ntio"), max_context=64, cpu_activations="float32")
+    proc = run_cli("convert", str(sharded))  # the store is named after the directory, dots and all
+    assert proc.returncode == 0 and proc.stdout.strip() == str(tmp_path / "smollm2.v2-sharded.ntio"), proc.stderr
+    m = ntio.load(tmp_path / "smollm2.v2-sharded.ntio", max_context=64, cpu_activations="float32")
     try:
         ids = torch.tensor(ours.encode_prompt(PROMPTS[0]))
         assert torch.equal(m.engine.forward(ids, 0), ours.engine.forward(ids, 0))

@@ -643,7 +643,8 @@ def convert(model, output, matrix_type) -> None:
     from ntio.formats.store import MATRIX_TYPES, STORE_SUFFIX, convert as convert_to_store
 
     model = resolve_model(model)
-    output = output or model.with_suffix(STORE_SUFFIX)
+    # A checkpoint directory's name keeps its dots (qwen2.5-coder-1.5b/ -> qwen2.5-coder-1.5b.ntio).
+    output = output or (model.with_name(model.name + STORE_SUFFIX) if model.is_dir() else model.with_suffix(STORE_SUFFIX))
     columns = ("{task.description}", BarColumn(), DownloadColumn(), TransferSpeedColumn(), TimeRemainingColumn())
     with Progress(*columns, console=Console(stderr=True), transient=True) as bar:
         task = bar.add_task(f"converting {model.name}", total=None)
