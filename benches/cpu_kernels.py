@@ -42,11 +42,12 @@ def build() -> list[tuple[T, tuple[int, int], torch.Tensor, torch.Tensor | None]
 
 
 def load(model: str) -> list[tuple[T, tuple[int, int], torch.Tensor, torch.Tensor | None]]:
-    """Every 2-D layer matrix of a real GGUF in file order, then the output head (the embedding when tied)."""
+    """Every 2-D layer matrix of a real model file (GGUF, store or checkpoint) in file order, then the output head (the
+    embedding when tied)."""
     from ntio.fetch import resolve_model
-    from ntio.formats.gguf_file import GGUFFile
+    from ntio.formats.model_file import open_model_file
 
-    g = GGUFFile(resolve_model(model))
+    g = open_model_file(resolve_model(model))
     names = [n for n, info in g.tensors.items() if n.startswith("blk.") and len(info.shape) == 2]
     names.append("output.weight" if "output.weight" in g.tensors else "token_embd.weight")
     return [(T(g.tensors[n].qtype), tuple(g.tensors[n].shape), torch.from_numpy(np.array(g.tensor_bytes(n))), None)

@@ -627,6 +627,28 @@ mod tests {
         }
     }
 
+    /// Dense rows whose length is not a multiple of the SIMD kernel's 32-weight step (its 8-weight and scalar
+    /// tails): AVX2 against scalar within float32 reassociation, and each row the same bits at any row count.
+    #[test]
+    fn dense_kernels_take_any_row_length() {
+        for qtype in [QType::F32, QType::F16, QType::BF16] {
+            for k in [5, 40, 779] {
+                let scalar = run(qtype, 3, 11, k, Isa::Scalar, Activations8::Float);
+                let simd = run(qtype, 3, 11, k, Isa::Avx2, Activations8::Float);
+                let norm = scalar.iter().map(|v| v * v).sum::<f32>().sqrt();
+                let diff = scalar
+                    .iter()
+                    .zip(&simd)
+                    .map(|(a, b)| (a - b) * (a - b))
+                    .sum::<f32>()
+                    .sqrt();
+                assert!(diff <= 1e-5 * norm, "{qtype:?} k={k}: {diff} vs {norm}");
+                let one = run(qtype, 1, 11, k, Isa::Avx2, Activations8::Float);
+                assert_eq!(one[..], simd[..11], "{qtype:?} k={k}");
+            }
+        }
+    }
+
     /// Each activation row's result is the same bits whatever the number of rows in the call (and so whichever
     /// tile computes it): speculative verify passes rely on it for exact greedy output.
     #[test]
