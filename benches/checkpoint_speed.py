@@ -3,7 +3,8 @@ the same weights converted to a store.
 
 The checkpoint is written once, into the ntio cache, from a model ntio fetches: transformers reads the GGUF and
 `save_pretrained` writes it in --dtype (bfloat16 or float16; tests/test_checkpoint.py's `save_checkpoint`). The
-store is `ntio convert DIR` of it (same types). Per round, in alternating order, medians over rounds:
+store is `ntio convert DIR` of it (same types). Rounds of reads, then rounds of decode, each in alternating
+order; medians over rounds:
 
 1. Reads, no compute: every layer read cold (O_DIRECT) through the loader's plan (`plan_layer_read`: a layer's
    tensor ranges widened to whole 4 KiB blocks), two layers in flight, into staging slots; against the reader's raw
@@ -72,11 +73,11 @@ def main() -> None:
     args = p.parse_args()
 
     directory, store = make_checkpoint(args.model, args.dtype)
-    rounds = []
-    for r in range(args.rounds):
-        row: dict = {}
-        order = ("checkpoint", "store") if r % 2 == 0 else ("store", "checkpoint")
-        for which in order:
+    # Reads first, in every round, then decode: a resident load maps the files, and O_DIRECT reads of a file whose
+    # pages sit in the page cache measured slower here.
+    rounds: list[dict] = [{} for _ in range(args.rounds)]
+    for r, row in enumerate(rounds):
+        for which in ("checkpoint", "store") if r % 2 == 0 else ("store", "checkpoint"):
             model = directory if which == "checkpoint" else store
             path = open_model_file(model).path
             whole = (0, path.stat().st_size // 4096 * 4096)
@@ -84,12 +85,13 @@ def main() -> None:
             before = disk_gb_s(path, whole, nbytes)
             row[f"{which}_layers_gb_s"], _ = layer_reads_gb_s(model)
             row[f"raw_beside_{which}_gb_s"] = (before + disk_gb_s(path, whole, nbytes)) / 2
-        for which in order:
+        row["read_ratio"] = row["checkpoint_layers_gb_s"] / row["raw_beside_checkpoint_gb_s"]
+        print(json.dumps({"round": r, **row}), file=sys.stderr)
+    for r, row in enumerate(rounds):
+        for which in ("checkpoint", "store") if r % 2 == 0 else ("store", "checkpoint"):
             row[f"{which}_resident_tok_s"] = decode_tok_s(directory if which == "checkpoint" else store, "A",
                                                           args.tokens, cpu_activations="float32")[0]
-        row["read_ratio"] = row["checkpoint_layers_gb_s"] / row["raw_beside_checkpoint_gb_s"]
         row["decode_ratio"] = row["checkpoint_resident_tok_s"] / row["store_resident_tok_s"]
-        rounds.append(row)
         print(json.dumps({"round": r, **row}), file=sys.stderr)
     medians = {key: statistics.median(row[key] for row in rounds) for key in rounds[0]}
     print(json.dumps({"machine": platform.processor() or platform.machine(), "model": args.model,

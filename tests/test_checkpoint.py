@@ -253,3 +253,30 @@ def test_a_sharded_checkpoint_converts_and_asks_to_be_converted_to_run(hf_smollm
         assert torch.equal(m.engine.forward(ids, 0), ours.engine.forward(ids, 0))
     finally:
         m.close()
+
+
+@torch.inference_mode()
+def test_llama3_rope_scaling_matches_transformers(checkpoint, tmp_path):
+    """Llama 3's RoPE scaling from config.json's parameters (a GGUF carries the result as rope_freqs.weight): a small
+    random-weight Llama checkpoint's logits at every position of 96 tokens, past its original context of 32, as
+    transformers'; the same weights without the scaling give other logits."""
+    scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 32}
+    shape = dict(vocab_size=49152, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, max_position_embeddings=256, rope_theta=500000.0, tie_word_embeddings=True)
+    torch.manual_seed(0)
+    scaled = transformers.LlamaForCausalLM(transformers.LlamaConfig(**shape, rope_scaling=scaling)).eval()
+    plain = transformers.LlamaForCausalLM(transformers.LlamaConfig(**shape)).eval()
+    plain.load_state_dict(scaled.state_dict())
+    scaled.save_pretrained(tmp_path)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (tmp_path / name).write_bytes((checkpoint / name).read_bytes())
+    m = ntio.load(tmp_path, max_context=128, cpu_activations="float32")
+    try:
+        assert m.config.rope_scaling.kind == "llama3"
+        ids = torch.arange(1000, 1096)
+        got = m.engine.forward(ids, 0, all_logits=True)
+    finally:
+        m.close()
+    assert rel_l2(got, scaled(ids[None]).logits[0]) <= 1e-4
+    assert rel_l2(got, plain(ids[None]).logits[0]) > 1e-3

@@ -64,6 +64,13 @@ _BLOCK_NAMES = {
     "mlp.up_proj.weight": "ffn_up.weight",
     "mlp.down_proj.weight": "ffn_down.weight",
 }
+# RoPE scaling kinds a checkpoint may name: config.json's parameters -> their `{arch}.rope.scaling.*` keys (GGUF's
+# where it has one; llama.cpp keeps Llama 3's factors as a tensor, rope_freqs.weight, which ntio computes instead).
+_SCALING_KEYS = {
+    "linear": {"factor": "factor"},
+    "llama3": {"factor": "factor", "low_freq_factor": "low_freq_factor", "high_freq_factor": "high_freq_factor",
+               "original_max_position_embeddings": "original_context_length"},
+}
 # Tensors a checkpoint may carry that the model does not use (buffers older transformers saved).
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
@@ -209,14 +216,16 @@ def _hyperparameters(config: dict[str, Any], path: Path) -> tuple[str, dict[str,
     scaling = config.get("rope_scaling") or rope
     kind = scaling.get("rope_type", scaling.get("type", "default")) if isinstance(scaling, dict) else scaling
     if kind != "default":
-        if kind != "linear":
+        if kind not in _SCALING_KEYS:
             raise UnsupportedModelError(f"{path}: RoPE scaling of type {str(kind)[:40]!r} is not supported from a "
-                                        "checkpoint (linear is)")
-        factor = scaling.get("factor")
-        if isinstance(factor, bool) or not isinstance(factor, (int, float)) or factor <= 0:
-            raise ModelFormatError(f"{path}: linear RoPE scaling needs a positive 'factor', got {str(factor)[:40]!r}")
-        metadata[f"{arch}.rope.scaling.type"] = "linear"
-        metadata[f"{arch}.rope.scaling.factor"] = float(factor)
+                                        f"checkpoint ({' and '.join(_SCALING_KEYS)} are)")
+        metadata[f"{arch}.rope.scaling.type"] = kind
+        for key, gguf_key in _SCALING_KEYS[kind].items():
+            value = scaling.get(key)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+                raise ModelFormatError(f"{path}: {kind} RoPE scaling needs a positive {key!r}, got "
+                                       f"{str(value)[:40]!r}")
+            metadata[f"{arch}.rope.scaling.{gguf_key}"] = value
     if arch == "llama":
         metadata[ROPE_KIND_KEY] = "neox"
     return arch, metadata

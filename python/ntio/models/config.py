@@ -27,10 +27,30 @@ _LARGEST = 2**31
 
 @dataclass(frozen=True)
 class RopeScaling:
-    """Llama-3 style frequency scaling (`rope_freqs.weight` holds the per-frequency divisors) or linear scaling."""
+    """Llama-3 style frequency scaling (per-frequency divisors: a GGUF's `rope_freqs.weight`, or `divisors` computed
+    from a checkpoint's parameters) or linear scaling."""
 
     kind: str  # "none" | "linear" | "llama3"
     factor: float = 1.0
+    divisors: tuple[float, ...] | None = None  # llama3 without a rope_freqs tensor: one per rotated pair
+
+
+def llama3_divisors(theta: float, rope_dim: int, factor: float, low_freq_factor: float, high_freq_factor: float,
+                    original_context: int) -> tuple[float, ...]:
+    """Llama 3's RoPE frequency divisors (transformers' `_compute_llama3_parameters`, llama.cpp's converter): long
+    wavelengths are divided by `factor`, short ones kept, those between blended smoothly."""
+    low_wavelen, high_wavelen = original_context / low_freq_factor, original_context / high_freq_factor
+    divisors = []
+    for i in range(0, rope_dim, 2):
+        wavelen = 2 * math.pi * theta ** (i / rope_dim)
+        if wavelen < high_wavelen:
+            divisors.append(1.0)
+        elif wavelen > low_wavelen:
+            divisors.append(factor)
+        else:
+            smooth = (original_context / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+            divisors.append(1 / ((1 - smooth) / factor + smooth))
+    return tuple(divisors)
 
 
 @dataclass(frozen=True)
@@ -109,6 +129,14 @@ class ModelConfig:
             scaling = RopeScaling("llama3")
         elif scaling_type == "linear":
             scaling = RopeScaling("linear", _positive(g, key("rope.scaling.factor")))
+        elif scaling_type == "llama3":
+            low, high = _positive(g, key("rope.scaling.low_freq_factor")), _positive(g, key("rope.scaling.high_freq_factor"))
+            if high <= low:
+                raise ModelFormatError(f"{g.path}: metadata key {key('rope.scaling.high_freq_factor')!r} ({high}) must "
+                                       f"exceed {key('rope.scaling.low_freq_factor')!r} ({low})")
+            scaling = RopeScaling("llama3", divisors=llama3_divisors(
+                _positive(g, key("rope.freq_base"), default=10000.0), rope_dim, _positive(g, key("rope.scaling.factor")),
+                low, high, _count(g, key("rope.scaling.original_context_length"))))
         elif scaling_type in ("none", ""):
             scaling = RopeScaling("none")
         else:

@@ -68,6 +68,8 @@ def rope_inverse_frequencies(cfg: ModelConfig, rope_freqs: torch.Tensor | None) 
     inv_freq = 1.0 / (cfg.rope_theta**exponents)
     if rope_freqs is not None:
         inv_freq = inv_freq / rope_freqs.float()
+    elif cfg.rope_scaling.divisors is not None:
+        inv_freq = inv_freq / torch.tensor(cfg.rope_scaling.divisors, dtype=torch.float32)
     if cfg.rope_scaling.kind == "linear":
         inv_freq = inv_freq / cfg.rope_scaling.factor
     return inv_freq

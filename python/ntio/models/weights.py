@@ -44,7 +44,8 @@ class WeightLayout:
         self.output_norm = self._checked("output_norm.weight", (cfg.d_model,))
         self.output = None if cfg.tied_embeddings else self._checked("output.weight", (cfg.vocab_size, cfg.d_model))
         self.rope_freqs = (
-            self._checked("rope_freqs.weight", (cfg.rope_dim // 2,)) if cfg.rope_scaling.kind == "llama3" else None
+            self._checked("rope_freqs.weight", (cfg.rope_dim // 2,))
+            if cfg.rope_scaling.kind == "llama3" and cfg.rope_scaling.divisors is None else None
         )
 
     def _checked(self, name: str, shape: tuple[int, ...]) -> TensorInfo:
