@@ -66,8 +66,8 @@ def serve_load(result: dict, path: Path) -> None:
         clients = sorted(by_clients)
         ax.plot(clients, [by_clients[c] for c in clients], "o-", color=f"C{k}", label=engine)
     ax.set_xscale("log", base=2)
-    ax.set_xticks(sorted({c for p in points.values() for c in p}), [str(c) for c in sorted({c for p in
-                                                                                           points.values() for c in p})])
+    ticks = sorted({c for by_clients in points.values() for c in by_clients})
+    ax.set_xticks(ticks, [str(c) for c in ticks])
     ax.minorticks_off()
     ax.set(xlabel="concurrent clients", ylabel="aggregate decode tok/s", ylim=(0, None),
            title=f"{Path(result['model']).name}, tiers {result['tiers']}, {result['tokens']} tokens per request")

@@ -205,11 +205,17 @@ def test_missing_parts_are_named(tiny_dir, checkpoint):
     with pytest.raises(ModelFormatError, match="shard 'model-00001-of-00002.safetensors' is named in the index but "
                                                "missing"):
         open_model_file(tiny_dir)
+    (tiny_dir / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"a": "../elsewhere.bin"}}))
+    with pytest.raises(ModelFormatError, match="shard '../elsewhere.bin' is not a file name in the checkpoint"):
+        open_model_file(tiny_dir)
     (tiny_dir / "model.safetensors.index.json").unlink()
     (tiny_dir / "model.safetensors").symlink_to(checkpoint / "model.safetensors")
     config = json.loads((tiny_dir / "config.json").read_text())
     (tiny_dir / "config.json").write_text(json.dumps({**config, "model_type": "mixtral"}))
     with pytest.raises(UnsupportedModelError, match="config.json: model_type 'mixtral' is not supported"):
+        open_model_file(tiny_dir)
+    (tiny_dir / "config.json").write_text(json.dumps({**config, "quantization_config": {"quant_method": "gptq"}}))
+    with pytest.raises(UnsupportedModelError, match="names a quantized checkpoint \\('gptq'\\)"):
         open_model_file(tiny_dir)
     (tiny_dir / "config.json").write_text(json.dumps({**config, "intermediate_size": 1024}))
     with pytest.raises(ModelFormatError, match="blk.0.ffn_gate.weight"):

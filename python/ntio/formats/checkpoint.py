@@ -160,7 +160,11 @@ def _shards(directory: Path) -> list[Path]:
         weight_map = index.get("weight_map") if isinstance(index, dict) else None
         if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
             raise ModelFormatError(f"{index_path}: no 'weight_map' of tensor names to shard files")
-        shards = [directory / name for name in dict.fromkeys(weight_map.values())]
+        names = list(dict.fromkeys(weight_map.values()))
+        bad = next((name for name in names if Path(name).name != name or name in ("", ".", "..")), None)
+        if bad is not None:
+            raise ModelFormatError(f"{index_path}: shard {bad[:60]!r} is not a file name in the checkpoint directory")
+        shards = [directory / name for name in names]
         for shard in shards:
             if not shard.is_file():
                 raise ModelFormatError(f"{index_path}: shard {shard.name!r} is named in the index but missing")
@@ -184,7 +188,8 @@ def _hyperparameters(config: dict[str, Any], path: Path) -> tuple[str, dict[str,
     rope = rope if isinstance(rope, dict) else {}
 
     def get(key: str, kind: type, default: Any = None) -> Any:
-        value = rope.get(key, config.get(key, default)) if key == "rope_theta" else config.get(key, default)
+        value = rope.get(key, config.get(key)) if key == "rope_theta" else config.get(key)
+        value = default if value is None else value  # null is absent
         if value is None or isinstance(value, bool) or not isinstance(value, kind):
             raise ModelFormatError(f"{path}: key {key!r} must be {'an integer' if kind is int else 'a number'}, "
                                    f"got {str(value)[:40]!r}")
@@ -196,6 +201,11 @@ def _hyperparameters(config: dict[str, Any], path: Path) -> tuple[str, dict[str,
     if head_dim is not None and n_heads and head_dim * n_heads != d_model:
         raise UnsupportedModelError(f"{path}: key 'head_dim' ({head_dim}) is not hidden_size / num_attention_heads "
                                     f"({d_model} / {n_heads}); ntio runs models whose heads split hidden_size")
+    quantization = config.get("quantization_config")
+    if quantization:
+        method = quantization.get("quant_method") if isinstance(quantization, dict) else quantization
+        raise UnsupportedModelError(f"{path}: key 'quantization_config' names a quantized checkpoint "
+                                    f"({str(method)[:40]!r}); ntio reads F32, F16 and BF16 checkpoints")
     act = config.get("hidden_act", "silu")
     if act != "silu":
         raise UnsupportedModelError(f"{path}: key 'hidden_act' is {str(act)[:40]!r}; ntio runs {arch} with silu")
