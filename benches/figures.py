@@ -30,6 +30,17 @@ def _bars(ax, groups: list[str], series: dict[str, list[float | None]], *, missi
     ax.grid(axis="y", alpha=0.3)
 
 
+def _keyed(result: dict, pattern: str) -> dict[str, dict[str, float]]:
+    """The values of `result`'s keys that match `pattern`, by its two groups (`ntio_4_aggregate_tok_s` ->
+    {"ntio": {"4": value}})."""
+    table: dict[str, dict[str, float]] = {}
+    for key, value in result.items():
+        m = re.fullmatch(pattern, key)
+        if m:
+            table.setdefault(m[1], {})[m[2]] = value
+    return table
+
+
 def bigger_than_ram(result: dict, path: Path) -> None:
     """A panel per model: decode tok/s per memory cap, a bar per engine (median over rounds; "OOM" where no run
     finished), with ntio's median ratio to its disk bound under each cap."""
@@ -56,11 +67,8 @@ def bigger_than_ram(result: dict, path: Path) -> None:
 def serve_load(result: dict, path: Path) -> None:
     """Aggregate tok/s against concurrent clients, a line per engine."""
     plt = pyplot("plot")
-    points: dict[str, dict[int, float]] = {}
-    for key, value in result.items():
-        m = re.fullmatch(r"(.+)_(\d+)_aggregate_tok_s", key)
-        if m:
-            points.setdefault(m[1], {})[int(m[2])] = value
+    points = {engine: {int(c): v for c, v in by.items()}
+              for engine, by in _keyed(result, r"(.+)_(\d+)_aggregate_tok_s").items()}
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for k, (engine, by_clients) in enumerate(points.items()):
         clients = sorted(by_clients)
@@ -80,11 +88,7 @@ def serve_load(result: dict, path: Path) -> None:
 def decode_vs_llamacpp(result: dict, path: Path) -> None:
     """Median decode and prefill tok/s, a bar per engine or ntio mode."""
     plt = pyplot("plot")
-    rates: dict[str, dict[str, float]] = {}
-    for key, value in result.items():
-        m = re.fullmatch(r"(.+)_(decode|prefill)_tok_s_median", key)
-        if m:
-            rates.setdefault(m[1], {})[m[2]] = value
+    rates = _keyed(result, r"(.+)_(decode|prefill)_tok_s_median")
     fig, axes = plt.subplots(1, 2, figsize=(10, 4.2))
     for ax, phase in zip(axes, ("decode", "prefill")):
         names = [n for n in rates if phase in rates[n]]
