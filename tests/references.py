@@ -61,11 +61,12 @@ def hf_perplexity(model, ids: list[int], ctx: int) -> tuple[float, int]:
 
 
 @torch.inference_mode()
-def hf_greedy(model, ids: list[int], n: int, near_tie: float) -> tuple[list[int], int]:
-    """(the reference's n greedy tokens after `ids`, how many of them to compare): up to the first step whose top
-    two logits are closer than `near_tie`, where float rounding may pick either token."""
-    out = model.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False, output_scores=True,
-                         return_dict_in_generate=True, eos_token_id=None, pad_token_id=0)
-    want = out.sequences[0, len(ids):].tolist()
-    margins = [float(s[0].topk(2).values[0] - s[0].topk(2).values[1]) for s in out.scores]
-    return want, next((i for i, m in enumerate(margins) if m < near_tie), len(want))
+def hf_greedy(model, ids: list[int], got: list[int], near_tie: float) -> tuple[list[int], int]:
+    """(the reference's greedy choice after `ids` and each prefix of `got`, how many of them to compare): the
+    reference's greedy output equals the engine's tokens `got` exactly when its choice after every prefix of `got`
+    is the next token of `got`, so one teacher-forced forward over ids + got stands for len(got) decode steps.
+    Compared up to the first step whose top two logits are closer than `near_tie`, where float rounding may pick
+    either token."""
+    top2 = model(torch.tensor([ids + got[:-1]])).logits[0, len(ids) - 1 :].topk(2)
+    margins = (top2.values[:, 0] - top2.values[:, 1]).tolist()
+    return top2.indices[:, 0].tolist(), next((i for i, m in enumerate(margins) if m < near_tie), len(got))

@@ -85,9 +85,9 @@ def test_greedy_tokens_match_transformers_up_to_a_near_tie(model, files):
         with ntio.load(path, max_context=512, cpu_activations="float32", tiers=tiers) as ours:
             for prompt in PROMPTS[:3]:
                 ids = ours.encode_prompt(prompt)
-                want, compared = hf_greedy(model, ids, 32, NEAR_TIE)
-                assert compared >= 16, f"{prompt!r}: near-tie at step {compared}; pick another prompt"
                 got = ours.generate(ids, max_new_tokens=32, temperature=0.0).token_ids
+                want, compared = hf_greedy(model, ids, got, NEAR_TIE)
+                assert compared >= 16, f"{prompt!r}: near-tie at step {compared}; pick another prompt"
                 assert got[:compared] == want[:compared], (tiers, prompt)
 
 

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import ntio
-from references import hf_model, hf_perplexity, rel_l2
+from references import hf_greedy, hf_model, hf_perplexity, rel_l2
 from ntio.synth import SynthSpec, write_synthetic_gguf
 
 transformers = pytest.importorskip("transformers")
@@ -70,21 +70,16 @@ def test_kv_crop_then_recompute_matches(smollm2, hf_smollm2):
 def test_greedy_64_tokens_identical(smollm2, hf_smollm2):
     for prompt in (PROMPTS[0], PROMPTS[2]):
         ids = smollm2.encode_prompt(prompt)
-        out = hf_smollm2.generate(
-            torch.tensor([ids]), max_new_tokens=64, do_sample=False, output_scores=True, return_dict_in_generate=True,
-            eos_token_id=None, pad_token_id=0,
-        )
-        ref_tokens = out.sequences[0, len(ids) :].tolist()
-        # The comparison is only meaningful without near-ties along the reference trajectory.
-        margins = [float(s[0].topk(2).values[0] - s[0].topk(2).values[1]) for s in out.scores]
-        assert min(margins) > 1e-3, f"{prompt!r} has a near-tie; pick another prompt"
         ours = smollm2.generate(ids, max_new_tokens=64, temperature=0.0)
-        assert ours.token_ids == ref_tokens[: len(ours.token_ids)]
+        want, compared = hf_greedy(hf_smollm2, ids, ours.token_ids, 1e-3)
+        # The comparison is only meaningful without near-ties along the trajectory.
+        assert compared == len(ours.token_ids), f"{prompt!r} has a near-tie; pick another prompt"
+        assert ours.token_ids == want
         assert len(ours.token_ids) == 64 or ours.finish_reason == "stop"
 
 
 def test_perplexity_within_half_percent(smollm2, hf_smollm2):
-    text = PPL_TEXT.read_text()
+    text = PPL_TEXT.read_text()[:6000]  # ~1,300 tokens: two full windows and part of a third
     ctx = 512
     ours = smollm2.perplexity(text, ctx=ctx)
     # Same convention with the reference: one tokenization, no special tokens, non-overlapping windows, every
