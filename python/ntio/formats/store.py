@@ -38,8 +38,8 @@ STORE_SUFFIX = ".ntio"
 # What `convert --type` may encode float matrices as.
 MATRIX_TYPES = {t.name: t for t in (gguf.GGMLQuantizationType.F16, gguf.GGMLQuantizationType.BF16,
                                     gguf.GGMLQuantizationType.Q8_0, gguf.GGMLQuantizationType.Q4_0)}
-_FLOAT_TYPES = {gguf.GGMLQuantizationType.F32: np.float32, gguf.GGMLQuantizationType.F16: np.float16,
-                gguf.GGMLQuantizationType.BF16: np.uint16}
+_FLOAT_TYPES = frozenset((gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16,
+                          gguf.GGMLQuantizationType.BF16))
 
 # progress(bytes_done, bytes_total)
 Progress = Callable[[int, int], None]
@@ -147,10 +147,7 @@ def _encoded(data: np.ndarray, t: TensorInfo, qtype: gguf.GGMLQuantizationType) 
     """A float tensor's bytes re-encoded as `qtype` (uint8)."""
     if qtype == t.qtype:
         return data
-    values = data.view(_FLOAT_TYPES[t.qtype])
-    if t.qtype == gguf.GGMLQuantizationType.BF16:
-        values = (values.astype(np.uint32) << 16).view(np.float32)
-    values = values.astype(np.float32).reshape(t.shape)
+    values = quant.dequantize(torch.from_numpy(np.array(data)), t.qtype, t.shape).numpy()
     if qtype == gguf.GGMLQuantizationType.F16:
         return values.astype(np.float16).view(np.uint8).reshape(-1)
     if qtype == gguf.GGMLQuantizationType.BF16:
