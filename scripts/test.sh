@@ -5,10 +5,11 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 python3 -m venv .venv
 # The Rust tests compile while pip downloads (~3 GB, mostly torch); cargo's lock on target/ keeps the two builds apart.
+# No pip cache: a cached copy of those wheels would double the disk the install needs (a CI run once ran out).
 PYO3_PYTHON="$PWD/.venv/bin/python" cargo test --release --quiet --no-run &
 rust_tests=$!
-.venv/bin/python -m pip install -q --upgrade pip
-.venv/bin/python -m pip install -q -e '.[dev]'
+.venv/bin/python -m pip install -q --no-cache-dir --upgrade pip
+.venv/bin/python -m pip install -q --no-cache-dir -e '.[dev]'
 wait "$rust_tests"
 PYO3_PYTHON="$PWD/.venv/bin/python" cargo test --release --quiet
 bash scripts/wheel_smoke.sh
