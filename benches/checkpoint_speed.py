@@ -60,7 +60,7 @@ def layer_reads_gb_s(model: Path) -> tuple[float, int]:
     f = open_model_file(model)
     plans = [plan_layer_read(f, layer) for layer in range(extent_index(f).n_layers)]
     nbytes = sum(length for extents, _ in plans for _, length, _ in extents)
-    seconds = read_batches(f.path, [extents for extents, _ in plans], max(size for _, size in plans))
+    seconds = read_batches(f.files, [extents for extents, _ in plans], max(size for _, size in plans))
     return nbytes / seconds / 1e9, nbytes
 
 

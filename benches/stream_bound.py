@@ -52,11 +52,12 @@ def layer_span(path: Path) -> tuple[int, int]:
     return first, last_off + last_len - first
 
 
-def read_batches(path: Path, batches: list[list[tuple[int, int, int]]], slot_size: int) -> float:
-    """Seconds to read `batches` (reader extents: file offset, length, offset in the slot) of `path` cold
+def read_batches(path, batches: list[list[tuple[int, int, int]]], slot_size: int) -> float:
+    """Seconds to read `batches` (reader extents: file offset, length, offset in the slot) of `path` (a file, or a
+    model file's `files`) cold
     (O_DIRECT, 1 MiB requests, QD 32), two batches in flight, into staging slots of `slot_size` bytes of the kind the
     loader reads into (huge-page backed)."""
-    reader = _core.Reader(str(path), request_size=1 << 20, queue_depth=32)
+    reader = _core.Reader(path, request_size=1 << 20, queue_depth=32)
     pool = _core.StagingPool(2, slot_size)
     slots = [pool.acquire() for _ in range(2)]
     pending: list = [None, None]  # per slot: its batch in flight

@@ -1,7 +1,6 @@
 //! `ntio._core.timed_read`: the reader's read path with per-request timing, for `ntio-bench`.
 //! It reads into a scratch buffer of its own, so Python times nothing but the I/O.
 
-use std::path::PathBuf;
 use std::time::Instant;
 
 use pyo3::prelude::*;
@@ -10,16 +9,17 @@ use crate::backend::Backend;
 use crate::destination::Destination;
 use crate::extent::Extent;
 use crate::reader::{Reader, ReaderOptions};
+use crate::reader_bindings::Source;
 use crate::staging::{AlignedBuf, SLOT_ALIGNMENT};
 
-/// Read `extents` (file_offset, length, dest_offset) of `path` into a fresh `nbytes` buffer
+/// Read `extents` (file_offset, length, dest_offset) of `path` (one file or shards, as `Reader` takes) into a fresh `nbytes` buffer
 /// (extents may overlap there: the bytes are thrown away) through a new reader.
 /// Returns (backend, wall seconds of the read, per-request latencies in µs).
 #[pyfunction]
 #[pyo3(signature = (path, extents, nbytes, backend=None, queue_depth=32, request_size=1 << 20))]
 fn timed_read(
     py: Python<'_>,
-    path: PathBuf,
+    path: Source,
     extents: Vec<(u64, usize, usize)>,
     nbytes: usize,
     backend: Option<&str>,
@@ -41,7 +41,7 @@ fn timed_read(
         })
         .collect();
     let timed = py.detach(|| -> crate::error::Result<_> {
-        let reader = Reader::open(path, options)?;
+        let reader = Reader::open_shards(&path.shards(), options)?;
         let buf = AlignedBuf::new(nbytes, SLOT_ALIGNMENT)?;
         // Touch every page first (as fio does its buffers), so page faults are not timed as I/O.
         // SAFETY: `buf` owns `nbytes` writable bytes (at least one) that nothing else uses.

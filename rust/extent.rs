@@ -18,7 +18,9 @@ pub struct Extent {
 /// One read syscall's worth of work (resubmitted from `file_offset + done` after a short read).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Request {
-    /// Where the read starts; a multiple of the alignment.
+    /// Which of the reader's files it reads (`backend::Files`); 0 for a single file.
+    pub file: usize,
+    /// Where the read starts, in that file; a multiple of the alignment.
     pub file_offset: u64,
     /// Bytes asked of the kernel; a multiple of the alignment.
     pub len: usize,
@@ -125,6 +127,7 @@ pub fn plan(extents: &[Extent], geometry: Geometry, dest_addr: usize) -> Vec<Req
             let len = (body_end - offset).min(geometry.request_size as u64) as usize;
             let dest_offset = e.dest_offset + (offset - start) as usize;
             requests.push(Request {
+                file: 0,
                 file_offset: offset,
                 len,
                 needed: len,
@@ -148,6 +151,7 @@ fn bounce(requests: &mut Vec<Request>, e: Extent, from: u64, to: u64, geometry: 
         let copy_from = from.max(window);
         let copy_to = to.min(window + len as u64);
         requests.push(Request {
+            file: 0,
             file_offset: window,
             len,
             needed: (copy_to - window) as usize,
@@ -231,6 +235,7 @@ mod tests {
         assert_eq!(
             reqs[2],
             Request {
+                file: 0,
                 file_offset: 32768,
                 len: 8192,
                 needed: 8192,
@@ -247,6 +252,7 @@ mod tests {
         assert_eq!(
             head,
             Request {
+                file: 0,
                 file_offset: 0,
                 len: 4096,
                 needed: 4096,
@@ -260,6 +266,7 @@ mod tests {
         assert_eq!(
             tail,
             Request {
+                file: 0,
                 file_offset: 16384,
                 len: 4096,
                 needed: 20100 - 16384,

@@ -1,18 +1,19 @@
-//! The reader: one open file and one backend, reading batches of extents into a destination,
-//! either now (`read`) or in the background (`submit`, which returns a `Pending`).
+//! The reader: one open file (or several in one offset space: a checkpoint's shards) and one
+//! backend, reading batches of extents into a destination, either now (`read`) or in the
+//! background (`submit`, which returns a `Pending`).
 //! A `Reader` is `Send + Sync` and cheap to clone. With io_uring, every read of a reader (from
 //! any thread) goes through one I/O thread and its ring, which keeps the queue full across
 //! batches; pread and buffered reads run on their own threads, one batch at a time.
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
 use crate::backend::faults::Faults;
-use crate::backend::{self, pread, uring, Backend, Batch, Completion, OpenFile};
+use crate::backend::{pread, uring, Backend, Batch, Completion, Files};
 use crate::destination::Destination;
 use crate::error::{Error, Result};
-use crate::extent::{self, Extent, Geometry};
+use crate::extent::{self, Extent, Geometry, Request};
 use crate::verify::{self, Check};
 
 /// Largest request: io_uring lengths are 32-bit, and bigger requests gain nothing.
@@ -49,7 +50,7 @@ pub struct Reader {
 }
 
 struct Inner {
-    file: Arc<OpenFile>,
+    files: Arc<Files>,
     backend: Backend,
     geometry: Geometry,
     queue_depth: usize,
@@ -59,6 +60,12 @@ struct Inner {
 
 impl Reader {
     pub fn open(path: impl AsRef<Path>, options: ReaderOptions) -> Result<Self> {
+        Self::open_shards(&[(path.as_ref().to_path_buf(), 0)], options)
+    }
+
+    /// A reader over several files in one offset space, each `(path, base)` (see `backend::Files`):
+    /// an extent lies inside one file; a batch's extents may come from any of them.
+    pub fn open_shards(shards: &[(PathBuf, u64)], options: ReaderOptions) -> Result<Self> {
         let ReaderOptions {
             backend,
             queue_depth,
@@ -83,20 +90,19 @@ impl Reader {
             Some(faults) => faults,
             None => Faults::from_env()?,
         };
-        let (file, backend, ring) =
-            backend::open(path.as_ref(), requested, queue_depth as u32, &faults)?;
+        let (files, backend, ring) = Files::open(shards, requested, queue_depth as u32, &faults)?;
         let geometry = Geometry {
-            alignment: file.alignment,
-            request_size: request_size.next_multiple_of(file.alignment),
+            alignment: files.alignment(),
+            request_size: request_size.next_multiple_of(files.alignment()),
         };
-        let file = Arc::new(file);
+        let files = Arc::new(files);
         let queue = match ring {
-            Some(ring) => Some(uring::Queue::start(ring, Arc::clone(&file))?),
+            Some(ring) => Some(uring::Queue::start(ring, Arc::clone(&files))?),
             None => None,
         };
         Ok(Self {
             inner: Arc::new(Inner {
-                file,
+                files,
                 backend,
                 geometry,
                 queue_depth,
@@ -109,12 +115,14 @@ impl Reader {
         self.inner.backend
     }
 
+    /// The (first) file's path.
     pub fn path(&self) -> &Path {
-        &self.inner.file.path
+        &self.inner.files.first().path
     }
 
+    /// The end of the (last) file in the reader's offset space.
     pub fn file_size(&self) -> u64 {
-        self.inner.file.size
+        self.inner.files.end()
     }
 
     pub fn alignment(&self) -> usize {
@@ -163,10 +171,22 @@ impl Reader {
 }
 
 impl Inner {
+    /// Validate a batch and plan its requests, file by file: each extent, moved into the file its offset falls in,
+    /// must end inside that file.
     fn prepare(&self, extents: &[Extent], dest: Destination, checks: Vec<Check>) -> Result<Batch> {
-        extent::validate(extents, &self.file.path, self.file.size, dest.capacity())?;
+        let mut per_file: Vec<Vec<Extent>> = vec![Vec::new(); self.files.count()];
+        for e in extents {
+            let (file, file_offset) = self.files.locate(e.file_offset);
+            per_file[file].push(Extent { file_offset, ..*e });
+        }
+        let mut requests = Vec::new();
+        for (index, local) in per_file.iter().enumerate() {
+            let file = self.files.get(index);
+            extent::validate(local, &file.path, file.size, dest.capacity())?;
+            let planned = extent::plan(local, self.geometry, dest.as_ptr() as usize);
+            requests.extend(planned.into_iter().map(|r| Request { file: index, ..r }));
+        }
         verify::validate(&checks, extents)?;
-        let requests = extent::plan(extents, self.geometry, dest.as_ptr() as usize);
         Ok(Batch::new(requests, dest, checks))
     }
 
@@ -182,8 +202,8 @@ impl Inner {
                     return Ok(());
                 }
                 batch.outcome(
-                    pread::run(&self.file, &batch, self.queue_depth),
-                    &self.file.path,
+                    pread::run(&self.files, &batch, self.queue_depth),
+                    self.files.first().path.as_path(),
                 )
             }
         }
@@ -204,11 +224,11 @@ impl Inner {
                 std::thread::Builder::new()
                     .name("ntio-submit".into())
                     .spawn(move || {
-                        let io = pread::run(&inner.file, &batch, inner.queue_depth);
+                        let io = pread::run(&inner.files, &batch, inner.queue_depth);
                         if io.is_ok() {
                             done.land();
                         }
-                        let result = batch.outcome(io, &inner.file.path);
+                        let result = batch.outcome(io, &inner.files.first().path);
                         drop(batch); // frees the destination (slot) before anyone is told it is done
                         done.end(result);
                     })
@@ -599,6 +619,95 @@ mod tests {
             assert_eq!(latencies.len(), planned_requests(&reader, &whole, &dest));
         }
         std::fs::remove_file(path).unwrap();
+    }
+
+    #[test]
+    fn shards_read_as_one_offset_space_and_an_extent_stays_inside_one_file() {
+        // Two files of unaligned sizes; the second at the first 4 KiB boundary past the first's end.
+        let (first, first_bytes) = temp_file("shard-1", 10_001);
+        let (second, second_bytes) = temp_file("shard-2", 30_000);
+        let base = 12_288;
+        let shards = [(first.clone(), 0), (second.clone(), base)];
+        // Both files in one batch, across the gap, out of order, and up to each file's last byte.
+        let extents = [
+            Extent {
+                file_offset: base + 100,
+                length: 29_900,
+                dest_offset: 0,
+            },
+            Extent {
+                file_offset: 3,
+                length: 9_998,
+                dest_offset: 30_000,
+            },
+            Extent {
+                file_offset: base,
+                length: 100,
+                dest_offset: 40_000,
+            },
+        ];
+        let mut opened = 0;
+        for backend in Backend::ALL {
+            let options = ReaderOptions {
+                backend: Some(backend),
+                request_size: 8192,
+                queue_depth: 4,
+                faults: Some(Faults::default()),
+            };
+            let Ok(reader) = Reader::open_shards(&shards, options) else {
+                continue;
+            };
+            opened += 1;
+            assert_eq!(reader.file_size(), base + 30_000);
+            assert_eq!(reader.path(), first.as_path());
+            let mut dest = vec![0u8; 40_100];
+            // SAFETY: `dest` outlives the wait below and is not touched until then.
+            let external = unsafe { Destination::external(dest.as_mut_ptr(), dest.len()) };
+            reader
+                .submit(&extents, external, Vec::new())
+                .unwrap()
+                .wait()
+                .unwrap();
+            assert_eq!(&dest[..29_900], &second_bytes[100..], "{backend:?}");
+            assert_eq!(&dest[30_000..39_998], &first_bytes[3..], "{backend:?}");
+            assert_eq!(&dest[40_000..], &second_bytes[..100], "{backend:?}");
+            // An extent running past the first file's end (into the gap) names that file, in its own offsets.
+            let past = [Extent {
+                file_offset: 10_000,
+                length: 2,
+                dest_offset: 0,
+            }];
+            // SAFETY: as above; the batch is refused before any read.
+            let external = unsafe { Destination::external(dest.as_mut_ptr(), dest.len()) };
+            match reader.read(&past, external, Vec::new()) {
+                Err(Error::UnexpectedEof {
+                    path,
+                    offset: 10_000,
+                    end_of_file: 10_001,
+                    ..
+                }) => assert_eq!(path, first),
+                other => panic!("{backend:?}: {other:?}"),
+            }
+        }
+        assert!(opened >= 1);
+        // Bases that are unaligned, overlap the previous file, or do not start at 0 are refused.
+        for bad in [
+            [(first.clone(), 0), (second.clone(), 12_289)],
+            [(first.clone(), 0), (second.clone(), 8_192)],
+            [(first.clone(), 4_096), (second.clone(), 16_384)],
+        ] {
+            let options = ReaderOptions {
+                backend: Some(Backend::Buffered),
+                ..Default::default()
+            };
+            let refused = Reader::open_shards(&bad, options).err();
+            assert!(
+                matches!(refused, Some(Error::InvalidArgument(_))),
+                "{bad:?}"
+            );
+        }
+        std::fs::remove_file(first).unwrap();
+        std::fs::remove_file(second).unwrap();
     }
 
     #[test]

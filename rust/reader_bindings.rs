@@ -136,6 +136,23 @@ unsafe fn external(lent: &Lent<u8>) -> Destination {
     unsafe { Destination::external(lent.as_mut_ptr(), lent.len()) }
 }
 
+/// What a reader reads: one file, or `(path, base)` pairs.
+#[derive(FromPyObject)]
+pub enum Source {
+    File(std::path::PathBuf),
+    Shards(Vec<(std::path::PathBuf, u64)>),
+}
+
+impl Source {
+    /// `(path, base)` pairs, a single file at 0.
+    pub fn shards(self) -> Vec<(std::path::PathBuf, u64)> {
+        match self {
+            Source::File(path) => vec![(path, 0)],
+            Source::Shards(shards) => shards,
+        }
+    }
+}
+
 #[pyclass(frozen, module = "ntio._core")]
 pub struct Reader {
     inner: CoreReader,
@@ -144,11 +161,13 @@ pub struct Reader {
 #[pymethods]
 impl Reader {
     #[new]
+    /// `path`: one file, or several as `[(path, base), ...]` in one offset space (a checkpoint's shards: the first at
+    /// base 0, each next base a multiple of 4096 at or past the end of the file before it).
     /// `faults`: a fault-injection spec for tests (`backend/faults.rs`); None: `NTIO_INJECT_FAULTS`.
     #[pyo3(signature = (path, backend=None, queue_depth=32, request_size=1 << 20, faults=None))]
     fn new(
         py: Python<'_>,
-        path: std::path::PathBuf,
+        path: Source,
         backend: Option<&str>,
         queue_depth: usize,
         request_size: usize,
@@ -161,8 +180,9 @@ impl Reader {
             request_size,
             faults: faults.map(Faults::parse).transpose()?,
         };
+        let shards = path.shards();
         Ok(Self {
-            inner: py.detach(|| CoreReader::open(path, options))?,
+            inner: py.detach(|| CoreReader::open_shards(&shards, options))?,
         })
     }
 

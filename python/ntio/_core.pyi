@@ -37,17 +37,20 @@ class BackendUnavailableError(OSError):
     """A forced backend cannot work here: io_uring blocked, or O_DIRECT refused by the filesystem."""
 
 class Reader:
-    """One open file and one I/O backend. Safe to share between threads; blocking calls release the GIL."""
+    """One open file (or several in one offset space) and one I/O backend. Safe to share between threads; blocking
+    calls release the GIL."""
 
-    def __init__(self, path: str | PathLike[str], backend: str | None = None, queue_depth: int = 32,
-                 request_size: int = 1 << 20, faults: str | None = None) -> None:
-        """faults: fault injection for tests, e.g. "eio@1048576,short" (default: env NTIO_INJECT_FAULTS)."""
+    def __init__(self, path: str | PathLike[str] | list[tuple[str | PathLike[str], int]], backend: str | None = None,
+                 queue_depth: int = 32, request_size: int = 1 << 20, faults: str | None = None) -> None:
+        """path: one file, or `[(path, base), ...]`: files in one offset space (a checkpoint's shards; the first at
+        base 0, each next base a multiple of 4096 at or past the end of the one before), an extent inside one of them.
+        faults: fault injection for tests, e.g. "eio@1048576,short" (default: env NTIO_INJECT_FAULTS)."""
     @property
     def backend(self) -> str: ...  # "io_uring" | "pread" | "buffered"
     @property
-    def path(self) -> str: ...
+    def path(self) -> str: ...  # the (first) file's
     @property
-    def file_size(self) -> int: ...
+    def file_size(self) -> int: ...  # the end of the (last) file in the offset space
     @property
     def alignment(self) -> int: ...  # O_DIRECT alignment in bytes; 1 for "buffered"
     @property
@@ -211,7 +214,8 @@ def parse_gguf(path: str | PathLike[str], data: Buffer) -> tuple[
 
 # -- benchmarks (`rust/bench_bindings.rs`) -----------------------------------------------------------------------
 
-def timed_read(path: str | PathLike[str], extents: list[Extent], nbytes: int, backend: str | None = None,
-               queue_depth: int = 32, request_size: int = 1 << 20) -> tuple[str, float, list[float]]:
-    """Read extents into a fresh scratch buffer of `nbytes` through a new Reader:
+def timed_read(path: str | PathLike[str] | list[tuple[str | PathLike[str], int]], extents: list[Extent], nbytes: int,
+               backend: str | None = None, queue_depth: int = 32,
+               request_size: int = 1 << 20) -> tuple[str, float, list[float]]:
+    """Read extents into a fresh scratch buffer of `nbytes` through a new Reader (`path` as Reader takes it):
     (backend, seconds, per-request latencies in µs)."""

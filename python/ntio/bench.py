@@ -74,8 +74,9 @@ def _scratch_extents(offsets: Sequence[int], length: int) -> tuple[list[tuple[in
     return extents, min(window, len(offsets) * length)
 
 
-def _timed(path: Path, extents, nbytes: int, backend: str | None, queue_depth: int, request_size: int) -> dict:
-    """Read through `_core.timed_read`; bandwidth of the bytes the extents ask for."""
+def _timed(path, extents, nbytes: int, backend: str | None, queue_depth: int, request_size: int) -> dict:
+    """Read `path` (a file, or a model file's `files`) through `_core.timed_read`; bandwidth of the bytes the extents
+    ask for."""
     name, seconds, latencies = _core.timed_read(path, extents, nbytes, backend=backend, queue_depth=queue_depth,
                                                 request_size=request_size)
     requested = sum(length for _, length, _ in extents)
@@ -220,7 +221,7 @@ def layers(model, request_size, as_json, queue_depth, direct, backend) -> None:
     per_layer = []
     for layer in range(extent_index(model_file).n_layers):
         extents, size = plan_layer_read(model_file, layer)
-        r = _timed(model_file.path, extents, size, _backend(direct, backend), queue_depth, request_size)
+        r = _timed(model_file.files, extents, size, _backend(direct, backend), queue_depth, request_size)
         per_layer.append({"layer": layer, "bytes": r["bytes"], "extents": len(extents), "seconds": r["seconds"],
                           "gb_s": r["gb_s"], "backend": r["backend"]})
     total_bytes = sum(p["bytes"] for p in per_layer)

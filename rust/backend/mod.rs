@@ -105,6 +105,91 @@ impl OpenFile {
     }
 }
 
+/// The files one reader reads, in one offset space: file `i`'s bytes start at `bases[i]`. One file sits at 0; a
+/// checkpoint's shards sit one after another, each base a multiple of 4096 (and of the alignment) at or past the end
+/// of the file before it, so an aligned request never spans two files and every offset keeps its alignment within
+/// its file.
+pub struct Files {
+    files: Vec<OpenFile>,
+    bases: Vec<u64>,
+}
+
+impl Files {
+    /// Open `shards` (path, base), the first for the `requested` backend as `open` does and the others the same
+    /// way. All are read at the alignment the strictest of them needs.
+    pub fn open(
+        shards: &[(PathBuf, u64)],
+        requested: Option<Backend>,
+        queue_depth: u32,
+        faults: &Faults,
+    ) -> Result<(Self, Backend, Option<uring::Ring>)> {
+        let Some(((first_path, first_base), others)) = shards.split_first() else {
+            return Err(Error::InvalidArgument(
+                "a reader needs at least one file".into(),
+            ));
+        };
+        if *first_base != 0 {
+            return Err(Error::InvalidArgument(format!(
+                "{}: the first file's base must be 0, got {first_base}",
+                first_path.display()
+            )));
+        }
+        let (first, backend, ring) = open(first_path, requested, queue_depth, faults)?;
+        let mut files = vec![first];
+        for (path, _) in others {
+            files.push(OpenFile::open(path, backend != Backend::Buffered, faults)?);
+        }
+        let alignment = files.iter().map(|f| f.alignment).max().expect("one file");
+        let bases: Vec<u64> = shards.iter().map(|&(_, base)| base).collect();
+        for file in &mut files {
+            file.alignment = alignment;
+        }
+        // Bases on DEFAULT_DIRECT_ALIGNMENT boundaries whatever the backend, so offsets never depend on it.
+        let boundary = alignment.max(DEFAULT_DIRECT_ALIGNMENT) as u64;
+        for i in 1..files.len() {
+            let previous_end = bases[i - 1] + files[i - 1].size;
+            if !bases[i].is_multiple_of(boundary) || bases[i] < previous_end {
+                return Err(Error::InvalidArgument(format!(
+                    "{}: base {} must be a multiple of {boundary} at or past the previous file's end ({previous_end})",
+                    files[i].path.display(),
+                    bases[i]
+                )));
+            }
+        }
+        Ok((Self { files, bases }, backend, ring))
+    }
+
+    pub fn get(&self, index: usize) -> &OpenFile {
+        &self.files[index]
+    }
+
+    /// The first file: the one a reader is named after.
+    pub fn first(&self) -> &OpenFile {
+        &self.files[0]
+    }
+
+    /// How many files.
+    pub fn count(&self) -> usize {
+        self.files.len()
+    }
+
+    pub fn alignment(&self) -> usize {
+        self.files[0].alignment
+    }
+
+    /// The end of the last file in the offset space.
+    pub fn end(&self) -> u64 {
+        self.bases[self.files.len() - 1] + self.files[self.files.len() - 1].size
+    }
+
+    /// Where `offset` falls: the last file whose base is at or below it, and the offset within that file (past its
+    /// end where `offset` lies in the gap before the next file or past the last).
+    pub fn locate(&self, offset: u64) -> (usize, u64) {
+        let index = self.bases.partition_point(|&base| base <= offset) - 1;
+        (index, offset - self.bases[index])
+    }
+}
+
 /// The file's O_DIRECT alignment from statx (STATX_DIOALIGN, Linux 6.1+), else 4096.
 fn direct_io_alignment(file: &File) -> usize {
     // SAFETY: statx is plain old data; all-zero is a valid value.

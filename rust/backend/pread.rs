@@ -7,12 +7,12 @@ use std::sync::Mutex;
 use std::thread;
 use std::time::Instant;
 
-use super::{advance, Batch, OpenFile, Progress};
+use super::{advance, Batch, Files, Progress};
 use crate::error::{Error, Result};
 use crate::extent::{Request, Target};
 use crate::staging::AlignedBuf;
 
-pub fn run(file: &OpenFile, batch: &Batch, threads: usize) -> Result<()> {
+pub fn run(files: &Files, batch: &Batch, threads: usize) -> Result<()> {
     let next = AtomicUsize::new(0);
     let failure: Mutex<Option<Error>> = Mutex::new(None);
     let worker = || {
@@ -22,7 +22,7 @@ pub fn run(file: &OpenFile, batch: &Batch, threads: usize) -> Result<()> {
             if i >= batch.requests.len() {
                 return;
             }
-            if let Err(err) = read_one(file, batch, &batch.requests[i], &mut bounce) {
+            if let Err(err) = read_one(files, batch, &batch.requests[i], &mut bounce) {
                 failure
                     .lock()
                     .unwrap_or_else(|e| e.into_inner())
@@ -48,11 +48,12 @@ pub fn run(file: &OpenFile, batch: &Batch, threads: usize) -> Result<()> {
 }
 
 fn read_one(
-    file: &OpenFile,
+    files: &Files,
     batch: &Batch,
     req: &Request,
     bounce: &mut Option<AlignedBuf>,
 ) -> Result<()> {
+    let file = files.get(req.file);
     let region = match req.target {
         Target::Direct { .. } => std::ptr::null_mut(),
         Target::Bounce { .. } => match bounce {

@@ -14,7 +14,7 @@ use std::time::Instant;
 
 use io_uring::{opcode, squeue, types, IoUring};
 
-use super::{advance, Batch, Completion, OpenFile, Progress};
+use super::{advance, Batch, Completion, Files, Progress};
 use crate::error::{Error, Result};
 use crate::extent::Target;
 use crate::staging::{AlignedBuf, StagingPool};
@@ -112,7 +112,7 @@ struct State {
 }
 
 impl Queue {
-    pub fn start(ring: Ring, file: Arc<OpenFile>) -> Result<Self> {
+    pub fn start(ring: Ring, files: Arc<Files>) -> Result<Self> {
         let shared = Arc::new(Shared {
             state: Mutex::new(State::default()),
             wake: Condvar::new(),
@@ -121,7 +121,7 @@ impl Queue {
         let verifier = Verifier::start()?;
         let thread = std::thread::Builder::new()
             .name("ntio-uring".into())
-            .spawn(move || serve(ring, &file, &thread_shared, verifier))
+            .spawn(move || serve(ring, &files, &thread_shared, verifier))
             .map_err(|err| Error::System {
                 what: "spawning the io_uring thread",
                 errno: crate::error::errno_of(&err),
@@ -214,7 +214,7 @@ impl Active {
     /// Drop the batch (freeing its destination), then tell the submitter. A batch with checks is
     /// told it landed now and is hashed on the verifier thread, which ends it (and drops it after
     /// the tasks that hashed its requests as they landed).
-    fn finish(self, file: &OpenFile, verifier: &Verifier) {
+    fn finish(self, files: &Files, verifier: &Verifier) {
         let Active {
             job: Job { batch, done },
             failure,
@@ -229,7 +229,7 @@ impl Active {
         if failure.is_none() {
             done.land();
         }
-        let path = file.path.clone();
+        let path = files.first().path.clone();
         verifier.run(move || {
             let outcome = batch.outcome(failure.map_or(Ok(()), Err), &path);
             drop(batch);
@@ -250,7 +250,7 @@ struct Entry {
 }
 
 fn sqe(
-    file: &OpenFile,
+    files: &Files,
     fixed: Option<u16>,
     active: &Active,
     entry: &Entry,
@@ -261,7 +261,7 @@ fn sqe(
     let ptr = batch.read_ptr(req, active.region_ptr(entry.region), entry.done);
     let len = (req.len - entry.done) as u32;
     let offset = req.file_offset + entry.done as u64;
-    let fd = types::Fd(file.file.as_raw_fd());
+    let fd = types::Fd(files.get(req.file).file.as_raw_fd());
     let read = match (req.target, fixed) {
         (Target::Direct { .. }, Some(buf_index)) => opcode::ReadFixed::new(fd, ptr, len, buf_index)
             .offset(offset)
@@ -274,7 +274,7 @@ fn sqe(
 /// The I/O thread: admit queued batches, start their requests in FIFO order while entries are
 /// free, wait for completions, finish batches (checks go to `verifier`); on `closing`, drain
 /// everything, then return (dropping `verifier` runs the checks still queued).
-fn serve(mut ring: Ring, file: &OpenFile, shared: &Shared, verifier: Verifier) {
+fn serve(mut ring: Ring, files: &Files, shared: &Shared, verifier: Verifier) {
     let depth = ring.depth;
     let mut entries: Vec<Option<Entry>> = vec![None; depth];
     let mut free: Vec<usize> = (0..depth).rev().collect();
@@ -287,7 +287,7 @@ fn serve(mut ring: Ring, file: &OpenFile, shared: &Shared, verifier: Verifier) {
             let mut state = shared.state.lock().unwrap_or_else(|e| e.into_inner());
             loop {
                 for job in state.incoming.drain(..) {
-                    jobs.insert(next_id, Active::new(job, depth, file.alignment));
+                    jobs.insert(next_id, Active::new(job, depth, files.alignment()));
                     next_id += 1;
                 }
                 if !jobs.is_empty() {
@@ -326,7 +326,7 @@ fn serve(mut ring: Ring, file: &OpenFile, shared: &Shared, verifier: Verifier) {
                     started: Instant::now(),
                 };
                 let fixed = ring.fixed_index(&active.job.batch);
-                push(&mut ring, &sqe(file, fixed, active, &entry, index));
+                push(&mut ring, &sqe(files, fixed, active, &entry, index));
                 entries[index] = Some(entry);
                 active.next += 1;
                 active.in_flight += 1;
@@ -338,7 +338,7 @@ fn serve(mut ring: Ring, file: &OpenFile, shared: &Shared, verifier: Verifier) {
 
         if free.len() < depth {
             if let Err(err) = submit_and_wait(&mut ring) {
-                return abandon(file, &verifier, shared, jobs, err);
+                return abandon(files, &verifier, shared, jobs, err);
             }
             completions.extend(
                 ring.ring
@@ -354,10 +354,10 @@ fn serve(mut ring: Ring, file: &OpenFile, shared: &Shared, verifier: Verifier) {
                     .expect("an in-flight entry's batch");
                 let req = &active.job.batch.requests[entry.request];
                 let result = if res < 0 { Err(-res) } else { Ok(res as usize) };
-                match advance(file, req, &mut entry.done, result) {
+                match advance(files.get(req.file), req, &mut entry.done, result) {
                     Ok(Progress::Again) if active.failure.is_none() => {
                         let fixed = ring.fixed_index(&active.job.batch);
-                        let again = sqe(file, fixed, active, entry, index);
+                        let again = sqe(files, fixed, active, entry, index);
                         push(&mut ring, &again);
                         continue;
                     }
@@ -399,7 +399,7 @@ fn serve(mut ring: Ring, file: &OpenFile, shared: &Shared, verifier: Verifier) {
         for id in ended {
             jobs.remove(&id)
                 .expect("a finished batch")
-                .finish(file, &verifier);
+                .finish(files, &verifier);
         }
     }
 }
@@ -407,7 +407,7 @@ fn serve(mut ring: Ring, file: &OpenFile, shared: &Shared, verifier: Verifier) {
 /// The ring broke (io_uring_enter failed for good): fail every batch, queued or active, and
 /// every later one. As before this design, reads still in the kernel are not waited for.
 fn abandon(
-    file: &OpenFile,
+    files: &Files,
     verifier: &Verifier,
     shared: &Shared,
     jobs: BTreeMap<u64, Active>,
@@ -420,7 +420,7 @@ fn abandon(
     };
     for mut active in jobs.into_values() {
         active.failure.get_or_insert(err.clone());
-        active.finish(file, verifier);
+        active.finish(files, verifier);
     }
     for job in queued {
         drop(job.batch);

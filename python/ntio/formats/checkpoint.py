@@ -5,8 +5,8 @@ by `model.safetensors.index.json`), `tokenizer.json` and `tokenizer_config.json`
 weight` is `blk.3.ffn_up.weight`), hyper-parameters under GGUF's keys, and the tokenizer as `tokenizer.huggingface.
 json` (the whole tokenizer.json, the key GGUF's spec gives it) with the special ids and chat template beside it. A
 tensor's bytes are read in place from its shard: F32, F16 and BF16 are types ntio computes with, so nothing is
-converted. `path` is the shard the reader opens; a checkpoint of several shards can be converted (`ntio convert`),
-and runs directly once it is one file.
+converted. Tensor offsets lie in one offset space over the shards (`files`: each shard at a 4 KiB-aligned base past
+the one before it), which one `_core.Reader` reads; `path` is the first shard.
 
 Llama's q/k rows: llama.cpp's converter permutes them so that RoPE rotates pairs (2i, 2i+1); a checkpoint keeps
 Hugging Face's order, where RoPE rotates (i, i + d/2). A Llama checkpoint therefore runs with NeoX-style RoPE
@@ -39,6 +39,7 @@ CHAT_TEMPLATE = "chat_template.jinja"  # where newer transformers write the temp
 # Metadata key: the RoPE pairing of a model file whose q/k rows are not in llama.cpp's order (see the docstring).
 ROPE_KIND_KEY = "ntio.rope_kind"
 
+_SHARD_ALIGNMENT = 4096  # shard bases in the offset space: O_DIRECT's block, so reads keep their alignment
 _DTYPES = {"F32": (T.F32, 4), "F16": (T.F16, 2), "BF16": (T.BF16, 2)}
 _ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2"}  # config.json model_type -> GGUF architecture
 # The largest safetensors header accepted (the format's own readers cap it at 100 MB).
@@ -172,6 +173,18 @@ def _shards(directory: Path) -> list[Path]:
     if (directory / SINGLE).is_file():
         return [directory / SINGLE]
     raise ModelFormatError(f"{directory}: no {SINGLE} or {INDEX}")
+
+
+def _shard_bases(shards: list[Path]) -> list[int]:
+    """Each shard's base in the checkpoint's offset space: the first at 0, each next on a 4 KiB boundary (what
+    `_core.Reader` takes) with at least one whole empty block after the end of the one before. So a block never
+    spans two shards, and the extent index, which merges tensors less than a block apart into one extent, never
+    merges tensors of two shards."""
+    bases = [0]
+    for shard in shards[:-1]:
+        end = bases[-1] + shard.stat().st_size
+        bases.append(-(-end // _SHARD_ALIGNMENT) * _SHARD_ALIGNMENT + _SHARD_ALIGNMENT)
+    return bases
 
 
 def _hyperparameters(config: dict[str, Any], path: Path) -> tuple[str, dict[str, Any]]:
@@ -309,9 +322,10 @@ class Checkpoint(ModelFileBase):
         arch, metadata = _hyperparameters(config, config_path)
         self.shards = _shards(self.directory)
         self.path = self.shards[0]
+        self.bases = _shard_bases(self.shards)
         self.tensors: dict[str, TensorInfo] = {}
         self.tensor_files: dict[str, Path] = {}
-        for shard in self.shards:
+        for shard, base in zip(self.shards, self.bases):
             for hf_name, (qtype, shape, offset, nbytes) in read_safetensors_header(shard)[1].items():
                 name = gguf_name(hf_name)
                 if name is None:
@@ -321,7 +335,7 @@ class Checkpoint(ModelFileBase):
                                                 "knows")
                 if name in self.tensors:
                     raise ModelFormatError(f"{shard}: tensor {hf_name!r} is also in {self.tensor_files[name].name}")
-                self.tensors[name] = TensorInfo(name, qtype, shape, offset, nbytes)
+                self.tensors[name] = TensorInfo(name, qtype, shape, base + offset, nbytes)
                 self.tensor_files[name] = shard
         if config.get("tie_word_embeddings", False):
             self.tensors.pop("output.weight", None)  # tied: the embedding is the head, as in GGUF
@@ -334,13 +348,9 @@ class Checkpoint(ModelFileBase):
         self.metadata: dict[str, Any] = metadata
         self._maps: dict[Path, Any] = {}
 
-    def check_single_file(self) -> None:
-        """Direct runs read every tensor through one reader, on one file."""
-        if len(self.shards) > 1:
-            raise UnsupportedModelError(
-                f"{self.directory}: a checkpoint of {len(self.shards)} shards runs once converted: "
-                f"ntio convert {self.directory} -o MODEL.ntio"
-            )
+    @property
+    def files(self) -> list[tuple[Path, int]]:
+        return list(zip(self.shards, self.bases))
 
     def tensor_bytes(self, name: str):
         """The bytes of one tensor as a read-only uint8 view of its mapped shard."""
@@ -351,4 +361,5 @@ class Checkpoint(ModelFileBase):
         data = self._maps.get(shard)
         if data is None:
             data = self._maps[shard] = np.memmap(shard, dtype=np.uint8, mode="r")
-        return data[info.offset : info.offset + info.nbytes]
+        offset = info.offset - dict(self.files)[shard]
+        return data[offset : offset + info.nbytes]

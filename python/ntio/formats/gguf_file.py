@@ -55,6 +55,12 @@ class ModelFileBase:
     def architecture(self) -> str:
         return str(self.require("general.architecture"))
 
+    @property
+    def files(self) -> list[tuple[Path, int]]:
+        """The files holding the tensors, each `(path, base)` at its base in the offset space of the tensors'
+        offsets, as `_core.Reader` opens them: this one file at 0."""
+        return [(self.path, 0)]
+
     def require(self, key: str) -> Any:
         """A metadata value that must be present."""
         try:

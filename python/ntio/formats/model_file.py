@@ -15,6 +15,7 @@
 
 from __future__ import annotations
 
+import bisect
 import os
 import weakref
 from pathlib import Path
@@ -59,8 +60,6 @@ def extent_index(model_file: ModelFile) -> _core.ExtentIndex:
     """The index of a model file's tensors (a GGUF's or a checkpoint's is built on first use and cached)."""
     if isinstance(model_file, StoreFile):
         return model_file.index
-    if isinstance(model_file, Checkpoint):
-        model_file.check_single_file()
     index = _gguf_indexes.get(model_file)
     if index is None:
         table = [(t.name, t.offset, t.nbytes, tensor_rows(t), layer_of(t.name)) for t in model_file.tensors.values()]
@@ -111,18 +110,19 @@ def _aligned_empty(nbytes: int) -> np.ndarray:
 def plan_layer_read(model_file: ModelFile, layer: int) -> tuple[list[tuple[int, int, int]], int]:
     """Reader extents (file_offset, length, dest_offset) packing `layer`'s extents into one buffer, and its size.
 
-    Each extent is widened to whole _DEST_ALIGNMENT blocks (up to the end of the file) and packed at an aligned
+    Each extent is widened to whole _DEST_ALIGNMENT blocks (up to the end of its file) and packed at an aligned
     offset, so an O_DIRECT read lands every byte in place: a GGUF layer's unaligned head and tail would otherwise
     be two small extra reads through a bounce buffer (SmolLM2: 2 of 11 requests per layer; reading the whole
     blocks made all-C reads 15% faster on this project's VM, benches/RESULTS.md session 3). The few extra bytes
     are padding around the tensors.
     """
-    file_size = Path(model_file.path).stat().st_size
+    file_ends = [base + Path(path).stat().st_size for path, base in model_file.files]
     planned: list[tuple[int, int, int]] = []
     end = 0
     for offset, length in layer_extents(model_file, layer):
         start = offset - offset % _DEST_ALIGNMENT
-        stop = min(-(-(offset + length) // _DEST_ALIGNMENT) * _DEST_ALIGNMENT, file_size)
+        file_end = file_ends[bisect.bisect_right([base for _, base in model_file.files], offset) - 1]
+        stop = min(-(-(offset + length) // _DEST_ALIGNMENT) * _DEST_ALIGNMENT, file_end)
         if planned and start < planned[-1][0] + planned[-1][1]:  # shares a block with the previous extent
             prev_start, _, prev_dest = planned.pop()
             start, end = prev_start, prev_dest
