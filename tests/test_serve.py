@@ -75,7 +75,8 @@ def _server(*args: str, env: dict[str, str] | None = None) -> Iterator[tuple[str
 
 @pytest.fixture(scope="module")
 def server():
-    with _server("--parallel", "4", "--ctx-size", "2048", "--max-queue", "256") as (url, proc):
+    """With prompt lookup: greedy answers must still be the solo answers of plain decoding."""
+    with _server("--parallel", "4", "--ctx-size", "2048", "--max-queue", "256", "--lookup") as (url, proc):
         yield url
     assert proc.returncode == 0, proc.stderr.read()
 
@@ -197,6 +198,8 @@ def test_32_clients_get_their_solo_answers(server, solo):
     assert not differ, f"{len(differ)} of 128 answers differ from the solo answer, first {differ[0]}"
     metrics = httpx.get(f"{server}/metrics").text
     assert "ntio_requests_active 0\n" in metrics and "ntio_requests_queued 0\n" in metrics
+    counts = dict(line.split() for line in metrics.splitlines() if line.startswith("ntio_draft_tokens"))
+    assert float(counts["ntio_draft_tokens_accepted_total"]) > 0, counts  # the lookup drafted, and was right
 
 
 def test_full_server_refuses_and_a_disconnect_frees_the_slot():
@@ -253,3 +256,48 @@ def test_a_disk_error_fails_the_request_and_the_server_goes_on(smollm2_path):
             assert "SmolLM2" in message and "offset" in message, message
         assert httpx.get(f"{url}/health").status_code == 200
         assert "ntio_requests_active 0\n" in httpx.get(f"{url}/metrics").text
+
+
+def test_lookup_drafts_are_verified_in_the_shared_pass(smollm2_path):
+    """The scheduler itself with prompt lookup, 3 requests at once: answers that copy their prompts get drafted
+    tokens accepted (several tokens settled per pass), and every greedy answer is token for token what plain
+    decoding gives the prompt alone."""
+    from ntio.decoding.generation import SamplingParams
+    from ntio.decoding.speculative import PromptLookup
+    from ntio.serving.scheduler import Request, Scheduler
+
+    texts = ["the quick brown fox jumps over the lazy dog, and then the quick brown fox sleeps",
+             "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b",
+             "What is the capital of France?"]
+    with ntio.load(smollm2_path, max_context=1024) as m:
+        prompts = [m.encode_prompt(f"Repeat exactly: {t}", chat=True) for t in texts]
+        solo = [m.generate(p, max_new_tokens=24, temperature=0.0).token_ids for p in prompts]
+        scheduler = Scheduler(m, parallel=3, max_queue=0, slot_context=256, lookup=PromptLookup())
+        done: dict[int, threading.Event] = {i: threading.Event() for i in range(len(prompts))}
+        events: dict[int, list] = {i: [] for i in range(len(prompts))}
+
+        def emitter(i: int):
+            def emit(kind, *args):
+                events[i].append((kind, *args))
+                if kind != "text":
+                    done[i].set()
+            return emit
+
+        scheduler.start()
+        try:
+            for i, p in enumerate(prompts):
+                assert scheduler.submit(Request(p, 24, SamplingParams(temperature=0.0), (), emitter(i)))
+            assert all(d.wait(120) for d in done.values()), "a request hung"
+        finally:
+            scheduler.shutdown(60)
+    for i, ids in enumerate(solo):
+        kind, *rest = events[i][-1]
+        assert kind == "done", events[i][-1]
+        text = "".join(piece for k, piece in events[i][:-1])
+        shown = ids[:-1] if ids[-1] in m.tokenizer.stop_ids else ids  # a stop token counts but is not text
+        assert text == m.tokenizer.decode(shown), (i, text)
+        assert rest[1]["completion_tokens"] == len(ids)
+    metrics = scheduler.metrics
+    assert metrics.accepted_tokens >= 10, (metrics.drafted_tokens, metrics.accepted_tokens)
+    # Without drafts a pass settles at most one token of a request: the longest answer alone would take more passes.
+    assert metrics.steps < max(len(ids) for ids in solo), metrics.steps

@@ -304,7 +304,12 @@ def generate(prompt, max_new_tokens, chat, system, temperature, top_k, top_p, re
               help="Requests that may wait for a slot; more get 429")
 @click.option("--api-key", envvar="NTIO_API_KEY", help="Require this bearer token on /v1/ (env NTIO_API_KEY)")
 @click.option("--model-id", help="The model's name in the API (default: the name or file name given to -m)")
-def serve(host, port, parallel, max_queue, api_key, model_id, **opts) -> None:
+@click.option("--lookup", is_flag=True,
+              help="Speculative decoding by prompt lookup: each request's n-gram matches in its context are drafted "
+                   "and verified in the shared pass")
+@click.option("--draft-tokens", type=click.IntRange(min=1), default=8, show_default=True,
+              help="With --lookup: the deepest draft a pass verifies for a request")
+def serve(host, port, parallel, max_queue, api_key, model_id, lookup, draft_tokens, **opts) -> None:
     """Serve the model over an OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions, /v1/models,
     /health, /metrics), answering up to --parallel requests in shared passes."""
     try:
@@ -313,6 +318,7 @@ def serve(host, port, parallel, max_queue, api_key, model_id, **opts) -> None:
         from ntio.serving.app import create_app
     except ImportError as e:
         raise NtioError(f"ntio serve needs the serve extra ({e.name} is missing): pip install 'ntio[serve]'") from None
+    from ntio.decoding.speculative import PromptLookup
     from ntio.fetch import DEFAULT_NAME
     from ntio.serving.scheduler import Scheduler
 
@@ -322,7 +328,7 @@ def serve(host, port, parallel, max_queue, api_key, model_id, **opts) -> None:
     if slot_context < 16:
         raise OptionError("parallel", f"{parallel} leaves {slot_context} positions per request of the "
                                       f"{m.engine.kv.capacity}-token context: raise --ctx-size or lower --parallel")
-    scheduler = Scheduler(m, parallel, max_queue, slot_context)
+    scheduler = Scheduler(m, parallel, max_queue, slot_context, PromptLookup() if lookup else None, draft_tokens)
     app = create_app(m, scheduler, name, api_key)
     click.echo(f"ntio: serving {name} on http://{host}:{port}/v1 ({parallel} requests at once, {slot_context} "
                f"tokens each)", err=True)

@@ -431,6 +431,14 @@ def verify(rows: torch.Tensor, tree: DraftTree, sampler: Sampler, history: torch
         node = child
 
 
+def verdicts(tree: DraftTree, branch: Sequence[int]) -> dict[str, tuple[int, int]]:
+    """Per source: (tokens of its chain in the tree, how many of them lead the accepted branch), for
+    `DraftLength.observe`."""
+    accepted = set(branch)
+    return {source: (len(nodes), next((j for j, n in enumerate(nodes) if n not in accepted), len(nodes)))
+            for source, nodes in tree.chains.items()}
+
+
 def speculative_ids(
     engine: Engine,
     prompt_ids: list[int],
@@ -470,9 +478,7 @@ def speculative_ids(
         engine.kv.keep_branch(root, branch, tree.branch_tokens(branch))
         t2 = time.perf_counter()
         accepted = set(branch)
-        verdicts = {source: (len(nodes), next((j for j, n in enumerate(nodes) if n not in accepted), len(nodes)))
-                    for source, nodes in tree.chains.items()}
-        drafters.length.observe(len(tree), t2 - t1, verdicts, drafted)
+        drafters.length.observe(len(tree), t2 - t1, verdicts(tree, branch), drafted)
         stats.draft_s += t1 - t0
         stats.verify_s += t2 - t1
         stats.passes += 1

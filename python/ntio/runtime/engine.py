@@ -54,11 +54,13 @@ class LayerSource(Protocol):
 
 @dataclass(frozen=True)
 class Segment:
-    """One sequence's part of a batched pass (`Engine.forward_batch`): new tokens at positions start_pos.. of kv."""
+    """One sequence's part of a batched pass (`Engine.forward_batch`): new tokens at positions start_pos.. of kv;
+    all_logits: the logits after every one of them (a drafted chain to verify), else after the last."""
 
     tokens: torch.Tensor  # [T] int64
     start_pos: int
     kv: KVCache
+    all_logits: bool = False
 
 
 def _decision(w: LayerWeights | None) -> LoadDecision:
@@ -108,7 +110,7 @@ class Engine:
     @torch.inference_mode()
     def forward_batch(self, segments: Sequence[Segment]) -> list[torch.Tensor]:
         """Several sequences in one pass: segment i's tokens [T_i] at positions start_pos.. of its own KV cache
-        (not this engine's) -> its last-position logits [V]. Each layer is read once for the whole batch and its
+        (not this engine's) -> its last-position logits [V] (with `all_logits`, [T_i, V]). Each layer is read once for the whole batch and its
         products run over all ΣT_i rows; attention runs per sequence (`layers.batched_block`). Every row gets what
         it gets in a pass of its own (the CPU kernels compute rows independently) as long as ΣT_i <= the kernels'
         rows (`ops.KERNEL_ROWS`). Dense load policies only; caches are cropped to their start first, as in
@@ -145,12 +147,14 @@ class Engine:
                     h = block(h, w, sequences, cfg, cfg.family.rope)
                     for s, n in zip(segments, rows):
                         s.kv.record(layer, s.start_pos, n, skipped=False)
-                logits = self._logits(self.final_norm(h[[end - 1 for end in ends]]))  # [B, V]
+                wanted = [range(end - n if s.all_logits else end - 1, end) for s, n, end in zip(segments, rows, ends)]
+                logits = self._logits(self.final_norm(h[[i for r in wanted for i in r]]))  # [rows wanted, V]
             finally:
                 self.layers.end_forward()
         for s in segments:
             s.kv.commit(s.start_pos, s.tokens.tolist())
-        return list(logits)
+        parts = logits.split([len(r) for r in wanted])
+        return [part if s.all_logits else part[0] for s, part in zip(segments, parts)]
 
     @torch.inference_mode()
     def nll(self, tokens: torch.Tensor, start_pos: int) -> torch.Tensor:

@@ -185,6 +185,8 @@ def _prometheus(scheduler: Scheduler) -> str:
         ("ntio_prompt_tokens_total", "counter", "Prompt tokens of accepted requests", m.prompt_tokens),
         ("ntio_generation_tokens_total", "counter", "Tokens generated", m.generated_tokens),
         ("ntio_steps_total", "counter", "Batched passes over the model", m.steps),
+        ("ntio_draft_tokens_total", "counter", "Drafted tokens verified in passes (--lookup)", m.drafted_tokens),
+        ("ntio_draft_tokens_accepted_total", "counter", "Drafted tokens the model agreed with", m.accepted_tokens),
         ("ntio_decode_tokens_per_second", "gauge", "Tokens decoded per second of decoding passes, all requests",
          m.decode_tok_s),
         ("ntio_bytes_read_per_token", "gauge", "Bytes read from disk per decoded token (shared by a pass's requests)",

@@ -5,6 +5,13 @@ one token for each sequence that is decoding, and prompt tokens for sequences st
 a long prompt never holds the others up for more than a step. Every layer is read once per step for all of them, so
 when weights stream from disk the bytes read per generated token fall as the number of active requests rises.
 
+With prompt lookup on (`lookup`), a decoding sequence whose history has an n-gram match brings the tokens that
+followed it as a draft: its rows of the pass are its last token and that chain, and the pass's logits after each
+verify the chain (`speculative.verify`), so one pass can settle several of its tokens. Drafts take only the rows
+the step has spare, and each sequence's chain is as deep as its own acceptance and the measured cost of a row make
+worth it (`DraftLength`). Greedy answers stay token for token those of plain decoding; sampled ones keep the
+model's distribution. A request sampled with a seed gets no drafts, so that its seed keeps giving the same draws.
+
 Sequences live in slots, each with its own KV cache of `slot_context` positions. A request joins between steps, in
 the free slot whose cached tokens share the longest prefix with its prompt (that prefix is not recomputed), and
 leaves when it finishes or its client goes away. Past `parallel` active and `max_queue` waiting requests,
@@ -27,6 +34,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ntio.decoding.generation import Sampler, SamplingParams
+from ntio.decoding.speculative import MAX_DRAFT, DraftLength, Drafters, DraftTree, PromptLookup, verdicts, verify
 from ntio.kernels import ops
 from ntio.runtime.engine import Segment
 from ntio.runtime.kv_cache import KVCache
@@ -59,6 +67,7 @@ class _Sequence:
     stops: object  # ntio.api.StopStrings
     fed: int  # prompt tokens in the cache
     history: list[int]  # prompt and generated ids (the sampler's repetition history)
+    drafters: Drafters | None  # its prompt lookup, with its own draft-length estimates; None: no drafts
     generated: int = 0
     started: float = field(default_factory=time.perf_counter)
 
@@ -79,6 +88,8 @@ class Metrics:
     decode_s: float = 0.0  # time in steps that decoded at least one token
     decoded_in_steps: int = 0  # tokens those steps decoded
     decode_bytes_read: int = 0  # bytes those steps read from disk
+    drafted_tokens: int = 0  # drafted tokens verified in passes
+    accepted_tokens: int = 0  # of those, the ones the model agreed with
     active: int = 0
     queued: int = 0
 
@@ -97,7 +108,8 @@ class Scheduler:
     """Runs `llm`'s engine for many requests at once (see the module). `start()` launches the engine thread;
     `submit` is safe from any thread; `shutdown()` finishes what is in flight and stops the thread."""
 
-    def __init__(self, llm, parallel: int, max_queue: int, slot_context: int) -> None:
+    def __init__(self, llm, parallel: int, max_queue: int, slot_context: int, lookup: PromptLookup | None = None,
+                 draft_tokens: int = 8) -> None:
         from ntio.api import StopStrings
 
         if parallel < 1 or parallel > ops.KERNEL_ROWS - MIN_PREFILL_ROWS:
@@ -106,6 +118,7 @@ class Scheduler:
         self.engine = llm.engine
         self.max_queue = max_queue
         self.slot_context = slot_context
+        self.lookup, self.draft_tokens = lookup, draft_tokens
         self._stop_strings = StopStrings
         kv = self.engine.kv
         self.slots = [KVCache(llm.config, slot_context, kv.k.dtype, kv.k.device) for _ in range(parallel)]
@@ -173,9 +186,14 @@ class Scheduler:
             kv = self.slots[slot]
             reuse = kv.reusable_prefix(prompt, len(prompt) - 1)
             kv.crop(reuse)
+            # A seeded sampled request gets no drafts: how many draws a pass makes would follow the drafts, whose
+            # depth follows measured timings, and the seed must give the same draws every time.
+            sampling = request.sampling
+            drafts = self.lookup is not None and (sampling.temperature == 0 or sampling.seed is None)
+            drafters = Drafters(self.lookup, None, DraftLength()) if drafts else None
             self._active[slot] = _Sequence(request, kv, Sampler(request.sampling, self.engine.device),
                                            self.llm.tokenizer.stream(), self._stop_strings(request.stop), reuse,
-                                           list(prompt))
+                                           list(prompt), drafters)
             self.metrics.prompt_tokens += len(prompt)
         self.metrics.active, self.metrics.queued = len(self._active), len(self._queue)
 
@@ -191,14 +209,19 @@ class Scheduler:
             self.metrics.active = len(self._active)
 
     def _step(self) -> None:
-        """One batched pass: a token for each decoding sequence, then prompt chunks in the rows left."""
+        """One batched pass: a token for each decoding sequence, with the chain it drafted in the rows spare, then
+        prompt chunks in the rows left."""
         decoding = [(slot, seq) for slot, seq in self._active.items() if not seq.prefilling]
-        rows = max(MIN_PREFILL_ROWS, ops.KERNEL_ROWS - len(decoding))
-        batch: list[tuple[int, _Sequence, bool]] = []  # (slot, sequence, whether this pass gives it logits to use)
+        prefilling = len(decoding) < len(self._active)
+        spare = ops.KERNEL_ROWS - len(decoding) - (MIN_PREFILL_ROWS if prefilling else 0)
+        batch: list[tuple[int, _Sequence, DraftTree | None]] = []  # (slot, sequence, its tree; None: a prompt chunk)
         segments: list[Segment] = []
         for slot, seq in decoding:
-            segments.append(Segment(torch.tensor(seq.history[-1:]), seq.kv.length, seq.kv))
-            batch.append((slot, seq, True))
+            tree = self._draft(seq, spare)
+            spare -= len(tree) - 1
+            segments.append(Segment(torch.tensor(tree.tokens), seq.kv.length, seq.kv, all_logits=len(tree) > 1))
+            batch.append((slot, seq, tree))
+        rows = ops.KERNEL_ROWS - sum(s.tokens.shape[0] for s in segments)
         for slot, seq in self._active.items():
             if not seq.prefilling or rows == 0:
                 continue
@@ -207,25 +230,60 @@ class Scheduler:
             segments.append(Segment(torch.tensor(chunk), seq.fed, seq.kv))
             seq.fed += len(chunk)
             rows -= len(chunk)
-            batch.append((slot, seq, not seq.prefilling))
+            batch.append((slot, seq, None))
         t0 = time.perf_counter()
         logits = self.engine.forward_batch(segments)
         elapsed = time.perf_counter() - t0
         read = self.llm.stats.last().get("bytes_read", 0)
         self.llm.stats.reset()  # a server runs for days: keep the step's figures here, not a list of every step
         self.metrics.steps += 1
+        n_rows = sum(s.tokens.shape[0] for s in segments)
+        decoded = 0
+        for (slot, seq, tree), out in zip(batch, logits):
+            if tree is None:  # a prompt chunk: the last one's logits give the first token
+                if not seq.prefilling:
+                    self._advance(slot, seq, seq.sampler(out, torch.tensor(seq.history)))
+                continue
+            tokens = self._settle(seq, tree, out, n_rows, elapsed)
+            for token in tokens:
+                decoded += 1
+                if self._advance(slot, seq, token):
+                    break
         if decoding:
             self.metrics.decode_s += elapsed
-            self.metrics.decoded_in_steps += len(decoding)
+            self.metrics.decoded_in_steps += decoded
             self.metrics.decode_bytes_read += read
-        for (slot, seq, ready), row in zip(batch, logits):
-            if ready:
-                self._advance(slot, seq, row)
 
-    def _advance(self, slot: int, seq: _Sequence, logits: torch.Tensor) -> None:
-        """Sample the sequence's next token from its logits, emit its text, and finish it if it is done."""
+    def _draft(self, seq: _Sequence, spare: int) -> DraftTree:
+        """The tree a decoding sequence brings to the pass: its last token, and the chain its lookup drafts within
+        `spare` rows, the tokens it still wants and its context."""
+        wanted = seq.request.max_tokens - seq.generated - 1
+        room = min(spare, MAX_DRAFT, seq.kv.capacity - len(seq.history))
+        if seq.drafters is None or min(wanted, room) < 1:
+            return DraftTree(seq.history[-1])
+        return seq.drafters.propose(seq.history, min(self.draft_tokens, wanted), room, seq.sampler)[0]
+
+    def _settle(self, seq: _Sequence, tree: DraftTree, out: torch.Tensor, n_rows: int, elapsed: float) -> list[int]:
+        """The tokens a decoding sequence's rows settle: the next one sampled, or its drafted chain verified (the
+        accepted tokens and the model's own after them, the cache kept up to the last accepted)."""
+        history = torch.tensor(seq.history)
+        if len(tree) == 1:
+            tokens = [seq.sampler(out, history)]
+            branch: list[int] = []
+        else:
+            root = len(seq.history) - 1
+            branch, token = verify(out, tree, seq.sampler, history)
+            seq.kv.crop(root + 1 + len(branch))
+            tokens = tree.branch_tokens(branch) + [token]
+            self.metrics.drafted_tokens += len(tree) - 1
+            self.metrics.accepted_tokens += len(branch)
+        if seq.drafters is not None:  # the pass's cost against its rows, and the chain's fate
+            seq.drafters.length.observe(n_rows, elapsed, verdicts(tree, branch), None)
+        return tokens
+
+    def _advance(self, slot: int, seq: _Sequence, token: int) -> bool:
+        """Append the sequence's next token, emit its text, and finish the sequence if it is done (True)."""
         request = seq.request
-        token = seq.sampler(logits, torch.tensor(seq.history))
         seq.history.append(token)
         seq.generated += 1
         self.metrics.generated_tokens += 1
@@ -238,14 +296,16 @@ class Scheduler:
                 request.emit("text", piece)
             if hit:
                 finish = "stop"
-            elif seq.generated >= request.max_tokens or seq.kv.length >= seq.kv.capacity:
+            elif seq.generated >= request.max_tokens or len(seq.history) > seq.kv.capacity:
                 finish = "length"
             if finish == "length":  # release what was held back: an unfinished character, a partial stop string
                 piece, _ = seq.stops.push(seq.detok.finish())
                 if rest := piece + seq.stops.flush():
                     request.emit("text", rest)
-        if finish is not None:
-            prompt = len(request.prompt_ids)
-            request.emit("done", finish, {"prompt_tokens": prompt, "completion_tokens": seq.generated,
-                                          "total_tokens": prompt + seq.generated})
-            self._release(slot)
+        if finish is None:
+            return False
+        prompt = len(request.prompt_ids)
+        request.emit("done", finish, {"prompt_tokens": prompt, "completion_tokens": seq.generated,
+                                      "total_tokens": prompt + seq.generated})
+        self._release(slot)
+        return True
