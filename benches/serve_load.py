@@ -9,7 +9,8 @@ process: the single-client HTTP decode rate (from the first streamed token to th
 
     python benches/serve_load.py [--model NAME|PATH] [--tiers A] [--clients 1 2 4 8] [--requests 2] [--tokens 64]
                                  [--rounds 3] [--parallel 8] [--slot-context 512] [--threads 2]
-                                 [--engines ntio,llama-server] [--llama-server PATH] [--out FILE]
+                                 [--engines ntio,ntio-lookup,llama-server] [--prompts questions|rewrite]
+                                 [--llama-server PATH] [--out FILE]
 
 Prints one JSON object (per-round figures, medians, ratios); a Markdown table for benches/RESULTS.md on stderr.
 llama-server comes from ../shared/tools/build-llama-server.sh.
@@ -41,6 +42,18 @@ QUESTIONS = [
     "Give three tips for learning to code.", "What makes a good cup of tea?", "Summarize the water cycle.",
     "Describe a busy market.", "Why do leaves change colour in autumn?",
 ]
+# Rewrite-this-text prompts: answers that copy their prompts, where prompt lookup drafts well (engine ntio-lookup).
+REWRITES = [f"Rewrite this text with its spelling fixed, and change nothing else:\n\n{text}" for text in (
+    "The river flows thru the vally and past the old mill, wher children play on warm sumer evenings.",
+    "A hash tabel stores keys and values; it finds a key by hashing it to a bucket and serching that bucket.",
+    "The sun rose slowy over the sea, and the fishing boats set out one by one into the golden mornning light.",
+    "To lern to code, write small programs evry day, read other peoples code, and fix your own mistaks.",
+    "A good cup of tea needs fresh water, a warmed pot, and paitence while the leafs steep for three minuts.",
+    "Water evaporates from the sea, forms clouds, falls as rain, and flows bak to the sea in rivers and streems.",
+    "The market was bussy: traders called out prices, and the smell of bread and spices filed the narow streets.",
+    "In autum the days grow shorter, trees stop making clorophyll, and the leaves turn red, orange and yelow.",
+)]
+PROMPTS = {"questions": QUESTIONS, "rewrite": REWRITES}
 NTIO = Path(sys.executable).with_name("ntio")
 LLAMA_SERVER = Path.home() / ".cache/ntio-peers/llama-server-0.3.36/build/bin/llama-server"
 
@@ -76,10 +89,11 @@ def _serving(cmd: list[str], url: str, health: str):
 
 def _server_cmd(engine: str, model: str, port: int, args: argparse.Namespace) -> tuple[list[str], str]:
     ctx = args.parallel * args.slot_context
-    if engine == "ntio":
+    if engine in ("ntio", "ntio-lookup"):
         return ([str(NTIO), "serve", "-m", model, "--port", str(port), "--parallel", str(args.parallel),
                  "--ctx-size", str(ctx), "--threads", str(args.threads), "--tiers", args.tiers,
-                 "--max-queue", "64", "--model-id", "m"], "/health")
+                 "--max-queue", "64", "--model-id", "m", *(["--lookup"] if engine == "ntio-lookup" else [])],
+                "/health")
     return ([args.llama_server, "-m", model, "--host", "127.0.0.1", "--port", str(port), "--parallel",
              str(args.parallel), "-c", str(ctx), "-t", str(args.threads), "-tb", str(args.threads), "--alias", "m",
              "--no-webui", "-np", str(args.parallel)], "/health")
@@ -114,7 +128,8 @@ def _load(url: str, clients: int, args: argparse.Namespace) -> dict:
         client = httpx.Client(timeout=1800)
         for i in range(args.requests):
             try:
-                n, rate = _one(client, url, QUESTIONS[(c + i) % len(QUESTIONS)], args.tokens)
+                prompts = PROMPTS[args.prompts]
+                n, rate = _one(client, url, prompts[(c + i) % len(prompts)], args.tokens)
                 counts.append(n)
                 if rate is not None:
                     rates.append(rate)
@@ -133,8 +148,8 @@ def _load(url: str, clients: int, args: argparse.Namespace) -> dict:
 
 
 def _generate(model: str, args: argparse.Namespace) -> float:
-    out = subprocess.run([str(NTIO), "generate", "-m", model, "--chat", "-p", QUESTIONS[0], "-n", str(args.tokens),
-                          "--threads", str(args.threads), "--tiers", args.tiers, "--json"],
+    out = subprocess.run([str(NTIO), "generate", "-m", model, "--chat", "-p", PROMPTS[args.prompts][0],
+                          "-n", str(args.tokens), "--threads", str(args.threads), "--tiers", args.tiers, "--json"],
                          capture_output=True, text=True, check=True)
     return json.loads(out.stdout)["decode_tok_s"]
 
@@ -150,7 +165,9 @@ def main() -> None:
     ap.add_argument("--parallel", type=int, default=8)
     ap.add_argument("--slot-context", type=int, default=512)
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--engines", default="ntio,llama-server")
+    ap.add_argument("--engines", default="ntio,llama-server",
+                    help="of ntio, ntio-lookup (ntio serve --lookup) and llama-server")
+    ap.add_argument("--prompts", choices=sorted(PROMPTS), default="questions")
     ap.add_argument("--llama-server", default=str(LLAMA_SERVER))
     ap.add_argument("--out", type=Path)
     ap.add_argument("--plot", type=Path, help="draw the result into this PNG (benches/figures.py)")
@@ -186,6 +203,10 @@ def main() -> None:
         summary["ntio_generate_decode_tok_s"] = statistics.median(row["ntio_generate_decode_tok_s"] for row in rounds)
         summary["http_1_client_vs_generate"] = statistics.median(
             row[f"ntio_{one}"]["request_decode_tok_s"] / row["ntio_generate_decode_tok_s"] for row in rounds)
+    if "ntio" in engines and "ntio-lookup" in engines:
+        summary["lookup_vs_plain"] = {c: statistics.median(
+            row[f"ntio-lookup_{c}"]["aggregate_tok_s"] / row[f"ntio_{c}"]["aggregate_tok_s"] for row in rounds)
+            for c in args.clients}
     if "ntio" in engines and "llama-server" in engines:
         summary["ntio_vs_llama_server"] = {c: statistics.median(
             row[f"ntio_{c}"]["aggregate_tok_s"] / row[f"llama-server_{c}"]["aggregate_tok_s"] for row in rounds)

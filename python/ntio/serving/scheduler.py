@@ -8,9 +8,12 @@ when weights stream from disk the bytes read per generated token fall as the num
 With prompt lookup on (`lookup`), a decoding sequence whose history has an n-gram match brings the tokens that
 followed it as a draft: its rows of the pass are its last token and that chain, and the pass's logits after each
 verify the chain (`speculative.verify`), so one pass can settle several of its tokens. Drafts take only the rows
-the step has spare, and each sequence's chain is as deep as its own acceptance and the measured cost of a row make
-worth it (`DraftLength`). Greedy answers stay token for token those of plain decoding; sampled ones keep the
-model's distribution. A request sampled with a seed gets no drafts, so that its seed keeps giving the same draws.
+the step has spare, and a drafted token takes a row only while it raises the pass's expected tokens per second for
+all its sequences together: its chance of acceptance (the sequence's own record, `DraftLength.acceptance`) against
+the measured cost of a row (`DraftLength.pass_cost`), which every sequence of the pass waits for. So drafts run
+deep for a lone request and shallow when many share a compute-bound pass. Greedy answers stay token for token those
+of plain decoding; sampled ones keep the model's distribution. A request sampled with a seed gets no drafts, so that
+its seed keeps giving the same draws.
 
 Sequences live in slots, each with its own KV cache of `slot_context` positions. A request joins between steps, in
 the free slot whose cached tokens share the longest prefix with its prompt (that prefix is not recomputed), and
@@ -34,7 +37,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ntio.decoding.generation import Sampler, SamplingParams
-from ntio.decoding.speculative import MAX_DRAFT, DraftLength, Drafters, DraftTree, PromptLookup, verdicts, verify
+from ntio.decoding.speculative import MAX_DRAFT, Draft, DraftLength, DraftTree, PromptLookup, verdicts, verify
 from ntio.kernels import ops
 from ntio.runtime.engine import Segment
 from ntio.runtime.kv_cache import KVCache
@@ -67,7 +70,7 @@ class _Sequence:
     stops: object  # ntio.api.StopStrings
     fed: int  # prompt tokens in the cache
     history: list[int]  # prompt and generated ids (the sampler's repetition history)
-    drafters: Drafters | None  # its prompt lookup, with its own draft-length estimates; None: no drafts
+    acceptance: DraftLength | None  # how often its drafted tokens were accepted; None: it gets no drafts
     generated: int = 0
     started: float = field(default_factory=time.perf_counter)
 
@@ -119,6 +122,7 @@ class Scheduler:
         self.max_queue = max_queue
         self.slot_context = slot_context
         self.lookup, self.draft_tokens = lookup, draft_tokens
+        self.pass_cost = DraftLength()  # the fitted cost of a pass against its rows
         self._stop_strings = StopStrings
         kv = self.engine.kv
         self.slots = [KVCache(llm.config, slot_context, kv.k.dtype, kv.k.device) for _ in range(parallel)]
@@ -190,10 +194,9 @@ class Scheduler:
             # depth follows measured timings, and the seed must give the same draws every time.
             sampling = request.sampling
             drafts = self.lookup is not None and (sampling.temperature == 0 or sampling.seed is None)
-            drafters = Drafters(self.lookup, None, DraftLength()) if drafts else None
             self._active[slot] = _Sequence(request, kv, Sampler(request.sampling, self.engine.device),
                                            self.llm.tokenizer.stream(), self._stop_strings(request.stop), reuse,
-                                           list(prompt), drafters)
+                                           list(prompt), DraftLength() if drafts else None)
             self.metrics.prompt_tokens += len(prompt)
         self.metrics.active, self.metrics.queued = len(self._active), len(self._queue)
 
@@ -216,9 +219,7 @@ class Scheduler:
         spare = ops.KERNEL_ROWS - len(decoding) - (MIN_PREFILL_ROWS if prefilling else 0)
         batch: list[tuple[int, _Sequence, DraftTree | None]] = []  # (slot, sequence, its tree; None: a prompt chunk)
         segments: list[Segment] = []
-        for slot, seq in decoding:
-            tree = self._draft(seq, spare)
-            spare -= len(tree) - 1
+        for (slot, seq), tree in zip(decoding, self._drafts([seq for _, seq in decoding], spare)):
             segments.append(Segment(torch.tensor(tree.tokens), seq.kv.length, seq.kv, all_logits=len(tree) > 1))
             batch.append((slot, seq, tree))
         rows = ops.KERNEL_ROWS - sum(s.tokens.shape[0] for s in segments)
@@ -238,13 +239,14 @@ class Scheduler:
         self.llm.stats.reset()  # a server runs for days: keep the step's figures here, not a list of every step
         self.metrics.steps += 1
         n_rows = sum(s.tokens.shape[0] for s in segments)
+        self.pass_cost.observe(n_rows, elapsed, {}, None)
         decoded = 0
         for (slot, seq, tree), out in zip(batch, logits):
             if tree is None:  # a prompt chunk: the last one's logits give the first token
                 if not seq.prefilling:
                     self._advance(slot, seq, seq.sampler(out, torch.tensor(seq.history)))
                 continue
-            tokens = self._settle(seq, tree, out, n_rows, elapsed)
+            tokens = self._settle(seq, tree, out)
             for token in tokens:
                 decoded += 1
                 if self._advance(slot, seq, token):
@@ -254,32 +256,52 @@ class Scheduler:
             self.metrics.decoded_in_steps += decoded
             self.metrics.decode_bytes_read += read
 
-    def _draft(self, seq: _Sequence, spare: int) -> DraftTree:
-        """The tree a decoding sequence brings to the pass: its last token, and the chain its lookup drafts within
-        `spare` rows, the tokens it still wants and its context."""
-        wanted = seq.request.max_tokens - seq.generated - 1
-        room = min(spare, MAX_DRAFT, seq.kv.capacity - len(seq.history))
-        if seq.drafters is None or min(wanted, room) < 1:
-            return DraftTree(seq.history[-1])
-        return seq.drafters.propose(seq.history, min(self.draft_tokens, wanted), room, seq.sampler)[0]
+    def _drafts(self, decoding: list[_Sequence], spare: int) -> list[DraftTree]:
+        """The tree each decoding sequence brings to the pass: its last token and a prefix of its lookup match (within
+        the tokens it still wants and its context), drafted tokens taking at most `spare` rows, likeliest first,
+        each while its chance c of acceptance pays for the row it takes: c · (the pass's cost) >= (the cost of a
+        row) · (the tokens the pass is expected to settle), the condition for a row to raise the pass's tokens per
+        second."""
+        trees = [DraftTree(seq.history[-1]) for seq in decoding]
+        chains: dict[int, list[int]] = {}
+        offers: list[tuple[float, int, int]] = []  # (chance, sequence, place in its chain)
+        for i, seq in enumerate(decoding):
+            most = min(self.draft_tokens, MAX_DRAFT, seq.request.max_tokens - seq.generated - 1,
+                       seq.kv.capacity - len(seq.history))
+            found = self.lookup.match(seq.history, most) if seq.acceptance is not None and most > 0 else None
+            if found is not None:
+                chains[i] = found[1]
+                a = seq.acceptance.acceptance(self.lookup.name)
+                offers += [(a ** (j + 1), i, j) for j in range(len(found[1]))]
+        t1, t_row = self.pass_cost.pass_cost()
+        taken = dict.fromkeys(chains, 0)
+        expected, drafted = float(len(decoding)), 0
+        for chance, i, j in sorted(offers, key=lambda o: (-o[0], o[2])):  # a chain's tokens in order
+            if drafted == spare or chance * (t1 + (len(decoding) - 1 + drafted) * t_row) < t_row * expected:
+                break  # later offers are no likelier, and each row taken raises the bar
+            if j == taken[i]:
+                taken[i] += 1
+                drafted += 1
+                expected += chance
+        for i, k in taken.items():
+            if k:
+                a = decoding[i].acceptance.acceptance(self.lookup.name)
+                trees[i].add_chain(Draft(chains[i][:k], self.lookup.name), [a ** (j + 1) for j in range(k)])
+        return trees
 
-    def _settle(self, seq: _Sequence, tree: DraftTree, out: torch.Tensor, n_rows: int, elapsed: float) -> list[int]:
+    def _settle(self, seq: _Sequence, tree: DraftTree, out: torch.Tensor) -> list[int]:
         """The tokens a decoding sequence's rows settle: the next one sampled, or its drafted chain verified (the
         accepted tokens and the model's own after them, the cache kept up to the last accepted)."""
         history = torch.tensor(seq.history)
         if len(tree) == 1:
-            tokens = [seq.sampler(out, history)]
-            branch: list[int] = []
-        else:
-            root = len(seq.history) - 1
-            branch, token = verify(out, tree, seq.sampler, history)
-            seq.kv.crop(root + 1 + len(branch))
-            tokens = tree.branch_tokens(branch) + [token]
-            self.metrics.drafted_tokens += len(tree) - 1
-            self.metrics.accepted_tokens += len(branch)
-        if seq.drafters is not None:  # the pass's cost against its rows, and the chain's fate
-            seq.drafters.length.observe(n_rows, elapsed, verdicts(tree, branch), None)
-        return tokens
+            return [seq.sampler(out, history)]
+        root = len(seq.history) - 1
+        branch, token = verify(out, tree, seq.sampler, history)
+        seq.kv.crop(root + 1 + len(branch))
+        seq.acceptance.observe(len(tree), 0.0, verdicts(tree, branch), None)
+        self.metrics.drafted_tokens += len(tree) - 1
+        self.metrics.accepted_tokens += len(branch)
+        return tree.branch_tokens(branch) + [token]
 
     def _advance(self, slot: int, seq: _Sequence, token: int) -> bool:
         """Append the sequence's next token, emit its text, and finish the sequence if it is done (True)."""
