@@ -9,7 +9,8 @@ process: the single-client HTTP decode rate (from the first streamed token to th
 
     python benches/serve_load.py [--model NAME|PATH] [--tiers A] [--clients 1 2 4 8] [--requests 2] [--tokens 64]
                                  [--rounds 3] [--parallel 8] [--slot-context 512] [--threads 2]
-                                 [--engines ntio,ntio-lookup,llama-server] [--prompts questions|rewrite]
+                                 [--engines ntio,ntio-lookup,ntio-draft,llama-server] [--draft NAME|PATH]
+                                 [--prompts questions|rewrite]
                                  [--llama-server PATH] [--out FILE]
 
 Prints one JSON object (per-round figures, medians, ratios); a Markdown table for benches/RESULTS.md on stderr.
@@ -89,11 +90,11 @@ def _serving(cmd: list[str], url: str, health: str):
 
 def _server_cmd(engine: str, model: str, port: int, args: argparse.Namespace) -> tuple[list[str], str]:
     ctx = args.parallel * args.slot_context
-    if engine in ("ntio", "ntio-lookup"):
+    if engine.startswith("ntio"):
+        speculation = {"ntio": [], "ntio-lookup": ["--lookup"], "ntio-draft": ["--draft", str(args.draft)]}[engine]
         return ([str(NTIO), "serve", "-m", model, "--port", str(port), "--parallel", str(args.parallel),
                  "--ctx-size", str(ctx), "--threads", str(args.threads), "--tiers", args.tiers,
-                 "--max-queue", "64", "--model-id", "m", *(["--lookup"] if engine == "ntio-lookup" else [])],
-                "/health")
+                 "--max-queue", "64", "--model-id", "m", *speculation], "/health")
     return ([args.llama_server, "-m", model, "--host", "127.0.0.1", "--port", str(port), "--parallel",
              str(args.parallel), "-c", str(ctx), "-t", str(args.threads), "-tb", str(args.threads), "--alias", "m",
              "--no-webui", "-np", str(args.parallel)], "/health")
@@ -166,7 +167,8 @@ def main() -> None:
     ap.add_argument("--slot-context", type=int, default=512)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--engines", default="ntio,llama-server",
-                    help="of ntio, ntio-lookup (ntio serve --lookup) and llama-server")
+                    help="of ntio, ntio-lookup (ntio serve --lookup), ntio-draft (--draft DRAFT) and llama-server")
+    ap.add_argument("--draft", help="the draft model of engine ntio-draft (a name or path)")
     ap.add_argument("--prompts", choices=sorted(PROMPTS), default="questions")
     ap.add_argument("--llama-server", default=str(LLAMA_SERVER))
     ap.add_argument("--out", type=Path)
@@ -203,10 +205,11 @@ def main() -> None:
         summary["ntio_generate_decode_tok_s"] = statistics.median(row["ntio_generate_decode_tok_s"] for row in rounds)
         summary["http_1_client_vs_generate"] = statistics.median(
             row[f"ntio_{one}"]["request_decode_tok_s"] / row["ntio_generate_decode_tok_s"] for row in rounds)
-    if "ntio" in engines and "ntio-lookup" in engines:
-        summary["lookup_vs_plain"] = {c: statistics.median(
-            row[f"ntio-lookup_{c}"]["aggregate_tok_s"] / row[f"ntio_{c}"]["aggregate_tok_s"] for row in rounds)
-            for c in args.clients}
+    for speculative in ("ntio-lookup", "ntio-draft"):
+        if "ntio" in engines and speculative in engines:
+            summary[f"{speculative.removeprefix('ntio-')}_vs_plain"] = {c: statistics.median(
+                row[f"{speculative}_{c}"]["aggregate_tok_s"] / row[f"ntio_{c}"]["aggregate_tok_s"] for row in rounds)
+                for c in args.clients}
     if "ntio" in engines and "llama-server" in engines:
         summary["ntio_vs_llama_server"] = {c: statistics.median(
             row[f"ntio_{c}"]["aggregate_tok_s"] / row[f"llama-server_{c}"]["aggregate_tok_s"] for row in rounds)

@@ -258,46 +258,77 @@ def test_a_disk_error_fails_the_request_and_the_server_goes_on(smollm2_path):
         assert "ntio_requests_active 0\n" in httpx.get(f"{url}/metrics").text
 
 
+REPEAT = ["the quick brown fox jumps over the lazy dog, and then the quick brown fox sleeps",
+          "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b",
+          "What is the capital of France?"]
+
+
+def _scheduled(m, prompts: list[list[int]], sampling: list, **options) -> tuple[list[list], object]:
+    """Each prompt's events from a Scheduler over `m` answering them all at once (24 tokens each), and its metrics."""
+    from ntio.serving.scheduler import Request, Scheduler
+
+    scheduler = Scheduler(m, parallel=len(prompts), max_queue=0, slot_context=256, **options)
+    done = [threading.Event() for _ in prompts]
+    events: list[list] = [[] for _ in prompts]
+
+    def emitter(i: int):
+        def emit(kind, *args):
+            events[i].append((kind, *args))
+            if kind != "text":
+                done[i].set()
+        return emit
+
+    scheduler.start()
+    try:
+        for i, (p, params) in enumerate(zip(prompts, sampling)):
+            assert scheduler.submit(Request(p, 24, params, (), emitter(i)))
+        assert all(d.wait(120) for d in done), "a request hung"
+    finally:
+        scheduler.shutdown(60)
+    return events, scheduler.metrics
+
+
+def _assert_solo(m, events: list, ids: list[int]) -> None:
+    kind, *rest = events[-1]
+    assert kind == "done", events[-1]
+    text = "".join(piece for k, piece in events[:-1])
+    shown = ids[:-1] if ids[-1] in m.tokenizer.stop_ids else ids  # a stop token counts but is not text
+    assert text == m.tokenizer.decode(shown), text
+    assert rest[1]["completion_tokens"] == len(ids)
+
+
 def test_lookup_drafts_are_verified_in_the_shared_pass(smollm2_path):
     """The scheduler itself with prompt lookup, 3 requests at once: answers that copy their prompts get drafted
     tokens accepted (several tokens settled per pass), and every greedy answer is token for token what plain
     decoding gives the prompt alone."""
     from ntio.decoding.generation import SamplingParams
     from ntio.decoding.speculative import PromptLookup
-    from ntio.serving.scheduler import Request, Scheduler
 
-    texts = ["the quick brown fox jumps over the lazy dog, and then the quick brown fox sleeps",
-             "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b",
-             "What is the capital of France?"]
     with ntio.load(smollm2_path, max_context=1024) as m:
-        prompts = [m.encode_prompt(f"Repeat exactly: {t}", chat=True) for t in texts]
+        prompts = [m.encode_prompt(f"Repeat exactly: {t}", chat=True) for t in REPEAT]
         solo = [m.generate(p, max_new_tokens=24, temperature=0.0).token_ids for p in prompts]
-        scheduler = Scheduler(m, parallel=3, max_queue=0, slot_context=256, lookup=PromptLookup())
-        done: dict[int, threading.Event] = {i: threading.Event() for i in range(len(prompts))}
-        events: dict[int, list] = {i: [] for i in range(len(prompts))}
-
-        def emitter(i: int):
-            def emit(kind, *args):
-                events[i].append((kind, *args))
-                if kind != "text":
-                    done[i].set()
-            return emit
-
-        scheduler.start()
-        try:
-            for i, p in enumerate(prompts):
-                assert scheduler.submit(Request(p, 24, SamplingParams(temperature=0.0), (), emitter(i)))
-            assert all(d.wait(120) for d in done.values()), "a request hung"
-        finally:
-            scheduler.shutdown(60)
-    for i, ids in enumerate(solo):
-        kind, *rest = events[i][-1]
-        assert kind == "done", events[i][-1]
-        text = "".join(piece for k, piece in events[i][:-1])
-        shown = ids[:-1] if ids[-1] in m.tokenizer.stop_ids else ids  # a stop token counts but is not text
-        assert text == m.tokenizer.decode(shown), (i, text)
-        assert rest[1]["completion_tokens"] == len(ids)
-    metrics = scheduler.metrics
+        events, metrics = _scheduled(m, prompts, [SamplingParams()] * 3, lookup=PromptLookup())
+    for got, ids in zip(events, solo):
+        _assert_solo(m, got, ids)
     assert metrics.accepted_tokens >= 10, (metrics.drafted_tokens, metrics.accepted_tokens)
     # Without drafts a pass settles at most one token of a request: the longest answer alone would take more passes.
+    assert metrics.steps < max(len(ids) for ids in solo), metrics.steps
+
+
+def test_a_draft_model_drafts_for_every_request_in_batched_passes(smollm2_path):
+    """A draft model (SmolLM2 drafting for itself: the same vocabulary, so every greedy draft is right; drafts forced,
+    as such a draft costs what the target does and the sizing rule would rightly decline it) drafts for every
+    decoding request in batched passes over its per-slot caches: greedy answers are the solo answers, drafted tokens
+    are accepted, and a sampled request (its draws tested against the draft's distribution) still finishes."""
+    from ntio.decoding.generation import SamplingParams
+
+    with ntio.load(smollm2_path, max_context=1024, draft=smollm2_path) as m:
+        prompts = [m.encode_prompt(t, chat=True) for t in REPEAT]
+        solo = [m.generate(p, max_new_tokens=24, temperature=0.0, use_draft=False).token_ids for p in prompts[:2]]
+        sampling = [SamplingParams(), SamplingParams(), SamplingParams(temperature=0.8)]
+        events, metrics = _scheduled(m, prompts, sampling, fixed_draft=True)
+    for got, ids in zip(events, solo):
+        _assert_solo(m, got, ids)
+    assert events[2][-1][0] == "done"
+    assert metrics.accepted_tokens >= 20, (metrics.drafted_tokens, metrics.accepted_tokens)
     assert metrics.steps < max(len(ids) for ids in solo), metrics.steps

@@ -307,9 +307,16 @@ def generate(prompt, max_new_tokens, chat, system, temperature, top_k, top_p, re
 @click.option("--lookup", is_flag=True,
               help="Speculative decoding by prompt lookup: each request's n-gram matches in its context are drafted "
                    "and verified in the shared pass")
+@click.option("--draft", metavar="PATH|NAME",
+              help="Speculative decoding with a draft model of the same vocabulary (e.g. qwen2.5-coder-0.5b for "
+                   "qwen2.5-coder-1.5b): it drafts for every request of a step in batched passes")
 @click.option("--draft-tokens", type=click.IntRange(min=1), default=8, show_default=True,
-              help="With --lookup: the deepest draft a pass verifies for a request")
-def serve(host, port, parallel, max_queue, api_key, model_id, lookup, draft_tokens, **opts) -> None:
+              help="With --lookup or --draft: the deepest draft a pass verifies for a request")
+@click.option("--fixed-draft", is_flag=True,
+              help="Always draft as deep as --draft-tokens and the pass's rows allow (default: as deep as the "
+                   "measured costs and acceptance make worthwhile)")
+def serve(host, port, parallel, max_queue, api_key, model_id, lookup, draft, draft_tokens, fixed_draft,
+          **opts) -> None:
     """Serve the model over an OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions, /v1/models,
     /health, /metrics), answering up to --parallel requests in shared passes."""
     try:
@@ -323,12 +330,13 @@ def serve(host, port, parallel, max_queue, api_key, model_id, lookup, draft_toke
     from ntio.serving.scheduler import Scheduler
 
     name = model_id or Path(opts["model"] or DEFAULT_NAME).name
-    m = _load(**_split(opts))
+    m = _load(**_split(opts), draft=draft)
     slot_context = m.engine.kv.capacity // parallel
     if slot_context < 16:
         raise OptionError("parallel", f"{parallel} leaves {slot_context} positions per request of the "
                                       f"{m.engine.kv.capacity}-token context: raise --ctx-size or lower --parallel")
-    scheduler = Scheduler(m, parallel, max_queue, slot_context, PromptLookup() if lookup else None, draft_tokens)
+    scheduler = Scheduler(m, parallel, max_queue, slot_context, PromptLookup() if lookup else None, draft_tokens,
+                          fixed_draft)
     app = create_app(m, scheduler, name, api_key)
     click.echo(f"ntio: serving {name} on http://{host}:{port}/v1 ({parallel} requests at once, {slot_context} "
                f"tokens each)", err=True)

@@ -5,13 +5,15 @@ one token for each sequence that is decoding, and prompt tokens for sequences st
 a long prompt never holds the others up for more than a step. Every layer is read once per step for all of them, so
 when weights stream from disk the bytes read per generated token fall as the number of active requests rises.
 
-With prompt lookup on (`lookup`), a decoding sequence whose history has an n-gram match brings the tokens that
-followed it as a draft: its rows of the pass are its last token and that chain, and the pass's logits after each
-verify the chain (`speculative.verify`), so one pass can settle several of its tokens. Drafts take only the rows
-the step has spare, and a drafted token takes a row only while it raises the pass's expected tokens per second for
-all its sequences together: its chance of acceptance (the sequence's own record, `DraftLength.acceptance`) against
-the measured cost of a row (`DraftLength.pass_cost`), which every sequence of the pass waits for. So drafts run
-deep for a lone request and shallow when many share a compute-bound pass. Greedy answers stay token for token those
+Speculative decoding: with prompt lookup on (`lookup`), a decoding sequence whose history has an n-gram match
+brings the tokens that followed it as a draft; with a draft model (`llm.draft`), the draft model proposes a chain
+for every decoding sequence at once, in batched passes of its own engine over per-slot caches. A sequence's rows of
+the pass are then its last token and its chain, and the pass's logits after each verify the chain
+(`speculative.verify`), so one pass can settle several of its tokens. Drafts take only the rows the step has spare,
+and only while they raise the pass's expected tokens per second for all its sequences together: their chance of
+acceptance (the sequence's own record per source, `DraftLength.acceptance`) against the measured cost of a row of
+the pass (`DraftLength.pass_cost`), which every sequence waits for, and of a draft pass. So drafts run deep for a
+lone request and shallow when many share a compute-bound pass. Greedy answers stay token for token those
 of plain decoding; sampled ones keep the model's distribution. A request sampled with a seed gets no drafts, so that
 its seed keeps giving the same draws.
 
@@ -37,13 +39,15 @@ from dataclasses import dataclass, field
 import torch
 
 from ntio.decoding.generation import Sampler, SamplingParams
-from ntio.decoding.speculative import MAX_DRAFT, Draft, DraftLength, DraftTree, PromptLookup, verdicts, verify
+from ntio.decoding.speculative import (MAX_DRAFT, PREFERRED_LOOKUP, Draft, DraftLength, DraftModel, DraftTree,
+                                      PromptLookup, verdicts, verify)
 from ntio.kernels import ops
 from ntio.runtime.engine import Segment
 from ntio.runtime.kv_cache import KVCache
 
 # Prompt rows a step gives to prefills at least, however many sequences are decoding.
 MIN_PREFILL_ROWS = 8
+MODEL = DraftModel.name  # the draft model's source name in trees and acceptance records
 
 
 @dataclass
@@ -70,7 +74,8 @@ class _Sequence:
     stops: object  # ntio.api.StopStrings
     fed: int  # prompt tokens in the cache
     history: list[int]  # prompt and generated ids (the sampler's repetition history)
-    acceptance: DraftLength | None  # how often its drafted tokens were accepted; None: it gets no drafts
+    acceptance: DraftLength | None  # how often its drafted tokens were accepted, per source; None: no drafts
+    draft_kv: KVCache | None  # the draft model's cache for it
     generated: int = 0
     started: float = field(default_factory=time.perf_counter)
 
@@ -112,7 +117,10 @@ class Scheduler:
     `submit` is safe from any thread; `shutdown()` finishes what is in flight and stops the thread."""
 
     def __init__(self, llm, parallel: int, max_queue: int, slot_context: int, lookup: PromptLookup | None = None,
-                 draft_tokens: int = 8) -> None:
+                 draft_tokens: int = 8, fixed_draft: bool = False) -> None:
+        """lookup: prompt lookup drafts; `llm.draft` (a draft model loaded with the model), when there is one, drafts
+        too, for all the requests of a step in batched passes of its own. fixed_draft: every draft as deep as it can
+        go (draft_tokens, the rows spare), whatever it costs."""
         from ntio.api import StopStrings
 
         if parallel < 1 or parallel > ops.KERNEL_ROWS - MIN_PREFILL_ROWS:
@@ -121,11 +129,17 @@ class Scheduler:
         self.engine = llm.engine
         self.max_queue = max_queue
         self.slot_context = slot_context
-        self.lookup, self.draft_tokens = lookup, draft_tokens
+        self.lookup, self.draft_tokens, self.fixed_draft = lookup, draft_tokens, fixed_draft
         self.pass_cost = DraftLength()  # the fitted cost of a pass against its rows
         self._stop_strings = StopStrings
         kv = self.engine.kv
         self.slots = [KVCache(llm.config, slot_context, kv.k.dtype, kv.k.device) for _ in range(parallel)]
+        # The draft model's engine and a KV cache of its own per slot; seconds per batched draft pass (EMA).
+        self.draft = llm.draft.engine if llm.draft is not None else None
+        self.draft_slots = [] if self.draft is None else [
+            KVCache(llm.draft.config, slot_context, self.draft.kv.k.dtype, self.draft.kv.k.device)
+            for _ in range(parallel)]
+        self.draft_step_s = 0.0
         self._free = list(range(parallel))
         self._active: dict[int, _Sequence] = {}  # slot -> sequence
         self._queue: collections.deque[Request] = collections.deque()
@@ -193,10 +207,12 @@ class Scheduler:
             # A seeded sampled request gets no drafts: how many draws a pass makes would follow the drafts, whose
             # depth follows measured timings, and the seed must give the same draws every time.
             sampling = request.sampling
-            drafts = self.lookup is not None and (sampling.temperature == 0 or sampling.seed is None)
+            drafts = (self.lookup is not None or self.draft is not None) and (sampling.temperature == 0
+                                                                              or sampling.seed is None)
             self._active[slot] = _Sequence(request, kv, Sampler(request.sampling, self.engine.device),
                                            self.llm.tokenizer.stream(), self._stop_strings(request.stop), reuse,
-                                           list(prompt), DraftLength() if drafts else None)
+                                           list(prompt), DraftLength() if drafts else None,
+                                           self.draft_slots[slot] if self.draft is not None else None)
             self.metrics.prompt_tokens += len(prompt)
         self.metrics.active, self.metrics.queued = len(self._active), len(self._queue)
 
@@ -257,27 +273,43 @@ class Scheduler:
             self.metrics.decode_bytes_read += read
 
     def _drafts(self, decoding: list[_Sequence], spare: int) -> list[DraftTree]:
-        """The tree each decoding sequence brings to the pass: its last token and a prefix of its lookup match (within
-        the tokens it still wants and its context), drafted tokens taking at most `spare` rows, likeliest first,
+        """The tree each decoding sequence brings to the pass: its last token and a drafted chain, within the tokens
+        it still wants, its context and `spare` rows in all. A sequence with a lookup match of PREFERRED_LOOKUP
+        tokens or more takes it; the others draft with the draft model, if there is one (all to one depth, in
+        batched passes: `_model_depth`), else with a shorter match. Lookup tokens then take rows likeliest first,
         each while its chance c of acceptance pays for the row it takes: c · (the pass's cost) >= (the cost of a
         row) · (the tokens the pass is expected to settle), the condition for a row to raise the pass's tokens per
-        second."""
+        second for all its sequences, which all wait for it."""
         trees = [DraftTree(seq.history[-1]) for seq in decoding]
-        chains: dict[int, list[int]] = {}
-        offers: list[tuple[float, int, int]] = []  # (chance, sequence, place in its chain)
-        for i, seq in enumerate(decoding):
-            most = min(self.draft_tokens, MAX_DRAFT, seq.request.max_tokens - seq.generated - 1,
-                       seq.kv.capacity - len(seq.history))
-            found = self.lookup.match(seq.history, most) if seq.acceptance is not None and most > 0 else None
-            if found is not None:
-                chains[i] = found[1]
-                a = seq.acceptance.acceptance(self.lookup.name)
-                offers += [(a ** (j + 1), i, j) for j in range(len(found[1]))]
+        most = [0 if seq.acceptance is None else
+                min(self.draft_tokens, MAX_DRAFT, seq.request.max_tokens - seq.generated - 1,
+                    seq.kv.capacity - len(seq.history)) for seq in decoding]
+        matches = {i: self.lookup.match(seq.history, most[i]) for i, seq in enumerate(decoding)
+                   if self.lookup is not None and most[i] > 0}
+        matches = {i: found for i, found in matches.items() if found is not None}
+        by_model = [i for i in range(len(decoding)) if self.draft is not None and most[i] > 0
+                    and (i not in matches or matches[i][0] < PREFERRED_LOOKUP)]
         t1, t_row = self.pass_cost.pass_cost()
-        taken = dict.fromkeys(chains, 0)
         expected, drafted = float(len(decoding)), 0
+        if by_model:
+            chances = {i: decoding[i].acceptance.acceptance(MODEL) for i in by_model}
+            depth = self._model_depth([(min(most[i], spare // len(by_model)), chances[i]) for i in by_model],
+                                      len(decoding), t1, t_row)
+            for i, draft in zip(by_model, self._model_chains([decoding[i] for i in by_model],
+                                                             [min(depth, most[i]) for i in by_model])):
+                if draft.tokens:
+                    chance = [chances[i] ** (j + 1) for j in range(len(draft.tokens))]
+                    trees[i].add_chain(draft, chance)
+                    expected, drafted = expected + sum(chance), drafted + len(draft.tokens)
+        offers: list[tuple[float, int, int]] = []  # (chance, sequence, place in its chain)
+        for i, (_, tokens) in matches.items():
+            if len(trees[i]) == 1:
+                a = decoding[i].acceptance.acceptance(self.lookup.name)
+                offers += [(a ** (j + 1), i, j) for j in range(len(tokens))]
+        taken = dict.fromkeys(matches, 0)
         for chance, i, j in sorted(offers, key=lambda o: (-o[0], o[2])):  # a chain's tokens in order
-            if drafted == spare or chance * (t1 + (len(decoding) - 1 + drafted) * t_row) < t_row * expected:
+            if drafted >= spare or not self.fixed_draft and (
+                    chance * (t1 + (len(decoding) - 1 + drafted) * t_row) < t_row * expected):
                 break  # later offers are no likelier, and each row taken raises the bar
             if j == taken[i]:
                 taken[i] += 1
@@ -286,8 +318,51 @@ class Scheduler:
         for i, k in taken.items():
             if k:
                 a = decoding[i].acceptance.acceptance(self.lookup.name)
-                trees[i].add_chain(Draft(chains[i][:k], self.lookup.name), [a ** (j + 1) for j in range(k)])
+                trees[i].add_chain(Draft(matches[i][1][:k], self.lookup.name), [a ** (j + 1) for j in range(k)])
         return trees
+
+    def _model_depth(self, limits: list[tuple[int, float]], n_decoding: int, t1: float, t_row: float) -> int:
+        """How many batched draft passes to run: the depth K that maximizes the pass's expected tokens per second,
+        (n_decoding + Σ_s Σ_{j<=K_s} a_s^j) / (t1 + (n_decoding - 1 + Σ_s K_s) t_row + K · draft pass), where
+        K_s = min(K, the sequence's limit) and a_s its acceptance; limits: (limit, a_s) per drafting sequence."""
+        def rate(k: int) -> float:
+            tokens = n_decoding + sum(sum(a ** j for j in range(1, min(k, n) + 1)) for n, a in limits)
+            rows = n_decoding - 1 + sum(min(k, n) for n, _ in limits)
+            return tokens / (t1 + rows * t_row + k * self.draft_step_s)
+
+        deepest = max(n for n, _ in limits)
+        return deepest if self.fixed_draft else max(range(deepest + 1), key=rate)
+
+    def _model_chains(self, seqs: list[_Sequence], depths: list[int]) -> list[Draft]:
+        """Each sequence's chain from the draft model, depths[i] tokens deep, drawn with its own sampler: one
+        batched pass of the draft engine per drafted token for all of them. The first pass catches each sequence's
+        draft cache up on its history (a new request's whole prompt); the passes after it are timed for
+        `_model_depth`."""
+        tokens: list[list[int]] = [[] for _ in seqs]
+        probs: list[list[torch.Tensor]] = [[] for _ in seqs]
+        feeds = []  # per sequence: (tokens to feed, their first position)
+        for seq in seqs:
+            keep = seq.draft_kv.reusable_prefix(seq.history, len(seq.history) - 1)
+            feeds.append((seq.history[keep:], keep))
+        for step in range(max(depths, default=0)):
+            live = [i for i, depth in enumerate(depths) if step < depth]
+            t0 = time.perf_counter()
+            rows = self.draft.forward_batch([Segment(torch.tensor(feeds[i][0]), feeds[i][1], seqs[i].draft_kv)
+                                             for i in live])
+            for i, logits in zip(live, rows):
+                sampler, seen = seqs[i].sampler, torch.tensor(seqs[i].history + tokens[i])
+                if sampler.params.temperature > 0:
+                    p = sampler.probabilities(logits, seen)
+                    probs[i].append(p)
+                    token = int(torch.multinomial(p, 1, generator=sampler.generator))
+                else:
+                    token = sampler(logits, seen)
+                tokens[i].append(token)
+                feeds[i] = ([token], len(seqs[i].history) + step)
+            if step:
+                spent = time.perf_counter() - t0
+                self.draft_step_s = spent if self.draft_step_s == 0 else 0.5 * (self.draft_step_s + spent)
+        return [Draft(t, MODEL, torch.stack(p) if p else None) for t, p in zip(tokens, probs)]
 
     def _settle(self, seq: _Sequence, tree: DraftTree, out: torch.Tensor) -> list[int]:
         """The tokens a decoding sequence's rows settle: the next one sampled, or its drafted chain verified (the
