@@ -54,7 +54,14 @@ REWRITES = [f"Rewrite this text with its spelling fixed, and change nothing else
     "The market was bussy: traders called out prices, and the smell of bread and spices filed the narow streets.",
     "In autum the days grow shorter, trees stop making clorophyll, and the leaves turn red, orange and yelow.",
 )]
-PROMPTS = {"questions": QUESTIONS, "rewrite": REWRITES}
+# Code prompts: long answers, on which a code model's smaller sibling agrees with it most (engine ntio-draft).
+CODE = [f"Write a Python function that {task}. Reply with the code only." for task in (
+    "returns the n-th Fibonacci number iteratively", "checks whether a string is a palindrome",
+    "merges two sorted lists into one sorted list", "counts the words in a text file",
+    "returns the prime numbers below n with a sieve", "flattens a nested list of lists",
+    "parses a CSV line into fields, honouring quotes", "computes the median of a list of numbers",
+)]
+PROMPTS = {"questions": QUESTIONS, "rewrite": REWRITES, "code": CODE}
 NTIO = Path(sys.executable).with_name("ntio")
 LLAMA_SERVER = Path.home() / ".cache/ntio-peers/llama-server-0.3.36/build/bin/llama-server"
 
