@@ -12,7 +12,8 @@ use crate::reader::{Reader, ReaderOptions};
 use crate::reader_bindings::Source;
 use crate::staging::{AlignedBuf, SLOT_ALIGNMENT};
 
-/// Read `extents` (file_offset, length, dest_offset) of `path` (one file or shards, as `Reader` takes) into a fresh `nbytes` buffer
+/// Read `extents` (file_offset, length, dest_offset) of `path` (one file or shards, as `Reader`
+/// takes) into a fresh `nbytes` buffer
 /// (extents may overlap there: the bytes are thrown away) through a new reader.
 /// Returns (backend, wall seconds of the read, per-request latencies in µs).
 #[pyfunction]

@@ -110,11 +110,11 @@ class Engine:
     @torch.inference_mode()
     def forward_batch(self, segments: Sequence[Segment]) -> list[torch.Tensor]:
         """Several sequences in one pass: segment i's tokens [T_i] at positions start_pos.. of its own KV cache
-        (not this engine's) -> its last-position logits [V] (with `all_logits`, [T_i, V]). Each layer is read once for the whole batch and its
-        products run over all ΣT_i rows; attention runs per sequence (`layers.batched_block`). Every row gets what
-        it gets in a pass of its own (the CPU kernels compute rows independently) as long as ΣT_i <= the kernels'
-        rows (`ops.KERNEL_ROWS`). Dense load policies only; caches are cropped to their start first, as in
-        `forward`."""
+        (not this engine's) -> its last-position logits [V] (with `all_logits`, [T_i, V]). Each layer is read once
+        for the whole batch and its products run over all ΣT_i rows; attention runs per sequence
+        (`layers.batched_block`). Every row gets what it gets in a pass of its own (the CPU kernels compute rows
+        independently) as long as ΣT_i <= the kernels' rows (`ops.KERNEL_ROWS`). Dense load policies only; caches
+        are cropped to their start first, as in `forward`."""
         if not segments:
             raise ValueError("a batched pass needs at least one sequence")
         policy = self.layers.policy

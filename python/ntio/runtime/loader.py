@@ -156,7 +156,8 @@ class LayerLoader:
         self._forward: ForwardStats | None = None
         self.timeline: Timeline | None = None  # set by `ntio profile`: every forward's spans, layer by layer
         try:
-            self.reader = _core.Reader(layout.file.files, backend=backend)  # the reader's default request size and depth
+            # The model's file or shards, at the reader's default request size and depth.
+            self.reader = _core.Reader(layout.file.files, backend=backend)
         except OSError as e:
             raise read_error(e) from None
         self._reads = [_plan_layer(layout, i, verify) for i in range(cfg.n_layers)]
