@@ -558,8 +558,10 @@ def info(model, as_json) -> None:
     layout = WeightLayout(g, cfg)
     layer_bytes = [layout.block_nbytes(i) for i in range(cfg.n_layers)]
     types = Counter(t.qtype.name for t in g.tensors.values())
+    files = [str(path) for path, _ in g.files]  # a sharded checkpoint: its directory, then its shards
     summary = {
-        "file": str(g.path), "gguf_version": g.version, "architecture": cfg.architecture,
+        "file": files[0] if len(files) == 1 else str(Path(files[0]).parent),
+        **({"files": files} if len(files) > 1 else {}), "gguf_version": g.version, "architecture": cfg.architecture,
         "name": g.metadata.get("general.name"), "n_layers": cfg.n_layers, "d_model": cfg.d_model, "d_ff": cfg.d_ff,
         "n_heads": cfg.n_heads, "n_kv_heads": cfg.n_kv_heads, "vocab_size": cfg.vocab_size,
         "context_length": cfg.context_length, "rope_theta": cfg.rope_theta, "rope_scaling": cfg.rope_scaling.kind,
