@@ -243,9 +243,9 @@ def test_a_tensor_the_family_needs_is_named(tiny_dir, checkpoint):
 
 @torch.inference_mode()
 def test_a_sharded_checkpoint_runs_directly_and_converts(hf_smollm2, checkpoint, ours, tmp_path):
-    """Shards named by model.safetensors.index.json: one reader reads them all, in one offset space, resident and
-    streamed, with a layer whose tensors lie in two shards; the logits are the single file's, bit for bit. `convert`
-    joins the shards into a store that runs with the same bits."""
+    """Shards named by model.safetensors.index.json: one reader reads them all, in one offset space (every layer
+    streamed, a layer whose tensors lie in two shards among them); the logits are the single file's, bit for bit.
+    `convert` joins the shards into a store that runs with the same bits."""
     sharded = save_checkpoint(hf_smollm2, None, tmp_path / "smollm2.v2-sharded", max_shard_size="200MB")
     for name in ("tokenizer.json", "tokenizer_config.json"):
         (sharded / name).write_bytes((checkpoint / name).read_bytes())
@@ -256,14 +256,11 @@ def test_a_sharded_checkpoint_runs_directly_and_converts(hf_smollm2, checkpoint,
     assert any(a & b for a, b in zip(layers_per_shard, layers_per_shard[1:])), "no layer straddles two shards"
     ids = torch.tensor(ours.encode_prompt(PROMPTS[0]))
     want = ours.engine.forward(ids, 0)
-    for tiers in ("A", "C"):
-        m = ntio.load(sharded, max_context=64, cpu_activations="float32", tiers=tiers)
-        try:
-            assert torch.equal(m.engine.forward(ids, 0), want), tiers
-        finally:
-            m.close()
-    proc = run_cli("generate", "-m", str(sharded), "-p", PROMPTS[0], "-n", "4", "--tiers", "C")
-    assert proc.returncode == 0, proc.stderr
+    m = ntio.load(sharded, max_context=64, cpu_activations="float32", tiers="C")
+    try:
+        assert torch.equal(m.engine.forward(ids, 0), want)
+    finally:
+        m.close()
     proc = run_cli("convert", str(sharded))  # the store is named after the directory, dots and all
     assert proc.returncode == 0 and proc.stdout.strip() == str(tmp_path / "smollm2.v2-sharded.ntio"), proc.stderr
     m = ntio.load(tmp_path / "smollm2.v2-sharded.ntio", max_context=64, cpu_activations="float32")
