@@ -322,10 +322,10 @@ class Checkpoint(ModelFileBase):
         arch, metadata = _hyperparameters(config, config_path)
         self.shards = _shards(self.directory)
         self.path = self.shards[0]
-        self.bases = _shard_bases(self.shards)
+        self._bases = dict(zip(self.shards, _shard_bases(self.shards)))  # shard -> its base in the offset space
         self.tensors: dict[str, TensorInfo] = {}
         self.tensor_files: dict[str, Path] = {}
-        for shard, base in zip(self.shards, self.bases):
+        for shard, base in self._bases.items():
             for hf_name, (qtype, shape, offset, nbytes) in read_safetensors_header(shard)[1].items():
                 name = gguf_name(hf_name)
                 if name is None:
@@ -350,7 +350,7 @@ class Checkpoint(ModelFileBase):
 
     @property
     def files(self) -> list[tuple[Path, int]]:
-        return list(zip(self.shards, self.bases))
+        return list(self._bases.items())
 
     def tensor_bytes(self, name: str):
         """The bytes of one tensor as a read-only uint8 view of its mapped shard."""
@@ -361,5 +361,5 @@ class Checkpoint(ModelFileBase):
         data = self._maps.get(shard)
         if data is None:
             data = self._maps[shard] = np.memmap(shard, dtype=np.uint8, mode="r")
-        offset = info.offset - dict(self.files)[shard]
+        offset = info.offset - self._bases[shard]
         return data[offset : offset + info.nbytes]

@@ -116,12 +116,14 @@ def plan_layer_read(model_file: ModelFile, layer: int) -> tuple[list[tuple[int, 
     blocks made all-C reads 15% faster on this project's VM, benches/RESULTS.md session 3). The few extra bytes
     are padding around the tensors.
     """
-    file_ends = [base + Path(path).stat().st_size for path, base in model_file.files]
+    files = model_file.files
+    bases = [base for _, base in files]
+    file_ends = [base + Path(path).stat().st_size for path, base in files]
     planned: list[tuple[int, int, int]] = []
     end = 0
     for offset, length in layer_extents(model_file, layer):
         start = offset - offset % _DEST_ALIGNMENT
-        file_end = file_ends[bisect.bisect_right([base for _, base in model_file.files], offset) - 1]
+        file_end = file_ends[bisect.bisect_right(bases, offset) - 1]  # the end of the file holding the extent
         stop = min(-(-(offset + length) // _DEST_ALIGNMENT) * _DEST_ALIGNMENT, file_end)
         if planned and start < planned[-1][0] + planned[-1][1]:  # shares a block with the previous extent
             prev_start, _, prev_dest = planned.pop()
