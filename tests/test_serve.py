@@ -263,11 +263,14 @@ REPEAT = ["the quick brown fox jumps over the lazy dog, and then the quick brown
           "What is the capital of France?"]
 
 
-def _scheduled(m, prompts: list[list[int]], sampling: list, **options) -> tuple[list[list], object]:
-    """Each prompt's events from a Scheduler over `m` answering them all at once (24 tokens each), and its metrics."""
+def _scheduled(m, prompts: list[list[int]], sampling: list, prepare=None, **options) -> tuple[list[list], object]:
+    """Each prompt's events from a Scheduler over `m` answering them all at once (24 tokens each), and its metrics.
+    prepare(scheduler): called before it starts."""
     from ntio.serving.scheduler import Request, Scheduler
 
     scheduler = Scheduler(m, parallel=len(prompts), max_queue=0, slot_context=256, **options)
+    if prepare is not None:
+        prepare(scheduler)
     done = [threading.Event() for _ in prompts]
     events: list[list] = [[] for _ in prompts]
 
@@ -332,3 +335,28 @@ def test_a_draft_model_drafts_for_every_request_in_batched_passes(smollm2_path):
     assert events[2][-1][0] == "done"
     assert metrics.accepted_tokens >= 20, (metrics.drafted_tokens, metrics.accepted_tokens)
     assert metrics.steps < max(len(ids) for ids in solo), metrics.steps
+
+
+def test_a_draft_catches_up_on_a_prompt_only_where_the_answer_wins_it_back(smollm2_path):
+    """Before a request's first draft the draft model prefills its prompt while every request waits. Priced at 1 s a
+    row against answers expected to be 2 tokens long, no catch-up pays and nothing is drafted; at 1 µs a row against
+    answers as long as allowed, the first request to decode drafts a full chain. (Costs set before the start; SmolLM2 drafts for itself, and
+    before any pass is timed every draft looks free, so the depth rule alone would draft from the first step.)"""
+    from ntio.decoding.generation import SamplingParams
+
+    with ntio.load(smollm2_path, max_context=1024, draft=smollm2_path) as m:
+        prompts = [m.encode_prompt(t, chat=True) for t in REPEAT[:2]]
+        solo = [m.generate(p, max_new_tokens=24, temperature=0.0, use_draft=False).token_ids for p in prompts]
+
+        def priced(row_s: float, answer_tokens: float | None):
+            def prepare(scheduler) -> None:
+                scheduler.draft_row_s, scheduler.answer_tokens = row_s, answer_tokens
+            return _scheduled(m, prompts, [SamplingParams()] * 2, prepare=prepare)
+
+        declined = priced(1.0, 2.0)
+        paid = priced(1e-6, None)
+    for events, metrics in (declined, paid):
+        for got, ids in zip(events, solo):
+            _assert_solo(m, got, ids)
+    assert declined[1].drafted_tokens == 0, declined[1]
+    assert paid[1].drafted_tokens >= 8 and paid[1].accepted_tokens > 0, paid[1]

@@ -13,7 +13,10 @@ the pass are then its last token and its chain, and the pass's logits after each
 and only while they raise the pass's expected tokens per second for all its sequences together: their chance of
 acceptance (the sequence's own record per source, `DraftLength.acceptance`) against the measured cost of a row of
 the pass (`DraftLength.pass_cost`), which every sequence waits for, and of a draft pass. So drafts run deep for a
-lone request and shallow when many share a compute-bound pass. Greedy answers stay token for token those
+lone request and shallow when many share a compute-bound pass. Before a request's first draft, the draft model must
+catch up on its prompt, a prefill that every sequence waits for: it is paid only where the tokens the request is
+expected to generate (the mean answer so far) win it back at the rate drafting saves. Greedy answers stay token for
+token those
 of plain decoding; sampled ones keep the model's distribution. A request sampled with a seed gets no drafts, so that
 its seed keeps giving the same draws.
 
@@ -140,6 +143,8 @@ class Scheduler:
             KVCache(llm.draft.config, slot_context, self.draft.kv.k.dtype, self.draft.kv.k.device)
             for _ in range(parallel)]
         self.draft_step_s = 0.0
+        self.draft_row_s = 0.0  # seconds per prompt row in a draft catch-up pass (EMA; 0 until measured: free)
+        self.answer_tokens: float | None = None  # tokens per finished answer (EMA); None before the first
         self._free = list(range(parallel))
         self._active: dict[int, _Sequence] = {}  # slot -> sequence
         self._queue: collections.deque[Request] = collections.deque()
@@ -292,8 +297,10 @@ class Scheduler:
                     and (i not in matches or matches[i][0] < PREFERRED_LOOKUP)]
         t1, t_row = self.pass_cost.pass_cost()
         expected, drafted = float(len(decoding)), 0
+        chances = {i: decoding[i].acceptance.acceptance(MODEL) for i in by_model}
+        if by_model and not self.fixed_draft:
+            by_model = self._catch_up_pays(decoding, by_model, chances, most, spare, t1, t_row)
         if by_model:
-            chances = {i: decoding[i].acceptance.acceptance(MODEL) for i in by_model}
             depth = self._model_depth([(min(most[i], spare // len(by_model)), chances[i]) for i in by_model],
                                       len(decoding), t1, t_row)
             for i, draft in zip(by_model, self._model_chains([decoding[i] for i in by_model],
@@ -322,23 +329,48 @@ class Scheduler:
                 trees[i].add_chain(Draft(matches[i][1][:k], self.lookup.name), [a ** (j + 1) for j in range(k)])
         return trees
 
-    def _model_depth(self, limits: list[tuple[int, float]], n_decoding: int, t1: float, t_row: float) -> int:
-        """How many batched draft passes to run: the depth K that maximizes the pass's expected tokens per second,
-        (n_decoding + Σ_s Σ_{j<=K_s} a_s^j) / (t1 + (n_decoding - 1 + Σ_s K_s) t_row + K · draft pass), where
-        K_s = min(K, the sequence's limit) and a_s its acceptance; limits: (limit, a_s) per drafting sequence."""
-        def rate(k: int) -> float:
-            tokens = n_decoding + sum(sum(a ** j for j in range(1, min(k, n) + 1)) for n, a in limits)
-            rows = n_decoding - 1 + sum(min(k, n) for n, _ in limits)
-            return tokens / (t1 + rows * t_row + k * self.draft_step_s)
+    def _catch_up_pays(self, decoding: list[_Sequence], by_model: list[int], chances: dict[int, float],
+                       most: list[int], spare: int, t1: float, t_row: float) -> list[int]:
+        """Those of `by_model` (indices into decoding) whose draft cache is worth catching up. A sequence c tokens
+        behind costs c · draft_row_s of draft prefill, which every sequence waits for; drafting saves
+        1 / rate(0) - 1 / rate(K) seconds per token of the pass (`_pass_rate`, K the chosen depth), over the E
+        tokens the sequence is still expected to generate (the mean answer so far, less what it has, within what
+        it may still generate). It catches up where c · draft_row_s <= E · that saving."""
+        limits = [(min(most[i], spare // len(by_model)), chances[i]) for i in by_model]
+        depth = self._model_depth(limits, len(decoding), t1, t_row)
+        saving = (1 / self._pass_rate(limits, len(decoding), t1, t_row, 0)
+                  - 1 / self._pass_rate(limits, len(decoding), t1, t_row, depth))
+        kept = []
+        for i in by_model:
+            seq = decoding[i]
+            behind = len(seq.history) - 1 - seq.draft_kv.reusable_prefix(seq.history, len(seq.history) - 1)
+            expected = seq.request.max_tokens - seq.generated
+            if self.answer_tokens is not None:
+                expected = min(expected, max(self.answer_tokens - seq.generated, 1.0))
+            if behind * self.draft_row_s <= expected * saving:
+                kept.append(i)
+        return kept
 
+    def _model_depth(self, limits: list[tuple[int, float]], n_decoding: int, t1: float, t_row: float) -> int:
+        """How many batched draft passes to run: the depth K that maximizes the pass's expected tokens per second
+        (`_pass_rate`); limits: (the sequence's limit, its acceptance) per drafting sequence."""
         deepest = max(n for n, _ in limits)
-        return deepest if self.fixed_draft else max(range(deepest + 1), key=rate)
+        return deepest if self.fixed_draft else max(
+            range(deepest + 1), key=lambda k: self._pass_rate(limits, n_decoding, t1, t_row, k))
+
+    def _pass_rate(self, limits: list[tuple[int, float]], n_decoding: int, t1: float, t_row: float, k: int) -> float:
+        """A pass's expected tokens per second with K = k draft passes: (n_decoding + Σ_s Σ_{j<=K_s} a_s^j) /
+        (t1 + (n_decoding - 1 + Σ_s K_s) t_row + K · draft pass), where K_s = min(K, the sequence's limit) and a_s
+        its acceptance."""
+        tokens = n_decoding + sum(sum(a ** j for j in range(1, min(k, n) + 1)) for n, a in limits)
+        rows = n_decoding - 1 + sum(min(k, n) for n, _ in limits)
+        return tokens / (t1 + rows * t_row + k * self.draft_step_s)
 
     def _model_chains(self, seqs: list[_Sequence], depths: list[int]) -> list[Draft]:
         """Each sequence's chain from the draft model, depths[i] tokens deep, drawn with its own sampler: one
         batched pass of the draft engine per drafted token for all of them. The first pass catches each sequence's
-        draft cache up on its history (a new request's whole prompt); the passes after it are timed for
-        `_model_depth`."""
+        draft cache up on its history (a new request's whole prompt), and its rows past one per sequence are timed
+        for `_catch_up_pays`; the passes after it are timed for `_model_depth`."""
         tokens: list[list[int]] = [[] for _ in seqs]
         probs: list[list[torch.Tensor]] = [[] for _ in seqs]
         feeds = []  # per sequence: (tokens to feed, their first position)
@@ -347,6 +379,7 @@ class Scheduler:
             feeds.append((seq.history[keep:], keep))
         for step in range(max(depths, default=0)):
             live = [i for i, depth in enumerate(depths) if step < depth]
+            fed = sum(len(feeds[i][0]) for i in live)
             t0 = time.perf_counter()
             rows = self.draft.forward_batch([Segment(torch.tensor(feeds[i][0]), feeds[i][1], seqs[i].draft_kv)
                                              for i in live])
@@ -360,9 +393,12 @@ class Scheduler:
                     token = sampler(logits, seen)
                 tokens[i].append(token)
                 feeds[i] = ([token], len(seqs[i].history) + step)
+            spent = time.perf_counter() - t0
             if step:
-                spent = time.perf_counter() - t0
                 self.draft_step_s = spent if self.draft_step_s == 0 else 0.5 * (self.draft_step_s + spent)
+            elif fed - len(live) >= MIN_PREFILL_ROWS:  # a catch-up: price its rows past one per sequence
+                row_s = max(spent - self.draft_step_s, 0.0) / (fed - len(live))
+                self.draft_row_s = row_s if self.draft_row_s == 0 else 0.5 * (self.draft_row_s + row_s)
         return [Draft(t, MODEL, torch.stack(p) if p else None) for t, p in zip(tokens, probs)]
 
     def _settle(self, seq: _Sequence, tree: DraftTree, out: torch.Tensor) -> list[int]:
@@ -402,6 +438,8 @@ class Scheduler:
                     request.emit("text", rest)
         if finish is None:
             return False
+        self.answer_tokens = seq.generated if self.answer_tokens is None else (
+            0.75 * self.answer_tokens + 0.25 * seq.generated)
         prompt = len(request.prompt_ids)
         request.emit("done", finish, {"prompt_tokens": prompt, "completion_tokens": seq.generated,
                                       "total_tokens": prompt + seq.generated})
