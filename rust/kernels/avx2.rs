@@ -6,8 +6,9 @@
 //! - integer group kernels (`int_group`, the legacy 32-element types): the same products for eight weight rows
 //!   at once, their integer sums reduced into one vector (lane j: row j) so that the float work is shared by the
 //!   eight rows;
-//! - in both, symmetric types go through the sign trick (|w| times x with w's sign), affine ones multiply their
-//!   unsigned codes directly and add m·Σx̂;
+//! - in both, affine types multiply their unsigned codes directly and add m·Σx̂; so do the symmetric types stored
+//!   with an offset (Q4_0, Q5_0: c = q + 8 or 16, and m = -offset·d); the others (Q8_0, the K-quants' signed
+//!   codes) go through the sign trick (|w| times x with w's sign), two more instructions per 32 weights and row;
 //! - float kernels (`quantized`, `dense`): codes widened to four 8-lane float32 vectors, FMAs against float32
 //!   activations (the reference path for differential tests).
 //!
@@ -35,6 +36,17 @@ pub trait SimdFormat: Format {
     /// The integer kernel (8-bit activations) of this format: a group kernel for the legacy formats, the row
     /// kernel for the K-quants. Call only if `available()`.
     fn int_kernel() -> Kernel;
+
+    /// For a symmetric legacy type stored as unsigned c = q + OFFSET (Q4_0: 8, Q5_0: 16), OFFSET: the group
+    /// kernel multiplies c as it does an affine type's codes, and takes OFFSET·d·Σx̂ off; 0: the sign trick.
+    const OFFSET: u8 = 0;
+
+    /// The 32 codes the group kernel multiplies, of the block at `b` (`Self::BYTES` readable bytes): c = q +
+    /// OFFSET when OFFSET > 0, else `code_bytes`.
+    unsafe fn group_codes(b: *const u8) -> __m256i {
+        // SAFETY: the caller's contract is `code_bytes`'s.
+        unsafe { Self::code_bytes(b, 0) }
+    }
 }
 
 /// A K-quant (super-blocks of 256 in groups of 32, integer sub-scales): what the integer row kernel reads of
@@ -336,23 +348,31 @@ unsafe fn int_group_tile<F: SimdFormat, const R: usize>(
     let q8 = a.q8_for(F::SPAN);
     let gs = a.k / GROUP;
     let ones = _mm256_set1_epi16(1);
+    // Unsigned codes (affine types, and symmetric ones with an OFFSET) go into maddubs as they are; signed
+    // ones (Q8_0) through the sign trick, two more instructions per block, weight row and activation row.
+    let unsigned = F::AFFINE || F::OFFSET > 0;
     let mut acc = [_mm256_setzero_ps(); R];
-    let mut macc = [_mm256_setzero_ps(); R]; // offsets·Σx̂ (affine types)
+    let mut macc = [_mm256_setzero_ps(); R]; // offsets·Σx̂ (unsigned codes)
     for bi in 0..gs {
         ahead.block(bi);
         let off = bi * F::BYTES;
         // SAFETY: block bi of every row is inside it (the caller's contract).
         let (d, m) = unsafe { legacy_scales8(ptrs, off) };
+        let m = if F::OFFSET > 0 {
+            _mm256_mul_ps(d, _mm256_set1_ps(-f32::from(F::OFFSET)))
+        } else {
+            m
+        };
         let w: [__m256i; GROUP_ROWS] =
-            std::array::from_fn(|j| unsafe { F::code_bytes(ptrs[j].add(off), 0) });
-        let wu = w.map(|w| if F::AFFINE { w } else { _mm256_sign_epi8(w, w) });
+            std::array::from_fn(|j| unsafe { F::group_codes(ptrs[j].add(off)) });
+        let wu = w.map(|w| if unsigned { w } else { _mm256_sign_epi8(w, w) });
         for r in 0..R {
             let row = (t0 + r) * gs + bi;
             // SAFETY: `matmul` quantized t * k codes and t0 + r < t.
             let x = unsafe { _mm256_loadu_si256(q8.codes.as_ptr().add(row * GROUP).cast()) };
             let dots: [__m256i; GROUP_ROWS] = std::array::from_fn(|j| {
                 // maddubs multiplies unsigned by signed bytes: symmetric codes go in as |w|, their sign onto x.
-                let x = if F::AFFINE {
+                let x = if unsigned {
                     x
                 } else {
                     _mm256_sign_epi8(x, w[j])
@@ -362,7 +382,7 @@ unsafe fn int_group_tile<F: SimdFormat, const R: usize>(
             let sums = _mm256_cvtepi32_ps(reduce8(dots));
             let scale = _mm256_mul_ps(d, _mm256_set1_ps(q8.scales[row]));
             acc[r] = _mm256_fmadd_ps(sums, scale, acc[r]);
-            if F::AFFINE {
+            if unsigned {
                 macc[r] = _mm256_fmadd_ps(m, _mm256_set1_ps(q8.sums[row]), macc[r]);
             }
         }
@@ -566,14 +586,26 @@ unsafe fn load32(p: *const u8) -> __m256i {
 }
 
 /// The legacy formats (one block = one group of 32): codes from `$codes` (with the block at `$b`); their scales
-/// are read eight blocks at a time by `legacy_scales8`.
+/// are read eight blocks at a time by `legacy_scales8`. A symmetric type stored with an offset names it, and
+/// its unsigned codes `$unsigned` (`SimdFormat::OFFSET`).
 macro_rules! legacy_format {
     ($t:ty, |$b:ident| $codes:expr) => {
+        legacy_format!($t, |$b| $codes, offset 0 => $codes);
+    };
+    ($t:ty, |$b:ident| $codes:expr, offset $offset:literal => $unsigned:expr) => {
         impl SimdFormat for $t {
+            const OFFSET: u8 = $offset;
+
             #[target_feature(enable = "avx2,fma,f16c")]
             unsafe fn code_bytes($b: *const u8, _g: usize) -> __m256i {
                 // SAFETY: the caller passes `Self::BYTES` readable bytes; the offsets are the block layout's.
                 unsafe { $codes }
+            }
+
+            #[target_feature(enable = "avx2,fma,f16c")]
+            unsafe fn group_codes($b: *const u8) -> __m256i {
+                // SAFETY: as in `code_bytes`.
+                unsafe { $unsigned }
             }
 
             fn int_kernel() -> Kernel {
@@ -584,12 +616,16 @@ macro_rules! legacy_format {
 }
 
 legacy_format!(blocks::Q8_0, |b| load32(b.add(2)));
-legacy_format!(blocks::Q4_0, |b| legacy(b.add(2), None, 8));
+legacy_format!(blocks::Q4_0, |b| legacy(b.add(2), None, 8), offset 8 => legacy(b.add(2), None, 0));
 legacy_format!(blocks::Q4_1, |b| legacy(b.add(4), None, 0));
 legacy_format!(blocks::Q5_0, |b| legacy(
     b.add(6),
     Some(b.add(2).cast::<u32>().read_unaligned()),
     16
+), offset 16 => legacy(
+    b.add(6),
+    Some(b.add(2).cast::<u32>().read_unaligned()),
+    0
 ));
 legacy_format!(blocks::Q5_1, |b| legacy(
     b.add(8),
