@@ -8,6 +8,11 @@ bisection along the first principal direction of the neurons' activation pattern
 could read as one extent. Then how the union of the units kept grows with the tokens in one pass (prefill,
 speculative verification), which is what such a pass would read.
 
+The "predicted" rule (`--rules predicted`, single neurons only) scores neurons from the FFN's input alone, before any
+FFN byte is read: one `NeuronPredictor` per layer and keep share (rank `--predictor-rank`), fitted to the "down"
+rule's choices on the calibration text; each row reports the share of the "down" rule's neurons it kept on the
+evaluation text (`oracle_recall`).
+
 Reading one neuron's down weights alone needs the down matrix stored transposed ([F, D], a row per neuron), which
 means quantizing it again: `--down-rows TYPE...` prices that, with a copy of the model whose down matrices are
 the transposed matrix quantized to TYPE (from the GGUF's values, by gguf-py) and turned back (float32), dense and
@@ -19,6 +24,8 @@ only kept units, which is not built yet. Prints one JSON object per measurement,
 
     python benches/sparse_ffn.py --model smollm2-135m qwen2.5-coder-1.5b --groups 1 32 256 --clustered 8 32
     python benches/sparse_ffn.py --model qwen2.5-coder-1.5b --rules down --keep 0.5 --groups 1 --down-rows Q8_0 Q5_0
+    python benches/sparse_ffn.py --model smollm2-135m --rules down gate predicted --keep 0.5 0.3 --groups 1 \
+        --calib-tokens 8192
 """
 
 from __future__ import annotations
@@ -39,7 +46,7 @@ import ntio
 from ntio.fetch import resolve_model
 from ntio.formats.gguf_metadata import copy_metadata
 from ntio.policies.base import FFNMask, LoadPolicy
-from ntio.policies.sparse_ffn import NeuronSelection, SparseFFNPolicy, consecutive_groups
+from ntio.policies.sparse_ffn import NeuronPredictor, NeuronSelection, SparseFFNPolicy, consecutive_groups
 
 ROOT = Path(__file__).resolve().parent.parent
 CTX = 512
@@ -64,15 +71,18 @@ def first_tokens(m: ntio.LLM, text: str, n: int) -> str:
 
 
 class Recorder(LoadPolicy):
-    """Reads everything, keeps everything, and records |silu(gate) * up| [T, F] of every layer's FFN."""
+    """Reads everything, keeps everything, and records every layer's FFN input x [T, D] and |silu(gate) * up|
+    [T, F], in float16 (a Qwen 1.5B layer's 8k calibration tokens take 170 MB so)."""
 
     def __init__(self) -> None:
         super().__init__()
+        self.inputs: dict[int, list[torch.Tensor]] = {}
         self.activations: dict[int, list[torch.Tensor]] = {}
 
     def ffn_mask(self, layer: int) -> FFNMask:
-        def record(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-            self.activations.setdefault(layer, []).append((F.silu(gate) * up).abs())
+        def record(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+            self.inputs.setdefault(layer, []).append(x.half())
+            self.activations.setdefault(layer, []).append((F.silu(gate) * up).abs().half())
             return torch.ones_like(gate, dtype=torch.bool)
 
         return record
@@ -94,7 +104,7 @@ def clustered_groups(activations: dict[int, list[torch.Tensor]], size: int) -> d
     """Per layer, [F / size, size] neuron groups clustered by co-activation on the recorded tokens."""
     groups = {}
     for layer, parts in activations.items():
-        a = torch.cat(parts)  # [N, F]
+        a = torch.cat(parts).float()  # [N, F]
         shares = a / a.sum(dim=1, keepdim=True).clamp_min(1e-12)  # each token's activation mass over neurons
         patterns = (shares / shares.norm(dim=0, keepdim=True).clamp_min(1e-12)).T.contiguous()  # [F, N]
         groups[layer] = torch.stack(bisect(patterns, torch.arange(a.shape[1]), size))
@@ -133,6 +143,13 @@ def with_requantized_down(src: Path, dst: Path, qtype: gguf.GGMLQuantizationType
     return dst
 
 
+def fit_predictors(recorder: Recorder, keep: float, args: argparse.Namespace) -> dict[int, NeuronPredictor]:
+    """One predictor per layer, fitted on the recorded calibration tokens to the "down" rule's choices at keep."""
+    return {layer: NeuronPredictor.fit(torch.cat(recorder.inputs[layer]), torch.cat(recorder.activations[layer]),
+                                       keep, args.predictor_rank, args.predictor_epochs)
+            for layer in recorder.inputs}
+
+
 def price_down_rows(name: str, args: argparse.Namespace, evaluation: str, dense: float) -> list[dict]:
     """Perplexity ratios to the original dense model with the down matrices requantized as rows (`--down-rows`)."""
     rows, keep = [], args.keep[len(args.keep) // 2]
@@ -166,8 +183,8 @@ def measure(name: str, args: argparse.Namespace) -> list[dict]:
     # (kind, neurons per unit, the units: one [G, size] for every layer, or per layer)
     units: list[tuple[str, int, torch.Tensor | None, dict[int, torch.Tensor]]] = [
         ("consecutive", size, consecutive_groups(d_ff, size), {}) for size in args.groups if d_ff % size == 0]
-    if args.clustered:
-        recorder = Recorder()
+    recorder = Recorder()
+    if args.clustered or "predicted" in args.rules:
         calibrating = ntio.load(name, max_context=CTX, policy=recorder, threads=args.threads)
         calibrating.perplexity(calibration, ctx=CTX)
         calibrating.close()
@@ -176,12 +193,18 @@ def measure(name: str, args: argparse.Namespace) -> list[dict]:
     eval_ids = m.tokenizer.encode(evaluation)
     for kind, size, shared, per_layer in units:
         for rule in args.rules:
+            if rule == "predicted" and size > 1:
+                continue  # a predictor scores single neurons
             for keep in args.keep:
                 policy.selection, policy.groups = NeuronSelection(rule, keep, shared), per_layer
+                policy.predictors = fit_predictors(recorder, keep, args) if rule == "predicted" else {}
+                policy.recall.clear()
                 ppl = m.perplexity(evaluation, ctx=CTX).perplexity
                 row = {"model": name, "rule": rule, "keep": keep, "unit": kind, "neurons_per_unit": size,
-                       "perplexity": ppl, "ratio": round(ppl / dense, 4),
-                       "union_by_pass_tokens": union_growth(m, policy, eval_ids, args.union_tokens)}
+                       "perplexity": ppl, "ratio": round(ppl / dense, 4)}
+                if rule == "predicted":
+                    row.update(predictor_rank=args.predictor_rank, oracle_recall=round(policy.oracle_recall(), 4))
+                row["union_by_pass_tokens"] = union_growth(m, policy, eval_ids, args.union_tokens)
                 print(json.dumps(row), flush=True)
                 rows.append(row)
     m.close()
@@ -191,7 +214,7 @@ def measure(name: str, args: argparse.Namespace) -> list[dict]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", nargs="+", default=["smollm2-135m", "qwen2.5-coder-1.5b"])
-    ap.add_argument("--rules", nargs="+", default=["down", "gate"], choices=["down", "gate"])
+    ap.add_argument("--rules", nargs="+", default=["down", "gate"], choices=["down", "gate", "predicted"])
     ap.add_argument("--keep", type=float, nargs="+", default=[0.7, 0.5, 0.3])
     ap.add_argument("--groups", type=int, nargs="+", default=[1, 32, 256], help="consecutive neurons per unit")
     ap.add_argument("--clustered", type=int, nargs="*", default=[], help="co-activation clustered neurons per unit")
@@ -200,6 +223,8 @@ def main() -> None:
                     help="price down matrices stored as rows (transposed, quantized again) in these types")
     ap.add_argument("--eval-tokens", type=int, default=2048)
     ap.add_argument("--calib-tokens", type=int, default=2048)
+    ap.add_argument("--predictor-rank", type=int, default=128)
+    ap.add_argument("--predictor-epochs", type=int, default=8)
     ap.add_argument("--threads", type=int)
     args = ap.parse_args()
     rows = [row for name in args.model for row in measure(name, args)]

@@ -47,9 +47,10 @@ class LayerWeights:
     # FFN neuron ranges [start, stop) whose gate/up rows were loaded (a load policy's "rows" decision); None: all.
     # w_gate_up then holds only the bytes of those rows: the others were never read.
     ffn_rows: tuple[tuple[int, int], ...] | None = None
-    # (gate, up) pre-activations [T, F] -> [T, F] bool: the neurons each token keeps, the others counting as 0 in
-    # the down product (a load policy's sparse FFN, ntio.policies.sparse_ffn); None: all.
-    ffn_mask: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
+    # (x [T, D] the FFN's normed input, gate and up pre-activations [T, F]) -> [T, F] bool: the neurons each token
+    # keeps, the others counting as 0 in the down product (a load policy's sparse FFN, ntio.policies.sparse_ffn);
+    # None: all.
+    ffn_mask: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] | None = None
 
 
 @dataclass
@@ -237,7 +238,7 @@ def gated_ffn(h: torch.Tensor, w: LayerWeights, cfg: ModelConfig, taps: dict[str
         taps["ffn_gate"] = gate_up[:, :d_ff]
     if w.ffn_mask is not None:
         gate, up = gate_up[:, :d_ff], gate_up[:, d_ff:]
-        gated = ops.GATES[cfg.ffn_gate](gate) * up * w.ffn_mask(gate, up)
+        gated = ops.GATES[cfg.ffn_gate](gate) * up * w.ffn_mask(rms_norm(h, w.ffn_norm, eps), gate, up)
         return ops.linear(gated if w.ffn_sub_norm is None else rms_norm(gated, w.ffn_sub_norm, eps), w.w_down)
     return ops.gated_linear(gate_up, w.w_down, cfg.ffn_gate, w.ffn_sub_norm, eps)
 

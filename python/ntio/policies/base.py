@@ -14,8 +14,8 @@ a policy knows how stale its observations may be when it decides. After a layer 
 
 When a layer is about to compute, the loader asks `still_wanted(layer, decision)`: a policy that has changed its
 mind about a prefetched read answers False, and the layer is skipped without waiting for that read. The engine then
-asks `ffn_mask(layer)`: a function from the FFN's gate and up pre-activations to the neurons each token keeps
-(ntio.policies.sparse_ffn), or None to keep all.
+asks `ffn_mask(layer)`: a function from the FFN's input and its gate and up pre-activations to the neurons each token
+keeps (ntio.policies.sparse_ffn), or None to keep all.
 
 Per-token depth (ntio.policies.layer_skip, early_exit, cosine_skip). A pass over T tokens reads a layer once for all
 of them, but each token may take its own path, as decoding it alone would:
@@ -54,8 +54,9 @@ class LoadDecision:
         return LoadDecision("rows", rows)
 
 
-# (gate, up) pre-activations [T, F] -> [T, F] bool: the FFN neurons each token keeps; the others count as 0.
-FFNMask = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+# (x, gate, up): the FFN's input [T, D] (after its norm) and its gate and up pre-activations [T, F] -> [T, F] bool,
+# the FFN neurons each token keeps; the others count as 0.
+FFNMask = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 LOAD_ALL = LoadDecision("all")
 SKIP = LoadDecision("skip")
