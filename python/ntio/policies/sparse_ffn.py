@@ -13,8 +13,8 @@ Measured (benches/RESULTS.md, "Sparse FFN"): on these SwiGLU models the rule onl
 SmolLM2's neurons by |a| costs x1.021 perplexity one by one, but x4.30 in groups of 32 consecutive neurons (one
 Q4_1 block of its down matrix) and x2.15 in groups of 32 clustered by co-activation; which neurons matter changes
 neuron by neuron. On Qwen2.5-Coder-1.5B, one by one: x1.006. A predictor does not come close on these models:
-on SmolLM2 at keep 0.5, rank 128 recalls 66% of the "down" rule's neurons (x2.23), rank 512 69% (x1.61), where
-the gate rule costs x1.39.
+at keep 0.5 it recalls 62-65% of the "down" rule's neurons, x2.25 on SmolLM2 (rank 128) and x3.62 on Qwen
+(rank 256), where the gate rule costs x1.39 and x1.13.
 
 This module prices a rule in perplexity: the FFN computes exactly the kept neurons, the others count as 0, and every
 byte is still read (the store layout that reads only kept neurons is not built yet). Kept neurons of different
