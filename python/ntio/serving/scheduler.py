@@ -16,9 +16,8 @@ the pass (`DraftLength.pass_cost`), which every sequence waits for, and of a dra
 lone request and shallow when many share a compute-bound pass. Before a request's first draft, the draft model must
 catch up on its prompt, a prefill that every sequence waits for: it is paid only where the tokens the request is
 expected to generate (the mean answer so far) win it back at the rate drafting saves. Greedy answers stay token for
-token those
-of plain decoding; sampled ones keep the model's distribution. A request sampled with a seed gets no drafts, so that
-its seed keeps giving the same draws.
+token those of plain decoding; sampled ones keep the model's distribution. A request sampled with a seed gets no
+drafts, so that its seed keeps giving the same draws.
 
 Sequences live in slots, each with its own KV cache of `slot_context` positions. A request joins between steps, in
 the free slot whose cached tokens share the longest prefix with its prompt (that prefix is not recomputed), and
