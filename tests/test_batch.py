@@ -50,6 +50,33 @@ def test_a_batched_pass_gives_each_sequence_its_own_logits(smollm2_path, tiers):
             assert kvs[i].ids[: len(ids[i])] == ids[i]
 
 
+@torch.inference_mode()
+def test_a_token_tree_in_a_batched_pass_gets_the_logits_of_a_pass_of_its_own(smollm2_path):
+    """A draft tree (node i's parent parents[i]) verified in a batched pass beside another sequence's prefill gets the
+    logits `Engine.forward(parents=...)` gives it alone, bit for bit; keeping a branch that leaves the first chain
+    (nodes 3, 4) then decodes the same next step."""
+    tree, parents, branch = [0, 11, 22, 33, 44], [-1, 0, 1, 0, 3], [3, 4]
+    with ntio.load(smollm2_path, max_context=256) as m:
+        a, b = (m.encode_prompt(p) for p in PROMPTS[:2])
+        tree[0] = a[-1]
+        root = len(a) - 1
+        m.engine.forward(torch.tensor(a[:-1]), 0)
+        alone = m.engine.forward(torch.tensor(tree), root, all_logits=True, parents=parents)
+        m.engine.kv.keep_branch(root, branch, [33, 44])
+        next_alone = m.engine.forward(torch.tensor([55]), m.engine.kv.length)
+
+        kva, kvb = (KVCache(m.config, 128, torch.float32, "cpu") for _ in range(2))
+        m.engine.forward_batch([Segment(torch.tensor(a[:-1]), 0, kva)])
+        together, _ = m.engine.forward_batch([Segment(torch.tensor(tree), root, kva, all_logits=True, parents=parents),
+                                              Segment(torch.tensor(b), 0, kvb)])
+        assert kva.length == root + 1  # only the root is a cached position until a branch is kept
+        kva.keep_branch(root, branch, [33, 44])
+        (next_together,) = m.engine.forward_batch([Segment(torch.tensor([55]), kva.length, kva)])
+    assert torch.equal(alone, together)
+    assert torch.equal(next_alone, next_together)
+    assert kva.ids == a + [33, 44, 55]
+
+
 def test_batched_passes_refuse_policies_that_change_layers(smollm2_path):
     with ntio.load(smollm2_path, max_context=64) as m:
         m.policy = CosineSkipPolicy(0.99)

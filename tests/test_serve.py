@@ -337,6 +337,35 @@ def test_a_draft_model_drafts_for_every_request_in_batched_passes(smollm2_path):
     assert metrics.steps < max(len(ids) for ids in solo), metrics.steps
 
 
+def test_draft_trees_keep_the_branch_the_model_accepts(smollm2_path):
+    """Draft trees in the shared passes: SmolLM2 drafting for itself, with each chain's first token swapped for the
+    draft's next choice, so that the right token is the extra leaf beside the chain. Every pass then accepts a leaf
+    off the chain (the cache keeps that branch, not the chain's slots), and the greedy answers are the solo answers."""
+    from ntio.decoding.generation import SamplingParams
+
+    def swap_first_choice(scheduler) -> None:
+        chains = scheduler._model_chains
+
+        def swapped(seqs, depths):
+            drafts = chains(seqs, depths)
+            for draft in drafts:
+                if draft.tokens:
+                    (alternative, chance), *rest = draft.alternatives[0]
+                    draft.alternatives[0] = [(draft.tokens[0], chance), *rest]
+                    draft.tokens[0] = alternative
+            return drafts
+        scheduler._model_chains = swapped
+
+    with ntio.load(smollm2_path, max_context=1024, draft=smollm2_path) as m:
+        prompts = [m.encode_prompt(t, chat=True) for t in REPEAT[:2]]
+        solo = [m.generate(p, max_new_tokens=24, temperature=0.0, use_draft=False).token_ids for p in prompts]
+        events, metrics = _scheduled(m, prompts, [SamplingParams()] * 2, prepare=swap_first_choice, fixed_draft=True)
+    for got, ids in zip(events, solo):
+        _assert_solo(m, got, ids)
+    assert metrics.accepted_tokens >= 16, (metrics.drafted_tokens, metrics.accepted_tokens)
+    assert metrics.steps < max(len(ids) for ids in solo), metrics.steps
+
+
 def test_a_draft_catches_up_on_a_prompt_only_where_the_answer_wins_it_back(smollm2_path):
     """Before a request's first draft the draft model prefills its prompt while every request waits. Priced at 1 s a
     row against answers expected to be 2 tokens long, no catch-up pays and nothing is drafted; at 1 µs a row against

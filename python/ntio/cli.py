@@ -312,10 +312,13 @@ def generate(prompt, max_new_tokens, chat, system, temperature, top_k, top_p, re
                    "qwen2.5-coder-1.5b): it drafts for every request of a step in batched passes")
 @click.option("--draft-tokens", type=click.IntRange(min=1), default=8, show_default=True,
               help="With --lookup or --draft: the deepest draft a pass verifies for a request")
+@click.option("--branches", type=click.IntRange(min=0), default=2, show_default=True,
+              help="With --draft: most of the draft model's next choices per drafted token added to a request's "
+                   "draft tree as extra leaves (0: linear drafts)")
 @click.option("--fixed-draft", is_flag=True,
-              help="Always draft as deep as --draft-tokens and the pass's rows allow (default: as deep as the "
-                   "measured costs and acceptance make worthwhile)")
-def serve(host, port, parallel, max_queue, api_key, model_id, lookup, draft, draft_tokens, fixed_draft,
+              help="Always draft as deep as --draft-tokens, with every extra leaf, as the pass's rows allow "
+                   "(default: as deep and wide as the measured costs and acceptance make worthwhile)")
+def serve(host, port, parallel, max_queue, api_key, model_id, lookup, draft, draft_tokens, branches, fixed_draft,
           **opts) -> None:
     """Serve the model over an OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions, /v1/models,
     /health, /metrics), answering up to --parallel requests in shared passes."""
@@ -336,7 +339,7 @@ def serve(host, port, parallel, max_queue, api_key, model_id, lookup, draft, dra
         raise OptionError("parallel", f"{parallel} leaves {slot_context} positions per request of the "
                                       f"{m.engine.kv.capacity}-token context: raise --ctx-size or lower --parallel")
     scheduler = Scheduler(m, parallel, max_queue, slot_context, PromptLookup() if lookup else None, draft_tokens,
-                          fixed_draft)
+                          fixed_draft, branches)
     app = create_app(m, scheduler, name, api_key)
     click.echo(f"ntio: serving {name} on http://{host}:{port}/v1 ({parallel} requests at once, {slot_context} "
                f"tokens each)", err=True)

@@ -291,14 +291,14 @@ def sample_chain(history: Sequence[int], k: int, sampler: Sampler,
             token = sampler(logits, seen)
         if branches:
             q = p if sampling else sampler.processed(logits, seen).softmax(-1)
-            alternatives.append(_next_choices(q, token, branches))
+            alternatives.append(next_choices(q, token, branches))
         tokens.append(token)
         seen = torch.cat((seen, torch.tensor([token], dtype=torch.int64, device=seen.device)))
     step_s = (time.perf_counter() - started) / (k - 1) if k > 1 else None
     return Draft(tokens, source, torch.stack(probs) if sampling else None, alternatives, step_s)
 
 
-def _next_choices(q: torch.Tensor, chosen: int, n: int) -> list[tuple[int, float]]:
+def next_choices(q: torch.Tensor, chosen: int, n: int) -> list[tuple[int, float]]:
     """The n most likely tokens of q [V] besides `chosen`, each with q's probability that it is the right one when
     `chosen` is not: q(t) / (1 - q(chosen))."""
     values, indices = q.topk(n + 1)

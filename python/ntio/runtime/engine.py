@@ -55,12 +55,15 @@ class LayerSource(Protocol):
 @dataclass(frozen=True)
 class Segment:
     """One sequence's part of a batched pass (`Engine.forward_batch`): new tokens at positions start_pos.. of kv;
-    all_logits: the logits after every one of them (a drafted chain to verify), else after the last."""
+    all_logits: the logits after every one of them (a draft to verify), else after the last. parents: the tokens
+    are a token tree, as in `Engine.forward` (only its root becomes a cached position; `KVCache.keep_branch` then
+    keeps one branch of the others)."""
 
     tokens: torch.Tensor  # [T] int64
     start_pos: int
     kv: KVCache
     all_logits: bool = False
+    parents: Sequence[int] | None = None
 
 
 def _decision(w: LayerWeights | None) -> LoadDecision:
@@ -122,6 +125,8 @@ class Engine:
             raise NtioError(f"batched passes run dense layers only, not the {type(policy).__name__} load policy")
         for s in segments:
             end = s.start_pos + s.tokens.shape[0]
+            if s.parents is not None and len(s.parents) != s.tokens.shape[0]:
+                raise ValueError(f"a token tree of {len(s.parents)} parents for {s.tokens.shape[0]} tokens")
             if s.tokens.shape[0] == 0 or end > s.kv.capacity:
                 raise ContextOverflowError(f"{end} tokens do not fit in a sequence's context of {s.kv.capacity}")
             s.kv.crop(min(s.start_pos, s.kv.length))
@@ -133,8 +138,8 @@ class Engine:
         longest = max(s.start_pos + n for s, n in zip(segments, rows))
         with self._step(ends[-1], longest):
             h = ops.embedding(torch.cat([s.tokens for s in segments]), self.globals.token_embd)  # [ΣT, D]
-            tables = [(rope_tables(self.globals.inv_freq, token_positions(s.start_pos, n, None, h.device)),
-                       causal_mask(s.start_pos, n, h.device)) for s, n in zip(segments, rows)]
+            tables = [(rope_tables(self.globals.inv_freq, token_positions(s.start_pos, n, s.parents, h.device)),
+                       causal_mask(s.start_pos, n, h.device, s.parents)) for s, n in zip(segments, rows)]
             self.layers.begin_forward(ends[-1])
             try:
                 for layer in range(cfg.n_layers):
@@ -152,7 +157,8 @@ class Engine:
             finally:
                 self.layers.end_forward()
         for s in segments:
-            s.kv.commit(s.start_pos, s.tokens.tolist())
+            ids = s.tokens.tolist()
+            s.kv.commit(s.start_pos, ids if s.parents is None else ids[:1])
         parts = logits.split([len(r) for r in wanted])
         return [part if s.all_logits else part[0] for s, part in zip(segments, parts)]
 

@@ -7,9 +7,11 @@ when weights stream from disk the bytes read per generated token fall as the num
 
 Speculative decoding: with prompt lookup on (`lookup`), a decoding sequence whose history has an n-gram match
 brings the tokens that followed it as a draft; with a draft model (`llm.draft`), the draft model proposes a chain
-for every decoding sequence at once, in batched passes of its own engine over per-slot caches. A sequence's rows of
-the pass are then its last token and its chain, and the pass's logits after each verify the chain
-(`speculative.verify`), so one pass can settle several of its tokens. Drafts take only the rows the step has spare,
+for every decoding sequence at once, in batched passes of its own engine over per-slot caches, and its next choices
+along the chain as extra leaves (`branches`). A sequence's rows of the pass are then its last token and its draft
+tree (a tree mask in the batched pass), and the pass's logits after each node verify the tree
+(`speculative.verify`), so one pass can settle several of its tokens; the cache keeps the accepted branch.
+Drafts take only the rows the step has spare,
 and only while they raise the pass's expected tokens per second for all its sequences together: their chance of
 acceptance (the sequence's own record per source, `DraftLength.acceptance`) against the measured cost of a row of
 the pass (`DraftLength.pass_cost`), which every sequence waits for, and of a draft pass. So drafts run deep for a
@@ -42,7 +44,7 @@ import torch
 
 from ntio.decoding.generation import Sampler, SamplingParams
 from ntio.decoding.speculative import (MAX_DRAFT, PREFERRED_LOOKUP, Draft, DraftLength, DraftModel, DraftTree,
-                                      PromptLookup, verdicts, verify)
+                                      PromptLookup, next_choices, verdicts, verify)
 from ntio.kernels import ops
 from ntio.runtime.engine import Segment
 from ntio.runtime.kv_cache import KVCache
@@ -119,10 +121,11 @@ class Scheduler:
     `submit` is safe from any thread; `shutdown()` finishes what is in flight and stops the thread."""
 
     def __init__(self, llm, parallel: int, max_queue: int, slot_context: int, lookup: PromptLookup | None = None,
-                 draft_tokens: int = 8, fixed_draft: bool = False) -> None:
+                 draft_tokens: int = 8, fixed_draft: bool = False, branches: int = 2) -> None:
         """lookup: prompt lookup drafts; `llm.draft` (a draft model loaded with the model), when there is one, drafts
-        too, for all the requests of a step in batched passes of its own. fixed_draft: every draft as deep as it can
-        go (draft_tokens, the rows spare), whatever it costs."""
+        too, for all the requests of a step in batched passes of its own, with up to `branches` of its next choices
+        per drafted token as extra leaves of the request's tree. fixed_draft: every draft as deep and wide as it can
+        go (draft_tokens, branches, the rows spare), whatever it costs."""
         from ntio.api import StopStrings
 
         if parallel < 1 or parallel > ops.KERNEL_ROWS - MIN_PREFILL_ROWS:
@@ -131,7 +134,7 @@ class Scheduler:
         self.engine = llm.engine
         self.max_queue = max_queue
         self.slot_context = slot_context
-        self.lookup, self.draft_tokens, self.fixed_draft = lookup, draft_tokens, fixed_draft
+        self.lookup, self.draft_tokens, self.fixed_draft, self.branches = lookup, draft_tokens, fixed_draft, branches
         self.pass_cost = DraftLength()  # the fitted cost of a pass against its rows
         self._stop_strings = StopStrings
         kv = self.engine.kv
@@ -241,7 +244,9 @@ class Scheduler:
         batch: list[tuple[int, _Sequence, DraftTree | None]] = []  # (slot, sequence, its tree; None: a prompt chunk)
         segments: list[Segment] = []
         for (slot, seq), tree in zip(decoding, self._drafts([seq for _, seq in decoding], spare)):
-            segments.append(Segment(torch.tensor(tree.tokens), seq.kv.length, seq.kv, all_logits=len(tree) > 1))
+            drafted = len(tree) > 1
+            segments.append(Segment(torch.tensor(tree.tokens), seq.kv.length, seq.kv, all_logits=drafted,
+                                    parents=tree.parents if drafted else None))
             batch.append((slot, seq, tree))
         rows = ops.KERNEL_ROWS - sum(s.tokens.shape[0] for s in segments)
         for slot, seq in self._active.items():
@@ -278,13 +283,16 @@ class Scheduler:
             self.metrics.decode_bytes_read += read
 
     def _drafts(self, decoding: list[_Sequence], spare: int) -> list[DraftTree]:
-        """The tree each decoding sequence brings to the pass: its last token and a drafted chain, within the tokens
-        it still wants, its context and `spare` rows in all. A sequence with a lookup match of PREFERRED_LOOKUP
-        tokens or more takes it; the others draft with the draft model, if there is one (all to one depth, in
-        batched passes: `_model_depth`), else with a shorter match. Lookup tokens then take rows likeliest first,
-        each while its chance c of acceptance pays for the row it takes: c · (the pass's cost) >= (the cost of a
-        row) · (the tokens the pass is expected to settle), the condition for a row to raise the pass's tokens per
-        second for all its sequences, which all wait for it."""
+        """The tree each decoding sequence brings to the pass: its last token and what was drafted for it, within the
+        tokens it still wants, its context and `spare` rows in all. A sequence with a lookup match of
+        PREFERRED_LOOKUP tokens or more takes it; the others draft with the draft model, if there is one (a chain
+        each, all to one depth, in batched passes: `_model_depth`), else with a shorter match. Then the offers
+        take rows likeliest first: lookup tokens (in chain order) and the draft model's next choices as extra
+        leaves (its token at step j is right with chance a^j, and where it is not, a next choice r is with the
+        draft's q(r) / (1 - q(token)): chance a^j (1 - a) q(r) / (1 - q(token))). Each takes its row while its
+        chance c pays for it: c · (the pass's cost) >= (the cost of a row) · (the tokens the pass is expected to
+        settle), the condition for a row to raise the pass's tokens per second for all its sequences, which all
+        wait for it."""
         trees = [DraftTree(seq.history[-1]) for seq in decoding]
         most = [0 if seq.acceptance is None else
                 min(self.draft_tokens, MAX_DRAFT, seq.request.max_tokens - seq.generated - 1,
@@ -299,29 +307,36 @@ class Scheduler:
         chances = {i: decoding[i].acceptance.acceptance(MODEL) for i in by_model}
         if by_model and not self.fixed_draft:
             by_model = self._catch_up_pays(decoding, by_model, chances, most, spare, t1, t_row)
+        # (chance, sequence, place in its lookup chain, None) or (chance, sequence, step, (parent node, token)).
+        offers: list[tuple[float, int, int, tuple[int, int] | None]] = []
         if by_model:
             depth = self._model_depth([(min(most[i], spare // len(by_model)), chances[i]) for i in by_model],
                                       len(decoding), t1, t_row)
             for i, draft in zip(by_model, self._model_chains([decoding[i] for i in by_model],
                                                              [min(depth, most[i]) for i in by_model])):
-                if draft.tokens:
-                    chance = [chances[i] ** (j + 1) for j in range(len(draft.tokens))]
-                    trees[i].add_chain(draft, chance)
-                    expected, drafted = expected + sum(chance), drafted + len(draft.tokens)
-        offers: list[tuple[float, int, int]] = []  # (chance, sequence, place in its chain)
+                a = chances[i]
+                chance = [a ** (j + 1) for j in range(len(draft.tokens))]
+                nodes = trees[i].add_chain(draft, chance)
+                expected, drafted = expected + sum(chance), drafted + len(draft.tokens)
+                offers += [(a ** j * (1 - a) * r, i, j, (nodes[j - 1] if j else 0, token))
+                           for j, choices in enumerate(draft.alternatives) for token, r in choices]
         for i, (_, tokens) in matches.items():
             if len(trees[i]) == 1:
                 a = decoding[i].acceptance.acceptance(self.lookup.name)
-                offers += [(a ** (j + 1), i, j) for j in range(len(tokens))]
+                offers += [(a ** (j + 1), i, j, None) for j in range(len(tokens))]
         taken = dict.fromkeys(matches, 0)
-        for chance, i, j in sorted(offers, key=lambda o: (-o[0], o[2])):  # a chain's tokens in order
+        for chance, i, j, leaf in sorted(offers, key=lambda o: (-o[0], o[2])):  # a chain's tokens in order
             if drafted >= spare or not self.fixed_draft and (
                     chance * (t1 + (len(decoding) - 1 + drafted) * t_row) < t_row * expected):
                 break  # later offers are no likelier, and each row taken raises the bar
-            if j == taken[i]:
+            if leaf is not None:
+                trees[i].add(*leaf, MODEL + "-alt", chance)
+            elif j == taken[i]:
                 taken[i] += 1
-                drafted += 1
-                expected += chance
+            else:
+                continue
+            drafted += 1
+            expected += chance
         for i, k in taken.items():
             if k:
                 a = decoding[i].acceptance.acceptance(self.lookup.name)
@@ -366,12 +381,14 @@ class Scheduler:
         return tokens / (t1 + rows * t_row + k * self.draft_step_s)
 
     def _model_chains(self, seqs: list[_Sequence], depths: list[int]) -> list[Draft]:
-        """Each sequence's chain from the draft model, depths[i] tokens deep, drawn with its own sampler: one
-        batched pass of the draft engine per drafted token for all of them. The first pass catches each sequence's
-        draft cache up on its history (a new request's whole prompt), and its rows past one per sequence are timed
-        for `_catch_up_pays`; the passes after it are timed for `_model_depth`."""
+        """Each sequence's chain from the draft model, depths[i] tokens deep, drawn with its own sampler, with up to
+        `branches` next choices per step (`Draft.alternatives`): one batched pass of the draft engine per drafted
+        token for all of them. The first pass catches each sequence's draft cache up on its history (a new
+        request's whole prompt), and its rows past one per sequence are timed for `_catch_up_pays`; the passes
+        after it are timed for `_model_depth`."""
         tokens: list[list[int]] = [[] for _ in seqs]
         probs: list[list[torch.Tensor]] = [[] for _ in seqs]
+        alternatives: list[list[list[tuple[int, float]]]] = [[] for _ in seqs]
         feeds = []  # per sequence: (tokens to feed, their first position)
         for seq in seqs:
             keep = seq.draft_kv.reusable_prefix(seq.history, len(seq.history) - 1)
@@ -385,11 +402,14 @@ class Scheduler:
             for i, logits in zip(live, rows):
                 sampler, seen = seqs[i].sampler, torch.tensor(seqs[i].history + tokens[i])
                 if sampler.params.temperature > 0:
-                    p = sampler.probabilities(logits, seen)
-                    probs[i].append(p)
-                    token = int(torch.multinomial(p, 1, generator=sampler.generator))
+                    q = sampler.probabilities(logits, seen)
+                    probs[i].append(q)
+                    token = int(torch.multinomial(q, 1, generator=sampler.generator))
                 else:
                     token = sampler(logits, seen)
+                    q = sampler.processed(logits, seen).softmax(-1) if self.branches else None
+                if self.branches:
+                    alternatives[i].append(next_choices(q, token, self.branches))
                 tokens[i].append(token)
                 feeds[i] = ([token], len(seqs[i].history) + step)
             spent = time.perf_counter() - t0
@@ -398,17 +418,17 @@ class Scheduler:
             elif fed - len(live) >= MIN_PREFILL_ROWS:  # a catch-up: price its rows past one per sequence
                 row_s = max(spent - self.draft_step_s, 0.0) / (fed - len(live))
                 self.draft_row_s = row_s if self.draft_row_s == 0 else 0.5 * (self.draft_row_s + row_s)
-        return [Draft(t, MODEL, torch.stack(p) if p else None) for t, p in zip(tokens, probs)]
+        return [Draft(t, MODEL, torch.stack(p) if p else None, alts) for t, p, alts in zip(tokens, probs, alternatives)]
 
     def _settle(self, seq: _Sequence, tree: DraftTree, out: torch.Tensor) -> list[int]:
-        """The tokens a decoding sequence's rows settle: the next one sampled, or its drafted chain verified (the
-        accepted tokens and the model's own after them, the cache kept up to the last accepted)."""
+        """The tokens a decoding sequence's rows settle: the next one sampled, or its drafted tree verified (the
+        accepted branch and the model's own token after it, the cache keeping that branch)."""
         history = torch.tensor(seq.history)
         if len(tree) == 1:
             return [seq.sampler(out, history)]
         root = len(seq.history) - 1
         branch, token = verify(out, tree, seq.sampler, history)
-        seq.kv.crop(root + 1 + len(branch))
+        seq.kv.keep_branch(root, branch, tree.branch_tokens(branch))
         seq.acceptance.observe(len(tree), 0.0, verdicts(tree, branch), None)
         self.metrics.drafted_tokens += len(tree) - 1
         self.metrics.accepted_tokens += len(branch)
