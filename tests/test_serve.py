@@ -325,16 +325,21 @@ def test_a_draft_model_drafts_for_every_request_in_batched_passes(smollm2_path):
     are accepted, and a sampled request (its draws tested against the draft's distribution) still finishes."""
     from ntio.decoding.generation import SamplingParams
 
+    from ntio.serving.scheduler import MODEL
+
     with ntio.load(smollm2_path, max_context=1024, draft=smollm2_path) as m:
         prompts = [m.encode_prompt(t, chat=True) for t in REPEAT]
         solo = [m.generate(p, max_new_tokens=24, temperature=0.0, use_draft=False).token_ids for p in prompts[:2]]
         sampling = [SamplingParams(), SamplingParams(), SamplingParams(temperature=0.8)]
-        events, metrics = _scheduled(m, prompts, sampling, fixed_draft=True)
+        schedulers = []
+        events, metrics = _scheduled(m, prompts, sampling, prepare=schedulers.append, fixed_draft=True)
     for got, ids in zip(events, solo):
         _assert_solo(m, got, ids)
     assert events[2][-1][0] == "done"
     assert metrics.accepted_tokens >= 20, (metrics.drafted_tokens, metrics.accepted_tokens)
     assert metrics.steps < max(len(ids) for ids in solo), metrics.steps
+    # A new request's acceptance record starts from the server's (here nearly every draft was right), not from 1/2.
+    assert schedulers[0]._acceptance_record().acceptance(MODEL) > 0.8
 
 
 def test_draft_trees_keep_the_branch_the_model_accepts(smollm2_path):

@@ -13,7 +13,8 @@ tree (a tree mask in the batched pass), and the pass's logits after each node ve
 (`speculative.verify`), so one pass can settle several of its tokens; the cache keeps the accepted branch.
 Drafts take only the rows the step has spare,
 and only while they raise the pass's expected tokens per second for all its sequences together: their chance of
-acceptance (the sequence's own record per source, `DraftLength.acceptance`) against the measured cost of a row of
+acceptance (the sequence's own record per source, `DraftLength.acceptance`, which starts from the server's record of
+the passes before it) against the measured cost of a row of
 the pass (`DraftLength.pass_cost`), which every sequence waits for, and of a draft pass. So drafts run deep for a
 lone request and shallow when many share a compute-bound pass. Before a request's first draft, the draft model must
 catch up on its prompt, a prefill that every sequence waits for: it is paid only where the tokens the request is
@@ -136,6 +137,9 @@ class Scheduler:
         self.slot_context = slot_context
         self.lookup, self.draft_tokens, self.fixed_draft, self.branches = lookup, draft_tokens, fixed_draft, branches
         self.pass_cost = DraftLength()  # the fitted cost of a pass against its rows
+        # Every sequence's verdicts, per source: where a new request's acceptance record starts (a request's own
+        # record decays towards it within a few passes).
+        self.acceptance = DraftLength()
         self._stop_strings = StopStrings
         kv = self.engine.kv
         self.slots = [KVCache(llm.config, slot_context, kv.k.dtype, kv.k.device) for _ in range(parallel)]
@@ -218,10 +222,17 @@ class Scheduler:
                                                                               or sampling.seed is None)
             self._active[slot] = _Sequence(request, kv, Sampler(request.sampling, self.engine.device),
                                            self.llm.tokenizer.stream(), self._stop_strings(request.stop), reuse,
-                                           list(prompt), DraftLength() if drafts else None,
+                                           list(prompt), self._acceptance_record() if drafts else None,
                                            self.draft_slots[slot] if self.draft is not None else None)
             self.metrics.prompt_tokens += len(prompt)
         self.metrics.active, self.metrics.queued = len(self._active), len(self._queue)
+
+    def _acceptance_record(self) -> DraftLength:
+        """A new request's record of its drafts' acceptance, starting from the server's: the same model drafting for
+        the same traffic is accepted about as often (a fresh record would start at 1/2 and take passes to learn)."""
+        record = DraftLength()
+        record.counts = {source: list(counts) for source, counts in self.acceptance.counts.items()}
+        return record
 
     def _drop_cancelled(self) -> None:
         for slot, seq in list(self._active.items()):
@@ -429,7 +440,8 @@ class Scheduler:
         root = len(seq.history) - 1
         branch, token = verify(out, tree, seq.sampler, history)
         seq.kv.keep_branch(root, branch, tree.branch_tokens(branch))
-        seq.acceptance.observe(len(tree), 0.0, verdicts(tree, branch), None)
+        for record in (seq.acceptance, self.acceptance):
+            record.observe(len(tree), 0.0, verdicts(tree, branch), None)
         self.metrics.drafted_tokens += len(tree) - 1
         self.metrics.accepted_tokens += len(branch)
         return tree.branch_tokens(branch) + [token]
