@@ -8,6 +8,8 @@ import pytest
 
 from ntio.fetch import fetch_default_model, fetch_model
 
+ROOT = Path(__file__).resolve().parent.parent
+
 
 @pytest.fixture(scope="session")
 def smollm2_path() -> Path:
@@ -35,3 +37,22 @@ def hf_smollm2(smollm2_path):
     from references import hf_model
 
     return hf_model(smollm2_path)
+
+
+@pytest.fixture(scope="session")
+def corpus() -> str:
+    """Real text for calibration: this repository's Python sources."""
+    return "".join(p.read_text() for p in sorted((ROOT / "python" / "ntio").rglob("*.py")))
+
+
+@pytest.fixture(scope="session")
+def calibration_file(smollm2_path, corpus, tmp_path_factory) -> Path:
+    """SmolLM2's exit heads after layers 22 and 26 (and its depth profile), calibrated on `corpus`."""
+    import ntio
+    from ntio.policies.depth_profile import calibrate_depth
+
+    m = ntio.load(smollm2_path)
+    path = tmp_path_factory.mktemp("calib") / "smollm2.exit"
+    calibrate_depth(m, corpus, [22, 26], n_tokens=4096).save(path)
+    m.close()
+    return path

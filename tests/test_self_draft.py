@@ -14,7 +14,6 @@ import ntio
 from ntio.cli import main
 from ntio.decoding.self_draft import Calibration, SelfDraft, fingerprint
 from ntio.errors import ModelFormatError, OptionError
-from ntio.policies.depth_profile import calibrate_depth
 
 ROOT = Path(__file__).resolve().parent.parent
 PROMPTS = [
@@ -23,20 +22,6 @@ PROMPTS = [
     "List the days of the week, one per line.",
     "Rewrite this sentence in the past tense: 'The cat sits on the mat while the dog runs in the park.'",
 ]
-
-
-@pytest.fixture(scope="module")
-def corpus() -> str:
-    return "".join(p.read_text() for p in sorted((ROOT / "python" / "ntio").rglob("*.py")))
-
-
-@pytest.fixture(scope="module")
-def calibration_file(smollm2_path, corpus, tmp_path_factory) -> Path:
-    m = ntio.load(smollm2_path)
-    path = tmp_path_factory.mktemp("calib") / "smollm2.exit"
-    calibrate_depth(m, corpus, [22, 26], n_tokens=4096).save(path)
-    m.close()
-    return path
 
 
 @pytest.mark.parametrize("tiers", ["auto", "A:0-9,C:10-29"])

@@ -325,8 +325,6 @@ def test_a_draft_model_drafts_for_every_request_in_batched_passes(smollm2_path):
     are accepted, and a sampled request (its draws tested against the draft's distribution) still finishes."""
     from ntio.decoding.generation import SamplingParams
 
-    from ntio.serving.scheduler import MODEL
-
     with ntio.load(smollm2_path, max_context=1024, draft=smollm2_path) as m:
         prompts = [m.encode_prompt(t, chat=True) for t in REPEAT]
         solo = [m.generate(p, max_new_tokens=24, temperature=0.0, use_draft=False).token_ids for p in prompts[:2]]
@@ -339,7 +337,7 @@ def test_a_draft_model_drafts_for_every_request_in_batched_passes(smollm2_path):
     assert metrics.accepted_tokens >= 20, (metrics.drafted_tokens, metrics.accepted_tokens)
     assert metrics.steps < max(len(ids) for ids in solo), metrics.steps
     # A new request's acceptance record starts from the server's (here nearly every draft was right), not from 1/2.
-    assert schedulers[0]._acceptance_record().acceptance(MODEL) > 0.8
+    assert schedulers[0]._acceptance_record().acceptance(schedulers[0].draft_name) > 0.8
 
 
 def test_draft_trees_keep_the_branch_the_model_accepts(smollm2_path):
@@ -369,6 +367,23 @@ def test_draft_trees_keep_the_branch_the_model_accepts(smollm2_path):
         _assert_solo(m, got, ids)
     assert metrics.accepted_tokens >= 16, (metrics.drafted_tokens, metrics.accepted_tokens)
     assert metrics.steps < max(len(ids) for ids in solo), metrics.steps
+
+
+def test_a_self_draft_drafts_for_every_request_from_the_slots_own_caches(smollm2_path, calibration_file):
+    """Self-speculation in the shared passes: SmolLM2's first 23 layers and the exit head after layer 22 draft for
+    every decoding request in batched early exits over the slots' own caches (no catch-up: they hold those layers'
+    K/V already), drafts forced: the greedy answers are the solo answers, and drafted tokens are accepted."""
+    from ntio.decoding.generation import SamplingParams
+
+    with ntio.load(smollm2_path, max_context=1024, self_draft=calibration_file, exit_layer=22) as m:
+        prompts = [m.encode_prompt(t, chat=True) for t in REPEAT]
+        solo = [m.generate(p, max_new_tokens=24, temperature=0.0, use_draft=False).token_ids for p in prompts]
+        schedulers = []
+        events, metrics = _scheduled(m, prompts, [SamplingParams()] * 3, prepare=schedulers.append, fixed_draft=True)
+    for got, ids in zip(events, solo):
+        _assert_solo(m, got, ids)
+    assert schedulers[0].draft_name == "self" and schedulers[0].draft_row_s == 0.0  # never caught up
+    assert metrics.accepted_tokens >= 10, (metrics.drafted_tokens, metrics.accepted_tokens)
 
 
 def test_a_draft_catches_up_on_a_prompt_only_where_the_answer_wins_it_back(smollm2_path):

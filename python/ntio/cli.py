@@ -310,16 +310,21 @@ def generate(prompt, max_new_tokens, chat, system, temperature, top_k, top_p, re
 @click.option("--draft", metavar="PATH|NAME",
               help="Speculative decoding with a draft model of the same vocabulary (e.g. qwen2.5-coder-0.5b for "
                    "qwen2.5-coder-1.5b): it drafts for every request of a step in batched passes")
+@click.option("--self-draft", type=click.Path(dir_okay=False), metavar="CALIBRATION",
+              help="Speculative decoding with the model's own first layers drafting through this exit-head file "
+                   "(`ntio calibrate`), for every request of a step in batched passes")
+@click.option("--exit-layer", type=int, help="With --self-draft: the layer whose exit head drafts (default: the "
+                                             "shallowest calibrated one past the middle)")
 @click.option("--draft-tokens", type=click.IntRange(min=1), default=8, show_default=True,
-              help="With --lookup or --draft: the deepest draft a pass verifies for a request")
+              help="With --lookup, --draft or --self-draft: the deepest draft a pass verifies for a request")
 @click.option("--branches", type=click.IntRange(min=0), default=2, show_default=True,
-              help="With --draft: most of the draft model's next choices per drafted token added to a request's "
-                   "draft tree as extra leaves (0: linear drafts)")
+              help="With --draft or --self-draft: most of the drafter's next choices per drafted token added to a "
+                   "request's draft tree as extra leaves (0: linear drafts)")
 @click.option("--fixed-draft", is_flag=True,
               help="Always draft as deep as --draft-tokens, with every extra leaf, as the pass's rows allow "
                    "(default: as deep and wide as the measured costs and acceptance make worthwhile)")
-def serve(host, port, parallel, max_queue, api_key, model_id, lookup, draft, draft_tokens, branches, fixed_draft,
-          **opts) -> None:
+def serve(host, port, parallel, max_queue, api_key, model_id, lookup, draft, self_draft, exit_layer, draft_tokens,
+          branches, fixed_draft, **opts) -> None:
     """Serve the model over an OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions, /v1/models,
     /health, /metrics), answering up to --parallel requests in shared passes."""
     try:
@@ -333,7 +338,7 @@ def serve(host, port, parallel, max_queue, api_key, model_id, lookup, draft, dra
     from ntio.serving.scheduler import Scheduler
 
     name = model_id or Path(opts["model"] or DEFAULT_NAME).name
-    m = _load(**_split(opts), draft=draft)
+    m = _load(**_split(opts), draft=draft, self_draft=self_draft, exit_layer=exit_layer)
     slot_context = m.engine.kv.capacity // parallel
     if slot_context < 16:
         raise OptionError("parallel", f"{parallel} leaves {slot_context} positions per request of the "

@@ -28,7 +28,7 @@ from ntio.decoding.speculative import Draft, sample_chain
 from ntio.errors import ModelFormatError, NtioError, OptionError
 from ntio.files import replacing
 from ntio.models.layers import LayerWeights
-from ntio.runtime.engine import Engine
+from ntio.runtime.engine import Engine, Segment
 
 FORMAT, VERSION = "ntio-exit-heads", 1
 # Ridge strength relative to the mean squared norm of h_E: small, the fits are well determined by a few thousand
@@ -148,11 +148,17 @@ class SelfDraft:
         engine.kv.crop(min(engine.kv.length, len(history) - 1))
 
         def logits_after(i: int, token: int) -> torch.Tensor:
-            h = engine.early_exit(torch.tensor([token], dtype=torch.int64, device=device), len(history) - 1 + i,
-                                  self.blocks)
-            return engine.head_logits(h @ self.w + self.b)[0]
+            token_ids = torch.tensor([token], dtype=torch.int64, device=device)
+            return self.batch_logits([Segment(token_ids, len(history) - 1 + i, engine.kv)])[0]
 
         return sample_chain(history, k, sampler, logits_after, self.name, branches)
+
+    def batch_logits(self, segments: Sequence[Segment]) -> list[torch.Tensor]:
+        """Each segment's draft logits [V] after its last token: one batched pass of the first layers over the
+        segments' caches (`Engine.early_exit_batch`: a server's slots, or the engine's own cache), then the exit
+        head, the final norm and the output head."""
+        last = torch.cat([h[-1:] for h in self.engine.early_exit_batch(segments, self.blocks)])
+        return list(self.engine.head_logits(last @ self.w + self.b))
 
 
 def default_exit_layer(calibration: Calibration, n_layers: int) -> int:

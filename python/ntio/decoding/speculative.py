@@ -174,14 +174,21 @@ class DraftLength:
         return (accepted + 1) / (accepted + rejected + 2)
 
     def pass_cost(self) -> tuple[float, float]:
-        """(t1, t_row) of the fitted pass cost; (1, 0) before any pass (every draft then looks free)."""
+        """(t1, t_row) of the fitted pass cost; (1, 0) before any pass (every draft then looks free), and t_row 0
+        while every pass timed had the same length (`rows_fitted`)."""
         n, st, stt, ss, sts = self.fit
         if n == 0:
             return 1.0, 0.0
         var = stt / n - (st / n) ** 2
-        slope = (sts / n - st / n * ss / n) / var if var > 1e-9 else 0.0
+        slope = (sts / n - st / n * ss / n) / var if self.rows_fitted else 0.0
         slope = max(slope, 0.0)
         return max(ss / n - slope * (st / n - 1), 1e-9), slope
+
+    @property
+    def rows_fitted(self) -> bool:
+        """Whether passes of different lengths were timed, so that t_row is measured rather than read as 0."""
+        n, st, stt = self.fit[:3]
+        return n > 0 and stt / n - (st / n) ** 2 > 1e-9
 
     def choose(self, source: str, most: int) -> int:
         if self.fixed:

@@ -132,26 +132,18 @@ class Engine:
             s.kv.crop(min(s.start_pos, s.kv.length))
             if s.start_pos != s.kv.length:
                 raise ValueError(f"start_pos {s.start_pos} leaves a gap after the {s.kv.length} cached positions")
-        cfg, block = self.cfg, batched_block
         rows = [s.tokens.shape[0] for s in segments]
         ends = [sum(rows[: i + 1]) for i in range(len(rows))]
         longest = max(s.start_pos + n for s, n in zip(segments, rows))
         with self._step(ends[-1], longest):
-            h = ops.embedding(torch.cat([s.tokens for s in segments]), self.globals.token_embd)  # [ΣT, D]
-            tables = [(rope_tables(self.globals.inv_freq, token_positions(s.start_pos, n, s.parents, h.device)),
-                       causal_mask(s.start_pos, n, h.device, s.parents)) for s, n in zip(segments, rows)]
+            h, tables = self._batch_inputs(segments)
             self.layers.begin_forward(ends[-1])
             try:
-                for layer in range(cfg.n_layers):
+                for layer in range(self.cfg.n_layers):
                     w = self.layers.block(layer)
                     if w is None:
                         raise NtioError(f"the load policy skipped layer {layer}: batched passes run every layer")
-                    sequences = [SequenceRows(slice(end - n, end), s.kv.k[layer], s.kv.v[layer], s.start_pos, rope,
-                                              s.kv.attention_mask(layer, mask, n, s.start_pos + n))
-                                 for s, n, end, (rope, mask) in zip(segments, rows, ends, tables)]
-                    h = block(h, w, sequences, cfg, cfg.family.rope)
-                    for s, n in zip(segments, rows):
-                        s.kv.record(layer, s.start_pos, n, skipped=False)
+                    h = self._batched_layer(h, layer, w, segments, tables)
                 wanted = [range(end - n if s.all_logits else end - 1, end) for s, n, end in zip(segments, rows, ends)]
                 logits = self._logits(self.final_norm(h[[i for r in wanted for i in r]]))  # [rows wanted, V]
             finally:
@@ -235,26 +227,57 @@ class Engine:
         ):
             yield
 
-    @torch.inference_mode()
-    def early_exit(self, tokens: torch.Tensor, start_pos: int, blocks: Sequence[LayerWeights]) -> torch.Tensor:
-        """tokens [T] at positions start_pos.. through the first len(blocks) layers only, with these weights (a
-        self-draft's): their K/V are written for those layers, and the hidden states after the last [T, D] returned.
-        The cache's valid length does not change: the next full forward at these positions rewrites them."""
-        n_tokens, kv = tokens.shape[0], self.kv
-        end = start_pos + n_tokens
-        if end > kv.capacity:
-            raise ContextOverflowError(f"{end} tokens do not fit in the context of {kv.capacity} tokens")
-        if start_pos < kv.length or any(kv.layer_length[i] != start_pos for i in range(len(blocks))):
-            raise ValueError(f"early exit at {start_pos} does not continue the first {len(blocks)} layers' cache")
-        with self._step(n_tokens, end):
-            h = ops.embedding(tokens, self.globals.token_embd)
-            rope = rope_tables(self.globals.inv_freq, token_positions(start_pos, n_tokens, None, h.device))
-            mask = causal_mask(start_pos, n_tokens, h.device)
-            for layer, w in enumerate(blocks):
-                layer_mask = kv.attention_mask(layer, mask, n_tokens, end)
-                h = self.cfg.family.block(h, w, kv.k[layer], kv.v[layer], start_pos, rope, layer_mask, self.cfg)
-                kv.record(layer, start_pos, n_tokens, skipped=False)
+    def _batch_inputs(self, segments: Sequence[Segment]) -> tuple[torch.Tensor, list[tuple]]:
+        """The segments' token embeddings [ΣT, D] and each one's (RoPE tables, mask) for `_batched_layer`."""
+        h = ops.embedding(torch.cat([s.tokens for s in segments]), self.globals.token_embd)
+        tables = []
+        for s in segments:
+            n = s.tokens.shape[0]
+            tables.append((rope_tables(self.globals.inv_freq, token_positions(s.start_pos, n, s.parents, h.device)),
+                           causal_mask(s.start_pos, n, h.device, s.parents)))
+        return h, tables
+
+    def _batched_layer(self, h: torch.Tensor, layer: int, w: LayerWeights, segments: Sequence[Segment],
+                       tables: list[tuple]) -> torch.Tensor:
+        """h [ΣT, D] of the segments through layer `layer` with weights w (`layers.batched_block`), each segment's K/V
+        written in its own cache."""
+        sequences, end = [], 0
+        for s, (rope, mask) in zip(segments, tables):
+            n = s.tokens.shape[0]
+            end += n
+            sequences.append(SequenceRows(slice(end - n, end), s.kv.k[layer], s.kv.v[layer], s.start_pos, rope,
+                                          s.kv.attention_mask(layer, mask, n, s.start_pos + n)))
+        h = batched_block(h, w, sequences, self.cfg, self.cfg.family.rope)
+        for s in segments:
+            s.kv.record(layer, s.start_pos, s.tokens.shape[0], skipped=False)
         return h
+
+    def early_exit(self, tokens: torch.Tensor, start_pos: int, blocks: Sequence[LayerWeights]) -> torch.Tensor:
+        """`early_exit_batch` of tokens [T] at positions start_pos.. of this engine's own cache: [T, D]."""
+        return self.early_exit_batch([Segment(tokens, start_pos, self.kv)], blocks)[0]
+
+    @torch.inference_mode()
+    def early_exit_batch(self, segments: Sequence[Segment], blocks: Sequence[LayerWeights]) -> list[torch.Tensor]:
+        """Several sequences, each in its own cache (chains only), through the first len(blocks) layers only, with
+        these weights (a self-draft's), in one batched pass as `forward_batch` runs: their K/V are written for those
+        layers, and each segment's hidden states after the last [T_i, D] returned. The caches' valid lengths do not
+        change: the next full forward at these positions rewrites them."""
+        for s in segments:
+            n, kv = s.tokens.shape[0], s.kv
+            if s.parents is not None:
+                raise ValueError("early exits run chains, not token trees")
+            if s.start_pos + n > kv.capacity:
+                raise ContextOverflowError(f"{s.start_pos + n} tokens do not fit in the context of {kv.capacity} "
+                                           f"tokens")
+            if s.start_pos < kv.length or any(kv.layer_length[i] != s.start_pos for i in range(len(blocks))):
+                raise ValueError(f"early exit at {s.start_pos} does not continue the first {len(blocks)} layers' "
+                                 f"cache")
+        rows = [s.tokens.shape[0] for s in segments]
+        with self._step(sum(rows), max(s.start_pos + n for s, n in zip(segments, rows))):
+            h, tables = self._batch_inputs(segments)
+            for layer, w in enumerate(blocks):
+                h = self._batched_layer(h, layer, w, segments, tables)
+        return list(h.split(rows))
 
     @torch.inference_mode()
     def head_logits(self, h: torch.Tensor) -> torch.Tensor:

@@ -5,22 +5,24 @@ one token for each sequence that is decoding, and prompt tokens for sequences st
 a long prompt never holds the others up for more than a step. Every layer is read once per step for all of them, so
 when weights stream from disk the bytes read per generated token fall as the number of active requests rises.
 
-Speculative decoding: with prompt lookup on (`lookup`), a decoding sequence whose history has an n-gram match
-brings the tokens that followed it as a draft; with a draft model (`llm.draft`), the draft model proposes a chain
-for every decoding sequence at once, in batched passes of its own engine over per-slot caches, and its next choices
-along the chain as extra leaves (`branches`). A sequence's rows of the pass are then its last token and its draft
-tree (a tree mask in the batched pass), and the pass's logits after each node verify the tree
-(`speculative.verify`), so one pass can settle several of its tokens; the cache keeps the accepted branch.
-Drafts take only the rows the step has spare,
-and only while they raise the pass's expected tokens per second for all its sequences together: their chance of
-acceptance (the sequence's own record per source, `DraftLength.acceptance`, which starts from the server's record of
-the passes before it) against the measured cost of a row of
-the pass (`DraftLength.pass_cost`), which every sequence waits for, and of a draft pass. So drafts run deep for a
-lone request and shallow when many share a compute-bound pass. Before a request's first draft, the draft model must
-catch up on its prompt, a prefill that every sequence waits for: it is paid only where the tokens the request is
-expected to generate (the mean answer so far) win it back at the rate drafting saves. Greedy answers stay token for
-token those of plain decoding; sampled ones keep the model's distribution. A request sampled with a seed gets no
-drafts, so that its seed keeps giving the same draws.
+Speculative decoding: with prompt lookup on (`lookup`), a decoding sequence whose history has an n-gram match brings
+the tokens that followed it as a draft; with a drafting model, it proposes a chain for every decoding sequence at
+once, in batched passes, and its next choices along the chain as extra leaves (`branches`; once passes of several
+lengths have priced a row). The drafting model is a
+draft model (`llm.draft`: its own engine over per-slot caches of its own) or the model's own first layers with an
+exit head (`llm.self_draft`: batched early exits over the slots' own caches, which already hold those layers' K/V of
+every history, so that a self-draft never catches up on a prompt). A sequence's rows of the pass are then its last
+token and its draft tree (a tree mask in the batched pass), and the pass's logits after each node verify the tree
+(`speculative.verify`), so one pass can settle several of its tokens; the cache keeps the accepted branch. Drafts
+take only the rows the step has spare, and only while they raise the pass's expected tokens per second for all its
+sequences together: their chance of acceptance (the sequence's own record per source, `DraftLength.acceptance`,
+which starts from the server's record of the passes before it) against the measured cost of a row of the pass
+(`DraftLength.pass_cost`), which every sequence waits for, and of a draft pass. So drafts run deep for a lone
+request and shallow when many share a compute-bound pass. Before a request's first draft, the draft model must catch
+up on its prompt, a prefill that every sequence waits for: it is paid only where the tokens the request is expected
+to generate (the mean answer so far) win it back at the rate drafting saves. Greedy answers stay token for token
+those of plain decoding; sampled ones keep the model's distribution. A request sampled with a seed gets no drafts,
+so that its seed keeps giving the same draws.
 
 Sequences live in slots, each with its own KV cache of `slot_context` positions. A request joins between steps, in
 the free slot whose cached tokens share the longest prefix with its prompt (that prefix is not recomputed), and
@@ -44,6 +46,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ntio.decoding.generation import Sampler, SamplingParams
+from ntio.decoding.self_draft import SelfDraft
 from ntio.decoding.speculative import (MAX_DRAFT, PREFERRED_LOOKUP, Draft, DraftLength, DraftModel, DraftTree,
                                       PromptLookup, next_choices, verdicts, verify)
 from ntio.kernels import ops
@@ -52,7 +55,6 @@ from ntio.runtime.kv_cache import KVCache
 
 # Prompt rows a step gives to prefills at least, however many sequences are decoding.
 MIN_PREFILL_ROWS = 8
-MODEL = DraftModel.name  # the draft model's source name in trees and acceptance records
 
 
 @dataclass
@@ -80,7 +82,7 @@ class _Sequence:
     fed: int  # prompt tokens in the cache
     history: list[int]  # prompt and generated ids (the sampler's repetition history)
     acceptance: DraftLength | None  # how often its drafted tokens were accepted, per source; None: no drafts
-    draft_kv: KVCache | None  # the draft model's cache for it
+    draft_kv: KVCache | None  # the drafting model's cache for it (a self-draft's: the slot's own)
     generated: int = 0
     started: float = field(default_factory=time.perf_counter)
 
@@ -143,12 +145,19 @@ class Scheduler:
         self._stop_strings = StopStrings
         kv = self.engine.kv
         self.slots = [KVCache(llm.config, slot_context, kv.k.dtype, kv.k.device) for _ in range(parallel)]
-        # The draft model's engine and a KV cache of its own per slot; seconds per batched draft pass (EMA).
-        self.draft = llm.draft.engine if llm.draft is not None else None
-        self.draft_slots = [] if self.draft is None else [
-            KVCache(llm.draft.config, slot_context, self.draft.kv.k.dtype, self.draft.kv.k.device)
-            for _ in range(parallel)]
-        self.draft_step_s = 0.0
+        # The drafting model's batched pass (segments -> each one's next-token logits), its source name and its cache
+        # per slot: a draft model's engine over caches of its own, or a self-draft (the model's own first layers and
+        # an exit head) over the slots' caches, which hold those layers' K/V of every history already.
+        self.draft: Callable[[list[Segment]], list[torch.Tensor]] | None = None
+        self.draft_name, self.draft_slots = DraftModel.name, []
+        if llm.draft is not None:
+            self.draft = llm.draft.engine.forward_batch
+            draft_kv = llm.draft.engine.kv
+            self.draft_slots = [KVCache(llm.draft.config, slot_context, draft_kv.k.dtype, draft_kv.k.device)
+                                for _ in range(parallel)]
+        elif llm.self_draft is not None:
+            self.draft, self.draft_name, self.draft_slots = llm.self_draft.batch_logits, SelfDraft.name, self.slots
+        self.draft_step_s = 0.0  # seconds per batched draft pass (EMA)
         self.draft_row_s = 0.0  # seconds per prompt row in a draft catch-up pass (EMA; 0 until measured: free)
         self.answer_tokens: float | None = None  # tokens per finished answer (EMA); None before the first
         self._free = list(range(parallel))
@@ -315,7 +324,7 @@ class Scheduler:
                     and (i not in matches or matches[i][0] < PREFERRED_LOOKUP)]
         t1, t_row = self.pass_cost.pass_cost()
         expected, drafted = float(len(decoding)), 0
-        chances = {i: decoding[i].acceptance.acceptance(MODEL) for i in by_model}
+        chances = {i: decoding[i].acceptance.acceptance(self.draft_name) for i in by_model}
         if by_model and not self.fixed_draft:
             by_model = self._catch_up_pays(decoding, by_model, chances, most, spare, t1, t_row)
         # (chance, sequence, place in its lookup chain, None) or (chance, sequence, step, (parent node, token)).
@@ -329,8 +338,9 @@ class Scheduler:
                 chance = [a ** (j + 1) for j in range(len(draft.tokens))]
                 nodes = trees[i].add_chain(draft, chance)
                 expected, drafted = expected + sum(chance), drafted + len(draft.tokens)
-                offers += [(a ** j * (1 - a) * r, i, j, (nodes[j - 1] if j else 0, token))
-                           for j, choices in enumerate(draft.alternatives) for token, r in choices]
+                if self.pass_cost.rows_fitted or self.fixed_draft:  # else every row would look free
+                    offers += [(a ** j * (1 - a) * r, i, j, (nodes[j - 1] if j else 0, token))
+                               for j, choices in enumerate(draft.alternatives) for token, r in choices]
         for i, (_, tokens) in matches.items():
             if len(trees[i]) == 1:
                 a = decoding[i].acceptance.acceptance(self.lookup.name)
@@ -341,7 +351,7 @@ class Scheduler:
                     chance * (t1 + (len(decoding) - 1 + drafted) * t_row) < t_row * expected):
                 break  # later offers are no likelier, and each row taken raises the bar
             if leaf is not None:
-                trees[i].add(*leaf, MODEL + "-alt", chance)
+                trees[i].add(*leaf, self.draft_name + "-alt", chance)
             elif j == taken[i]:
                 taken[i] += 1
             else:
@@ -392,11 +402,12 @@ class Scheduler:
         return tokens / (t1 + rows * t_row + k * self.draft_step_s)
 
     def _model_chains(self, seqs: list[_Sequence], depths: list[int]) -> list[Draft]:
-        """Each sequence's chain from the draft model, depths[i] tokens deep, drawn with its own sampler, with up to
-        `branches` next choices per step (`Draft.alternatives`): one batched pass of the draft engine per drafted
-        token for all of them. The first pass catches each sequence's draft cache up on its history (a new
-        request's whole prompt), and its rows past one per sequence are timed for `_catch_up_pays`; the passes
-        after it are timed for `_model_depth`."""
+        """Each sequence's chain from the drafting model, depths[i] tokens deep, drawn with its own sampler, with up
+        to `branches` next choices per step (`Draft.alternatives`): one batched pass of the drafting model per drafted
+        token for all of them. The first pass catches each sequence's draft cache up on its history (a draft model's
+        cache, after a new request, on its whole prompt; a self-draft's is the slot's own, never behind), and its
+        rows past one per sequence are timed for `_catch_up_pays`; the passes after it are timed for
+        `_model_depth`."""
         tokens: list[list[int]] = [[] for _ in seqs]
         probs: list[list[torch.Tensor]] = [[] for _ in seqs]
         alternatives: list[list[list[tuple[int, float]]]] = [[] for _ in seqs]
@@ -408,8 +419,7 @@ class Scheduler:
             live = [i for i, depth in enumerate(depths) if step < depth]
             fed = sum(len(feeds[i][0]) for i in live)
             t0 = time.perf_counter()
-            rows = self.draft.forward_batch([Segment(torch.tensor(feeds[i][0]), feeds[i][1], seqs[i].draft_kv)
-                                             for i in live])
+            rows = self.draft([Segment(torch.tensor(feeds[i][0]), feeds[i][1], seqs[i].draft_kv) for i in live])
             for i, logits in zip(live, rows):
                 sampler, seen = seqs[i].sampler, torch.tensor(seqs[i].history + tokens[i])
                 if sampler.params.temperature > 0:
@@ -429,7 +439,8 @@ class Scheduler:
             elif fed - len(live) >= MIN_PREFILL_ROWS:  # a catch-up: price its rows past one per sequence
                 row_s = max(spent - self.draft_step_s, 0.0) / (fed - len(live))
                 self.draft_row_s = row_s if self.draft_row_s == 0 else 0.5 * (self.draft_row_s + row_s)
-        return [Draft(t, MODEL, torch.stack(p) if p else None, alts) for t, p, alts in zip(tokens, probs, alternatives)]
+        return [Draft(t, self.draft_name, torch.stack(p) if p else None, alts)
+                for t, p, alts in zip(tokens, probs, alternatives)]
 
     def _settle(self, seq: _Sequence, tree: DraftTree, out: torch.Tensor) -> list[int]:
         """The tokens a decoding sequence's rows settle: the next one sampled, or its drafted tree verified (the
