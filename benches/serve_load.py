@@ -9,7 +9,8 @@ process: the single-client HTTP decode rate (from the first streamed token to th
 
     python benches/serve_load.py [--model NAME|PATH] [--tiers A] [--clients 1 2 4 8] [--requests 2] [--tokens 64]
                                  [--rounds 3] [--parallel 8] [--slot-context 512] [--threads 2]
-                                 [--engines ntio,ntio-lookup,ntio-draft,ntio-draft-chains,llama-server] [--draft NAME|PATH]
+                                 [--engines ntio,ntio-lookup,ntio-draft,ntio-draft-chains,ntio-self,llama-server]
+                                 [--draft NAME|PATH] [--self-draft CALIBRATION]
                                  [--prompts questions|rewrite]
                                  [--llama-server PATH] [--out FILE]
 
@@ -99,7 +100,8 @@ def _server_cmd(engine: str, model: str, port: int, args: argparse.Namespace) ->
     ctx = args.parallel * args.slot_context
     if engine.startswith("ntio"):
         speculation = {"ntio": [], "ntio-lookup": ["--lookup"], "ntio-draft": ["--draft", str(args.draft)],
-                       "ntio-draft-chains": ["--draft", str(args.draft), "--branches", "0"]}[engine]
+                       "ntio-draft-chains": ["--draft", str(args.draft), "--branches", "0"],
+                       "ntio-self": ["--self-draft", str(args.self_draft)]}[engine]
         return ([str(NTIO), "serve", "-m", model, "--port", str(port), "--parallel", str(args.parallel),
                  "--ctx-size", str(ctx), "--threads", str(args.threads), "--tiers", args.tiers,
                  "--max-queue", "64", "--model-id", "m", *speculation], "/health")
@@ -176,8 +178,10 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--engines", default="ntio,llama-server",
                     help="of ntio, ntio-lookup (ntio serve --lookup), ntio-draft (--draft DRAFT: draft trees), "
-                         "ntio-draft-chains (--draft DRAFT --branches 0: linear drafts) and llama-server")
-    ap.add_argument("--draft", help="the draft model of engine ntio-draft (a name or path)")
+                         "ntio-draft-chains (--draft DRAFT --branches 0: linear drafts), ntio-self (--self-draft "
+                         "CALIBRATION) and llama-server")
+    ap.add_argument("--draft", help="the draft model of engines ntio-draft and ntio-draft-chains (a name or path)")
+    ap.add_argument("--self-draft", help="the exit-head file (`ntio calibrate`) of engine ntio-self")
     ap.add_argument("--prompts", choices=sorted(PROMPTS), default="questions")
     ap.add_argument("--llama-server", default=str(LLAMA_SERVER))
     ap.add_argument("--out", type=Path)
@@ -214,7 +218,7 @@ def main() -> None:
         summary["ntio_generate_decode_tok_s"] = statistics.median(row["ntio_generate_decode_tok_s"] for row in rounds)
         summary["http_1_client_vs_generate"] = statistics.median(
             row[f"ntio_{one}"]["request_decode_tok_s"] / row["ntio_generate_decode_tok_s"] for row in rounds)
-    for speculative in ("ntio-lookup", "ntio-draft", "ntio-draft-chains"):
+    for speculative in ("ntio-lookup", "ntio-draft", "ntio-draft-chains", "ntio-self"):
         if "ntio" in engines and speculative in engines:
             summary[f"{speculative.removeprefix('ntio-')}_vs_plain"] = {c: statistics.median(
                 row[f"{speculative}_{c}"]["aggregate_tok_s"] / row[f"ntio_{c}"]["aggregate_tok_s"] for row in rounds)
