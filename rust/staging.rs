@@ -64,8 +64,8 @@ impl AlignedBuf {
     fn mapped(len: usize) -> Result<Self> {
         let used = len.div_ceil(HUGE_PAGE) * HUGE_PAGE;
         let map_len = used + HUGE_PAGE; // room to round the start up to a huge-page boundary
-        // SAFETY: an anonymous private mapping at an address of the kernel's choosing touches no
-        // existing memory.
+                                        // SAFETY: an anonymous private mapping at an address of the kernel's choosing touches no
+                                        // existing memory.
         let base = unsafe {
             libc::mmap(
                 std::ptr::null_mut(),

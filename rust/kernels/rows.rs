@@ -9,7 +9,6 @@ use super::q8::Q8Rows;
 /// `matmul` runs longer inputs (prefill) through it in blocks while each weight row stays in L1 cache.
 pub const MAX_T: usize = 32;
 
-
 /// One output row for every activation row: `y[t]` for t < `a.t`, from the encoded weight row `row`.
 pub type RowKernel = fn(&Activations, &[u8], &mut [f32; MAX_T]);
 

@@ -270,7 +270,10 @@ mod tests {
         }
         let index = ExtentIndex::new(Path::new("m"), spans).unwrap();
         assert_eq!(index.n_layers(), 2);
-        assert_eq!(index.layer_extents(0).unwrap(), vec![(20480, 32768 + 4096 - 20480)]);
+        assert_eq!(
+            index.layer_extents(0).unwrap(),
+            vec![(20480, 32768 + 4096 - 20480)]
+        );
         assert_eq!(index.layer_extents(1).unwrap(), vec![(36864, 1)]);
         assert!(index.layer_extents(2).is_err());
     }
@@ -320,6 +323,10 @@ mod tests {
         assert!(ExtentIndex::new(p, vec![span("x", 0, 10, 3, None)]).is_err());
         // A layer number beyond the tensor count would size the layer table from the file's say-so.
         assert!(ExtentIndex::new(p, vec![span("x", 0, 10, 1, Some(1 << 40))]).is_err());
-        assert!(ExtentIndex::new(p, vec![span("x", 0, 10, 1, None), span("x", 10, 1, 1, None)]).is_err());
+        assert!(ExtentIndex::new(
+            p,
+            vec![span("x", 0, 10, 1, None), span("x", 10, 1, 1, None)]
+        )
+        .is_err());
     }
 }
