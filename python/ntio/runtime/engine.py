@@ -252,10 +252,6 @@ class Engine:
             s.kv.record(layer, s.start_pos, s.tokens.shape[0], skipped=False)
         return h
 
-    def early_exit(self, tokens: torch.Tensor, start_pos: int, blocks: Sequence[LayerWeights]) -> torch.Tensor:
-        """`early_exit_batch` of tokens [T] at positions start_pos.. of this engine's own cache: [T, D]."""
-        return self.early_exit_batch([Segment(tokens, start_pos, self.kv)], blocks)[0]
-
     @torch.inference_mode()
     def early_exit_batch(self, segments: Sequence[Segment], blocks: Sequence[LayerWeights]) -> list[torch.Tensor]:
         """Several sequences, each in its own cache (chains only), through the first len(blocks) layers only, with

@@ -125,10 +125,11 @@ class Scheduler:
 
     def __init__(self, llm, parallel: int, max_queue: int, slot_context: int, lookup: PromptLookup | None = None,
                  draft_tokens: int = 8, fixed_draft: bool = False, branches: int = 2) -> None:
-        """lookup: prompt lookup drafts; `llm.draft` (a draft model loaded with the model), when there is one, drafts
-        too, for all the requests of a step in batched passes of its own, with up to `branches` of its next choices
-        per drafted token as extra leaves of the request's tree. fixed_draft: every draft as deep and wide as it can
-        go (draft_tokens, branches, the rows spare), whatever it costs."""
+        """lookup: prompt lookup drafts; a drafting model (`llm.draft`, a draft model loaded with the model, or
+        `llm.self_draft`), when there is one, drafts too, for all the requests of a step in batched passes of its
+        own, with up to `branches` of its next choices per drafted token as extra leaves of the request's tree.
+        fixed_draft: every draft as deep and wide as it can go (draft_tokens, branches, the rows spare), whatever
+        it costs."""
         from ntio.api import StopStrings
 
         if parallel < 1 or parallel > ops.KERNEL_ROWS - MIN_PREFILL_ROWS:
@@ -305,9 +306,9 @@ class Scheduler:
     def _drafts(self, decoding: list[_Sequence], spare: int) -> list[DraftTree]:
         """The tree each decoding sequence brings to the pass: its last token and what was drafted for it, within the
         tokens it still wants, its context and `spare` rows in all. A sequence with a lookup match of
-        PREFERRED_LOOKUP tokens or more takes it; the others draft with the draft model, if there is one (a chain
+        PREFERRED_LOOKUP tokens or more takes it; the others draft with the drafting model, if there is one (a chain
         each, all to one depth, in batched passes: `_model_depth`), else with a shorter match. Then the offers
-        take rows likeliest first: lookup tokens (in chain order) and the draft model's next choices as extra
+        take rows likeliest first: lookup tokens (in chain order) and the drafting model's next choices as extra
         leaves (its token at step j is right with chance a^j, and where it is not, a next choice r is with the
         draft's q(r) / (1 - q(token)): chance a^j (1 - a) q(r) / (1 - q(token))). Each takes its row while its
         chance c pays for it: c · (the pass's cost) >= (the cost of a row) · (the tokens the pass is expected to
