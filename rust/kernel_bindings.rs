@@ -195,9 +195,9 @@ fn attend(
 /// cache, rotation and mask as in `attend`. h and the caches are written and must share no memory with each other
 /// or any other buffer.
 #[pyfunction]
-#[pyo3(signature = (h, d, attn_norm, qkv, qkv_bias, wo, ffn_norm, gate_up, down, cache_k, cache_v, capacity, start,
-                    cos, sin, mask, *, eps, n_heads, n_kv_heads, head_dim, rope_dim, neox, attn_sub_norm = None,
-                    ffn_sub_norm = None, gate = "silu", isa = "best", int8 = true))]
+#[pyo3(signature = (h, d, attn_norm, qkv, qkv_bias, wo, ffn_norm, gate_up, down, sequences, *, eps, n_heads,
+                    n_kv_heads, head_dim, rope_dim, neox, attn_sub_norm = None, ffn_sub_norm = None, gate = "silu",
+                    isa = "best", int8 = true))]
 #[allow(clippy::too_many_arguments)]
 fn decoder_block(
     py: Python<'_>,
@@ -210,13 +210,7 @@ fn decoder_block(
     ffn_norm: &Bound<'_, PyAny>,
     gate_up: Vec<PyMatrix<'_>>,
     down: PyMatrix<'_>,
-    cache_k: &Bound<'_, PyAny>,
-    cache_v: &Bound<'_, PyAny>,
-    capacity: usize,
-    start: usize,
-    cos: &Bound<'_, PyAny>,
-    sin: &Bound<'_, PyAny>,
-    mask: Option<&Bound<'_, PyAny>>,
+    sequences: Vec<PySequence<'_>>,
     eps: f32,
     n_heads: usize,
     n_kv_heads: usize,
@@ -232,8 +226,6 @@ fn decoder_block(
     let isa = checked_isa(isa)?;
     let gate = checked_gate(gate)?;
     let h = Lent::<f32>::typed(h, "h", Access::Write)?;
-    let cache_k = Lent::<f32>::typed(cache_k, "cache_k", Access::Write)?;
-    let cache_v = Lent::<f32>::typed(cache_v, "cache_v", Access::Write)?;
     let qkv = qkv.iter().map(lend_matrix).collect::<PyResult<Vec<_>>>()?;
     let gate_up = gate_up
         .iter()
@@ -246,7 +238,6 @@ fn decoder_block(
         floats(attn_norm, "attn_norm")?,
         floats(ffn_norm, "ffn_norm")?,
     );
-    let (cos, sin) = (floats(cos, "cos")?, floats(sin, "sin")?);
     let qkv_bias = qkv_bias.map(|b| floats(b, "qkv_bias")).transpose()?;
     let attn_sub_norm = attn_sub_norm
         .map(|b| floats(b, "attn_sub_norm"))
@@ -254,27 +245,26 @@ fn decoder_block(
     let ffn_sub_norm = ffn_sub_norm
         .map(|b| floats(b, "ffn_sub_norm"))
         .transpose()?;
-    let mask = mask
-        .map(|m| Lent::<u8>::typed(m, "mask", Access::Read))
-        .transpose()?;
-    let written = [
-        ("h", h.range()),
-        ("cache_k", cache_k.range()),
-        ("cache_v", cache_v.range()),
-    ];
+    let sequences = sequences
+        .iter()
+        .map(lend_sequence)
+        .collect::<PyResult<Vec<_>>>()?;
+    let mut written = vec![("h", h.range())];
     let mut read = vec![
         ("attn_norm", attn_norm.range()),
         ("ffn_norm", ffn_norm.range()),
-        ("cos", cos.range()),
-        ("sin", sin.range()),
         ("raw", wo.0.range()),
         ("raw", down.0.range()),
     ];
+    for seq in &sequences {
+        written.extend([("cache_k", seq.k.range()), ("cache_v", seq.v.range())]);
+        read.extend([("cos", seq.cos.range()), ("sin", seq.sin.range())]);
+        read.extend(seq.mask.iter().map(|m| ("mask", m.range())));
+    }
     read.extend(qkv.iter().chain(&gate_up).map(|m| ("raw", m.0.range())));
     read.extend(qkv_bias.iter().map(|b| ("qkv_bias", b.range())));
     read.extend(attn_sub_norm.iter().map(|b| ("attn_sub_norm", b.range())));
     read.extend(ffn_sub_norm.iter().map(|b| ("ffn_sub_norm", b.range())));
-    read.extend(mask.iter().map(|m| ("mask", m.range())));
     disjoint_writes(&written, &read)?;
     let settings = BlockSettings {
         eps,
@@ -284,9 +274,9 @@ fn decoder_block(
         activations: activations(int8),
     };
     py.detach(|| {
-        // SAFETY: the written buffers (h, the caches) share no byte with each other or with any read buffer
-        // (checked above); the exports live until this function returns, and the caller runs no Python code on
-        // these tensors meanwhile.
+        // SAFETY: the written buffers (h, every sequence's caches) share no byte with each other or with any
+        // read buffer (checked above); the exports live until this function returns, and the caller runs no
+        // Python code on these tensors meanwhile.
         unsafe {
             let weights = BlockWeights {
                 attn_norm: attn_norm.as_slice(),
@@ -299,19 +289,65 @@ fn decoder_block(
                 ffn_sub_norm: ffn_sub_norm.as_ref().map(|b| b.as_slice()),
                 down: matrix(&down),
             };
-            let cache = BlockCache {
-                k: cache_k.as_mut_slice(),
-                v: cache_v.as_mut_slice(),
-                capacity,
-                start,
-                cos: cos.as_slice(),
-                sin: sin.as_slice(),
-                mask: mask.as_ref().map(|m| m.as_slice()),
-            };
-            kernels::decoder_block(h.as_mut_slice(), d, &weights, cache, settings)
+            let mut caches: Vec<BlockCache> = sequences
+                .iter()
+                .map(|seq| BlockCache {
+                    rows: seq.rows,
+                    k: seq.k.as_mut_slice(),
+                    v: seq.v.as_mut_slice(),
+                    capacity: seq.capacity,
+                    start: seq.start,
+                    cos: seq.cos.as_slice(),
+                    sin: seq.sin.as_slice(),
+                    mask: seq.mask.as_ref().map(|m| m.as_slice()),
+                })
+                .collect();
+            kernels::decoder_block(h.as_mut_slice(), d, &weights, &mut caches, settings)
         }
     })?;
     Ok(())
+}
+
+/// One sequence of a `decoder_block` call as Python passes it: (cache_k, cache_v, capacity, start, cos, sin, mask or
+/// None, rows).
+type PySequence<'py> = (
+    Bound<'py, PyAny>,
+    Bound<'py, PyAny>,
+    usize,
+    usize,
+    Bound<'py, PyAny>,
+    Bound<'py, PyAny>,
+    Option<Bound<'py, PyAny>>,
+    usize,
+);
+
+/// A `decoder_block` sequence's buffers, exported.
+struct LentSequence {
+    k: Lent<f32>,
+    v: Lent<f32>,
+    capacity: usize,
+    start: usize,
+    cos: Lent<f32>,
+    sin: Lent<f32>,
+    mask: Option<Lent<u8>>,
+    rows: usize,
+}
+
+fn lend_sequence(seq: &PySequence<'_>) -> PyResult<LentSequence> {
+    let (k, v, capacity, start, cos, sin, mask, rows) = seq;
+    Ok(LentSequence {
+        k: Lent::typed(k, "cache_k", Access::Write)?,
+        v: Lent::typed(v, "cache_v", Access::Write)?,
+        capacity: *capacity,
+        start: *start,
+        cos: Lent::typed(cos, "cos", Access::Read)?,
+        sin: Lent::typed(sin, "sin", Access::Read)?,
+        mask: mask
+            .as_ref()
+            .map(|m| Lent::typed(m, "mask", Access::Read))
+            .transpose()?,
+        rows: *rows,
+    })
 }
 
 /// 8-bit activations (integer products) or float32 ones.

@@ -9,6 +9,9 @@ import torch
 
 import ntio
 from ntio.errors import NtioError
+from ntio.kernels import ops
+from ntio.kernels.ops import SequenceRows
+from ntio.models.layers import causal_mask, rope_tables
 from ntio.policies.cosine_skip import CosineSkipPolicy
 from ntio.runtime.engine import Segment
 from ntio.runtime.kv_cache import KVCache
@@ -75,6 +78,69 @@ def test_a_token_tree_in_a_batched_pass_gets_the_logits_of_a_pass_of_its_own(smo
     assert torch.equal(alone, together)
     assert torch.equal(next_alone, next_together)
     assert kva.ids == a + [33, 44, 55]
+
+
+@torch.inference_mode()
+def test_a_batched_pass_runs_each_block_as_one_kernel_call_with_the_per_op_bits(smollm2_path, qwen05_path,
+                                                                                  monkeypatch):
+    """Several sequences' rows through each block in one kernel call (`ops.decoder_block`, every sequence attending
+    over its own cache) give the per-op path's logits bit for bit: a token tree beside a prefill, then three
+    sequences' decode steps. Llama (interleaved RoPE) and Qwen2 (NeoX RoPE, q/k/v bias)."""
+    tree, parents = [0, 11, 22, 33, 44], [-1, 0, 1, 0, 3]
+    calls = []
+    decoder_block = ops.decoder_block
+    monkeypatch.setattr(ops, "decoder_block", lambda *a, **k: calls.append(len(a[7])) or decoder_block(*a, **k))
+    for path in (smollm2_path, qwen05_path):
+        with ntio.load(path, max_context=128) as m:
+            a, b, c = (m.encode_prompt(p) for p in PROMPTS)
+            tree[0] = a[-1]
+
+            def run() -> list[torch.Tensor]:
+                kvs = [KVCache(m.config, 64, torch.float32, "cpu") for _ in range(3)]
+                m.engine.forward_batch([Segment(torch.tensor(a[:-1]), 0, kvs[0]),
+                                        Segment(torch.tensor(c), 0, kvs[2])])
+                out = m.engine.forward_batch([Segment(torch.tensor(tree), len(a) - 1, kvs[0], all_logits=True,
+                                                      parents=parents), Segment(torch.tensor(b), 0, kvs[1])])
+                kvs[0].keep_branch(len(a) - 1, [3, 4], [33, 44])
+                return out + m.engine.forward_batch([Segment(torch.tensor([55 + i]), kv.length, kv)
+                                                     for i, kv in enumerate(kvs)])
+
+            calls.clear()
+            fused = run()
+            assert calls == [2] * m.config.n_layers * 2 + [3] * m.config.n_layers, path  # one call a block and pass
+            with monkeypatch.context() as patch:
+                patch.setattr(ops, "uses_cpu_block", lambda *args: False)
+                per_op = run()
+            assert all(torch.equal(x, y) for x, y in zip(fused, per_op)), path
+
+
+@torch.inference_mode()
+def test_a_batched_block_refuses_rows_that_do_not_tile_h_and_a_cache_two_sequences_share(smollm2_path):
+    """`ops.decoder_block` over several sequences: their rows must split h's rows, and no two may write one cache;
+    each refusal names what is wrong and leaves the caches as they were."""
+    with ntio.load(smollm2_path, max_context=64) as m:
+        cfg, w = m.config, m.engine.layers.block(0)
+        kvs = [KVCache(cfg, 16, torch.float32, "cpu") for _ in range(2)]
+        h = torch.randn(3, cfg.d_model)
+        before = [kv.k.view(torch.int32).clone() for kv in kvs]  # bits: the empty caches may hold NaNs
+
+        def rows(start: int, stop: int, kv: KVCache) -> SequenceRows:
+            cos, sin = rope_tables(m.engine.globals.inv_freq, torch.arange(stop - start))
+            mask = causal_mask(0, stop - start, "cpu")
+            return SequenceRows(slice(start, stop), kv.k[0], kv.v[0], 0, (cos, sin), mask)
+
+        def block(sequences: list[SequenceRows]) -> torch.Tensor:
+            return ops.decoder_block(h, (w.attn_norm, w.ffn_norm), w.wqkv, w.qkv_bias, w.wo, w.w_gate_up, w.w_down,
+                                     sequences, cfg.rms_eps, (cfg.n_heads, cfg.n_kv_heads, cfg.head_dim), neox=False)
+
+        with pytest.raises(ValueError, match=r"the sequences' rows \[1, 1\] do not split h's 3 rows"):
+            block([rows(0, 1, kvs[0]), rows(1, 2, kvs[1])])
+        with pytest.raises(ValueError, match="cache_k overlaps cache_k"):
+            block([rows(0, 1, kvs[0]), rows(1, 3, kvs[0])])
+        assert all(torch.equal(kv.k.view(torch.int32), k) for kv, k in zip(kvs, before))
+        block([rows(0, 1, kvs[0]), rows(1, 3, kvs[1])])
+        written = [(kv.k.view(torch.int32)[0] != k[0]).any(dim=(0, 2)) for kv, k in zip(kvs, before)]  # per position
+        assert written[0].tolist()[:2] == [True, False] and written[1].tolist()[:3] == [True, True, False]
 
 
 def test_batched_passes_refuse_policies_that_change_layers(smollm2_path):

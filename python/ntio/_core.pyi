@@ -134,16 +134,19 @@ def quantized_matmul(x: Buffer, t: int, k: int, matrices: list[Matrix], out: Buf
     products, else float32.
     """
 def decoder_block(h: Buffer, d: int, attn_norm: Buffer, qkv: list[Matrix], qkv_bias: Buffer | None, wo: Matrix,
-                  ffn_norm: Buffer, gate_up: list[Matrix], down: Matrix, cache_k: Buffer, cache_v: Buffer,
-                  capacity: int, start: int, cos: Buffer, sin: Buffer, mask: Buffer | None, *, eps: float,
-                  n_heads: int, n_kv_heads: int, head_dim: int, rope_dim: int, neox: bool,
+                  ffn_norm: Buffer, gate_up: list[Matrix], down: Matrix,
+                  sequences: list[tuple[Buffer, Buffer, int, int, Buffer, Buffer, Buffer | None, int]], *,
+                  eps: float, n_heads: int, n_kv_heads: int, head_dim: int, rope_dim: int, neox: bool,
                   attn_sub_norm: Buffer | None = None, ffn_sub_norm: Buffer | None = None, gate: str = "silu",
                   isa: str = "best", int8: bool = True) -> None:
-    """A pre-norm decoder block over T new tokens, h [T, D] float32 updated in place (GIL released):
-    h += Wo attn_sub_norm(attention(rope(Wqkv rms_norm(h) + qkv_bias))), then
+    """A pre-norm decoder block over T new tokens of one or several sequences, h [T, D] float32 updated in place
+    (GIL released): h += Wo attn_sub_norm(attention(rope(Wqkv rms_norm(h) + qkv_bias))), then
     h += Wdown ffn_sub_norm(act(Wgate x) * (Wup x)), x = rms_norm(h), the sub-norms only where given (BitNet's) and
-    act named by gate (`silu`, `relu2`); matrices as in `quantized_matmul`, cache, rotation and mask as in `attend`.
-    h and the caches share no memory with each other or any other buffer; refusals name the buffer."""
+    act named by gate (`silu`, `relu2`); matrices as in `quantized_matmul`. sequences: (cache_k, cache_v, capacity,
+    start, cos, sin, mask, rows) each, in row order: the next `rows` rows of h attend over that cache, with that
+    rotation and mask, as in `attend`; their rows add up to T. Every product runs once over all T rows, each row's
+    arithmetic that of a call of its own. h and the caches share no memory with each other or any other buffer;
+    refusals name the buffer."""
 def check_kernel_isa(name: str) -> None:
     """ValueError unless kernel set `name` (`best`, `avx512`, `avx2`, `scalar`) exists and this CPU runs it."""
 def attend(qkv: Buffer, cache_k: Buffer, cache_v: Buffer, capacity: int, start: int, cos: Buffer, sin: Buffer,

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import contextvars
 import functools
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Protocol
@@ -291,27 +291,40 @@ def uses_cpu_block(h: torch.Tensor, k_cache: torch.Tensor, ws: list[EncodedMatri
     return uses_cpu_attention(h, k_cache) and uses_cpu_kernel(h, ws)
 
 
+@dataclass
+class SequenceRows:
+    """One sequence's part of a block's pass: its rows of h, its layer's KV cache, and where its tokens go."""
+
+    rows: slice  # of h [ΣT, D]
+    k_cache: torch.Tensor  # [Hkv, capacity, hd]: this layer's
+    v_cache: torch.Tensor
+    start_pos: int
+    rope: tuple[torch.Tensor, torch.Tensor]  # cos, sin [T, rope_dim/2]
+    mask: torch.Tensor | None  # [T, start_pos + T]
+
+
 def decoder_block(h: torch.Tensor, norms: tuple[torch.Tensor, torch.Tensor], wqkv: list[EncodedMatrix],
                   qkv_bias: torch.Tensor | None, wo: EncodedMatrix, w_gate_up: list[EncodedMatrix],
-                  w_down: EncodedMatrix, k_cache: torch.Tensor, v_cache: torch.Tensor, start_pos: int,
-                  rope: tuple[torch.Tensor, torch.Tensor], mask: torch.Tensor | None, eps: float,
+                  w_down: EncodedMatrix, sequences: Sequence[SequenceRows], eps: float,
                   heads: tuple[int, int, int], *, neox: bool, gate: str = "silu",
                   sub_norms: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """A pre-norm block in one CPU kernel call (ntio._core.decoder_block): h + attention(rms_norm(h)), then
     + gated FFN(rms_norm(.)), with the same products and attention as the per-op path, bit for bit. h: [T, D]
-    (not modified) -> [T, D]; sub_norms: BitNet's (attention output [Hq hd], gated activations [F]) or None; the
-    other arguments as in `normed_linear`, `cached_attention` and `gated_linear`."""
+    (not modified) -> [T, D], the rows of one or several sequences (their `rows` in order, tiling h), each attending
+    over its own cache; sub_norms: BitNet's (attention output [Hq hd], gated activations [F]) or None; the other
+    arguments as in `normed_linear`, `cached_attention` and `gated_linear`."""
     choice = _kernels.get()
     n_heads, n_kv_heads, hd = heads
-    cos, sin = rope
     out = h.clone(memory_format=torch.contiguous_format)
-    mask_u8 = None if mask is None else mask.contiguous().view(torch.uint8).numpy()
+    caches = [(s.k_cache.numpy(), s.v_cache.numpy(), s.k_cache.shape[1], s.start_pos,
+               s.rope[0].contiguous().numpy(), s.rope[1].contiguous().numpy(),
+               None if s.mask is None else s.mask.contiguous().view(torch.uint8).numpy(), s.rows.stop - s.rows.start)
+              for s in sequences]
     _core.decoder_block(out.numpy(), h.shape[1], norms[0].numpy(), [w.kernel_arg for w in wqkv],
                         None if qkv_bias is None else qkv_bias.numpy(), wo.kernel_arg, norms[1].numpy(),
-                        [w.kernel_arg for w in w_gate_up], w_down.kernel_arg, k_cache.numpy(), v_cache.numpy(),
-                        k_cache.shape[1], start_pos, cos.contiguous().numpy(), sin.contiguous().numpy(), mask_u8,
-                        eps=eps, n_heads=n_heads, n_kv_heads=n_kv_heads, head_dim=hd, rope_dim=2 * cos.shape[-1],
-                        neox=neox, attn_sub_norm=None if sub_norms is None else sub_norms[0].numpy(),
+                        [w.kernel_arg for w in w_gate_up], w_down.kernel_arg, caches, eps=eps, n_heads=n_heads,
+                        n_kv_heads=n_kv_heads, head_dim=hd, rope_dim=2 * sequences[0].rope[0].shape[-1], neox=neox,
+                        attn_sub_norm=None if sub_norms is None else sub_norms[0].numpy(),
                         ffn_sub_norm=None if sub_norms is None else sub_norms[1].numpy(), gate=gate,
                         isa=choice.isa, int8=choice.int8)
     return out

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from ntio.kernels import ops
-from ntio.kernels.ops import EncodedMatrix, rms_norm
+from ntio.kernels.ops import EncodedMatrix, SequenceRows, rms_norm
 
 if TYPE_CHECKING:
     from ntio.models.config import ModelConfig
@@ -268,44 +268,41 @@ def pre_norm_block(
     taps: dict[str, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """h + attention(norm(h)), then + gated_ffn(norm(.)): [T, D] -> [T, D]. A few tokens on the CPU run the whole
-    block as one kernel call (the same products and attention, bit for bit) unless the FFN is a row subset or
-    masked, or taps are asked for."""
-    if (taps is None and w.ffn_rows is None and w.ffn_mask is None
-            and ops.uses_cpu_block(h, k_cache, [*w.wqkv, w.wo, *w.w_gate_up, w.w_down])):
-        sub_norms = None if w.attn_sub_norm is None else (w.attn_sub_norm, w.ffn_sub_norm)
-        return ops.decoder_block(h, (w.attn_norm, w.ffn_norm), w.wqkv, w.qkv_bias, w.wo, w.w_gate_up, w.w_down,
-                                 k_cache, v_cache, start_pos, rope, mask, cfg.rms_eps,
-                                 (cfg.n_heads, cfg.n_kv_heads, cfg.head_dim), neox=rope_kind == "neox",
-                                 gate=cfg.ffn_gate, sub_norms=sub_norms)
+    block as one kernel call (`_one_call`) unless taps are asked for."""
+    if taps is None:
+        fused = _one_call(h, w, [SequenceRows(slice(0, h.shape[0]), k_cache, v_cache, start_pos, rope, mask)], cfg,
+                          rope_kind)
+        if fused is not None:
+            return fused
     h = h + attention(h, w, k_cache, v_cache, start_pos, rope, mask, cfg, rope_kind)
     return h + gated_ffn(h, w, cfg, taps)
-
-
-
-
-@dataclass
-class SequenceRows:
-    """One sequence's part of a batched block: its rows of h, its layer's KV cache, and where its tokens go."""
-
-    rows: slice  # of h [ΣT, D]
-    k_cache: torch.Tensor  # [Hkv, capacity, hd]: this layer's
-    v_cache: torch.Tensor
-    start_pos: int
-    rope: tuple[torch.Tensor, torch.Tensor]  # cos, sin [T, rope_dim/2]
-    mask: torch.Tensor | None  # [T, start_pos + T]
 
 
 def batched_block(h: torch.Tensor, w: LayerWeights, sequences: Sequence[SequenceRows], cfg: ModelConfig,
                   rope_kind: str) -> torch.Tensor:
     """h [ΣT, D] of several sequences through one block: every product over all their rows at once (the layer's
     weights are read once for the batch), attention per sequence over its own KV cache. Each row's products are
-    the ones it gets alone (the CPU kernels compute rows independently), and so is its attention; one sequence
-    takes `pre_norm_block` (the same ops, in one kernel call on the CPU)."""
-    if len(sequences) == 1:
-        s = sequences[0]
-        return pre_norm_block(h, w, s.k_cache, s.v_cache, s.start_pos, s.rope, s.mask, cfg, rope_kind)
+    the ones it gets alone (the CPU kernels compute rows independently), and so is its attention. On the CPU a few
+    rows in all run as one kernel call (`_one_call`)."""
+    fused = _one_call(h, w, sequences, cfg, rope_kind)
+    if fused is not None:
+        return fused
     qkv = _qkv(h, w, cfg)
     attn = torch.cat([attend(qkv[s.rows], s.k_cache, s.v_cache, s.start_pos, s.rope, s.mask, cfg, rope_kind)
                       for s in sequences])
     h = h + _attention_output(attn, w, cfg.rms_eps)
     return h + gated_ffn(h, w, cfg)
+
+
+def _one_call(h: torch.Tensor, w: LayerWeights, sequences: Sequence[SequenceRows], cfg: ModelConfig,
+              rope_kind: str) -> torch.Tensor | None:
+    """The block over the sequences' rows as one CPU kernel call (ops.decoder_block: the same products and
+    attention as the per-op path, bit for bit), or None where it does not run as one: off the CPU kernels, past
+    their rows, or with a row subset or mask of the FFN."""
+    if (w.ffn_rows is not None or w.ffn_mask is not None
+            or not ops.uses_cpu_block(h, sequences[0].k_cache, [*w.wqkv, w.wo, *w.w_gate_up, w.w_down])):
+        return None
+    sub_norms = None if w.attn_sub_norm is None else (w.attn_sub_norm, w.ffn_sub_norm)
+    return ops.decoder_block(h, (w.attn_norm, w.ffn_norm), w.wqkv, w.qkv_bias, w.wo, w.w_gate_up, w.w_down,
+                             sequences, cfg.rms_eps, (cfg.n_heads, cfg.n_kv_heads, cfg.head_dim),
+                             neox=rope_kind == "neox", gate=cfg.ffn_gate, sub_norms=sub_norms)

@@ -18,9 +18,8 @@ import torch
 from ntio.errors import ContextOverflowError, NtioError
 from ntio.kernels import cpu_kernels, ops
 from ntio.models.config import ModelConfig
-from ntio.kernels.ops import EncodedMatrix
-from ntio.kernels.ops import rms_norm
-from ntio.models.layers import (GlobalWeights, LayerWeights, SequenceRows, batched_block, causal_mask, rope_tables,
+from ntio.kernels.ops import EncodedMatrix, SequenceRows, rms_norm
+from ntio.models.layers import (GlobalWeights, LayerWeights, batched_block, causal_mask, rope_tables,
                                 token_positions)
 from ntio.policies.base import LOAD_ALL, SKIP, LoadDecision, LoadPolicy, Observation, overrides
 from ntio.runtime.kv_cache import KVCache
