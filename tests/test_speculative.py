@@ -218,7 +218,7 @@ def test_extra_leaves_are_kept_while_they_raise_the_expected_tokens_per_second()
     length = DraftLength()
     length.observe(1, 0.2, {}, None)
     length.observe(11, 0.3, {}, None)
-    assert [round(x, 6) for x in length.pass_cost()] == [0.2, 0.01]
+    assert [round(x, 6) for x in length.passes.estimate()] == [0.2, 0.01]
 
     def tree_with(extras, room, length):
         tree = DraftTree(0)

@@ -150,32 +150,54 @@ class SpeculationStats:
         }
 
 
-class DraftLength:
-    """How deep to draft: the chain length k that maximizes expected tokens per second of a pass, from what passes
-    and drafts have cost and how often each source's tokens were accepted (`grow` sizes a tree's extra leaves with
-    the same pass cost).
+# Each pass multiplies what the estimates below remember by this: they follow what passes cost and drafts earn now.
+DECAY = 0.8
 
-    A pass over T tokens costs t1 + (T - 1)·t_row (fitted to measured verify passes: t_row is ~0 when weights stream
-    and a sizable part of t1 on the CPU with resident weights) plus k times the source's drafting cost per token; a
-    source's tokens are accepted with probability a each until the first rejection, so a pass settles
-    1 + a + ... + a^k tokens in expectation. Estimates decay (DECAY per pass) towards a prior of a = 1/2, so a source
-    found useless is tried again now and then. fixed=True: always the most tokens asked for."""
 
-    DECAY = 0.8
+class Acceptance:
+    """How often each source's drafted tokens were accepted: a source's tokens are accepted with probability a each
+    until the first rejection, estimated from decayed counts (DECAY per pass) with a prior of a = 1/2, so a source
+    found useless is tried again now and then."""
 
-    def __init__(self, *, fixed: bool = False) -> None:
-        self.fixed = fixed
+    def __init__(self) -> None:
         self.counts: dict[str, list[float]] = {}  # source -> [accepted tokens, rejections], decayed
-        self.draft_cost: dict[str, float] = {}  # source -> seconds per drafted token (EMA)
-        self.fit = [0.0] * 5  # decayed sums of 1, T, T^2, s, T*s over verify passes
 
-    def acceptance(self, source: str) -> float:
+    def rate(self, source: str) -> float:
         accepted, rejected = self.counts.get(source, [0.0, 0.0])
         return (accepted + 1) / (accepted + rejected + 2)
 
-    def pass_cost(self) -> tuple[float, float]:
-        """(t1, t_row) of the fitted pass cost; (1, 0) before any pass (every draft then looks free), and t_row 0
-        while every pass timed had the same length (`rows_fitted`)."""
+    def observe(self, verdicts: dict[str, tuple[int, int]]) -> None:
+        """One pass's verdicts[source] = (tokens of its chain in the tree, how many of them were accepted)."""
+        for counts in self.counts.values():
+            counts[0] *= DECAY
+            counts[1] *= DECAY
+        for source, (drafted, accepted) in verdicts.items():
+            if drafted:
+                counts = self.counts.setdefault(source, [0.0, 0.0])
+                counts[0] += accepted
+                counts[1] += accepted < drafted
+
+    def copy(self) -> Acceptance:
+        record = Acceptance()
+        record.counts = {source: list(counts) for source, counts in self.counts.items()}
+        return record
+
+
+class PassCost:
+    """What a pass over T rows costs: t1 + (T - 1)·t_row, a least-squares fit to the passes timed, decayed (DECAY
+    per pass). t_row is ~0 when weights stream and a sizable part of t1 on the CPU with resident weights."""
+
+    def __init__(self) -> None:
+        self.fit = [0.0] * 5  # decayed sums of 1, T, T^2, s, T*s over the passes
+
+    def observe(self, rows: int, seconds: float) -> None:
+        self.fit = [DECAY * v for v in self.fit]
+        for i, v in enumerate((1.0, rows, rows * rows, seconds, rows * seconds)):
+            self.fit[i] += v
+
+    def estimate(self) -> tuple[float, float]:
+        """(t1, t_row); (1, 0) before any pass (every draft then looks free), and t_row 0 while every pass timed
+        had the same length (`rows_fitted`)."""
         n, st, stt, ss, sts = self.fit
         if n == 0:
             return 1.0, 0.0
@@ -190,29 +212,34 @@ class DraftLength:
         n, st, stt = self.fit[:3]
         return n > 0 and stt / n - (st / n) ** 2 > 1e-9
 
+
+class DraftLength:
+    """How deep to draft: the chain length k that maximizes expected tokens per second of a pass, from what verify
+    passes cost (`passes`), what drafting a token costs each source, and how often each source's tokens were
+    accepted (`accepted`). A pass with k drafted tokens costs t1 + k·(t_row + the source's cost per drafted token)
+    and settles 1 + a + ... + a^k tokens in expectation. `grow` sizes a tree's extra leaves with the same pass
+    cost. fixed=True: always the most tokens asked for."""
+
+    def __init__(self, *, fixed: bool = False) -> None:
+        self.fixed = fixed
+        self.passes = PassCost()
+        self.accepted = Acceptance()
+        self.draft_cost: dict[str, float] = {}  # source -> seconds per drafted token (EMA)
+
     def choose(self, source: str, most: int) -> int:
         if self.fixed:
             return most
-        t1, t_row = self.pass_cost()
-        a, per_token = self.acceptance(source), t_row + self.draft_cost.get(source, 0.0)
+        t1, t_row = self.passes.estimate()
+        a, per_token = self.accepted.rate(source), t_row + self.draft_cost.get(source, 0.0)
         rates = [sum(a**i for i in range(k + 1)) / (t1 + k * per_token) for k in range(most + 1)]
         return max(range(most + 1), key=rates.__getitem__)
 
     def observe(self, tokens: int, verify_s: float, verdicts: dict[str, tuple[int, int]],
                 draft: tuple[str, int, float] | None) -> None:
-        """A verify pass over `tokens` tokens took verify_s; verdicts[source] = (tokens of its chain in the tree,
-        how many of them were accepted); draft = (the drafting source, tokens it drafted, seconds it took)."""
-        self.fit = [self.DECAY * v for v in self.fit]
-        for i, v in enumerate((1.0, tokens, tokens * tokens, verify_s, tokens * verify_s)):
-            self.fit[i] += v
-        for counts in self.counts.values():
-            counts[0] *= self.DECAY
-            counts[1] *= self.DECAY
-        for source, (drafted, accepted) in verdicts.items():
-            if drafted:
-                counts = self.counts.setdefault(source, [0.0, 0.0])
-                counts[0] += accepted
-                counts[1] += accepted < drafted
+        """A verify pass over `tokens` tokens took verify_s; verdicts as `Acceptance.observe` takes them; draft =
+        (the drafting source, tokens it drafted, seconds it took)."""
+        self.passes.observe(tokens, verify_s)
+        self.accepted.observe(verdicts)
         if draft is not None and draft[1]:
             source, cost = draft[0], draft[2] / draft[1]
             self.draft_cost[source] = cost if source not in self.draft_cost else 0.5 * (self.draft_cost[source] + cost)
@@ -359,7 +386,7 @@ class Drafters:
         spent = time.perf_counter() - t0  # this round's drafting, catching up included
         if draft is None:
             return tree, None
-        a = self.length.acceptance(draft.source)
+        a = self.length.accepted.rate(draft.source)
         nodes = tree.add_chain(draft, self._chances(draft.source, len(draft.tokens)))
         extras = []
         for j, choices in enumerate(draft.alternatives):
@@ -376,7 +403,7 @@ class Drafters:
         return tree, (draft.source, len(draft.tokens), draft.step_s * len(draft.tokens))
 
     def _chances(self, source: str, n: int) -> list[float]:
-        a = self.length.acceptance(source)
+        a = self.length.accepted.rate(source)
         return [a ** (j + 1) for j in range(n)]
 
 
@@ -385,7 +412,7 @@ def grow(tree: DraftTree, extras: Sequence[Extra], room: int, length: DraftLengt
     (1 + the tree's summed chances) / (spent drafting + t1 + rows past the first · t_row), the pass cost fitted by
     `length` (every extra, with length.fixed); at most `room` nodes besides the root. An extra whose `after` was not
     taken is not either; one already in the tree costs nothing."""
-    t1, t_row = length.pass_cost()
+    t1, t_row = length.passes.estimate()
     # Likeliest first, but never before the extra it follows (`after` is an earlier index).
     rank: list[float] = []
     for extra in extras:

@@ -15,10 +15,10 @@ every history, so that a self-draft never catches up on a prompt). A sequence's 
 token and its draft tree (a tree mask in the batched pass), and the pass's logits after each node verify the tree
 (`speculative.verify`), so one pass can settle several of its tokens; the cache keeps the accepted branch. Drafts
 take only the rows the step has spare, and only while they raise the pass's expected tokens per second for all its
-sequences together: their chance of acceptance (the sequence's own record per source, `DraftLength.acceptance`,
-which starts from the server's record of the passes before it) against the measured cost of a row of the pass
-(`DraftLength.pass_cost`), which every sequence waits for, and of a draft pass. So drafts run deep for a lone
-request and shallow when many share a compute-bound pass. Before a request's first draft, the draft model must catch
+sequences together: their chance of acceptance (the sequence's own record per source, `Acceptance`, which starts
+from the server's record of the passes before it) against the measured cost of a row of the pass (`PassCost`),
+which every sequence waits for, and of a draft pass. So drafts run deep for a lone request and shallow when many
+share a compute-bound pass. Before a request's first draft, the draft model must catch
 up on its prompt, a prefill that every sequence waits for: it is paid only where the tokens the request is expected
 to generate (the mean answer so far) win it back at the rate drafting saves. Greedy answers stay token for token
 those of plain decoding; sampled ones keep the model's distribution. A request sampled with a seed gets no drafts,
@@ -47,8 +47,8 @@ import torch
 
 from ntio.decoding.generation import Sampler, SamplingParams
 from ntio.decoding.self_draft import SelfDraft
-from ntio.decoding.speculative import (MAX_DRAFT, PREFERRED_LOOKUP, Draft, DraftLength, DraftModel, DraftTree,
-                                      PromptLookup, next_choices, verdicts, verify)
+from ntio.decoding.speculative import (MAX_DRAFT, PREFERRED_LOOKUP, Acceptance, Draft, DraftModel, DraftTree,
+                                      PassCost, PromptLookup, next_choices, verdicts, verify)
 from ntio.kernels import ops
 from ntio.runtime.engine import Segment
 from ntio.runtime.kv_cache import KVCache
@@ -81,7 +81,7 @@ class _Sequence:
     stops: object  # ntio.api.StopStrings
     fed: int  # prompt tokens in the cache
     history: list[int]  # prompt and generated ids (the sampler's repetition history)
-    acceptance: DraftLength | None  # how often its drafted tokens were accepted, per source; None: no drafts
+    acceptance: Acceptance | None  # how often its drafted tokens were accepted, per source; None: no drafts
     draft_kv: KVCache | None  # the drafting model's cache for it (a self-draft's: the slot's own)
     generated: int = 0
     started: float = field(default_factory=time.perf_counter)
@@ -139,10 +139,10 @@ class Scheduler:
         self.max_queue = max_queue
         self.slot_context = slot_context
         self.lookup, self.draft_tokens, self.fixed_draft, self.branches = lookup, draft_tokens, fixed_draft, branches
-        self.pass_cost = DraftLength()  # the fitted cost of a pass against its rows
+        self.pass_cost = PassCost()
         # Every sequence's verdicts, per source: where a new request's acceptance record starts (a request's own
         # record decays towards it within a few passes).
-        self.acceptance = DraftLength()
+        self.acceptance = Acceptance()
         self._stop_strings = StopStrings
         kv = self.engine.kv
         self.slots = [KVCache(llm.config, slot_context, kv.k.dtype, kv.k.device) for _ in range(parallel)]
@@ -237,12 +237,10 @@ class Scheduler:
             self.metrics.prompt_tokens += len(prompt)
         self.metrics.active, self.metrics.queued = len(self._active), len(self._queue)
 
-    def _acceptance_record(self) -> DraftLength:
+    def _acceptance_record(self) -> Acceptance:
         """A new request's record of its drafts' acceptance, starting from the server's: the same model drafting for
         the same traffic is accepted about as often (a fresh record would start at 1/2 and take passes to learn)."""
-        record = DraftLength()
-        record.counts = {source: list(counts) for source, counts in self.acceptance.counts.items()}
-        return record
+        return self.acceptance.copy()
 
     def _drop_cancelled(self) -> None:
         for slot, seq in list(self._active.items()):
@@ -286,7 +284,7 @@ class Scheduler:
         self.llm.stats.reset()  # a server runs for days: keep the step's figures here, not a list of every step
         self.metrics.steps += 1
         n_rows = sum(s.tokens.shape[0] for s in segments)
-        self.pass_cost.observe(n_rows, elapsed, {}, None)
+        self.pass_cost.observe(n_rows, elapsed)
         decoded = 0
         for (slot, seq, tree), out in zip(batch, logits):
             if tree is None:  # a prompt chunk: the last one's logits give the first token
@@ -323,18 +321,22 @@ class Scheduler:
         matches = {i: found for i, found in matches.items() if found is not None}
         by_model = [i for i in range(len(decoding)) if self.draft is not None and most[i] > 0
                     and (i not in matches or matches[i][0] < PREFERRED_LOOKUP)]
-        t1, t_row = self.pass_cost.pass_cost()
+        t1, t_row = self.pass_cost.estimate()
         expected, drafted = float(len(decoding)), 0
-        chances = {i: decoding[i].acceptance.acceptance(self.draft_name) for i in by_model}
+        chances = {i: decoding[i].acceptance.rate(self.draft_name) for i in by_model}
+        # Per drafting sequence: the positions of its draft cache that its history still has.
+        cached = {i: decoding[i].draft_kv.reusable_prefix(decoding[i].history, len(decoding[i].history) - 1)
+                  for i in by_model}
         if by_model and not self.fixed_draft:
-            by_model = self._catch_up_pays(decoding, by_model, chances, most, spare, t1, t_row)
+            by_model = self._catch_up_pays(decoding, by_model, cached, chances, most, spare, t1, t_row)
         # (chance, sequence, place in its lookup chain, None) or (chance, sequence, step, (parent node, token)).
         offers: list[tuple[float, int, int, tuple[int, int] | None]] = []
         if by_model:
             depth = self._model_depth([(min(most[i], spare // len(by_model)), chances[i]) for i in by_model],
                                       len(decoding), t1, t_row)
             for i, draft in zip(by_model, self._model_chains([decoding[i] for i in by_model],
-                                                             [min(depth, most[i]) for i in by_model])):
+                                                             [min(depth, most[i]) for i in by_model],
+                                                             [cached[i] for i in by_model])):
                 a = chances[i]
                 chance = [a ** (j + 1) for j in range(len(draft.tokens))]
                 nodes = trees[i].add_chain(draft, chance)
@@ -344,7 +346,7 @@ class Scheduler:
                                for j, choices in enumerate(draft.alternatives) for token, r in choices]
         for i, (_, tokens) in matches.items():
             if len(trees[i]) == 1:
-                a = decoding[i].acceptance.acceptance(self.lookup.name)
+                a = decoding[i].acceptance.rate(self.lookup.name)
                 offers += [(a ** (j + 1), i, j, None) for j in range(len(tokens))]
         taken = dict.fromkeys(matches, 0)
         for chance, i, j, leaf in sorted(offers, key=lambda o: (-o[0], o[2])):  # a chain's tokens in order
@@ -361,14 +363,14 @@ class Scheduler:
             expected += chance
         for i, k in taken.items():
             if k:
-                a = decoding[i].acceptance.acceptance(self.lookup.name)
+                a = decoding[i].acceptance.rate(self.lookup.name)
                 trees[i].add_chain(Draft(matches[i][1][:k], self.lookup.name), [a ** (j + 1) for j in range(k)])
         return trees
 
-    def _catch_up_pays(self, decoding: list[_Sequence], by_model: list[int], chances: dict[int, float],
-                       most: list[int], spare: int, t1: float, t_row: float) -> list[int]:
-        """Those of `by_model` (indices into decoding) whose draft cache is worth catching up. A sequence c tokens
-        behind costs c · draft_row_s of draft prefill, which every sequence waits for; drafting saves
+    def _catch_up_pays(self, decoding: list[_Sequence], by_model: list[int], cached: dict[int, int],
+                       chances: dict[int, float], most: list[int], spare: int, t1: float, t_row: float) -> list[int]:
+        """Those of `by_model` (indices into decoding) whose draft cache is worth catching up (cached[i]: the
+        positions it holds of the sequence's history). A sequence c tokens behind costs c · draft_row_s of draft prefill, which every sequence waits for; drafting saves
         1 / rate(0) - 1 / rate(K) seconds per token of the pass (`_pass_rate`, K the chosen depth), over the E
         tokens the sequence is still expected to generate (the mean answer so far, less what it has, within what
         it may still generate). It catches up where c · draft_row_s <= E · that saving."""
@@ -379,7 +381,7 @@ class Scheduler:
         kept = []
         for i in by_model:
             seq = decoding[i]
-            behind = len(seq.history) - 1 - seq.draft_kv.reusable_prefix(seq.history, len(seq.history) - 1)
+            behind = len(seq.history) - 1 - cached[i]
             expected = seq.request.max_tokens - seq.generated
             if self.answer_tokens is not None:
                 expected = min(expected, max(self.answer_tokens - seq.generated, 1.0))
@@ -402,7 +404,7 @@ class Scheduler:
         rows = n_decoding - 1 + sum(min(k, n) for n, _ in limits)
         return tokens / (t1 + rows * t_row + k * self.draft_step_s)
 
-    def _model_chains(self, seqs: list[_Sequence], depths: list[int]) -> list[Draft]:
+    def _model_chains(self, seqs: list[_Sequence], depths: list[int], cached: list[int]) -> list[Draft]:
         """Each sequence's chain from the drafting model, depths[i] tokens deep, drawn with its own sampler, with up
         to `branches` next choices per step (`Draft.alternatives`): one batched pass of the drafting model per drafted
         token for all of them. The first pass catches each sequence's draft cache up on its history (a draft model's
@@ -412,10 +414,8 @@ class Scheduler:
         tokens: list[list[int]] = [[] for _ in seqs]
         probs: list[list[torch.Tensor]] = [[] for _ in seqs]
         alternatives: list[list[list[tuple[int, float]]]] = [[] for _ in seqs]
-        feeds = []  # per sequence: (tokens to feed, their first position)
-        for seq in seqs:
-            keep = seq.draft_kv.reusable_prefix(seq.history, len(seq.history) - 1)
-            feeds.append((seq.history[keep:], keep))
+        # Per sequence: (tokens to feed, their first position); cached[i]: the positions its draft cache holds.
+        feeds = [(seq.history[keep:], keep) for seq, keep in zip(seqs, cached)]
         for step in range(max(depths, default=0)):
             live = [i for i, depth in enumerate(depths) if step < depth]
             fed = sum(len(feeds[i][0]) for i in live)
@@ -453,7 +453,7 @@ class Scheduler:
         branch, token = verify(out, tree, seq.sampler, history)
         seq.kv.keep_branch(root, branch, tree.branch_tokens(branch))
         for record in (seq.acceptance, self.acceptance):
-            record.observe(len(tree), 0.0, verdicts(tree, branch), None)
+            record.observe(verdicts(tree, branch))
         self.metrics.drafted_tokens += len(tree) - 1
         self.metrics.accepted_tokens += len(branch)
         return tree.branch_tokens(branch) + [token]
