@@ -10,8 +10,7 @@
 //! Python layer runs them one call at a time, in the same order, so the result is bit for bit the same; what goes
 //! is ~6 crossings into Python per layer, the cost of a decode step of a small model. Several sequences (a batched
 //! pass: `ntio serve`'s requests, a draft model's chains) share every product, each row's arithmetic the same as
-//! in a pass of its own, and attend one after another, each over its own cache; per sequence in Python, the
-//! attention and the products between cost ~1.5x a pass's compute at 8 sequences of one token (Qwen2.5-1.5B).
+//! in a pass of its own, and attend one after another, each over its own cache.
 
 use super::attention::{attend, AttentionShape};
 use super::matmul::{quantized_matmul, Activations8, Gate, Isa, KernelError, Matrix, Prologue};
