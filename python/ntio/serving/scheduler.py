@@ -5,24 +5,23 @@ one token for each sequence that is decoding, and prompt tokens for sequences st
 a long prompt never holds the others up for more than a step. Every layer is read once per step for all of them, so
 when weights stream from disk the bytes read per generated token fall as the number of active requests rises.
 
-Speculative decoding: with prompt lookup on (`lookup`), a decoding sequence whose history has an n-gram match brings
-the tokens that followed it as a draft; with a drafting model, it proposes a chain for every decoding sequence at
-once, in batched passes, and its next choices along the chain as extra leaves (`branches`; once passes of several
-lengths have priced a row). The drafting model is a
-draft model (`llm.draft`: its own engine over per-slot caches of its own) or the model's own first layers with an
-exit head (`llm.self_draft`: batched early exits over the slots' own caches, which already hold those layers' K/V of
-every history, so that a self-draft never catches up on a prompt). A sequence's rows of the pass are then its last
-token and its draft tree (a tree mask in the batched pass), and the pass's logits after each node verify the tree
-(`speculative.verify`), so one pass can settle several of its tokens; the cache keeps the accepted branch. Drafts
-take only the rows the step has spare, and only while they raise the pass's expected tokens per second for all its
-sequences together: their chance of acceptance (the sequence's own record per source, `Acceptance`, which starts
-from the server's record of the passes before it) against the measured cost of a row of the pass (`PassCost`),
-which every sequence waits for, and of a draft pass. So drafts run deep for a lone request and shallow when many
-share a compute-bound pass. Before a request's first draft, the draft model must catch
-up on its prompt, a prefill that every sequence waits for: it is paid only where the tokens the request is expected
-to generate (the mean answer so far) win it back at the rate drafting saves. Greedy answers stay token for token
-those of plain decoding; sampled ones keep the model's distribution. A request sampled with a seed gets no drafts,
-so that its seed keeps giving the same draws.
+Speculative decoding: with prompt lookup on (`lookup`), a decoding sequence whose history has an n-gram match brings the
+tokens that followed it as a draft; with a drafting model, it proposes a chain for every decoding sequence at once, in
+batched passes, and its next choices along the chain as extra leaves (`branches`; once passes of several lengths have
+priced a row). The drafting model is a draft model (`llm.draft`: its own engine over per-slot caches of its own) or the
+model's own first layers with an exit head (`llm.self_draft`: batched early exits over the slots' own caches, which
+already hold those layers' K/V of every history, so that a self-draft never catches up on a prompt). A sequence's rows
+of the pass are then its last token and its draft tree (a tree mask in the batched pass), and the pass's logits after
+each node verify the tree (`speculative.verify`), so one pass can settle several of its tokens; the cache keeps the
+accepted branch. Drafts take only the rows the step has spare, and only while they raise the pass's expected tokens per
+second for all its sequences together: their chance of acceptance (the sequence's own record per source, `Acceptance`,
+which starts from the server's record of the passes before it) against the measured cost of a row of the pass
+(`PassCost`), which every sequence waits for, and of a draft pass. So drafts run deep for a lone request and shallow
+when many share a compute-bound pass. Before a request's first draft, the draft model must catch up on its prompt, a
+prefill that every sequence waits for: it is paid only where the tokens the request is expected to generate (the mean
+answer so far) win it back at the rate drafting saves. Greedy answers stay token for token those of plain decoding;
+sampled ones keep the model's distribution. A request sampled with a seed gets no drafts, so that its seed keeps giving
+the same draws.
 
 Sequences live in slots, each with its own KV cache of `slot_context` positions. A request joins between steps, in
 the free slot whose cached tokens share the longest prefix with its prompt (that prefix is not recomputed), and
