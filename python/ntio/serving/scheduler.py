@@ -368,11 +368,11 @@ class Scheduler:
 
     def _catch_up_pays(self, decoding: list[_Sequence], by_model: list[int], cached: dict[int, int],
                        chances: dict[int, float], most: list[int], spare: int, t1: float, t_row: float) -> list[int]:
-        """Those of `by_model` (indices into decoding) whose draft cache is worth catching up (cached[i]: the
-        positions it holds of the sequence's history). A sequence c tokens behind costs c · draft_row_s of draft prefill, which every sequence waits for; drafting saves
-        1 / rate(0) - 1 / rate(K) seconds per token of the pass (`_pass_rate`, K the chosen depth), over the E
-        tokens the sequence is still expected to generate (the mean answer so far, less what it has, within what
-        it may still generate). It catches up where c · draft_row_s <= E · that saving."""
+        """Those of `by_model` (indices into decoding) whose draft cache is worth catching up (cached[i]: the positions
+        it holds of the sequence's history). A sequence c tokens behind costs c · draft_row_s of draft prefill, which
+        every sequence waits for; drafting saves 1 / rate(0) - 1 / rate(K) seconds per token of the pass (`_pass_rate`,
+        K the chosen depth), over the E tokens the sequence is still expected to generate (the mean answer so far, less
+        what it has, within what it may still generate). It catches up where c · draft_row_s <= E · that saving."""
         limits = [(min(most[i], spare // len(by_model)), chances[i]) for i in by_model]
         depth = self._model_depth(limits, len(decoding), t1, t_row)
         saving = (1 / self._pass_rate(limits, len(decoding), t1, t_row, 0)
