@@ -316,20 +316,30 @@ def sample_chain(history: Sequence[int], k: int, sampler: Sampler,
     for i in range(k):
         if i == 1:
             started = time.perf_counter()
-        logits = logits_after(i, token)
+        token, p, choices = draw(sampler, logits_after(i, token), seen, branches)
         if sampling:
-            p = sampler.probabilities(logits, seen)
-            token = int(torch.multinomial(p, 1, generator=sampler.generator))
             probs.append(p)
-        else:
-            token = sampler(logits, seen)
         if branches:
-            q = p if sampling else sampler.processed(logits, seen).softmax(-1)
-            alternatives.append(next_choices(q, token, branches))
+            alternatives.append(choices)
         tokens.append(token)
         seen = torch.cat((seen, torch.tensor([token], dtype=torch.int64, device=seen.device)))
     step_s = (time.perf_counter() - started) / (k - 1) if k > 1 else None
     return Draft(tokens, source, torch.stack(probs) if sampling else None, alternatives, step_s)
+
+
+def draw(sampler: Sampler, logits: torch.Tensor, seen: torch.Tensor, branches: int
+         ) -> tuple[int, torch.Tensor | None, list[tuple[int, float]]]:
+    """A drafter's next token from its logits [V] with the target's sampler (`seen`: the ids its repetition penalty
+    counts): (the token, the distribution it was drawn from (None when greedy: a point mass), its `branches` next
+    choices (`next_choices`; [] for none)). Greedy, the token is the sampler's own choice, bit for bit."""
+    if sampler.params.temperature > 0:
+        p = q = sampler.probabilities(logits, seen)
+        token = int(torch.multinomial(p, 1, generator=sampler.generator))
+    else:
+        processed = sampler.processed(logits, seen)  # once: the argmax and the next choices come from it
+        p, token = None, int(processed.argmax())
+        q = processed.softmax(-1) if branches else None
+    return token, p, next_choices(q, token, branches) if branches else []
 
 
 def next_choices(q: torch.Tensor, chosen: int, n: int) -> list[tuple[int, float]]:

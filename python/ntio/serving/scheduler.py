@@ -47,7 +47,7 @@ import torch
 from ntio.decoding.generation import Sampler, SamplingParams
 from ntio.decoding.self_draft import SelfDraft
 from ntio.decoding.speculative import (MAX_DRAFT, PREFERRED_LOOKUP, Acceptance, Draft, DraftModel, DraftTree,
-                                      PassCost, PromptLookup, next_choices, verdicts, verify)
+                                      PassCost, PromptLookup, draw, verdicts, verify)
 from ntio.kernels import ops
 from ntio.runtime.engine import Segment
 from ntio.runtime.kv_cache import KVCache
@@ -421,16 +421,12 @@ class Scheduler:
             t0 = time.perf_counter()
             rows = self.draft([Segment(torch.tensor(feeds[i][0]), feeds[i][1], seqs[i].draft_kv) for i in live])
             for i, logits in zip(live, rows):
-                sampler, seen = seqs[i].sampler, torch.tensor(seqs[i].history + tokens[i])
-                if sampler.params.temperature > 0:
-                    q = sampler.probabilities(logits, seen)
-                    probs[i].append(q)
-                    token = int(torch.multinomial(q, 1, generator=sampler.generator))
-                else:
-                    token = sampler(logits, seen)
-                    q = sampler.processed(logits, seen).softmax(-1) if self.branches else None
+                token, p, choices = draw(seqs[i].sampler, logits, torch.tensor(seqs[i].history + tokens[i]),
+                                         self.branches)
+                if p is not None:
+                    probs[i].append(p)
                 if self.branches:
-                    alternatives[i].append(next_choices(q, token, self.branches))
+                    alternatives[i].append(choices)
                 tokens[i].append(token)
                 feeds[i] = ([token], len(seqs[i].history) + step)
             spent = time.perf_counter() - t0
