@@ -411,7 +411,7 @@ fn kernel_type(qtype: u32) -> PyResult<QType> {
 fn checked_isa(name: &str) -> PyResult<Isa> {
     let isa = Isa::from_name(name).ok_or_else(|| {
         PyValueError::new_err(format!(
-            "unknown CPU kernel set '{name}' (choose best, avx512, avx2 or scalar)"
+            "unknown CPU kernel set '{name}' (choose best, avx512, avx2, neon or scalar)"
         ))
     })?;
     if !isa.available() {
@@ -422,7 +422,7 @@ fn checked_isa(name: &str) -> PyResult<Isa> {
     Ok(isa)
 }
 
-/// Checks kernel set `name` (`best`, `avx512`, `avx2`, `scalar`): a ValueError saying why it cannot run here.
+/// Checks kernel set `name` (`best`, `avx512`, `avx2`, `neon`, `scalar`): a ValueError saying why it cannot run here.
 #[pyfunction]
 fn check_kernel_isa(name: &str) -> PyResult<()> {
     checked_isa(name).map(|_| ())

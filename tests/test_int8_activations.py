@@ -100,10 +100,12 @@ def test_forced_kernel_sets(smollm2_path):
     bad = run_cli(*args, env={"NTIO_CPU_KERNELS": "sse9"})
     assert bad.returncode == 1 and bad.stdout == ""
     assert bad.stderr.strip().splitlines() == [
-        "ntio: error: NTIO_CPU_KERNELS = 'sse9': unknown CPU kernel set 'sse9' (choose best, avx512, avx2 or scalar)"]
-    try:
-        _core.check_kernel_isa("avx512")
-    except ValueError:
-        lacking = run_cli(*args, env={"NTIO_CPU_KERNELS": "avx512"})
-        assert lacking.returncode == 1 and lacking.stderr.strip().splitlines() == [
-            "ntio: error: NTIO_CPU_KERNELS = 'avx512': this CPU lacks the instructions of the 'avx512' kernels"]
+        "ntio: error: NTIO_CPU_KERNELS = 'sse9': unknown CPU kernel set 'sse9' (choose best, avx512, avx2, neon or scalar)"]
+    # NEON on an x86 machine, AVX-512 on a CPU without it: refused in one line.
+    for isa in ("avx512", "neon"):
+        try:
+            _core.check_kernel_isa(isa)
+        except ValueError:
+            lacking = run_cli(*args, env={"NTIO_CPU_KERNELS": isa})
+            assert lacking.returncode == 1 and lacking.stderr.strip().splitlines() == [
+                f"ntio: error: NTIO_CPU_KERNELS = '{isa}': this CPU lacks the instructions of the '{isa}' kernels"]

@@ -97,7 +97,7 @@ def _model_options(f):
     f = click.option("--cpu-activations", type=click.Choice(["int8", "float32"]), default="int8", show_default=True,
                      help="What quantized weights meet in the CPU kernels: 8-bit activations and integer products "
                           "(as llama.cpp), or float32 (the reference path); env NTIO_CPU_KERNELS=best|avx512|avx2|"
-                          "scalar forces a kernel set")(f)
+                          "neon|scalar forces a kernel set")(f)
     f = click.option("--verify/--no-verify", default=True, show_default=True,
                      help="Check every tensor of an ntio store against its checksum whenever it is read")(f)
     f = click.option("--io-backend", type=click.Choice(["io_uring", "pread", "buffered"]),

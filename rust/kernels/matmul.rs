@@ -1,5 +1,5 @@
-//! `quantized_matmul`: argument checks, activation quantization, kernel selection (AVX-512, AVX2 or scalar;
-//! integer or float) and the thread pool.
+//! `quantized_matmul`: argument checks, activation quantization, kernel selection (AVX-512, AVX2, NEON or
+//! scalar; integer or float) and the thread pool.
 //!
 //! Work is split across threads by output rows only: each output element is computed by one thread in a fixed
 //! order, so results do not depend on the number of threads.
@@ -126,9 +126,13 @@ impl QType {
 trait Quantized: Format + super::avx2::SimdFormat + super::avx512::Avx512Format {}
 #[cfg(target_arch = "x86_64")]
 impl<F: Format + super::avx2::SimdFormat + super::avx512::Avx512Format> Quantized for F {}
-#[cfg(not(target_arch = "x86_64"))]
+#[cfg(target_arch = "aarch64")]
+trait Quantized: Format + super::neon::NeonFormat {}
+#[cfg(target_arch = "aarch64")]
+impl<F: Format + super::neon::NeonFormat> Quantized for F {}
+#[cfg(not(any(target_arch = "x86_64", target_arch = "aarch64")))]
 trait Quantized: Format {}
-#[cfg(not(target_arch = "x86_64"))]
+#[cfg(not(any(target_arch = "x86_64", target_arch = "aarch64")))]
 impl<F: Format> Quantized for F {}
 
 /// A dense type every kernel set loads.
@@ -142,8 +146,8 @@ trait DenseRow: Dense {}
 impl<D: Dense> DenseRow for D {}
 
 /// The kernel of format `F`: AVX-512 for float activations where allowed and present, else AVX2 (integer: a
-/// group kernel for the legacy formats, the row kernel for the K-quants), else scalar; integer (8-bit
-/// activations) or float.
+/// group kernel for the legacy formats, the row kernel for the K-quants); on aarch64 NEON for 8-bit activations
+/// (`sdot` where the CPU has it); else scalar; integer (8-bit activations) or float.
 fn quantized_kernel<F: Quantized>(isa: Isa, int: bool) -> Kernel {
     #[cfg(target_arch = "x86_64")]
     {
@@ -157,6 +161,10 @@ fn quantized_kernel<F: Quantized>(isa: Isa, int: bool) -> Kernel {
                 Kernel::Row(super::avx2::quantized::<F>())
             };
         }
+    }
+    #[cfg(target_arch = "aarch64")]
+    if int && matches!(isa, Isa::Best | Isa::Neon) {
+        return Kernel::Row(super::neon::int::<F>(super::neon::dotprod()));
     }
     let _ = isa;
     Kernel::Row(if int {
@@ -179,23 +187,27 @@ fn dense_kernel<D: DenseRow>(isa: Isa) -> RowKernel {
 /// Which row kernels run.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Isa {
-    /// The widest this CPU has: AVX-512 (float kernels of quantized types), AVX2 + FMA, else scalar.
+    /// The widest this CPU has: AVX-512 (float kernels of quantized types), AVX2 + FMA, NEON (aarch64: the
+    /// integer kernels), else scalar.
     Best,
     /// AVX-512 F/BW/VL float kernels where written (quantized types), AVX2 for the rest. Callers check
     /// `Isa::available` first (`ntio._core.kernel_isa_available`).
     Avx512,
     /// AVX2 + FMA where the CPU has them, else scalar (to test the AVX2 kernels on AVX-512 machines).
     Avx2,
+    /// NEON integer kernels, with `sdot` where the CPU has it (aarch64 only).
+    Neon,
     Scalar,
 }
 
 impl Isa {
-    /// The set named `name` (`best`, `avx512`, `avx2`, `scalar`), if there is one.
+    /// The set named `name` (`best`, `avx512`, `avx2`, `neon`, `scalar`), if there is one.
     pub fn from_name(name: &str) -> Option<Isa> {
         match name {
             "best" => Some(Isa::Best),
             "avx512" => Some(Isa::Avx512),
             "avx2" => Some(Isa::Avx2),
+            "neon" => Some(Isa::Neon),
             "scalar" => Some(Isa::Scalar),
             _ => None,
         }
@@ -209,9 +221,14 @@ impl Isa {
                 Isa::Best | Isa::Scalar => true,
                 Isa::Avx512 => super::avx512::available() && super::avx2::available(),
                 Isa::Avx2 => super::avx2::available(),
+                Isa::Neon => false,
             }
         }
-        #[cfg(not(target_arch = "x86_64"))]
+        #[cfg(target_arch = "aarch64")]
+        {
+            matches!(self, Isa::Best | Isa::Neon | Isa::Scalar)
+        }
+        #[cfg(not(any(target_arch = "x86_64", target_arch = "aarch64")))]
         {
             matches!(self, Isa::Best | Isa::Scalar)
         }
@@ -607,7 +624,10 @@ mod tests {
         {
             for t in (1..=MAX_T).chain([2 * MAX_T + 7]) {
                 let scalar = run(qtype, t, n, k, Isa::Scalar, act);
-                for isa in [Isa::Best, Isa::Avx2] {
+                for isa in [Isa::Best, Isa::Avx2, Isa::Neon]
+                    .into_iter()
+                    .filter(|i| i.available())
+                {
                     let simd = run(qtype, t, n, k, isa, act);
                     for (ti, (s, v)) in scalar.chunks(n).zip(simd.chunks(n)).enumerate() {
                         let norm = s.iter().map(|v| v * v).sum::<f32>().sqrt();

@@ -8,12 +8,14 @@
 //! - `dot`: portable scalar row kernels (integer and float);
 //! - `avx2`: AVX2/FMA row kernels, integer and float (x86-64, selected at run time);
 //! - `avx512`: AVX-512 float row kernels for the block-quantized types (x86-64, selected at run time);
+//! - `neon`: NEON integer row kernels for the block-quantized types (aarch64; `sdot` selected at run time);
 //! - `attention`: RoPE, KV-cache writes and attention of a few new tokens (float32);
 //! - `block`: a whole pre-norm decoder block (the products and attention above) in one call;
 //! - `team`: the kernel threads, which the calling thread joins;
 //! - `matmul`: the entry point, argument checks, kernel selection and work split.
 //!
-//! Imports go one way: the row kernels (`dot`, `avx2`, `avx512`) use `blocks` and `rows`; `matmul` uses them all.
+//! Imports go one way: the row kernels (`dot`, `avx2`, `avx512`, `neon`) use `blocks` and `rows`; `matmul` uses
+//! them all.
 
 mod attention;
 #[cfg(target_arch = "x86_64")]
@@ -24,6 +26,8 @@ mod block;
 mod blocks;
 mod dot;
 mod matmul;
+#[cfg(target_arch = "aarch64")]
+mod neon;
 mod q8;
 mod rows;
 mod team;

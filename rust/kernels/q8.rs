@@ -19,7 +19,8 @@ pub struct Q8Rows {
     /// [t, k / GROUP] Σx̂ = scale · Σcodes of each 32 elements (what affine weights' offsets multiply).
     pub sums: Vec<f32>,
     /// [t, k / (span / 8)] Σcodes of each eighth of a span: per span, the integer Σx the ternary kernels take
-    /// off their codes' sums, as one vector of 8 lanes.
+    /// off their codes' sums, as one vector of 8 lanes (read by the AVX2 kernels only).
+    #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
     pub lane_sums: Vec<i32>,
     span: usize,
     k: usize,

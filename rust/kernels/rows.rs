@@ -1,6 +1,6 @@
-//! What every row kernel (scalar, AVX2, AVX-512) shares: the activations of a call, the row-kernel signature and
-//! the most activation rows per call. `matmul` builds these and hands them to the kernels; the kernels import
-//! them from here, never from `matmul`, so imports go one way (kernels → rows, matmul → kernels).
+//! What every row kernel (scalar, AVX2, AVX-512, NEON) shares: the activations of a call, the row-kernel
+//! signature and the most activation rows per call. `matmul` builds these and hands them to the kernels; the
+//! kernels import them from here, never from `matmul`, so imports go one way (kernels → rows, matmul → kernels).
 
 use super::blocks::GROUP;
 use super::q8::Q8Rows;
@@ -63,21 +63,21 @@ impl Activations<'_> {
 }
 
 /// Runs a tile kernel over activation rows 0..`rows` in tiles of 8, 4, 2 or 1 rows, largest first:
-/// `in_tiles!(rows, y, |t0, out| tile::<F>(args...))` calls `tile::<F, R>(args...)` with `t0` the tile's first
-/// row and `out` = `&mut y[t0..]`; the tile returns R. Every tile kernel computes each row with its own
+/// `in_tiles!(rows, y, |t0, out| tile::<F, ...>(args...))` calls `tile::<F, ..., R>(args...)` with `t0` the
+/// tile's first row and `out` = `&mut y[t0..]`; the tile returns R. Every tile kernel computes each row with its own
 /// accumulators, so a row's result does not depend on the tile it falls in.
 macro_rules! in_tiles {
-    ($rows:expr, $y:expr, |$t0:ident, $out:ident| $tile:ident::<$f:ty>($($arg:expr),* $(,)?)) => {{
+    ($rows:expr, $y:expr, |$t0:ident, $out:ident| $tile:ident::<$($f:ty),+>($($arg:expr),* $(,)?)) => {{
         let mut $t0 = 0;
         while $t0 < $rows {
             let $out = &mut $y[$t0..];
             // SAFETY: (all four) the tile's contract is the calling kernel's (given at the call), with
             // t0 + R <= rows.
             $t0 += match $rows - $t0 {
-                8.. => unsafe { $tile::<$f, 8>($($arg),*) },
-                4..=7 => unsafe { $tile::<$f, 4>($($arg),*) },
-                2..=3 => unsafe { $tile::<$f, 2>($($arg),*) },
-                _ => unsafe { $tile::<$f, 1>($($arg),*) },
+                8.. => unsafe { $tile::<$($f),+, 8>($($arg),*) },
+                4..=7 => unsafe { $tile::<$($f),+, 4>($($arg),*) },
+                2..=3 => unsafe { $tile::<$($f),+, 2>($($arg),*) },
+                _ => unsafe { $tile::<$($f),+, 1>($($arg),*) },
             };
         }
     }};

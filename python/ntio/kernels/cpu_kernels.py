@@ -15,7 +15,7 @@ benches/RESULTS.md), per 256 for the ternary types (as llama.cpp; `_core.KERNEL_
 activations (d * Σ q·x + m * Σ x in float32): `F.linear(x, dequantize(raw))` to ~1e-6, the reference path.
 Dense types (F32/F16/BF16) always take float32 activations.
 
-Kernel sets: `best` (the widest this CPU runs), `avx512`, `avx2`, `scalar`; the environment variable
+Kernel sets: `best` (the widest this CPU runs), `avx512`, `avx2`, `neon` (aarch64), `scalar`; the environment variable
 NTIO_CPU_KERNELS forces one for an engine (`KernelChoice.from_env`), and a set the CPU lacks is refused.
 """
 
@@ -117,7 +117,7 @@ def quantized_linear(x: torch.Tensor, raw: torch.Tensor, qtype: gguf.GGMLQuantiz
 
     x: contiguous float32 CPU tensor, T >= 1. raw: contiguous 1-D uint8 CPU tensor of exactly the
     encoded size. out: optional contiguous float32 [T, N] CPU tensor, not overlapping x or raw.
-    isa: the kernel set (`best`, `avx512`, `avx2`, `scalar`); int8: 8-bit activations (see the module's numerics).
+    isa: the kernel set (`best`, `avx512`, `avx2`, `neon`, `scalar`); int8: 8-bit activations (see the module's numerics).
     Errors: ValueError (`_core.BufferError` for a buffer of the wrong dtype, layout or overlap; a kernel set this
     CPU lacks) / TypeError naming the problem.
     """
