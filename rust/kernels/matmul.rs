@@ -582,12 +582,12 @@ pub fn threads() -> usize {
 }
 
 #[cfg(test)]
-mod tests {
+pub(super) mod tests {
     use super::*;
 
     /// Pseudo-random bytes, bit 6 clear in every odd byte: every (little-endian) f16/bf16/f32 field they form
     /// has the top exponent bit clear, so it is finite and below 2 in magnitude; codes still take every value.
-    fn bytes(len: usize, seed: u64) -> Vec<u8> {
+    pub(crate) fn bytes(len: usize, seed: u64) -> Vec<u8> {
         let mut s = seed;
         (0..len)
             .map(|i| {

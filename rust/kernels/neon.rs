@@ -305,22 +305,9 @@ impl NeonFormat for blocks::TQ1_0 {
 #[cfg(test)]
 mod tests {
     use super::super::dot;
+    use super::super::matmul::tests::bytes;
     use super::super::q8::Q8Rows;
     use super::*;
-
-    /// Pseudo-random bytes (every code value occurs; f16 scales finite: bit 6 of odd bytes clear, as
-    /// `matmul`'s tests).
-    fn bytes(len: usize, seed: u64) -> Vec<u8> {
-        let mut s = seed;
-        (0..len)
-            .map(|i| {
-                s = s
-                    .wrapping_mul(6364136223846793005)
-                    .wrapping_add(1442695040888963407);
-                (s >> 33) as u8 & if i % 2 == 1 { 0xBF } else { 0xFF }
-            })
-            .collect()
-    }
 
     /// Each group's NEON codes are `Format::codes`, bit for bit, for every group of random blocks.
     fn codes_match<F: NeonFormat>() {
@@ -336,23 +323,14 @@ mod tests {
                         vst1q_s8(got.as_mut_ptr().add(16), hi),
                     )
                 };
-                assert_eq!(got.map(i32::from), want, "group {g}");
+                assert_eq!(
+                    got.map(i32::from),
+                    want,
+                    "{} group {g}",
+                    std::any::type_name::<F>()
+                );
             }
         }
-    }
-
-    #[test]
-    fn neon_codes_are_the_scalar_codes_for_every_type() {
-        codes_match::<blocks::Q8_0>();
-        codes_match::<blocks::Q4_0>();
-        codes_match::<blocks::Q4_1>();
-        codes_match::<blocks::Q5_0>();
-        codes_match::<blocks::Q5_1>();
-        codes_match::<blocks::Q4K>();
-        codes_match::<blocks::Q5K>();
-        codes_match::<blocks::Q6K>();
-        codes_match::<blocks::TQ1_0>();
-        codes_match::<blocks::TQ2_0>();
     }
 
     /// Both multiplies give `dot::int_row`'s results bit for bit, for t = 1..=11 activation rows (tiles of 8,
@@ -387,23 +365,28 @@ mod tests {
                 assert_eq!(
                     got.map(f32::to_bits),
                     want.map(f32::to_bits),
-                    "{name} t={t}"
+                    "{} {name} t={t}",
+                    std::any::type_name::<F>()
                 );
             }
         }
     }
 
     #[test]
-    fn sdot_and_widening_kernels_give_the_scalar_kernels_bits() {
-        rows_match::<blocks::Q8_0>();
-        rows_match::<blocks::Q4_0>();
-        rows_match::<blocks::Q4_1>();
-        rows_match::<blocks::Q5_0>();
-        rows_match::<blocks::Q5_1>();
-        rows_match::<blocks::Q4K>();
-        rows_match::<blocks::Q5K>();
-        rows_match::<blocks::Q6K>();
-        rows_match::<blocks::TQ1_0>();
-        rows_match::<blocks::TQ2_0>();
+    fn neon_codes_and_products_are_the_scalar_kernels_for_every_type() {
+        fn check<F: NeonFormat>() {
+            codes_match::<F>();
+            rows_match::<F>();
+        }
+        check::<blocks::Q8_0>();
+        check::<blocks::Q4_0>();
+        check::<blocks::Q4_1>();
+        check::<blocks::Q5_0>();
+        check::<blocks::Q5_1>();
+        check::<blocks::Q4K>();
+        check::<blocks::Q5K>();
+        check::<blocks::Q6K>();
+        check::<blocks::TQ1_0>();
+        check::<blocks::TQ2_0>();
     }
 }
