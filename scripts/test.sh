@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The test command (README): build the Rust core into a fresh venv, install the test oracles, run every test; the
-# wheel and sdist are built and the wheel is tried as users install it (scripts/wheel_smoke.sh).
+# wheel and sdist are built and the wheel is tried as users install it (scripts/wheel_smoke.sh). Where the aarch64
+# cross tools are installed, the Rust tests also run on aarch64 under QEMU (scripts/test_aarch64.sh).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 python3 -m venv .venv
@@ -12,5 +13,6 @@ rust_tests=$!
 .venv/bin/python -m pip install -q --no-cache-dir -e '.[dev]'
 wait "$rust_tests"
 PYO3_PYTHON="$PWD/.venv/bin/python" cargo test --release --quiet
+bash scripts/test_aarch64.sh --if-available
 bash scripts/wheel_smoke.sh
 .venv/bin/python -m pytest -q
