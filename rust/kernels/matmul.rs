@@ -164,7 +164,7 @@ fn quantized_kernel<F: Quantized>(isa: Isa, int: bool) -> Kernel {
     }
     #[cfg(target_arch = "aarch64")]
     if int && matches!(isa, Isa::Best | Isa::Neon) {
-        return Kernel::Row(super::neon::int::<F>(super::neon::dotprod()));
+        return Kernel::Row(super::neon::int::<F>(true));
     }
     let _ = isa;
     Kernel::Row(if int {
@@ -582,22 +582,9 @@ pub fn threads() -> usize {
 }
 
 #[cfg(test)]
-pub(super) mod tests {
+mod tests {
+    use super::super::rows::test_bytes as bytes;
     use super::*;
-
-    /// Pseudo-random bytes, bit 6 clear in every odd byte: every (little-endian) f16/bf16/f32 field they form
-    /// has the top exponent bit clear, so it is finite and below 2 in magnitude; codes still take every value.
-    pub(crate) fn bytes(len: usize, seed: u64) -> Vec<u8> {
-        let mut s = seed;
-        (0..len)
-            .map(|i| {
-                s = s
-                    .wrapping_mul(6364136223846793005)
-                    .wrapping_add(1442695040888963407);
-                (s >> 33) as u8 & if i % 2 == 1 { 0xBF } else { 0xFF }
-            })
-            .collect()
-    }
 
     fn run(qtype: QType, t: usize, n: usize, k: usize, isa: Isa, act: Activations8) -> Vec<f32> {
         let (block, size) = qtype.block();

@@ -3,7 +3,7 @@
 //! integer dot products against the activations' 8-bit codes (`q8`).
 //!
 //! - Every type's codes fit a signed byte as `Format::codes` gives them (re-centred for the symmetric types,
-//!   0..=63 for the affine ones), so one signed multiply serves every type: no sign trick as on AVX2.
+//!   0..=31 for the affine ones), so one signed multiply serves every type: no sign trick as on AVX2.
 //! - The multiply is `sdot` (four 8-bit products into each 32-bit lane) where the CPU has the dot-product
 //!   extension (FEAT_DotProd, detected at run time), else widening multiplies (`smull`, `smlal2`: two products
 //!   summed in 16 bits, |q·x| ≤ 128·127 so two fit) and a pairwise add into 32 bits (`sadalp`).
@@ -59,15 +59,16 @@ impl Multiply for Widening {
 
 /// A block format whose group codes decode with NEON.
 pub trait NeonFormat: Format {
-    /// Codes of group `g` of the block at `b` (`Self::BYTES` readable bytes) as `Format::codes` gives them:
-    /// elements 0..16 and 16..32.
+    /// Codes of group `g` (< BLOCK / GROUP) of the block at `b` (`Self::BYTES` readable bytes) as
+    /// `Format::codes` gives them: elements 0..16 and 16..32.
     unsafe fn code_bytes(b: *const u8, g: usize) -> (int8x16_t, int8x16_t);
 }
 
-/// The integer row kernel of format `F`: `sdot` where the CPU has it (`dotprod()`), else widening multiplies.
-pub fn int<F: NeonFormat>(sdot: bool) -> RowKernel {
-    if sdot {
-        // SAFETY: chosen only when `dotprod()` is true (the caller's contract).
+/// The integer row kernel of format `F`: `sdot` if `prefer_sdot` and the CPU has it (`dotprod()`), else widening
+/// multiplies.
+pub fn int<F: NeonFormat>(prefer_sdot: bool) -> RowKernel {
+    if prefer_sdot && dotprod() {
+        // SAFETY: the CPU has the dot-product instructions (checked just above).
         |a, row, y| unsafe { int_row_sdot::<F>(a, row, y) }
     } else {
         // SAFETY: NEON is part of every aarch64 CPU.
@@ -157,7 +158,8 @@ unsafe fn fifth_bits(p: *const u8) -> (uint8x16_t, uint8x16_t) {
     (high(pick(0)), high(pick(2)))
 }
 
-/// `v - offset` as signed bytes (codes 0..=63 minus at most 32: no wrap).
+/// `v - offset` as signed bytes: the byte difference wraps, but the code it stands for (0..=63 minus at most 32)
+/// fits an i8, so reading the byte as signed gives it exactly.
 #[inline]
 #[target_feature(enable = "neon")]
 fn centred(v: uint8x16_t, offset: u8) -> int8x16_t {
@@ -231,7 +233,7 @@ impl NeonFormat for blocks::Q5K {
     unsafe fn code_bytes(b: *const u8, g: usize) -> (int8x16_t, int8x16_t) {
         // SAFETY: qh are bytes 16..48, qs 48..176 of the block; bit g of qh[j] is bit 4 of element j.
         let ((lo, hi), (h0, h1)) = unsafe { (k_nibbles(b.add(48), g), field(b.add(16), g, 1)) };
-        let code = |lo, h| centred(vorrq_u8(lo, vshlq_n_u8::<4>(h)), 0);
+        let code = |lo, high| centred(vorrq_u8(lo, vshlq_n_u8::<4>(high)), 0);
         (code(lo, h0), code(hi, h1))
     }
 }
@@ -246,7 +248,7 @@ impl NeonFormat for blocks::Q6K {
                 field(b.add(128 + 32 * h), 2 * t, 3),
             )
         };
-        let code = |lo, h| centred(vorrq_u8(lo, vshlq_n_u8::<4>(h)), 32);
+        let code = |lo, high| centred(vorrq_u8(lo, vshlq_n_u8::<4>(high)), 32);
         (code(l0, h0), code(l1, h1))
     }
 }
@@ -305,13 +307,18 @@ impl NeonFormat for blocks::TQ1_0 {
 #[cfg(test)]
 mod tests {
     use super::super::dot;
-    use super::super::matmul::tests::bytes;
     use super::super::q8::Q8Rows;
+    use super::super::rows::test_bytes as bytes;
     use super::*;
 
-    /// Each group's NEON codes are `Format::codes`, bit for bit, for every group of random blocks.
+    /// Each group's NEON codes are `Format::codes`, bit for bit, for every group of random blocks (bit 6 of
+    /// every byte random too: no scale is read here).
     fn codes_match<F: NeonFormat>() {
-        let raw = bytes(F::BYTES * 64, 7);
+        let raw: Vec<u8> = bytes(F::BYTES * 256, 7)
+            .into_iter()
+            .zip(bytes(F::BYTES * 256, 8))
+            .map(|(a, b)| a ^ (b << 1 & 0x40))
+            .collect();
         for b in raw.chunks_exact(F::BYTES) {
             for g in 0..F::BLOCK / GROUP {
                 let mut want = [0i32; GROUP];

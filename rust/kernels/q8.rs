@@ -140,7 +140,9 @@ fn encode_any(x: &[f32], q: &mut [i8]) -> f32 {
         } else {
             t
         };
-        *q = r as i8; // |y| <= 127 (+ rounding), so the cast saturates nothing
+        // |y| <= 127 (+ rounding), except where 1/d overflows to inf (max|x| below ~3.7e-37): the clamp keeps
+        // codes in -127..=127 there too, which the kernels' 16-bit pair sums rely on (a NaN casts to 0).
+        *q = r.clamp(-127.0, 127.0) as i8;
     }
     d
 }
@@ -218,5 +220,17 @@ mod tests {
         }
         let zero = Q8Rows::q8_0(&[0.0; 32], 32);
         assert!(zero.codes.iter().all(|&c| c == 0) && zero.scales == [0.0]);
+    }
+
+    /// A span so small that 1/d overflows to inf still gets codes in -127..=127 (the kernels' 16-bit pair sums
+    /// rely on it): no -128, and zeros stay 0.
+    #[test]
+    fn codes_stay_within_127_when_the_scale_is_tiny() {
+        let mut x = [0f32; 32];
+        x[..4].copy_from_slice(&[1e-38, -1e-38, -4e-39, 0.0]);
+        let mut q = [0i8; 32];
+        let d = encoder()(&x, &mut q);
+        assert!(d > 0.0 && (1.0 / d).is_infinite());
+        assert_eq!(q[..4], [127, -127, -127, 0]);
     }
 }

@@ -83,3 +83,19 @@ macro_rules! in_tiles {
     }};
 }
 pub(crate) use in_tiles;
+
+/// Pseudo-random bytes for the kernels' tests, bit 6 clear in every odd byte: every (little-endian)
+/// f16/bf16/f32 field they form has the top exponent bit clear, so it is finite and below 2 in magnitude; codes
+/// still take every value.
+#[cfg(test)]
+pub(crate) fn test_bytes(len: usize, seed: u64) -> Vec<u8> {
+    let mut s = seed;
+    (0..len)
+        .map(|i| {
+            s = s
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            (s >> 33) as u8 & if i % 2 == 1 { 0xBF } else { 0xFF }
+        })
+        .collect()
+}
