@@ -14,7 +14,8 @@ from click.testing import CliRunner
 import ntio
 from ntio.cli import main
 from ntio.decoding.generation import Sampler, SamplingParams
-from ntio.decoding.speculative import Draft, DraftLength, DraftTree, Extra, PromptLookup, grow, sample_chain, verify
+from ntio.decoding.speculative import (Draft, DraftLength, DraftTree, Extra, PassCost, PromptLookup, grow, sample_chain,
+                                      verify)
 from ntio.errors import NtioError, OptionError
 from ntio.models.layers import causal_mask, token_positions, tree_depths
 
@@ -218,7 +219,7 @@ def test_extra_leaves_are_kept_while_they_raise_the_expected_tokens_per_second()
     length = DraftLength()
     length.observe(1, 0.2, {}, None)
     length.observe(11, 0.3, {}, None)
-    assert [round(x, 6) for x in length.passes.estimate()] == [0.2, 0.01]
+    assert [round(length.passes.cost(rows), 6) for rows in (1, 2, 11)] == [0.2, 0.21, 0.3]
 
     def tree_with(extras, room, length):
         tree = DraftTree(0)
@@ -231,6 +232,39 @@ def test_extra_leaves_are_kept_while_they_raise_the_expected_tokens_per_second()
     assert tree_with(extras, 8, DraftLength(fixed=True)) == [20, 21, 22]
     assert tree_with(extras, 3, DraftLength(fixed=True)) == [20]
     assert tree_with([extras[1], Extra(0.9, 23, "lookup", after=0)], 8, DraftLength(fixed=True)) == [20, 23]
+
+
+def test_a_streamed_pass_prices_rows_by_its_compute_above_its_reads():
+    """Passes as Qwen2.5-Coder-1.5B all-C measured them on 2 vCPUs (wall, waited on reads, reads in flight): 1 row
+    0.294 / 0.188 / 0.279 s, 16 rows 0.666 / 0.001 / 0.400 s. The compute (wall - waited) is 0.106 s + 37.3 ms a
+    row; the reads take 0.34 s (their mean): rows are free up to the crossing at ~7 rows and cost 37 ms each past it.
+    A line through the wall times would price every row at 25 ms."""
+    cost = PassCost()
+    cost.observe(1, 0.294, 0.188, 0.279)
+    cost.observe(16, 0.666, 0.001, 0.400)
+    reads = (0.8 * 0.279 + 0.400) / 1.8
+    assert cost.cost(1) == pytest.approx(reads) and cost.cost(4) == pytest.approx(reads)
+    assert cost.row(1) == 0.0 and cost.row(4) == 0.0
+    assert cost.cost(16) == pytest.approx(0.665) and cost.row(16) == pytest.approx(0.559 / 15)
+    assert cost.cost(24) == pytest.approx(0.665 + 8 * 0.559 / 15)
+    # Resident passes read nothing: the compute alone.
+    resident = PassCost()
+    resident.observe(1, 0.05)
+    resident.observe(9, 0.13)
+    assert resident.cost(1) == pytest.approx(0.05) and resident.row(3) == pytest.approx(0.01)
+
+
+def test_a_streamed_pass_takes_the_leaves_its_reads_leave_free():
+    """Below the reads' time a leaf costs nothing, so a tree takes even unlikely ones (while it has room); once the
+    compute outlasts the reads, a leaf must pay for its row as with resident weights."""
+    streamed = DraftLength()
+    streamed.observe(1, 0.30, {}, None, waited=0.25, reads=0.3)
+    streamed.observe(11, 0.40, {}, None, waited=0.0, reads=0.3)  # compute 0.05 s + 0.035 s a row
+    tree = DraftTree(0)
+    tree.add_chain(Draft([10, 11], "model"), [0.9, 0.81])
+    grow(tree, [Extra(0.01, 20 + i, "model-alt", 2) for i in range(12)], 12, streamed)
+    # The crossing: 0.05 + 0.035 (T - 1) = 0.3 at T ~ 8; rows up to 8 are free, past it 0.01 does not pay.
+    assert len(tree) == 8
 
 
 def test_a_drafts_step_cost_leaves_out_catching_up_on_the_history():

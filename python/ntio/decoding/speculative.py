@@ -184,31 +184,46 @@ class Acceptance:
 
 
 class PassCost:
-    """What a pass over T rows costs: t1 + (T - 1)·t_row, a least-squares fit to the passes timed, decayed (DECAY
-    per pass). t_row is ~0 when weights stream and a sizable part of t1 on the CPU with resident weights."""
+    """What a pass over T rows costs: the larger of its compute, c1 + (T - 1)·c_row, and the time its reads take.
+
+    The compute is a least-squares fit to the passes timed less the time they waited on reads, decayed (DECAY per
+    pass); the reads' time is the decayed mean of the time reads were in flight. With resident weights there are no
+    reads and a row costs c_row, a sizable part of c1 on the CPU. When weights stream, rows are free until the compute
+    outlasts the reads, and cost c_row each past that (Qwen2.5-Coder-1.5B all-C on 2 vCPUs: reads ~0.3 s a pass, the
+    compute ~0.1 s at 1 row, crossing them at ~8 rows, ~35 ms a row past them). A line fitted to the passes' wall
+    times cannot price a row at both ends."""
 
     def __init__(self) -> None:
-        self.fit = [0.0] * 5  # decayed sums of 1, T, T^2, s, T*s over the passes
+        self.fit = [0.0] * 5  # decayed sums of 1, T, T^2, c, T*c over the passes, c = the pass's compute
+        self.reads = 0.0  # decayed sum of the passes' read times (divided by fit[0], their mean)
 
-    def observe(self, rows: int, seconds: float) -> None:
+    def observe(self, rows: int, seconds: float, waited: float = 0.0, reads: float = 0.0) -> None:
+        """A pass over `rows` rows took `seconds`, of which the compute waited `waited` on reads that were in flight
+        for `reads` seconds (the loader's io_wait_s and io_busy_s)."""
+        compute = max(seconds - waited, 0.0)
         self.fit = [DECAY * v for v in self.fit]
-        for i, v in enumerate((1.0, rows, rows * rows, seconds, rows * seconds)):
+        for i, v in enumerate((1.0, rows, rows * rows, compute, rows * compute)):
             self.fit[i] += v
+        self.reads = DECAY * self.reads + reads
 
-    def estimate(self) -> tuple[float, float]:
-        """(t1, t_row); (1, 0) before any pass (every draft then looks free), and t_row 0 while every pass timed
-        had the same length (`rows_fitted`)."""
-        n, st, stt, ss, sts = self.fit
+    def cost(self, rows: int) -> float:
+        """Seconds for a pass over `rows` rows; 1 before any pass, whatever the rows (every draft then looks
+        free), and the same for every T while all the passes timed had one length (`rows_fitted`)."""
+        n, st, stt, sc, stc = self.fit
         if n == 0:
-            return 1.0, 0.0
-        var = stt / n - (st / n) ** 2
-        slope = (sts / n - st / n * ss / n) / var if self.rows_fitted else 0.0
+            return 1.0
+        slope = (stc / n - st / n * sc / n) / (stt / n - (st / n) ** 2) if self.rows_fitted else 0.0
         slope = max(slope, 0.0)
-        return max(ss / n - slope * (st / n - 1), 1e-9), slope
+        compute = sc / n + slope * (rows - st / n)
+        return max(compute, self.reads / n, 1e-9)
+
+    def row(self, rows: int) -> float:
+        """What one more row adds to a pass over `rows` rows."""
+        return self.cost(rows + 1) - self.cost(rows)
 
     @property
     def rows_fitted(self) -> bool:
-        """Whether passes of different lengths were timed, so that t_row is measured rather than read as 0."""
+        """Whether passes of different lengths were timed, so that c_row is measured rather than read as 0."""
         n, st, stt = self.fit[:3]
         return n > 0 and stt / n - (st / n) ** 2 > 1e-9
 
@@ -216,9 +231,9 @@ class PassCost:
 class DraftLength:
     """How deep to draft: the chain length k that maximizes expected tokens per second of a pass, from what verify
     passes cost (`passes`), what drafting a token costs each source, and how often each source's tokens were
-    accepted (`accepted`). A pass with k drafted tokens costs t1 + k·(t_row + the source's cost per drafted token)
-    and settles 1 + a + ... + a^k tokens in expectation. `grow` sizes a tree's extra leaves with the same pass
-    cost. fixed=True: always the most tokens asked for."""
+    accepted (`accepted`). A pass with k drafted tokens costs the pass over k + 1 rows plus k times the source's
+    cost per drafted token, and settles 1 + a + ... + a^k tokens in expectation. `grow` sizes a tree's extra
+    leaves with the same pass cost. fixed=True: always the most tokens asked for."""
 
     def __init__(self, *, fixed: bool = False) -> None:
         self.fixed = fixed
@@ -229,16 +244,16 @@ class DraftLength:
     def choose(self, source: str, most: int) -> int:
         if self.fixed:
             return most
-        t1, t_row = self.passes.estimate()
-        a, per_token = self.accepted.rate(source), t_row + self.draft_cost.get(source, 0.0)
-        rates = [sum(a**i for i in range(k + 1)) / (t1 + k * per_token) for k in range(most + 1)]
+        a, per_token = self.accepted.rate(source), self.draft_cost.get(source, 0.0)
+        rates = [sum(a**i for i in range(k + 1)) / (self.passes.cost(k + 1) + k * per_token) for k in range(most + 1)]
         return max(range(most + 1), key=rates.__getitem__)
 
     def observe(self, tokens: int, verify_s: float, verdicts: dict[str, tuple[int, int]],
-                draft: tuple[str, int, float] | None) -> None:
-        """A verify pass over `tokens` tokens took verify_s; verdicts as `Acceptance.observe` takes them; draft =
-        (the drafting source, tokens it drafted, seconds it took)."""
-        self.passes.observe(tokens, verify_s)
+                draft: tuple[str, int, float] | None, waited: float = 0.0, reads: float = 0.0) -> None:
+        """A verify pass over `tokens` tokens took verify_s (waited and reads as `PassCost.observe` takes them);
+        verdicts as `Acceptance.observe` takes them; draft = (the drafting source, tokens it drafted, seconds it
+        took)."""
+        self.passes.observe(tokens, verify_s, waited, reads)
         self.accepted.observe(verdicts)
         if draft is not None and draft[1]:
             source, cost = draft[0], draft[2] / draft[1]
@@ -419,10 +434,9 @@ class Drafters:
 
 def grow(tree: DraftTree, extras: Sequence[Extra], room: int, length: DraftLength, spent: float = 0.0) -> None:
     """Adds extra leaves to the tree, likeliest first, each while it raises the round's expected tokens per second:
-    (1 + the tree's summed chances) / (spent drafting + t1 + rows past the first · t_row), the pass cost fitted by
-    `length` (every extra, with length.fixed); at most `room` nodes besides the root. An extra whose `after` was not
+    (1 + the tree's summed chances) / (spent drafting + the pass over its rows), the pass cost fitted by `length`
+    (every extra, with length.fixed); at most `room` nodes besides the root. An extra whose `after` was not
     taken is not either; one already in the tree costs nothing."""
-    t1, t_row = length.passes.estimate()
     # Likeliest first, but never before the extra it follows (`after` is an earlier index).
     rank: list[float] = []
     for extra in extras:
@@ -434,8 +448,8 @@ def grow(tree: DraftTree, extras: Sequence[Extra], room: int, length: DraftLengt
         if parent is None:
             continue
         if tree.child(parent, extra.token) is None:
-            cost = spent + t1 + (len(tree) - 1) * t_row
-            if len(tree) > room or not length.fixed and extra.chance * cost < sum(tree.chances) * t_row:
+            cost, row = spent + length.passes.cost(len(tree)), length.passes.row(len(tree))
+            if len(tree) > room or not length.fixed and extra.chance * cost < sum(tree.chances) * row:
                 continue
         placed[i] = tree.add(parent, extra.token, extra.source, extra.chance)
 
@@ -522,7 +536,10 @@ def speculative_ids(
         engine.kv.keep_branch(root, branch, tree.branch_tokens(branch))
         t2 = time.perf_counter()
         accepted = set(branch)
-        drafters.length.observe(len(tree), t2 - t1, verdicts(tree, branch), drafted)
+        # The pass's own figures from the loader (whose last record is this forward: the tree is one chunk).
+        figures = engine.layers.stats.last()
+        drafters.length.observe(len(tree), t2 - t1, verdicts(tree, branch), drafted, figures.get("io_wait_s", 0.0),
+                                figures.get("io_busy_s", 0.0))
         stats.draft_s += t1 - t0
         stats.verify_s += t2 - t1
         stats.passes += 1

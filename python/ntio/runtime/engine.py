@@ -23,6 +23,7 @@ from ntio.models.layers import (GlobalWeights, LayerWeights, batched_block, caus
                                 token_positions)
 from ntio.policies.base import LOAD_ALL, SKIP, LoadDecision, LoadPolicy, Observation, overrides
 from ntio.runtime.kv_cache import KVCache
+from ntio.runtime.stats import StreamStats
 from ntio.runtime.timeline import Timeline
 
 # Longer inputs run as several forward passes of at most this many tokens, which bounds activation memory (an 8B
@@ -39,6 +40,7 @@ class LayerSource(Protocol):
 
     policy: LoadPolicy
     timeline: Timeline | None  # when set, the engine records each layer's span in it
+    stats: StreamStats  # one record per forward: bytes read, time waited on reads
 
     def begin_forward(self, n_tokens: int) -> None: ...
 

@@ -279,11 +279,11 @@ class Scheduler:
         t0 = time.perf_counter()
         logits = self.engine.forward_batch(segments)
         elapsed = time.perf_counter() - t0
-        read = self.llm.stats.last().get("bytes_read", 0)
+        figures = self.llm.stats.last()
         self.llm.stats.reset()  # a server runs for days: keep the step's figures here, not a list of every step
         self.metrics.steps += 1
         n_rows = sum(s.tokens.shape[0] for s in segments)
-        self.pass_cost.observe(n_rows, elapsed)
+        self.pass_cost.observe(n_rows, elapsed, figures.get("io_wait_s", 0.0), figures.get("io_busy_s", 0.0))
         decoded = 0
         for (slot, seq, tree), out in zip(batch, logits):
             if tree is None:  # a prompt chunk: the last one's logits give the first token
@@ -298,7 +298,7 @@ class Scheduler:
         if decoding:
             self.metrics.decode_s += time.perf_counter() - started  # drafting included
             self.metrics.decoded_in_steps += decoded
-            self.metrics.decode_bytes_read += read
+            self.metrics.decode_bytes_read += figures.get("bytes_read", 0)
 
     def _drafts(self, decoding: list[_Sequence], spare: int) -> list[DraftTree]:
         """The tree each decoding sequence brings to the pass: its last token and what was drafted for it, within the
@@ -320,19 +320,18 @@ class Scheduler:
         matches = {i: found for i, found in matches.items() if found is not None}
         by_model = [i for i in range(len(decoding)) if self.draft is not None and most[i] > 0
                     and (i not in matches or matches[i][0] < PREFERRED_LOOKUP)]
-        t1, t_row = self.pass_cost.estimate()
         expected, drafted = float(len(decoding)), 0
         chances = {i: decoding[i].acceptance.rate(self.draft_name) for i in by_model}
         # Per drafting sequence: the positions of its draft cache that its history still has.
         cached = {i: decoding[i].draft_kv.reusable_prefix(decoding[i].history, len(decoding[i].history) - 1)
                   for i in by_model}
         if by_model and not self.fixed_draft:
-            by_model = self._catch_up_pays(decoding, by_model, cached, chances, most, spare, t1, t_row)
+            by_model = self._catch_up_pays(decoding, by_model, cached, chances, most, spare)
         # (chance, sequence, place in its lookup chain, None) or (chance, sequence, step, (parent node, token)).
         offers: list[tuple[float, int, int, tuple[int, int] | None]] = []
         if by_model:
             depth = self._model_depth([(min(most[i], spare // len(by_model)), chances[i]) for i in by_model],
-                                      len(decoding), t1, t_row)
+                                      len(decoding))
             for i, draft in zip(by_model, self._model_chains([decoding[i] for i in by_model],
                                                              [min(depth, most[i]) for i in by_model],
                                                              [cached[i] for i in by_model])):
@@ -349,8 +348,9 @@ class Scheduler:
                 offers += [(a ** (j + 1), i, j, None) for j in range(len(tokens))]
         taken = dict.fromkeys(matches, 0)
         for chance, i, j, leaf in sorted(offers, key=lambda o: (-o[0], o[2])):  # a chain's tokens in order
+            rows = len(decoding) + drafted
             if drafted >= spare or not self.fixed_draft and (
-                    chance * (t1 + (len(decoding) - 1 + drafted) * t_row) < t_row * expected):
+                    chance * self.pass_cost.cost(rows) < self.pass_cost.row(rows) * expected):
                 break  # later offers are no likelier, and each row taken raises the bar
             if leaf is not None:
                 trees[i].add(*leaf, self.draft_name + "-alt", chance)
@@ -367,16 +367,15 @@ class Scheduler:
         return trees
 
     def _catch_up_pays(self, decoding: list[_Sequence], by_model: list[int], cached: dict[int, int],
-                       chances: dict[int, float], most: list[int], spare: int, t1: float, t_row: float) -> list[int]:
+                       chances: dict[int, float], most: list[int], spare: int) -> list[int]:
         """Those of `by_model` (indices into decoding) whose draft cache is worth catching up (cached[i]: the positions
         it holds of the sequence's history). A sequence c tokens behind costs c · draft_row_s of draft prefill, which
         every sequence waits for; drafting saves 1 / rate(0) - 1 / rate(K) seconds per token of the pass (`_pass_rate`,
         K the chosen depth), over the E tokens the sequence is still expected to generate (the mean answer so far, less
         what it has, within what it may still generate). It catches up where c · draft_row_s <= E · that saving."""
         limits = [(min(most[i], spare // len(by_model)), chances[i]) for i in by_model]
-        depth = self._model_depth(limits, len(decoding), t1, t_row)
-        saving = (1 / self._pass_rate(limits, len(decoding), t1, t_row, 0)
-                  - 1 / self._pass_rate(limits, len(decoding), t1, t_row, depth))
+        depth = self._model_depth(limits, len(decoding))
+        saving = 1 / self._pass_rate(limits, len(decoding), 0) - 1 / self._pass_rate(limits, len(decoding), depth)
         kept = []
         for i in by_model:
             seq = decoding[i]
@@ -388,20 +387,20 @@ class Scheduler:
                 kept.append(i)
         return kept
 
-    def _model_depth(self, limits: list[tuple[int, float]], n_decoding: int, t1: float, t_row: float) -> int:
+    def _model_depth(self, limits: list[tuple[int, float]], n_decoding: int) -> int:
         """How many batched draft passes to run: the depth K that maximizes the pass's expected tokens per second
         (`_pass_rate`); limits: (the sequence's limit, its acceptance) per drafting sequence."""
         deepest = max(n for n, _ in limits)
         return deepest if self.fixed_draft else max(
-            range(deepest + 1), key=lambda k: self._pass_rate(limits, n_decoding, t1, t_row, k))
+            range(deepest + 1), key=lambda k: self._pass_rate(limits, n_decoding, k))
 
-    def _pass_rate(self, limits: list[tuple[int, float]], n_decoding: int, t1: float, t_row: float, k: int) -> float:
+    def _pass_rate(self, limits: list[tuple[int, float]], n_decoding: int, k: int) -> float:
         """A pass's expected tokens per second with K = k draft passes: (n_decoding + Σ_s Σ_{j<=K_s} a_s^j) /
-        (t1 + (n_decoding - 1 + Σ_s K_s) t_row + K · draft pass), where K_s = min(K, the sequence's limit) and a_s
-        its acceptance."""
+        (the pass over n_decoding + Σ_s K_s rows + K · draft pass), where K_s = min(K, the sequence's limit) and
+        a_s its acceptance."""
         tokens = n_decoding + sum(sum(a ** j for j in range(1, min(k, n) + 1)) for n, a in limits)
-        rows = n_decoding - 1 + sum(min(k, n) for n, _ in limits)
-        return tokens / (t1 + rows * t_row + k * self.draft_step_s)
+        rows = n_decoding + sum(min(k, n) for n, _ in limits)
+        return tokens / (self.pass_cost.cost(rows) + k * self.draft_step_s)
 
     def _model_chains(self, seqs: list[_Sequence], depths: list[int], cached: list[int]) -> list[Draft]:
         """Each sequence's chain from the drafting model, depths[i] tokens deep, drawn with its own sampler, with up
