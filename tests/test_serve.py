@@ -388,12 +388,51 @@ def test_a_self_draft_drafts_for_every_request_from_the_slots_own_caches(smollm2
     assert metrics.accepted_tokens >= 10, (metrics.drafted_tokens, metrics.accepted_tokens)
 
 
+def test_decode_rows_beside_a_pass_full_of_prompt_rows_cost_their_compute(smollm2_path):
+    """Timings as a streamed 1.5B model gives them: reads 0.3 s a pass, compute 0.1 s for 1 row and 2 s for 64. Two
+    decoding sequences alone: their rows, with drafts of up to 2 tokens, cost the pass, which waits on its reads
+    anyway, so the depth rule drafts both tokens. Beside 200 prompt rows that fill the pass, each row costs its compute (~30 ms), so a draft, accepted with
+    chance < 1, lowers the step's tokens per second and the depth rule drafts nothing. Before its first draft, the
+    drafting model is timed (its step and catch-up row both priced above 0)."""
+    from types import SimpleNamespace
+
+    from ntio.serving.scheduler import Scheduler
+
+    with ntio.load(smollm2_path, max_context=1024, draft=smollm2_path) as m:
+        scheduler = Scheduler(m, parallel=4, max_queue=0, slot_context=256)
+        for _ in range(4):
+            scheduler.pass_cost.observe(1, 0.35, 0.25, 0.3)
+            scheduler.pass_cost.observe(64, 2.0, 0.0, 0.3)
+        c_row = scheduler.pass_cost.compute_line[1]
+        assert 0.029 < c_row < 0.031
+        assert scheduler._decode_cost(2, 4) == scheduler.pass_cost.cost(4) == pytest.approx(0.3)
+        limits = [(2, 0.9), (2, 0.9)]
+        assert scheduler._model_depth(limits, 2) == 2  # rows free, draft passes free before they are timed
+        prompt = SimpleNamespace(request=SimpleNamespace(prompt_ids=list(range(200))), fed=0, prefilling=True)
+        scheduler._active[3] = prompt
+        assert scheduler._decode_cost(2, 4) == pytest.approx(4 * c_row)
+        assert scheduler._model_depth(limits, 2) == 0
+        scheduler._time_draft()
+        assert scheduler.draft_step_s > 0 and scheduler.draft_row_s > 0
+
+
 def test_a_draft_catches_up_on_a_prompt_only_where_the_answer_wins_it_back(smollm2_path):
     """Before a request's first draft the draft model prefills its prompt while every request waits. Priced at 1 s a
     row against answers expected to be 2 tokens long, no catch-up pays and nothing is drafted; at 1 µs a row against
-    answers as long as allowed, the first request to decode drafts a full chain. (Costs set before the start; SmolLM2 drafts for itself, and
-    before any pass is timed every draft looks free, so the depth rule alone would draft from the first step.)"""
+    answers as long as allowed, the first request to decode drafts a full chain. (Costs set before the start and
+    kept: SmolLM2 drafts for itself, at 1 µs a draft pass, and a pass costs 1 s whatever its rows, so the depth rule
+    alone would draft from the first step.)"""
     from ntio.decoding.generation import SamplingParams
+    from ntio.decoding.speculative import PassCost
+
+    class Flat(PassCost):
+        compute_line = (1.0, 0.0)
+
+        def observe(self, *timings) -> None:
+            pass
+
+        def cost(self, rows: int) -> float:
+            return 1.0
 
     with ntio.load(smollm2_path, max_context=1024, draft=smollm2_path) as m:
         prompts = [m.encode_prompt(t, chat=True) for t in REPEAT[:2]]
@@ -402,6 +441,7 @@ def test_a_draft_catches_up_on_a_prompt_only_where_the_answer_wins_it_back(smoll
         def priced(row_s: float, answer_tokens: float | None):
             def prepare(scheduler) -> None:
                 scheduler.draft_row_s, scheduler.answer_tokens = row_s, answer_tokens
+                scheduler.draft_step_s, scheduler.pass_cost = 1e-6, Flat()
             return _scheduled(m, prompts, [SamplingParams()] * 2, prepare=prepare)
 
         declined = priced(1.0, 2.0)

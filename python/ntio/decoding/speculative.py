@@ -184,14 +184,14 @@ class Acceptance:
 
 
 class PassCost:
-    """What a pass over T rows costs: the larger of its compute, c1 + (T - 1)·c_row, and the time its reads take.
+    """What a pass over T rows costs: the larger of its compute, c0 + c_row·T, and the time its reads take.
 
-    The compute is a least-squares fit to the passes timed less the time they waited on reads, decayed (DECAY per
-    pass); the reads' time is the decayed mean of the time reads were in flight. With resident weights there are no
-    reads and a row costs c_row, a sizable part of c1 on the CPU. When weights stream, rows are free until the compute
-    outlasts the reads, and cost c_row each past that (Qwen2.5-Coder-1.5B all-C on 2 vCPUs: reads ~0.3 s a pass, the
-    compute ~0.1 s at 1 row, crossing them at ~8 rows, ~35 ms a row past them). A line fitted to the passes' wall
-    times cannot price a row at both ends."""
+    The compute is a line fitted to the passes timed less the time they waited on reads (`compute_line`), decayed
+    (DECAY per pass); the reads' time is the decayed mean of the time reads were in flight. With resident weights
+    there are no reads and a row costs c_row, a sizable part of a 1-row pass on the CPU. When weights stream, rows
+    are free until the compute outlasts the reads, and cost c_row each past that (Qwen2.5-Coder-1.5B all-C on 2
+    vCPUs: reads ~0.3 s a pass, the compute ~0.1 s at 1 row, crossing them at ~8 rows, ~30 ms a row past them). A
+    line fitted to the passes' wall times cannot price a row at both ends."""
 
     def __init__(self) -> None:
         self.fit = [0.0] * 5  # decayed sums of 1, T, T^2, c, T*c over the passes, c = the pass's compute
@@ -207,25 +207,39 @@ class PassCost:
         self.reads = DECAY * self.reads + reads
 
     def cost(self, rows: int) -> float:
-        """Seconds for a pass over `rows` rows; 1 before any pass, whatever the rows (every draft then looks
-        free), and the same for every T while all the passes timed had one length (`rows_fitted`)."""
-        n, st, stt, sc, stc = self.fit
-        if n == 0:
+        """Seconds for a pass over `rows` rows; 1 before any pass, whatever the rows (every draft then looks free)."""
+        if self.fit[0] == 0:
             return 1.0
-        slope = (stc / n - st / n * sc / n) / (stt / n - (st / n) ** 2) if self.rows_fitted else 0.0
-        slope = max(slope, 0.0)
-        compute = sc / n + slope * (rows - st / n)
-        return max(compute, self.reads / n, 1e-9)
+        c0, c_row = self.compute_line
+        return max(c0 + c_row * rows, self.reads / self.fit[0], 1e-9)
 
     def row(self, rows: int) -> float:
         """What one more row adds to a pass over `rows` rows."""
         return self.cost(rows + 1) - self.cost(rows)
 
     @property
-    def rows_fitted(self) -> bool:
-        """Whether passes of different lengths were timed, so that c_row is measured rather than read as 0."""
-        n, st, stt = self.fit[:3]
-        return n > 0 and stt / n - (st / n) ** 2 > 1e-9
+    def compute_line(self) -> tuple[float, float]:
+        """(c0, c_row): a pass's compute is c0 + c_row·T, both >= 0, fitted with c0 drawn towards 0 as if one more
+        pass had computed nothing over no rows (ridge, RIDGE passes' weight). Passes of one length, or of lengths
+        too close to tell a fixed cost from a row's, then give compute proportional to the rows, nearly right for
+        the wide passes of a prompt, where a plain fit read an intercept of a second out of noise between 56- and
+        64-row passes and so priced rows at almost nothing."""
+        n, st, stt, sc, stc = self.fit
+        det = (n + RIDGE) * stt - st * st
+        if det <= 0:  # no rows in any pass
+            return sc / (n + RIDGE), 0.0
+        c0, c_row = (sc * stt - st * stc) / det, ((n + RIDGE) * stc - st * sc) / det
+        if c0 < 0:
+            return 0.0, stc / stt
+        if c_row < 0:
+            return sc / (n + RIDGE), 0.0
+        return c0, c_row
+
+
+# The weight of the pass of no rows and no compute that `PassCost` adds to its fit (DECAY keeps ~5 passes' weight):
+# enough to settle 56- against 64-row passes (c_row 23 ms where a plain fit reads 12.5), while a fit of passes of
+# well-spread lengths moves little (1- and 11-row passes of 0.2 and 0.3 s: 0.19 s for 1 row).
+RIDGE = 0.05
 
 
 class DraftLength:

@@ -7,21 +7,21 @@ when weights stream from disk the bytes read per generated token fall as the num
 
 Speculative decoding: with prompt lookup on (`lookup`), a decoding sequence whose history has an n-gram match brings the
 tokens that followed it as a draft; with a drafting model, it proposes a chain for every decoding sequence at once, in
-batched passes, and its next choices along the chain as extra leaves (`branches`; once passes of several lengths have
-priced a row). The drafting model is a draft model (`llm.draft`: its own engine over per-slot caches of its own) or the
-model's own first layers with an exit head (`llm.self_draft`: batched early exits over the slots' own caches, which
-already hold those layers' K/V of every history, so that a self-draft never catches up on a prompt). A sequence's rows
-of the pass are then its last token and its draft tree (a tree mask in the batched pass), and the pass's logits after
-each node verify the tree (`speculative.verify`), so one pass can settle several of its tokens; the cache keeps the
-accepted branch. Drafts take only the rows the step has spare, and only while they raise the pass's expected tokens per
-second for all its sequences together: their chance of acceptance (the sequence's own record per source, `Acceptance`,
-which starts from the server's record of the passes before it) against the measured cost of a row of the pass
-(`PassCost`), which every sequence waits for, and of a draft pass. So drafts run deep for a lone request and shallow
-when many share a compute-bound pass. Before a request's first draft, the draft model must catch up on its prompt, a
-prefill that every sequence waits for: it is paid only where the tokens the request is expected to generate (the mean
-answer so far) win it back at the rate drafting saves. Greedy answers stay token for token those of plain decoding;
-sampled ones keep the model's distribution. A request sampled with a seed gets no drafts, so that its seed keeps giving
-the same draws.
+batched passes, and its next choices along the chain as extra leaves (`branches`). The drafting model is a draft model
+(`llm.draft`: its own engine over per-slot caches of its own) or the model's own first layers with an exit head
+(`llm.self_draft`: batched early exits over the slots' own caches, which already hold those layers' K/V of every
+history, so that a self-draft never catches up on a prompt). A sequence's rows of the pass are then its last token and
+its draft tree (a tree mask in the batched pass), and the pass's logits after each node verify the tree
+(`speculative.verify`), so one pass can settle several of its tokens; the cache keeps the accepted branch. Drafts take
+only the rows the step has spare, and only while they raise the pass's expected tokens per second for all its
+sequences together: their chance of acceptance (the sequence's own record per source, `Acceptance`, which starts from
+the server's record of the passes before it) against the measured cost of a row of the pass (`PassCost`: free while
+the pass waits on its reads anyway, its compute once the compute outlasts them or prompt rows fill the pass), which
+every sequence waits for, and of a draft pass. So drafts run deep for a lone request and not at all when many share a
+compute-bound pass. Before a request's first draft, the draft model must catch up on its prompt, a prefill that every
+sequence waits for: it is paid only where the tokens the request is expected to generate (the mean answer so far) win
+it back at the rate drafting saves. Greedy answers stay token for token those of plain decoding; sampled ones keep the
+model's distribution. A request sampled with a seed gets no drafts, so that its seed keeps giving the same draws.
 
 Sequences live in slots, each with its own KV cache of `slot_context` positions. A request joins between steps, in
 the free slot whose cached tokens share the longest prefix with its prompt (that prefix is not recomputed), and
@@ -54,6 +54,8 @@ from ntio.runtime.kv_cache import KVCache
 
 # Prompt rows a step gives to prefills at least, however many sequences are decoding.
 MIN_PREFILL_ROWS = 8
+# Rows of the catch-up pass that prices the drafting model's rows before its first draft (`Scheduler._time_draft`).
+DRAFT_TIMING_ROWS = 32
 
 
 @dataclass
@@ -157,8 +159,8 @@ class Scheduler:
                                 for _ in range(parallel)]
         elif llm.self_draft is not None:
             self.draft, self.draft_name, self.draft_slots = llm.self_draft.batch_logits, SelfDraft.name, self.slots
-        self.draft_step_s = 0.0  # seconds per batched draft pass (EMA)
-        self.draft_row_s = 0.0  # seconds per prompt row in a draft catch-up pass (EMA; 0 until measured: free)
+        self.draft_step_s = 0.0  # seconds per batched draft pass (EMA; first timed by `_time_draft`)
+        self.draft_row_s = 0.0  # seconds per prompt row in a draft catch-up pass (EMA; likewise)
         self.answer_tokens: float | None = None  # tokens per finished answer (EMA); None before the first
         self._free = list(range(parallel))
         self._active: dict[int, _Sequence] = {}  # slot -> sequence
@@ -326,6 +328,8 @@ class Scheduler:
         cached = {i: decoding[i].draft_kv.reusable_prefix(decoding[i].history, len(decoding[i].history) - 1)
                   for i in by_model}
         if by_model and not self.fixed_draft:
+            if self.draft_step_s == 0:
+                self._time_draft()
             by_model = self._catch_up_pays(decoding, by_model, cached, chances, most, spare)
         # (chance, sequence, place in its lookup chain, None) or (chance, sequence, step, (parent node, token)).
         offers: list[tuple[float, int, int, tuple[int, int] | None]] = []
@@ -339,9 +343,8 @@ class Scheduler:
                 chance = [a ** (j + 1) for j in range(len(draft.tokens))]
                 nodes = trees[i].add_chain(draft, chance)
                 expected, drafted = expected + sum(chance), drafted + len(draft.tokens)
-                if self.pass_cost.rows_fitted or self.fixed_draft:  # else every row would look free
-                    offers += [(a ** j * (1 - a) * r, i, j, (nodes[j - 1] if j else 0, token))
-                               for j, choices in enumerate(draft.alternatives) for token, r in choices]
+                offers += [(a ** j * (1 - a) * r, i, j, (nodes[j - 1] if j else 0, token))
+                           for j, choices in enumerate(draft.alternatives) for token, r in choices]
         for i, (_, tokens) in matches.items():
             if len(trees[i]) == 1:
                 a = decoding[i].acceptance.rate(self.lookup.name)
@@ -349,8 +352,9 @@ class Scheduler:
         taken = dict.fromkeys(matches, 0)
         for chance, i, j, leaf in sorted(offers, key=lambda o: (-o[0], o[2])):  # a chain's tokens in order
             rows = len(decoding) + drafted
+            cost = self._decode_cost(len(decoding), rows)
             if drafted >= spare or not self.fixed_draft and (
-                    chance * self.pass_cost.cost(rows) < self.pass_cost.row(rows) * expected):
+                    chance * cost < (self._decode_cost(len(decoding), rows + 1) - cost) * expected):
                 break  # later offers are no likelier, and each row taken raises the bar
             if leaf is not None:
                 trees[i].add(*leaf, self.draft_name + "-alt", chance)
@@ -400,7 +404,40 @@ class Scheduler:
         a_s its acceptance."""
         tokens = n_decoding + sum(sum(a ** j for j in range(1, min(k, n) + 1)) for n, a in limits)
         rows = n_decoding + sum(min(k, n) for n, _ in limits)
-        return tokens / (self.pass_cost.cost(rows) + k * self.draft_step_s)
+        return tokens / (self._decode_cost(n_decoding, rows) + k * self.draft_step_s)
+
+    def _decode_cost(self, n_decoding: int, rows: int) -> float:
+        """The seconds of a step's pass that its decode rows account for: `rows` rows, the n_decoding sequences'
+        last tokens and their drafts. Alone in the pass, or beside prompt rows that leave it waiting on its reads,
+        they cost the pass. Where prompt rows (which take the rows the decode rows leave) make the pass
+        compute-bound, each decode row accounts for its compute, which it adds to the pass (a prompt row that a
+        draft displaces is computed in a later pass). There a drafted token, accepted with chance < 1, costs as
+        much as the decode row that would otherwise give it, and drafting never pays."""
+        prompt_left = sum(len(seq.request.prompt_ids) - seq.fed for seq in self._active.values() if seq.prefilling)
+
+        def with_prompts(decode_rows: int) -> float:
+            prompt = min(prompt_left, ops.KERNEL_ROWS - decode_rows)
+            return self.pass_cost.cost(decode_rows + prompt) + (prompt_left - prompt) * self.pass_cost.compute_line[1]
+
+        if prompt_left and with_prompts(n_decoding) > with_prompts(0):
+            return with_prompts(rows) - with_prompts(0)
+        return self.pass_cost.cost(rows)
+
+    def _time_draft(self) -> None:
+        """Times the drafting model before its first draft, on a cache of its own: a catch-up pass over
+        DRAFT_TIMING_ROWS rows, then a 1-row pass after it (both after a 1-row pass that warms it up). Unpriced, the
+        first catch-up would look free, and a server's first drafts would catch every sequence up on its history at
+        once (seconds that every sequence waits for)."""
+        drafter = self.llm.draft if self.llm.draft is not None else self.llm  # a self-draft runs the model's layers
+        kv = drafter.engine.kv
+        scratch = KVCache(drafter.config, DRAFT_TIMING_ROWS + 2, kv.k.dtype, kv.k.device)
+        self.draft([Segment(torch.zeros(1, dtype=torch.int64), 0, scratch)])
+        t0 = time.perf_counter()
+        self.draft([Segment(torch.zeros(DRAFT_TIMING_ROWS, dtype=torch.int64), 0, scratch)])
+        t1 = time.perf_counter()
+        self.draft([Segment(torch.zeros(1, dtype=torch.int64), DRAFT_TIMING_ROWS, scratch)])
+        self.draft_step_s = time.perf_counter() - t1
+        self.draft_row_s = max(t1 - t0 - self.draft_step_s, 0.0) / (DRAFT_TIMING_ROWS - 1)
 
     def _model_chains(self, seqs: list[_Sequence], depths: list[int], cached: list[int]) -> list[Draft]:
         """Each sequence's chain from the drafting model, depths[i] tokens deep, drawn with its own sampler, with up
