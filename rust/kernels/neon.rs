@@ -145,18 +145,15 @@ unsafe fn nibbles(p: *const u8) -> (uint8x16_t, uint8x16_t) {
 unsafe fn fifth_bits(p: *const u8) -> (uint8x16_t, uint8x16_t) {
     // SAFETY: the caller's block holds 4 bytes at p.
     let qh = unsafe { vreinterpretq_u8_u32(vdupq_n_u32(p.cast::<u32>().read_unaligned())) };
-    // Byte j of each half: byte j / 8 of its two qh bytes, tested against bit j % 8.
-    let pick = |first: u8| -> uint8x16_t {
-        let index: [u8; 16] = std::array::from_fn(|j| first + (j / 8) as u8);
-        // SAFETY: plain NEON on stack arrays.
-        unsafe { vqtbl1q_u8(qh, vld1q_u8(index.as_ptr())) }
-    };
-    let bits: [u8; 16] = std::array::from_fn(|j| 1 << (j % 8));
-    // SAFETY: as above.
-    let bits = unsafe { vld1q_u8(bits.as_ptr()) };
-    let high = |v| vandq_u8(vtstq_u8(v, bits), vdupq_n_u8(0x10));
-    (high(pick(0)), high(pick(2)))
+    // SAFETY: plain NEON on constant tables.
+    let (first, bits) = unsafe { (vld1q_u8(QH_FIRST_HALF.as_ptr()), vld1q_u8(QH_BITS.as_ptr())) };
+    let high = |index| vandq_u8(vtstq_u8(vqtbl1q_u8(qh, index), bits), vdupq_n_u8(0x10));
+    (high(first), high(vaddq_u8(first, vdupq_n_u8(2))))
 }
+
+// Byte j of a half takes byte j / 8 of its two qh bytes (the second half's are 2 further on) and tests bit j % 8.
+const QH_FIRST_HALF: [u8; 16] = [0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1];
+const QH_BITS: [u8; 16] = [1, 2, 4, 8, 16, 32, 64, 128, 1, 2, 4, 8, 16, 32, 64, 128];
 
 /// `v - offset` as signed bytes: the byte difference wraps, but the code it stands for (0..=63 minus at most 32)
 /// fits an i8, so reading the byte as signed gives it exactly.
@@ -272,6 +269,17 @@ fn trits(v: uint8x16_t, pow: uint8x16_t) -> uint8x16_t {
     vcombine_u8(lo, hi)
 }
 
+// Byte 4n + j of the qh vector (qh[j], repeated) is multiplied by 3^n to bring trit n to the top.
+const QH_TRIT_POW: [u8; 16] = {
+    let mut pow = [0u8; 16];
+    let mut i = 0;
+    while i < 16 {
+        pow[i] = blocks::POW3[i / 4];
+        i += 1;
+    }
+    pow
+};
+
 impl NeonFormat for blocks::TQ1_0 {
     unsafe fn code_bytes(b: *const u8, g: usize) -> (int8x16_t, int8x16_t) {
         // Element order as `blocks::tq1_place`: groups 0..5 are trit g of qs[0..32]; groups 5 and 6 are trits
@@ -292,10 +300,9 @@ impl NeonFormat for blocks::TQ1_0 {
                 _ => {
                     let qh =
                         vreinterpretq_u8_u32(vdupq_n_u32(b.add(48).cast::<u32>().read_unaligned()));
-                    let qh_pow: [u8; 16] = std::array::from_fn(|i| blocks::POW3[i / 4]);
                     (
                         trits(vld1q_u8(b.add(32)), pow(4)),
-                        trits(qh, vld1q_u8(qh_pow.as_ptr())),
+                        trits(qh, vld1q_u8(QH_TRIT_POW.as_ptr())),
                     )
                 }
             }
