@@ -393,7 +393,7 @@ def test_decode_rows_beside_a_pass_full_of_prompt_rows_cost_their_compute(smollm
     decoding sequences alone: their rows, with drafts of up to 2 tokens, cost the pass, which waits on its reads
     anyway, so the depth rule drafts both tokens. Beside 200 prompt rows that fill the pass, each row costs its compute (~30 ms), so a draft, accepted with
     chance < 1, lowers the step's tokens per second and the depth rule drafts nothing. Before its first draft, the
-    drafting model is timed (its step and catch-up row both priced above 0)."""
+    drafting model's catch-up rows are priced (its steps are timed on its first chain)."""
     from types import SimpleNamespace
 
     from ntio.serving.scheduler import Scheduler
@@ -413,7 +413,7 @@ def test_decode_rows_beside_a_pass_full_of_prompt_rows_cost_their_compute(smollm
         assert scheduler._decode_cost(2, 4) == pytest.approx(4 * c_row)
         assert scheduler._model_depth(limits, 2) == 0
         scheduler._time_draft()
-        assert scheduler.draft_step_s > 0 and scheduler.draft_row_s > 0
+        assert scheduler.draft_row_s > 0 and scheduler.draft_step_s == 0
 
 
 def test_a_draft_catches_up_on_a_prompt_only_where_the_answer_wins_it_back(smollm2_path):
@@ -441,7 +441,7 @@ def test_a_draft_catches_up_on_a_prompt_only_where_the_answer_wins_it_back(smoll
         def priced(row_s: float, answer_tokens: float | None):
             def prepare(scheduler) -> None:
                 scheduler.draft_row_s, scheduler.answer_tokens = row_s, answer_tokens
-                scheduler.draft_step_s, scheduler.pass_cost = 1e-6, Flat()
+                scheduler._draft_timed, scheduler.draft_step_s, scheduler.pass_cost = True, 1e-6, Flat()
             return _scheduled(m, prompts, [SamplingParams()] * 2, prepare=prepare)
 
         declined = priced(1.0, 2.0)

@@ -159,8 +159,12 @@ class Scheduler:
                                 for _ in range(parallel)]
         elif llm.self_draft is not None:
             self.draft, self.draft_name, self.draft_slots = llm.self_draft.batch_logits, SelfDraft.name, self.slots
-        self.draft_step_s = 0.0  # seconds per batched draft pass (EMA; first timed by `_time_draft`)
-        self.draft_row_s = 0.0  # seconds per prompt row in a draft catch-up pass (EMA; likewise)
+        # Seconds per batched draft pass (EMA): 0 until a draft of several tokens is timed, so that the first
+        # draft goes as deep as the pass's cost allows and its verdicts teach the acceptance (a greedy depth rule
+        # starting from acceptance 1/2 and a priced step drafts 2 tokens, and learns slowly).
+        self.draft_step_s = 0.0
+        self.draft_row_s = 0.0  # seconds per prompt row in a draft catch-up pass (EMA; first timed by `_time_draft`)
+        self._draft_timed = False
         self.answer_tokens: float | None = None  # tokens per finished answer (EMA); None before the first
         self._free = list(range(parallel))
         self._active: dict[int, _Sequence] = {}  # slot -> sequence
@@ -328,7 +332,7 @@ class Scheduler:
         cached = {i: decoding[i].draft_kv.reusable_prefix(decoding[i].history, len(decoding[i].history) - 1)
                   for i in by_model}
         if by_model and not self.fixed_draft:
-            if self.draft_step_s == 0:
+            if not self._draft_timed:
                 self._time_draft()
             by_model = self._catch_up_pays(decoding, by_model, cached, chances, most, spare)
         # (chance, sequence, place in its lookup chain, None) or (chance, sequence, step, (parent node, token)).
@@ -424,8 +428,8 @@ class Scheduler:
         return self.pass_cost.cost(rows)
 
     def _time_draft(self) -> None:
-        """Times the drafting model before its first draft, on a cache of its own: a catch-up pass over
-        DRAFT_TIMING_ROWS rows, then a 1-row pass after it (both after a 1-row pass that warms it up). Unpriced, the
+        """Prices the drafting model's catch-up rows before its first draft, on a cache of its own: a pass over
+        DRAFT_TIMING_ROWS rows less a 1-row pass after it (both after a 1-row pass that warms it up). Unpriced, the
         first catch-up would look free, and a server's first drafts would catch every sequence up on its history at
         once (seconds that every sequence waits for)."""
         drafter = self.llm.draft if self.llm.draft is not None else self.llm  # a self-draft runs the model's layers
@@ -436,8 +440,9 @@ class Scheduler:
         self.draft([Segment(torch.zeros(DRAFT_TIMING_ROWS, dtype=torch.int64), 0, scratch)])
         t1 = time.perf_counter()
         self.draft([Segment(torch.zeros(1, dtype=torch.int64), DRAFT_TIMING_ROWS, scratch)])
-        self.draft_step_s = time.perf_counter() - t1
-        self.draft_row_s = max(t1 - t0 - self.draft_step_s, 0.0) / (DRAFT_TIMING_ROWS - 1)
+        step = time.perf_counter() - t1
+        self.draft_row_s = max(t1 - t0 - step, 0.0) / (DRAFT_TIMING_ROWS - 1)
+        self._draft_timed = True
 
     def _model_chains(self, seqs: list[_Sequence], depths: list[int], cached: list[int]) -> list[Draft]:
         """Each sequence's chain from the drafting model, depths[i] tokens deep, drawn with its own sampler, with up
