@@ -414,30 +414,7 @@ def test_decode_rows_beside_a_pass_full_of_prompt_rows_cost_their_compute(smollm
         assert scheduler._decode_cost(2, 4) == pytest.approx(4 * c_row)
         assert scheduler._model_depth(limits, 2) == 0
         scheduler._time_draft()
-        assert scheduler.draft_row_s > 0 and scheduler._draft_cost(limits, 2) == 0  # steps: on the first chain
-
-
-def test_a_draft_step_is_priced_by_the_sequences_it_drafts_for(smollm2_path):
-    """A batched step of the drafting model costs more the more sequences draft in it (the 0.5B draft model's step
-    for 4 sequences took ~3x its step for one). Steps timed at 30 ms for one sequence and 120 ms for four: k steps
-    for four cost 4x k steps for one; past the shorter limits a step costs what its remaining sequences cost; and
-    beside a pass that waits 0.3 s on its reads, four sequences draft less deep than a lone one."""
-    from ntio.serving.scheduler import Scheduler
-
-    with ntio.load(smollm2_path, max_context=1024, draft=smollm2_path) as m:
-        scheduler = Scheduler(m, parallel=4, max_queue=0, slot_context=256)
-        one, four = [(8, 0.8)], [(8, 0.8)] * 4
-        assert scheduler._draft_cost(four, 3) == 0  # before a draft's steps are timed
-        for _ in range(4):
-            scheduler.pass_cost.observe(1, 0.35, 0.25, 0.3)
-            scheduler.pass_cost.observe(16, 0.5, 0.0, 0.3)
-            scheduler.draft_steps.observe(1, 0.03)
-            scheduler.draft_steps.observe(4, 0.12)
-        assert scheduler._draft_cost(one, 3) == pytest.approx(0.09, rel=0.05)
-        assert scheduler._draft_cost(four, 3) == pytest.approx(4 * scheduler._draft_cost(one, 3), rel=0.05)
-        steps = scheduler.draft_steps
-        assert scheduler._draft_cost([(1, 0.8), (3, 0.8)], 3) == pytest.approx(steps.cost(2) + 2 * steps.cost(1))
-        assert 0 < scheduler._model_depth(four, 4) < scheduler._model_depth(one, 1)
+        assert scheduler.draft_row_s > 0 and scheduler.draft_step_s == 0
 
 
 def test_a_draft_catches_up_on_a_prompt_only_where_the_answer_wins_it_back(smollm2_path):
@@ -465,8 +442,7 @@ def test_a_draft_catches_up_on_a_prompt_only_where_the_answer_wins_it_back(smoll
         def priced(row_s: float, answer_tokens: float | None):
             def prepare(scheduler) -> None:
                 scheduler.draft_row_s, scheduler.answer_tokens = row_s, answer_tokens
-                scheduler._draft_timed, scheduler.pass_cost = True, Flat()
-                scheduler.draft_steps.observe(1, 1e-6)
+                scheduler._draft_timed, scheduler.draft_step_s, scheduler.pass_cost = True, 1e-6, Flat()
             return _scheduled(m, prompts, [SamplingParams()] * 2, prepare=prepare)
 
         declined = priced(1.0, 2.0)

@@ -208,15 +208,10 @@ class PassCost:
 
     def cost(self, rows: int) -> float:
         """Seconds for a pass over `rows` rows; 1 before any pass, whatever the rows (every draft then looks free)."""
-        if not self.timed:
+        if self.fit[0] == 0:
             return 1.0
         c0, c_row = self.compute_line
         return max(c0 + c_row * rows, self.reads / self.fit[0], 1e-9)
-
-    @property
-    def timed(self) -> bool:
-        """Whether any pass has been observed."""
-        return self.fit[0] > 0
 
     def row(self, rows: int) -> float:
         """What one more row adds to a pass over `rows` rows."""

@@ -159,11 +159,10 @@ class Scheduler:
                                 for _ in range(parallel)]
         elif llm.self_draft is not None:
             self.draft, self.draft_name, self.draft_slots = llm.self_draft.batch_logits, SelfDraft.name, self.slots
-        # What a batched step of the drafting model costs by its rows, one per drafting sequence (a draft model's
-        # step for 4 sequences took ~3x its step for one). Unpriced until a draft of several tokens is timed, so
-        # that the first draft goes as deep as the pass's cost allows and its verdicts teach the acceptance (a
-        # greedy depth rule starting from acceptance 1/2 and a priced step drafts 2 tokens, and learns slowly).
-        self.draft_steps = PassCost()
+        # Seconds per batched draft pass (EMA): 0 until a draft of several tokens is timed, so that the first
+        # draft goes as deep as the pass's cost allows and its verdicts teach the acceptance (a greedy depth rule
+        # starting from acceptance 1/2 and a priced step drafts 2 tokens, and learns slowly).
+        self.draft_step_s = 0.0
         self.draft_row_s = 0.0  # seconds per prompt row in a draft catch-up pass (EMA; first timed by `_time_draft`)
         self._draft_timed = False
         self.answer_tokens: float | None = None  # tokens per finished answer (EMA); None before the first
@@ -409,14 +408,7 @@ class Scheduler:
         a_s its acceptance."""
         tokens = n_decoding + sum(sum(a ** j for j in range(1, min(k, n) + 1)) for n, a in limits)
         rows = n_decoding + sum(min(k, n) for n, _ in limits)
-        return tokens / (self._decode_cost(n_decoding, rows) + self._draft_cost(limits, k))
-
-    def _draft_cost(self, limits: list[tuple[int, float]], k: int) -> float:
-        """Seconds of k batched draft steps for sequences with these limits: step j runs those whose limit
-        exceeds j, priced by its rows (`draft_steps`); 0 until a draft's steps have been timed."""
-        if not self.draft_steps.timed:
-            return 0.0
-        return sum(self.draft_steps.cost(live) for j in range(k) if (live := sum(n > j for n, _ in limits)))
+        return tokens / (self._decode_cost(n_decoding, rows) + k * self.draft_step_s)
 
     def _decode_cost(self, n_decoding: int, rows: int) -> float:
         """The seconds of a step's pass that its decode rows account for: `rows` rows, the n_decoding sequences'
@@ -457,8 +449,8 @@ class Scheduler:
         to `branches` next choices per step (`Draft.alternatives`): one batched pass of the drafting model per drafted
         token for all of them. The first pass catches each sequence's draft cache up on its history (a draft model's
         cache, after a new request, on its whole prompt; a self-draft's is the slot's own, never behind), and its
-        rows past one per sequence are timed for `_catch_up_pays`; passes of one row per sequence are timed by
-        their rows for `_model_depth` (`draft_steps`)."""
+        rows past one per sequence are timed for `_catch_up_pays`; the passes after it are timed for
+        `_model_depth`."""
         tokens: list[list[int]] = [[] for _ in seqs]
         probs: list[list[torch.Tensor]] = [[] for _ in seqs]
         alternatives: list[list[list[tuple[int, float]]]] = [[] for _ in seqs]
@@ -479,10 +471,10 @@ class Scheduler:
                 tokens[i].append(token)
                 feeds[i] = ([token], len(seqs[i].history) + step)
             spent = time.perf_counter() - t0
-            if fed == len(live):  # a step: one row per sequence
-                self.draft_steps.observe(fed, spent)
+            if step:
+                self.draft_step_s = spent if self.draft_step_s == 0 else 0.5 * (self.draft_step_s + spent)
             elif fed - len(live) >= MIN_PREFILL_ROWS:  # a catch-up: price its rows past one per sequence
-                row_s = max(spent - self._draft_cost([(1, 0.0)] * len(live), 1), 0.0) / (fed - len(live))
+                row_s = max(spent - self.draft_step_s, 0.0) / (fed - len(live))
                 self.draft_row_s = row_s if self.draft_row_s == 0 else 0.5 * (self.draft_row_s + row_s)
         return [Draft(t, self.draft_name, torch.stack(p) if p else None, alts)
                 for t, p, alts in zip(tokens, probs, alternatives)]
