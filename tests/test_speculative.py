@@ -14,8 +14,8 @@ from click.testing import CliRunner
 import ntio
 from ntio.cli import main
 from ntio.decoding.generation import Sampler, SamplingParams
-from ntio.decoding.speculative import (Draft, DraftLength, DraftTree, Extra, PassCost, PromptLookup, grow, sample_chain,
-                                      verify)
+from ntio.decoding.speculative import (Draft, Drafters, DraftLength, DraftTree, Extra, PassCost, PromptLookup, grow,
+                                      sample_chain, verify)
 from ntio.errors import NtioError, OptionError
 from ntio.models.layers import causal_mask, token_positions, tree_depths
 
@@ -291,6 +291,37 @@ def test_a_drafts_step_cost_leaves_out_catching_up_on_the_history():
     draft = sample_chain([0], 3, Sampler(SamplingParams()), logits_after, "model")
     assert draft.tokens == [1, 1, 1] and 0.01 <= draft.step_s < 0.1
     assert sample_chain([0], 1, Sampler(SamplingParams()), logits_after, "model").step_s is None
+
+
+def test_a_short_lookup_match_is_taken_alone_where_lookup_pays_better_than_the_model():
+    """A lookup match of a 2-gram (shorter than PREFERRED_LOOKUP) beside a model drafting at 20 ms a token, passes at
+    30 ms + 5 ms a row. Where lookup's chains have been accepted and the model's mostly not, the match alone
+    promises more tokens per second: it is drafted alone and the model is not run. Where the records are the other
+    way round, the model drafts and the match joins its tree."""
+
+    class Model:
+        name = "model"
+
+        def __init__(self):
+            self.calls = 0
+
+        def propose(self, history, k, sampler, branches=0):
+            self.calls += 1
+            return Draft([7] * k, self.name)
+
+    def drafted(lookup_accepts: int, model_accepts: int) -> tuple[list[str], int]:
+        length = DraftLength()
+        for _ in range(6):
+            length.observe(1, 0.035, {"lookup": (4, lookup_accepts), "model": (4, model_accepts)}, ("model", 4, 0.08))
+            length.observe(9, 0.075, {}, None)
+        model = Model()
+        tree, _ = Drafters(PromptLookup(), model, length).propose([1, 2, 3, 9, 9, 1, 2], 8, 8, Sampler(SamplingParams()))
+        return tree.sources[1:], model.calls
+
+    sources, calls = drafted(lookup_accepts=4, model_accepts=0)
+    assert sources and set(sources) == {"lookup"} and calls == 0
+    sources, calls = drafted(lookup_accepts=0, model_accepts=4)
+    assert calls == 1 and sources[0] == "model"
 
 
 def test_prompt_lookup_drafts_what_followed_the_latest_match():
