@@ -295,7 +295,7 @@ def test_a_drafts_step_cost_leaves_out_catching_up_on_the_history():
 
 def test_a_short_lookup_match_is_taken_alone_where_lookup_pays_better_than_the_model():
     """A lookup match of a 2-gram (shorter than PREFERRED_LOOKUP) beside a model drafting at 20 ms a token, passes at
-    30 ms + 5 ms a row. Where lookup's chains have been accepted and the model's mostly not, the match alone
+    30 ms + 5 ms a row. Where lookup's chains have been accepted and the model's not, the match alone
     promises more tokens per second: it is drafted alone and the model is not run. Where the records are the other
     way round, the model drafts and the match joins its tree."""
 
@@ -315,7 +315,8 @@ def test_a_short_lookup_match_is_taken_alone_where_lookup_pays_better_than_the_m
             length.observe(1, 0.035, {"lookup": (4, lookup_accepts), "model": (4, model_accepts)}, ("model", 4, 0.08))
             length.observe(9, 0.075, {}, None)
         model = Model()
-        tree, _ = Drafters(PromptLookup(), model, length).propose([1, 2, 3, 9, 9, 1, 2], 8, 8, Sampler(SamplingParams()))
+        drafters = Drafters(PromptLookup(), model, length)
+        tree, _ = drafters.propose([1, 2, 3, 9, 9, 1, 2], 8, 8, Sampler(SamplingParams()))
         return tree.sources[1:], model.calls
 
     sources, calls = drafted(lookup_accepts=4, model_accepts=0)
