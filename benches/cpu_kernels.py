@@ -2,13 +2,17 @@
 `cpu_kernels.quantized_linear` with 8-bit activations (the default), with float32 activations (the reference
 path), and (synthetic model only) as `F.linear` on dequantized fp32 weights.
 
-Cache-cold like a real decode step. The model: `--model NAME|PATH` (a real GGUF: every layer matrix in file order,
+Cache-cold like a real decode step: before every timed pass a 128 MB buffer is written, so no pass finds the
+weights the pass before it left in the last-level cache (a pass run right after the dense one, which evicts
+everything, took ~40% longer at T = 8 than the same pass after another quantized one on the AVX-512 EPYC VM). The model: `--model NAME|PATH` (a real GGUF: every layer matrix in file order,
 then the output head), or by default a SmolLM2-135M-shaped synthetic one (30 layers of distinct Q4_1 matrices:
 fused q/k/v 960x576, o 576x576, fused gate+up 3072x576, down 576x1536; then the Q8_0 49152x576 head). Passes
 alternate A B C A B C; medians are reported, with each T's cost relative to T = 1 (`vs_t1`: what a speculative
-verification pass of T tokens costs against one decode step). Prints JSON.
+verification pass of T tokens costs against one decode step). `--isa best avx2` adds the 8-bit pass of every further
+kernel set named (`int8_avx2_ms`, and its time over the first set's, `int8_avx2_vs_int8`), alternating with the rest.
+Prints JSON.
 
-    python benches/cpu_kernels.py [--model NAME|PATH] [--threads 2] [--repeats 7] [--rows 1 8 16]
+    python benches/cpu_kernels.py [--model NAME|PATH] [--threads 2] [--repeats 7] [--rows 1 8 16] [--isa best avx2]
 """
 
 from __future__ import annotations
@@ -60,26 +64,31 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 8, 16])
     ap.add_argument("--model", help="a real GGUF (name or path) instead of the synthetic SmolLM2-shaped matrices")
+    ap.add_argument("--isa", nargs="+", default=["best"],
+                    help="kernel sets of the 8-bit passes (best, avx512, avx2, neon, scalar); the first is `int8`")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     cpu_kernels.set_threads(args.threads)
     mats = load(args.model) if args.model else build()
-    result = {"model": args.model or "synthetic SmolLM2-shaped Q4_1", "threads": args.threads,
+    evict = torch.zeros(128 << 20, dtype=torch.uint8)  # written before each pass: last-level caches hold <= 32 MB
+    result = {"model": args.model or "synthetic SmolLM2-shaped Q4_1", "threads": args.threads, "isa": args.isa,
               "repeats": args.repeats, "matrices": len(mats),
               "encoded_mb": round(sum(m[2].numel() for m in mats) / 1e6, 1), "rows": {}}
     for t in args.rows:
         xs = {k: torch.randn(t, k) for k in {s[1] for _, s, _, _ in mats}}
         outs = [torch.empty(t, s[0]) for _, s, _, _ in mats]  # kernel outputs (F.linear allocates its own)
 
-        def kernel_pass(int8: bool) -> None:
+        def kernel_pass(int8: bool, isa: str = args.isa[0]) -> None:
             for (qtype, shape, raw, _), out in zip(mats, outs):
-                cpu_kernels.quantized_linear(xs[shape[1]], raw, qtype, shape, out, int8=int8)
+                cpu_kernels.quantized_linear(xs[shape[1]], raw, qtype, shape, out, isa=isa, int8=int8)
 
         def dense_pass() -> None:
             for _, shape, _, w in mats:
                 F.linear(xs[shape[1]], w)
 
         passes = {"int8": lambda: kernel_pass(True), "float32_activations": lambda: kernel_pass(False)}
+        for isa in args.isa[1:]:
+            passes[f"int8_{isa}"] = lambda isa=isa: kernel_pass(True, isa)
         if mats[0][3] is not None:
             passes["dense_fp32"] = dense_pass
         times: dict[str, list[float]] = {name: [] for name in passes}
@@ -87,11 +96,15 @@ def main() -> None:
             fn()  # warm-up
         for _ in range(args.repeats):
             for name, fn in passes.items():
+                evict.add_(1)
                 t0 = time.perf_counter()
                 fn()
                 times[name].append((time.perf_counter() - t0) * 1e3)
         result["rows"][str(t)] = {f"{name}_ms": round(statistics.median(v), 2) for name, v in times.items()}
         result["rows"][str(t)]["all_ms"] = {name: [round(x, 2) for x in v] for name, v in times.items()}
+        for isa in args.isa[1:]:
+            row = result["rows"][str(t)]
+            row[f"int8_{isa}_vs_int8"] = round(row[f"int8_{isa}_ms"] / row["int8_ms"], 3)
     one = result["rows"].get("1")
     if one:
         for t, row in result["rows"].items():

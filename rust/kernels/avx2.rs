@@ -12,6 +12,11 @@
 //! - float kernels (`quantized`, `dense`): codes widened to four 8-lane float32 vectors, FMAs against float32
 //!   activations (the reference path for differential tests).
 //!
+//! The integer kernels take their byte products from an `IntDot`: AVX2's `maddubs` + `madd` (`Madd`), or, where
+//! the CPU has AVX-512 VNNI, its fused forms on the same 256-bit vectors (`Vnni`: `vpdpwssd` is `madd` plus the
+//! add, `vpdpbusd` the byte products summed straight into i32 lanes). The integer sums are the same (the codes
+//! never saturate `maddubs`: |w| <= 128, |x| <= 127), so are the float steps: both give the same bits.
+//!
 //! Everything here is `unsafe` with `#[target_feature]`: `matmul` hands these kernels out only after
 //! `available()` has confirmed the CPU features at run time.
 
@@ -27,6 +32,83 @@ pub fn available() -> bool {
         && is_x86_feature_detected!("f16c")
 }
 
+/// Whether this CPU has the AVX-512 VNNI products (on 256-bit vectors) of the `Vnni` integer kernels.
+pub fn vnni_available() -> bool {
+    available() && is_x86_feature_detected!("avx512vnni") && is_x86_feature_detected!("avx512vl")
+}
+
+/// How the integer kernels multiply 8-bit codes: unsigned weight bytes `wu` by signed activation bytes `x`.
+pub trait IntDot {
+    /// acc + Σ mv·(wu·x) over each i32 lane's two i16 pair-sums of byte products (`madd` with multipliers
+    /// `mv`).
+    unsafe fn scaled(acc: __m256i, wu: __m256i, x: __m256i, mv: __m256i) -> __m256i;
+    /// `sum` with the byte products wu·x added, in the running form `widen` turns into i32 lanes (lane i: bytes
+    /// 4i..4i + 4). The form holds the products of at most 8 groups whose pair-sums stay below 2^15 / 8.
+    unsafe fn add_products(sum: __m256i, wu: __m256i, x: __m256i) -> __m256i;
+    /// A running sum of `add_products` as i32 lanes.
+    unsafe fn widen(sum: __m256i) -> __m256i;
+}
+
+/// AVX2: `maddubs` (u8 x i8 -> i16 pair-sums), then `madd` (-> i32 lanes); running sums are i16 pair-sums.
+pub struct Madd;
+
+impl IntDot for Madd {
+    #[target_feature(enable = "avx2,fma,f16c")]
+    #[inline]
+    unsafe fn scaled(acc: __m256i, wu: __m256i, x: __m256i, mv: __m256i) -> __m256i {
+        _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(wu, x), mv))
+    }
+
+    #[target_feature(enable = "avx2,fma,f16c")]
+    #[inline]
+    unsafe fn add_products(sum: __m256i, wu: __m256i, x: __m256i) -> __m256i {
+        _mm256_add_epi16(sum, _mm256_maddubs_epi16(wu, x))
+    }
+
+    #[target_feature(enable = "avx2,fma,f16c")]
+    #[inline]
+    unsafe fn widen(sum: __m256i) -> __m256i {
+        _mm256_madd_epi16(sum, _mm256_set1_epi16(1))
+    }
+}
+
+/// AVX-512 VNNI on 256-bit vectors: `vpdpwssd` (`madd` and the add in one instruction) after `maddubs`, and
+/// `vpdpbusd` (four byte products into each i32 lane, no i16 step); running sums are i32 lanes. Only entry
+/// points compiled with `VNNI_FEATURES` (`vnni_entry!`) may use it.
+pub struct Vnni;
+
+impl IntDot for Vnni {
+    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+    #[inline]
+    unsafe fn scaled(acc: __m256i, wu: __m256i, x: __m256i, mv: __m256i) -> __m256i {
+        _mm256_dpwssd_epi32(acc, _mm256_maddubs_epi16(wu, x), mv)
+    }
+
+    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+    #[inline]
+    unsafe fn add_products(sum: __m256i, wu: __m256i, x: __m256i) -> __m256i {
+        _mm256_dpbusd_epi32(sum, wu, x)
+    }
+
+    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+    #[inline]
+    unsafe fn widen(sum: __m256i) -> __m256i {
+        sum
+    }
+}
+
+/// The VNNI twin of an integer kernel's entry point `$entry::<F, D>`: the same generic code as AVX2's, compiled
+/// with AVX-512 VNNI enabled, so that `Vnni`'s instructions inline into its loops.
+macro_rules! vnni_entry {
+    ($twin:ident => $entry:ident<F: $bound:path>($($arg:ident: $ty:ty),*)) => {
+        #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+        unsafe fn $twin<F: $bound>($($arg: $ty),*) {
+            // SAFETY: the caller's contract is the entry's, and this twin runs only where `vnni_available()`.
+            unsafe { $entry::<F, Vnni>($($arg),*) }
+        }
+    };
+}
+
 /// A block format whose group codes decode with AVX2.
 pub trait SimdFormat: Format {
     /// Codes of group `g` of the block at `b` (`Self::BYTES` readable bytes), byte j = element j: re-centred
@@ -34,8 +116,9 @@ pub trait SimdFormat: Format {
     unsafe fn code_bytes(b: *const u8, g: usize) -> __m256i;
 
     /// The integer kernel (8-bit activations) of this format: a group kernel for the legacy formats, the row
-    /// kernel for the K-quants. Call only if `available()`.
-    fn int_kernel() -> Kernel;
+    /// kernel for the K-quants; with VNNI products if `vnni`. Call only if `available()` (and
+    /// `vnni_available()` for `vnni`).
+    fn int_kernel(vnni: bool) -> Kernel;
 
     /// For a symmetric legacy type stored as unsigned c = q + OFFSET (Q4_0: 8, Q5_0: 16), OFFSET: the group
     /// kernel multiplies c as it does an affine type's codes, and takes OFFSET·d·Σx̂ off; 0: the sign trick.
@@ -87,22 +170,31 @@ pub fn quantized<F: SimdFormat>() -> RowKernel {
     |a, row, y| unsafe { quantized_row::<F>(a, row, y) }
 }
 
-/// The integer row kernel for K-quant `F` (8-bit activations). Call only if `available()`.
-fn int<F: SuperBlock>() -> RowKernel {
-    // SAFETY: `matmul` selects this kernel only when `available()` returned true.
-    |a, row, y| unsafe { int_row::<F>(a, row, y) }
+/// The integer row kernel for K-quant `F` (8-bit activations), with VNNI products if `vnni`. Call only if
+/// `available()` (and `vnni_available()` for `vnni`).
+fn int<F: SuperBlock>(vnni: bool) -> RowKernel {
+    // SAFETY (both): `matmul` selects these kernels only where the CPU has their features.
+    if vnni {
+        |a, row, y| unsafe { int_row_vnni::<F>(a, row, y) }
+    } else {
+        |a, row, y| unsafe { int_row::<F, Madd>(a, row, y) }
+    }
 }
 
 /// The integer group kernel for legacy block format `F` (blocks of 32, 8-bit activations): eight weight rows
-/// at once. Call only if `available()`.
-fn int_group<F: SimdFormat>() -> GroupKernel {
+/// at once, with VNNI products if `vnni`. Call only if `available()` (and `vnni_available()` for `vnni`).
+fn int_group<F: SimdFormat>(vnni: bool) -> GroupKernel {
     debug_assert_eq!(
         F::BLOCK,
         GROUP,
         "group kernels take the 32-element legacy formats"
     );
-    // SAFETY: `matmul` selects this kernel only when `available()` returned true.
-    |a, rows, row_bytes, y| unsafe { int_group_rows::<F>(a, rows, row_bytes, y) }
+    // SAFETY (both): `matmul` selects these kernels only where the CPU has their features.
+    if vnni {
+        |a, rows, row_bytes, y| unsafe { int_group_rows_vnni::<F>(a, rows, row_bytes, y) }
+    } else {
+        |a, rows, row_bytes, y| unsafe { int_group_rows::<F, Madd>(a, rows, row_bytes, y) }
+    }
 }
 
 /// The row kernel for dense type `D`. Call only if `available()`.
@@ -168,27 +260,37 @@ unsafe fn quantized_tile<F: SimdFormat, const R: usize>(
 }
 
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn int_row<F: SuperBlock>(a: &Activations, row: &[u8], y: &mut [f32; MAX_T]) {
+#[inline]
+unsafe fn int_row<F: SuperBlock, D: IntDot>(a: &Activations, row: &[u8], y: &mut [f32; MAX_T]) {
     // The groups of an activation span (`Format::SPAN`: 128 elements of a K-quant block) add their integer
     // sums (scaled by integer sub-scales inside `madd`) before any float work: one float scale per span.
     // Tiles of 8, 4, 2 or 1 activation rows share each group's decoded codes; the weight row is re-read from L1
     // cache for each tile. The tiles' contract is this function's.
-    in_tiles!(a.t, y, |t0, out| int_rows::<F>(a, row, t0, out));
+    in_tiles!(a.t, y, |t0, out| int_rows::<F, D>(a, row, t0, out));
 }
 
-/// One group of one activation row against weight codes `w` (|w| in `wu`), with lane multipliers `mv`:
-/// 8 i32 lanes whose sum is Σ mv·w·x over the group's 32 elements.
+vnni_entry!(int_row_vnni => int_row<F: SuperBlock>(a: &Activations, row: &[u8], y: &mut [f32; MAX_T]));
+
+/// One group of one activation row against weight codes `w` (|w| in `wu`), with lane multipliers `mv`, added
+/// to `acc`: 8 i32 lanes whose sum grows by Σ mv·w·x over the group's 32 elements.
 ///
 /// # Safety
 /// `x` must have 32 readable bytes.
 #[target_feature(enable = "avx2,fma,f16c")]
 #[inline]
-unsafe fn group_dot<F: SuperBlock>(w: __m256i, wu: __m256i, mv: __m256i, x: *const i8) -> __m256i {
+unsafe fn group_dot<F: SuperBlock, D: IntDot>(
+    acc: __m256i,
+    w: __m256i,
+    wu: __m256i,
+    mv: __m256i,
+    x: *const i8,
+) -> __m256i {
     // SAFETY: guaranteed by the caller.
     let x = unsafe { _mm256_loadu_si256(x.cast()) };
-    // maddubs multiplies unsigned by signed bytes: symmetric codes go in as |w|, their sign onto x.
+    // The products take unsigned by signed bytes: symmetric codes go in as |w|, their sign onto x.
     let x = if F::AFFINE { x } else { _mm256_sign_epi8(x, w) };
-    _mm256_madd_epi16(_mm256_maddubs_epi16(wu, x), mv)
+    // SAFETY: the caller runs with D's features.
+    unsafe { D::scaled(acc, wu, x, mv) }
 }
 
 /// Group `g` of the block at `b` as `group_dot` takes it: (w, |w| or w, multipliers).
@@ -215,7 +317,8 @@ unsafe fn group_codes<F: SuperBlock>(
 /// each token the logits a decode step gives it, bit for bit, and greedy speculation stays exact. (A tile that
 /// reduced its rows' span sums across lanes would save float work at R = 8 but round differently from R = 1.)
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn int_rows<F: SuperBlock, const R: usize>(
+#[inline]
+unsafe fn int_rows<F: SuperBlock, D: IntDot, const R: usize>(
     a: &Activations,
     row: &[u8],
     t0: usize,
@@ -241,7 +344,7 @@ unsafe fn int_rows<F: SuperBlock, const R: usize>(
                     // SAFETY: `matmul` quantized t * k codes (t0 + r < t) and checked row.len() == k / BLOCK *
                     // BYTES, so group gi of row t0 + r is inside them.
                     let x = unsafe { q8.codes.as_ptr().add((t0 + r) * a.k + gi * GROUP) };
-                    isum[r] = _mm256_add_epi32(isum[r], unsafe { group_dot::<F>(w, wu, mv, x) });
+                    isum[r] = unsafe { group_dot::<F, D>(isum[r], w, wu, mv, x) };
                 }
             }
             let (d, si) = (F::block_d(&s), bi * per_block + sp);
@@ -275,7 +378,8 @@ unsafe fn int_rows<F: SuperBlock, const R: usize>(
 /// multiply and one FMA per block for all eight rows. An output's arithmetic is its lane's alone, the same for
 /// every count and tile size.
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn int_group_rows<F: SimdFormat>(
+#[inline]
+unsafe fn int_group_rows<F: SimdFormat, D: IntDot>(
     a: &Activations,
     rows: &[u8],
     row_bytes: usize,
@@ -297,10 +401,17 @@ unsafe fn int_group_rows<F: SimdFormat>(
             .next_multiple_of(CACHE_LINE),
     };
     // The tiles' contract: `ptrs` point at rows of row_bytes = k / 32 blocks.
-    in_tiles!(a.t, y, |t0, out| int_group_tile::<F>(
+    in_tiles!(a.t, y, |t0, out| int_group_tile::<F, D>(
         a, &ptrs, t0, out, ahead
     ));
 }
+
+vnni_entry!(int_group_rows_vnni => int_group_rows<F: SimdFormat>(
+    a: &Activations,
+    rows: &[u8],
+    row_bytes: usize,
+    y: &mut [[f32; GROUP_ROWS]; MAX_T]
+));
 
 const CACHE_LINE: usize = 64;
 
@@ -338,7 +449,8 @@ impl Prefetch {
 /// # Safety
 /// Each of `ptrs` must point at an encoded row of `a.k / 32` blocks of `F`; t0 + R <= a.t.
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn int_group_tile<F: SimdFormat, const R: usize>(
+#[inline]
+unsafe fn int_group_tile<F: SimdFormat, D: IntDot, const R: usize>(
     a: &Activations,
     ptrs: &[*const u8; GROUP_ROWS],
     t0: usize,
@@ -347,7 +459,6 @@ unsafe fn int_group_tile<F: SimdFormat, const R: usize>(
 ) -> usize {
     let q8 = a.q8_for(F::SPAN);
     let gs = a.k / GROUP;
-    let ones = _mm256_set1_epi16(1);
     // Unsigned codes (affine types, and symmetric ones with an OFFSET) go into maddubs as they are; signed
     // ones (Q8_0) through the sign trick, two more instructions per block, weight row and activation row.
     let unsigned = F::AFFINE || F::OFFSET > 0;
@@ -371,13 +482,14 @@ unsafe fn int_group_tile<F: SimdFormat, const R: usize>(
             // SAFETY: `matmul` quantized t * k codes and t0 + r < t.
             let x = unsafe { _mm256_loadu_si256(q8.codes.as_ptr().add(row * GROUP).cast()) };
             let dots: [__m256i; GROUP_ROWS] = std::array::from_fn(|j| {
-                // maddubs multiplies unsigned by signed bytes: symmetric codes go in as |w|, their sign onto x.
+                // The products take unsigned by signed bytes: symmetric codes go in as |w|, their sign onto x.
                 let x = if unsigned {
                     x
                 } else {
                     _mm256_sign_epi8(x, w[j])
                 };
-                _mm256_madd_epi16(_mm256_maddubs_epi16(wu[j], x), ones)
+                // SAFETY: the caller runs with D's features.
+                unsafe { D::widen(D::add_products(_mm256_setzero_si256(), wu[j], x)) }
             });
             let sums = _mm256_cvtepi32_ps(reduce8(dots));
             let scale = _mm256_mul_ps(d, _mm256_set1_ps(q8.scales[row]));
@@ -608,8 +720,8 @@ macro_rules! legacy_format {
                 unsafe { $unsigned }
             }
 
-            fn int_kernel() -> Kernel {
-                Kernel::Group(int_group::<$t>())
+            fn int_kernel(vnni: bool) -> Kernel {
+                Kernel::Group(int_group::<$t>(vnni))
             }
         }
     };
@@ -687,8 +799,8 @@ macro_rules! k_format {
                 unsafe { $codes }
             }
 
-            fn int_kernel() -> Kernel {
-                Kernel::Row(int::<$t>())
+            fn int_kernel(vnni: bool) -> Kernel {
+                Kernel::Row(int::<$t>(vnni))
             }
         }
 
@@ -772,8 +884,8 @@ impl SimdFormat for blocks::Q6K {
         _mm256_sub_epi8(q, _mm256_set1_epi8(32))
     }
 
-    fn int_kernel() -> Kernel {
-        Kernel::Row(int::<blocks::Q6K>())
+    fn int_kernel(vnni: bool) -> Kernel {
+        Kernel::Row(int::<blocks::Q6K>(vnni))
     }
 }
 
@@ -856,28 +968,36 @@ impl<F: Ternary> SimdFormat for F {
         _mm256_sub_epi8(unsafe { F::unsigned_codes(b, g) }, _mm256_set1_epi8(1))
     }
 
-    fn int_kernel() -> Kernel {
-        // SAFETY: `matmul` selects this kernel only when `available()` returned true.
-        Kernel::Row(|a, row, y| unsafe { ternary_row::<F>(a, row, y) })
+    fn int_kernel(vnni: bool) -> Kernel {
+        // SAFETY (both): `matmul` selects these kernels only where the CPU has their features.
+        Kernel::Row(if vnni {
+            |a, row, y| unsafe { ternary_row_vnni::<F>(a, row, y) }
+        } else {
+            |a, row, y| unsafe { ternary_row::<F, Madd>(a, row, y) }
+        })
     }
 }
 
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn ternary_row<F: Ternary>(a: &Activations, row: &[u8], y: &mut [f32; MAX_T]) {
+#[inline]
+unsafe fn ternary_row<F: Ternary, D: IntDot>(a: &Activations, row: &[u8], y: &mut [f32; MAX_T]) {
     // Tiles of 8, 4, 2 or 1 activation rows share each group's decoded codes, as in `int_row`. The tiles'
     // contract is this function's.
-    in_tiles!(a.t, y, |t0, out| ternary_rows::<F>(a, row, t0, out));
+    in_tiles!(a.t, y, |t0, out| ternary_rows::<F, D>(a, row, t0, out));
 }
+
+vnni_entry!(ternary_row_vnni => ternary_row<F: Ternary>(a: &Activations, row: &[u8], y: &mut [f32; MAX_T]));
 
 /// y[0..R] for activation rows t0..t0 + R; returns R.
 ///
 /// Σ (c - 1)·x = Σ c·x - Σ x over an activation span (a whole block, `TERNARY_SPAN`): the unsigned codes go
-/// straight into `maddubs` (no sign trick), whose pair sums (|c·x + c'·x'| <= 2·3·127) add up in 16 bits over the
-/// span's 8 groups (<= 6096); one `madd` per span widens them, and the span's Σx (`Q8Rows::lane_sums`, 8 lanes)
-/// comes off in 32 bits. The integer sum is exact; each row has its own accumulators, so its result does not
+/// straight into the products (no sign trick), whose sums over the span's 8 groups stay small (pair-sums
+/// |c·x + c'·x'| <= 2·3·127, <= 6096 over the span: `IntDot::add_products`' bound); one `widen` per span, and
+/// the span's Σx (`Q8Rows::lane_sums`, 8 lanes) comes off in 32 bits. The integer sum is exact; each row has its own accumulators, so its result does not
 /// depend on R.
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn ternary_rows<F: Ternary, const R: usize>(
+#[inline]
+unsafe fn ternary_rows<F: Ternary, D: IntDot, const R: usize>(
     a: &Activations,
     row: &[u8],
     t0: usize,
@@ -887,7 +1007,6 @@ unsafe fn ternary_rows<F: Ternary, const R: usize>(
     let span = F::SPAN;
     let (groups, per_block, per_span) = (F::BLOCK / GROUP, F::BLOCK / span, span / GROUP);
     let spans = a.k / span;
-    let ones = _mm256_set1_epi16(1);
     let mut acc = [_mm256_setzero_ps(); R];
     for (bi, b) in row.chunks_exact(F::BYTES).enumerate() {
         prefetch(b.as_ptr().wrapping_add(ROW_PREFETCH), F::BYTES);
@@ -895,7 +1014,7 @@ unsafe fn ternary_rows<F: Ternary, const R: usize>(
         let d = unsafe { b.as_ptr().add(F::D_AT).cast::<u16>().read_unaligned() };
         let d = _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(i32::from(d))));
         for sp in 0..per_block {
-            let mut pairs = [_mm256_setzero_si256(); R];
+            let mut products = [_mm256_setzero_si256(); R];
             for g in sp * per_span..(sp + 1) * per_span {
                 // SAFETY: `b` holds F::BYTES bytes.
                 let c = unsafe { F::unsigned_codes(b.as_ptr(), g) };
@@ -906,7 +1025,8 @@ unsafe fn ternary_rows<F: Ternary, const R: usize>(
                     let x = unsafe {
                         load32(q8.codes.as_ptr().add((t0 + r) * a.k + gi * GROUP).cast())
                     };
-                    pairs[r] = _mm256_add_epi16(pairs[r], _mm256_maddubs_epi16(c, x));
+                    // SAFETY: the caller runs with D's features.
+                    products[r] = unsafe { D::add_products(products[r], c, x) };
                 }
             }
             let si = bi * per_block + sp;
@@ -920,7 +1040,8 @@ unsafe fn ternary_rows<F: Ternary, const R: usize>(
                             .cast(),
                     )
                 };
-                let isum = _mm256_sub_epi32(_mm256_madd_epi16(pairs[r], ones), sum_x);
+                // SAFETY: the caller runs with D's features.
+                let isum = _mm256_sub_epi32(unsafe { D::widen(products[r]) }, sum_x);
                 let scale = _mm256_set1_ps(d * q8.scales[(t0 + r) * spans + si]);
                 acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), scale, acc[r]);
             }

@@ -146,8 +146,9 @@ trait DenseRow: Dense {}
 impl<D: Dense> DenseRow for D {}
 
 /// The kernel of format `F`: AVX-512 for float activations where allowed and present, else AVX2 (integer: a
-/// group kernel for the legacy formats, the row kernel for the K-quants); on aarch64 NEON for 8-bit activations
-/// (`sdot` where the CPU has it); else scalar; integer (8-bit activations) or float.
+/// group kernel for the legacy formats, the row kernel for the K-quants, their products AVX-512 VNNI's where
+/// allowed and present); on aarch64 NEON for 8-bit activations (`sdot` where the CPU has it); else scalar;
+/// integer (8-bit activations) or float.
 fn quantized_kernel<F: Quantized>(isa: Isa, int: bool) -> Kernel {
     #[cfg(target_arch = "x86_64")]
     {
@@ -156,7 +157,8 @@ fn quantized_kernel<F: Quantized>(isa: Isa, int: bool) -> Kernel {
         }
         if isa != Isa::Scalar && super::avx2::available() {
             return if int {
-                F::int_kernel()
+                let vnni = matches!(isa, Isa::Best | Isa::Avx512) && super::avx2::vnni_available();
+                F::int_kernel(vnni)
             } else {
                 Kernel::Row(super::avx2::quantized::<F>())
             };
@@ -187,11 +189,12 @@ fn dense_kernel<D: DenseRow>(isa: Isa) -> RowKernel {
 /// Which row kernels run.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Isa {
-    /// The widest this CPU has: AVX-512 (float kernels of quantized types), AVX2 + FMA, NEON (aarch64: the
-    /// integer kernels), else scalar.
+    /// The widest this CPU has: AVX-512 (float kernels of quantized types; VNNI products in the integer
+    /// kernels), AVX2 + FMA, NEON (aarch64: the integer kernels), else scalar.
     Best,
-    /// AVX-512 F/BW/VL float kernels where written (quantized types), AVX2 for the rest. Callers check
-    /// `Isa::available` first (`ntio._core.kernel_isa_available`).
+    /// AVX-512 F/BW/VL float kernels where written (quantized types), the AVX2 integer kernels with AVX-512
+    /// VNNI products where the CPU has VNNI, AVX2 for the rest. Callers check `Isa::available` first
+    /// (`ntio._core.kernel_isa_available`).
     Avx512,
     /// AVX2 + FMA where the CPU has them, else scalar (to test the AVX2 kernels on AVX-512 machines).
     Avx2,
@@ -634,6 +637,28 @@ mod tests {
         }
     }
 
+    /// Where the CPU has AVX-512 VNNI, the integer kernels with its products give the AVX2 products' bits: the
+    /// integer sums are the same and so is every float step, for every type and tile size.
+    #[test]
+    fn vnni_products_give_the_avx2_kernels_bits() {
+        #[cfg(target_arch = "x86_64")]
+        if super::super::avx2::vnni_available() {
+            let (n, k) = (19, 768);
+            for qtype in QType::ALL {
+                for t in (1..=MAX_T).chain([MAX_T + 9]) {
+                    let vnni = run(qtype, t, n, k, Isa::Avx512, Activations8::Int8);
+                    let avx2 = run(qtype, t, n, k, Isa::Avx2, Activations8::Int8);
+                    assert!(
+                        vnni.iter()
+                            .zip(&avx2)
+                            .all(|(a, b)| a.to_bits() == b.to_bits()),
+                        "{qtype:?} t={t}"
+                    );
+                }
+            }
+        }
+    }
+
     /// Dense rows whose length is not a multiple of the SIMD kernel's 32-weight step (its 8-weight and scalar
     /// tails): AVX2 against scalar within float32 reassociation, and each row the same bits at any row count.
     #[test]
@@ -665,7 +690,10 @@ mod tests {
             .into_iter()
             .flat_map(|q| [(q, Activations8::Int8), (q, Activations8::Float)])
         {
-            for isa in [Isa::Avx2, Isa::Scalar] {
+            for isa in [Isa::Avx512, Isa::Avx2, Isa::Scalar]
+                .into_iter()
+                .filter(|i| i.available())
+            {
                 let all = run(qtype, MAX_T + 8, n, k, isa, act);
                 for t in 1..=MAX_T + 8 {
                     let some = run(qtype, t, n, k, isa, act);

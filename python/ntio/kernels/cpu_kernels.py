@@ -16,7 +16,9 @@ activations (d * Σ q·x + m * Σ x in float32): `F.linear(x, dequantize(raw))` 
 Dense types (F32/F16/BF16) always take float32 activations.
 
 Kernel sets: `best` (the widest this CPU runs), `avx512`, `avx2`, `neon` (aarch64), `scalar`; the environment variable
-NTIO_CPU_KERNELS forces one for an engine (`KernelChoice.from_env`), and a set the CPU lacks is refused.
+NTIO_CPU_KERNELS forces one for an engine (`KernelChoice.from_env`), and a set the CPU lacks is refused. On x86 the
+8-bit kernels are AVX2's; `best` and `avx512` give them AVX-512 VNNI's products where the CPU has VNNI, with the
+same results bit for bit (`avx2` forces the AVX2 products).
 """
 
 from __future__ import annotations
