@@ -17,8 +17,9 @@
 //! add, `vpdpbusd` the byte products summed straight into i32 lanes). The integer sums are the same (the codes
 //! never saturate `maddubs`: |w| <= 128, |x| <= 127), so are the float steps: both give the same bits.
 //!
-//! Everything here is `unsafe` with `#[target_feature]`: `matmul` hands these kernels out only after
-//! `available()` has confirmed the CPU features at run time.
+//! Everything here is `unsafe` with `#[target_feature]` (the integer kernels' generic bodies take theirs from
+//! their entry points, `int_entries!`): `matmul` hands these kernels out only after `available()` (and
+//! `vnni_available()`) has confirmed the CPU features at run time.
 
 use std::arch::x86_64::*;
 
@@ -74,7 +75,7 @@ impl IntDot for Madd {
 
 /// AVX-512 VNNI on 256-bit vectors: `vpdpwssd` (`madd` and the add in one instruction) after `maddubs`, and
 /// `vpdpbusd` (four byte products into each i32 lane, no i16 step); running sums are i32 lanes. Only entry
-/// points compiled with `VNNI_FEATURES` (`vnni_entry!`) may use it.
+/// points compiled with its features (`int_entries!`) may use it.
 pub struct Vnni;
 
 impl IntDot for Vnni {
@@ -97,14 +98,23 @@ impl IntDot for Vnni {
     }
 }
 
-/// The VNNI twin of an integer kernel's entry point `$entry::<F, D>`: the same generic code as AVX2's, compiled
-/// with AVX-512 VNNI enabled, so that `Vnni`'s instructions inline into its loops.
-macro_rules! vnni_entry {
-    ($twin:ident => $entry:ident<F: $bound:path>($($arg:ident: $ty:ty),*)) => {
+/// An integer kernel's two entry points: `$avx2`, the generic body `$body::<F, Madd>` compiled for AVX2, and
+/// `$vnni`, `$body::<F, Vnni>` compiled with AVX-512 VNNI as well. The bodies (and their tiles) carry no target
+/// features of their own and are `#[inline(always)]`, so each is compiled inside its entry point, with that
+/// entry's features: `IntDot`'s instructions inline into the loops. (A body with AVX2's features, merely
+/// `#[inline]`, was at times left out of line by LLVM, and its VNNI products then became calls.)
+macro_rules! int_entries {
+    ($avx2:ident, $vnni:ident => $body:ident<F: $bound:path>($($arg:ident: $ty:ty),*)) => {
+        #[target_feature(enable = "avx2,fma,f16c")]
+        unsafe fn $avx2<F: $bound>($($arg: $ty),*) {
+            // SAFETY: the caller's contract is the body's, on a CPU with AVX2 (`available()`).
+            unsafe { $body::<F, Madd>($($arg),*) }
+        }
+
         #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
-        unsafe fn $twin<F: $bound>($($arg: $ty),*) {
-            // SAFETY: the caller's contract is the entry's, and this twin runs only where `vnni_available()`.
-            unsafe { $entry::<F, Vnni>($($arg),*) }
+        unsafe fn $vnni<F: $bound>($($arg: $ty),*) {
+            // SAFETY: the caller's contract is the body's, on a CPU with VNNI (`vnni_available()`).
+            unsafe { $body::<F, Vnni>($($arg),*) }
         }
     };
 }
@@ -177,7 +187,7 @@ fn int<F: SuperBlock>(vnni: bool) -> RowKernel {
     if vnni {
         |a, row, y| unsafe { int_row_vnni::<F>(a, row, y) }
     } else {
-        |a, row, y| unsafe { int_row::<F, Madd>(a, row, y) }
+        |a, row, y| unsafe { int_row_avx2::<F>(a, row, y) }
     }
 }
 
@@ -193,7 +203,7 @@ fn int_group<F: SimdFormat>(vnni: bool) -> GroupKernel {
     if vnni {
         |a, rows, row_bytes, y| unsafe { int_group_rows_vnni::<F>(a, rows, row_bytes, y) }
     } else {
-        |a, rows, row_bytes, y| unsafe { int_group_rows::<F, Madd>(a, rows, row_bytes, y) }
+        |a, rows, row_bytes, y| unsafe { int_group_rows_avx2::<F>(a, rows, row_bytes, y) }
     }
 }
 
@@ -259,8 +269,7 @@ unsafe fn quantized_tile<F: SimdFormat, const R: usize>(
     R
 }
 
-#[target_feature(enable = "avx2,fma,f16c")]
-#[inline]
+#[inline(always)]
 unsafe fn int_row<F: SuperBlock, D: IntDot>(a: &Activations, row: &[u8], y: &mut [f32; MAX_T]) {
     // The groups of an activation span (`Format::SPAN`: 128 elements of a K-quant block) add their integer
     // sums (scaled by integer sub-scales inside `madd`) before any float work: one float scale per span.
@@ -269,15 +278,14 @@ unsafe fn int_row<F: SuperBlock, D: IntDot>(a: &Activations, row: &[u8], y: &mut
     in_tiles!(a.t, y, |t0, out| int_rows::<F, D>(a, row, t0, out));
 }
 
-vnni_entry!(int_row_vnni => int_row<F: SuperBlock>(a: &Activations, row: &[u8], y: &mut [f32; MAX_T]));
+int_entries!(int_row_avx2, int_row_vnni => int_row<F: SuperBlock>(a: &Activations, row: &[u8], y: &mut [f32; MAX_T]));
 
 /// One group of one activation row against weight codes `w` (|w| in `wu`), with lane multipliers `mv`, added
 /// to `acc`: 8 i32 lanes whose sum grows by Σ mv·w·x over the group's 32 elements.
 ///
 /// # Safety
 /// `x` must have 32 readable bytes.
-#[target_feature(enable = "avx2,fma,f16c")]
-#[inline]
+#[inline(always)]
 unsafe fn group_dot<F: SuperBlock, D: IntDot>(
     acc: __m256i,
     w: __m256i,
@@ -314,10 +322,11 @@ unsafe fn group_codes<F: SuperBlock>(
 ///
 /// A row's arithmetic is the same for every R (each row has its own accumulators, summed in the same order):
 /// its result does not depend on how many rows share the pass, so a speculative verify pass over T tokens gives
-/// each token the logits a decode step gives it, bit for bit, and greedy speculation stays exact. (A tile that
-/// reduced its rows' span sums across lanes would save float work at R = 8 but round differently from R = 1.)
-#[target_feature(enable = "avx2,fma,f16c")]
-#[inline]
+/// each token the logits a decode step gives it, bit for bit, and greedy speculation stays exact. (Tried: the R
+/// rows' span sums reduced across lanes into one vector, lane r for row r, so that one convert, gather of the
+/// activation scales and FMA did all R rows' float work, R = 1 reducing the same way to keep the bits. On the
+/// AVX-512 EPYC VM it was no faster at T = 8 and 32, and 10-20% slower at T = 1.)
+#[inline(always)]
 unsafe fn int_rows<F: SuperBlock, D: IntDot, const R: usize>(
     a: &Activations,
     row: &[u8],
@@ -377,8 +386,7 @@ unsafe fn int_rows<F: SuperBlock, D: IntDot, const R: usize>(
 /// sums are reduced together into one vector (lane j: weight row j), and the float work is one convert, one
 /// multiply and one FMA per block for all eight rows. An output's arithmetic is its lane's alone, the same for
 /// every count and tile size.
-#[target_feature(enable = "avx2,fma,f16c")]
-#[inline]
+#[inline(always)]
 unsafe fn int_group_rows<F: SimdFormat, D: IntDot>(
     a: &Activations,
     rows: &[u8],
@@ -406,7 +414,7 @@ unsafe fn int_group_rows<F: SimdFormat, D: IntDot>(
     ));
 }
 
-vnni_entry!(int_group_rows_vnni => int_group_rows<F: SimdFormat>(
+int_entries!(int_group_rows_avx2, int_group_rows_vnni => int_group_rows<F: SimdFormat>(
     a: &Activations,
     rows: &[u8],
     row_bytes: usize,
@@ -448,8 +456,7 @@ impl Prefetch {
 ///
 /// # Safety
 /// Each of `ptrs` must point at an encoded row of `a.k / 32` blocks of `F`; t0 + R <= a.t.
-#[target_feature(enable = "avx2,fma,f16c")]
-#[inline]
+#[inline(always)]
 unsafe fn int_group_tile<F: SimdFormat, D: IntDot, const R: usize>(
     a: &Activations,
     ptrs: &[*const u8; GROUP_ROWS],
@@ -973,20 +980,19 @@ impl<F: Ternary> SimdFormat for F {
         Kernel::Row(if vnni {
             |a, row, y| unsafe { ternary_row_vnni::<F>(a, row, y) }
         } else {
-            |a, row, y| unsafe { ternary_row::<F, Madd>(a, row, y) }
+            |a, row, y| unsafe { ternary_row_avx2::<F>(a, row, y) }
         })
     }
 }
 
-#[target_feature(enable = "avx2,fma,f16c")]
-#[inline]
+#[inline(always)]
 unsafe fn ternary_row<F: Ternary, D: IntDot>(a: &Activations, row: &[u8], y: &mut [f32; MAX_T]) {
     // Tiles of 8, 4, 2 or 1 activation rows share each group's decoded codes, as in `int_row`. The tiles'
     // contract is this function's.
     in_tiles!(a.t, y, |t0, out| ternary_rows::<F, D>(a, row, t0, out));
 }
 
-vnni_entry!(ternary_row_vnni => ternary_row<F: Ternary>(a: &Activations, row: &[u8], y: &mut [f32; MAX_T]));
+int_entries!(ternary_row_avx2, ternary_row_vnni => ternary_row<F: Ternary>(a: &Activations, row: &[u8], y: &mut [f32; MAX_T]));
 
 /// y[0..R] for activation rows t0..t0 + R; returns R.
 ///
@@ -995,8 +1001,7 @@ vnni_entry!(ternary_row_vnni => ternary_row<F: Ternary>(a: &Activations, row: &[
 /// |c·x + c'·x'| <= 2·3·127, <= 6096 over the span: `IntDot::add_products`' bound); one `widen` per span, and
 /// the span's Σx (`Q8Rows::lane_sums`, 8 lanes) comes off in 32 bits. The integer sum is exact; each row has its own accumulators, so its result does not
 /// depend on R.
-#[target_feature(enable = "avx2,fma,f16c")]
-#[inline]
+#[inline(always)]
 unsafe fn ternary_rows<F: Ternary, D: IntDot, const R: usize>(
     a: &Activations,
     row: &[u8],
