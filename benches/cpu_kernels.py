@@ -4,9 +4,11 @@ path), and (synthetic model only) as `F.linear` on dequantized fp32 weights.
 
 Cache-cold like a real decode step: before every timed pass a 128 MB buffer is written, so no pass finds the
 weights the pass before it left in the last-level cache (a pass run right after the dense one, which evicts
-everything, took ~40% longer at T = 8 than the same pass after another quantized one on the AVX-512 EPYC VM). The model: `--model NAME|PATH` (a real GGUF: every layer matrix in file order,
-then the output head), or by default a SmolLM2-135M-shaped synthetic one (30 layers of distinct Q4_1 matrices:
-fused q/k/v 960x576, o 576x576, fused gate+up 3072x576, down 576x1536; then the Q8_0 49152x576 head). Passes
+everything, took ~40% longer at T = 8 than the same pass after another quantized one on the AVX-512 EPYC VM).
+
+The model: `--model NAME|PATH` (a real GGUF: every layer matrix in file order, then the output head), or by
+default a SmolLM2-135M-shaped synthetic one (30 layers of distinct Q4_1 matrices: fused q/k/v 960x576, o 576x576,
+fused gate+up 3072x576, down 576x1536; then the Q8_0 49152x576 head). Passes
 alternate A B C A B C; medians are reported, with each T's cost relative to T = 1 (`vs_t1`: what a speculative
 verification pass of T tokens costs against one decode step). `--isa best avx2` adds the 8-bit pass of every further
 kernel set named (`int8_avx2_ms`, and its time over the first set's, `int8_avx2_vs_int8`), alternating with the rest.

@@ -292,7 +292,11 @@ unsafe fn int_row<F: SuperBlock, D: IntDot>(a: &Activations, row: &[u8], y: &mut
     in_tiles!(a.t, y, |t0, out| int_rows::<F, D>(a, row, t0, out));
 }
 
-int_entries!(int_row_avx2, int_row_vnni => int_row<F: SuperBlock>(a: &Activations, row: &[u8], y: &mut [f32; MAX_T]));
+int_entries!(int_row_avx2, int_row_vnni => int_row<F: SuperBlock>(
+    a: &Activations,
+    row: &[u8],
+    y: &mut [f32; MAX_T]
+));
 
 /// One group of one activation row against weight codes `w` (|w| in `wu`), with lane multipliers `mv`, added
 /// to `acc`: 8 i32 lanes whose sum grows by Σ mv·w·x over the group's 32 elements.
@@ -1012,15 +1016,19 @@ unsafe fn ternary_row<F: Ternary, D: IntDot>(a: &Activations, row: &[u8], y: &mu
     in_tiles!(a.t, y, |t0, out| ternary_rows::<F, D>(a, row, t0, out));
 }
 
-int_entries!(ternary_row_avx2, ternary_row_vnni => ternary_row<F: Ternary>(a: &Activations, row: &[u8], y: &mut [f32; MAX_T]));
+int_entries!(ternary_row_avx2, ternary_row_vnni => ternary_row<F: Ternary>(
+    a: &Activations,
+    row: &[u8],
+    y: &mut [f32; MAX_T]
+));
 
 /// y[0..R] for activation rows t0..t0 + R; returns R.
 ///
 /// Σ (c - 1)·x = Σ c·x - Σ x over an activation span (a whole block, `TERNARY_SPAN`): the unsigned codes go
 /// straight into the products (no sign trick), whose sums over the span's 8 groups stay small (pair-sums
 /// |c·x + c'·x'| <= 2·3·127, <= 6096 over the span: `IntDot::add_products`' bound); one `widen` per span, and
-/// the span's Σx (`Q8Rows::lane_sums`, 8 lanes) comes off in 32 bits. The integer sum is exact; each row has its own accumulators, so its result does not
-/// depend on R.
+/// the span's Σx (`Q8Rows::lane_sums`, 8 lanes) comes off in 32 bits. The integer sum is exact; each row has its
+/// own accumulators, so its result does not depend on R.
 #[inline(always)]
 unsafe fn ternary_rows<F: Ternary, D: IntDot, const R: usize>(
     a: &Activations,
