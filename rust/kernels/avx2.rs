@@ -7,8 +7,9 @@
 //!   at once, their integer sums reduced into one vector (lane j: row j) so that the float work is shared by the
 //!   eight rows;
 //! - in both, affine types multiply their unsigned codes directly and add m·Σx̂; so do the symmetric types stored
-//!   with an offset (Q4_0, Q5_0: c = q + 8 or 16, and m = -offset·d); the others (Q8_0, the K-quants' signed
-//!   codes) go through the sign trick (|w| times x with w's sign), two more instructions per 32 weights and row;
+//!   with an offset (Q4_0, Q5_0: c = q + 8 or 16, and m = -offset·d; Q6_K: c = q + 32, its -32·scale·Σx taken
+//!   off each span's integer sum); Q8_0 goes through the sign trick (|w| times x with w's sign), two more
+//!   instructions per 32 weights and row;
 //! - float kernels (`quantized`, `dense`): codes widened to four 8-lane float32 vectors, FMAs against float32
 //!   activations (the reference path for differential tests).
 //!
@@ -40,9 +41,15 @@ pub fn vnni_available() -> bool {
 
 /// How the integer kernels multiply 8-bit codes: unsigned weight bytes `wu` by signed activation bytes `x`.
 pub trait IntDot {
+    /// acc + `madd`(pairs, mv): each i32 lane grows by the products of its two i16 lanes of `pairs` and `mv`.
+    unsafe fn madd_into(acc: __m256i, pairs: __m256i, mv: __m256i) -> __m256i;
     /// acc + Σ mv·(wu·x) over each i32 lane's two i16 pair-sums of byte products (`madd` with multipliers
     /// `mv`).
-    unsafe fn scaled(acc: __m256i, wu: __m256i, x: __m256i, mv: __m256i) -> __m256i;
+    #[inline(always)]
+    unsafe fn scaled(acc: __m256i, wu: __m256i, x: __m256i, mv: __m256i) -> __m256i {
+        // SAFETY: the caller runs with Self's features, which include AVX2's.
+        unsafe { Self::madd_into(acc, _mm256_maddubs_epi16(wu, x), mv) }
+    }
     /// `sum` with the byte products wu·x added, in the running form `widen` turns into i32 lanes (lane i: bytes
     /// 4i..4i + 4). The form holds the products of at most 8 groups whose pair-sums stay below 2^15 / 8.
     unsafe fn add_products(sum: __m256i, wu: __m256i, x: __m256i) -> __m256i;
@@ -56,8 +63,8 @@ pub struct Madd;
 impl IntDot for Madd {
     #[target_feature(enable = "avx2,fma,f16c")]
     #[inline]
-    unsafe fn scaled(acc: __m256i, wu: __m256i, x: __m256i, mv: __m256i) -> __m256i {
-        _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(wu, x), mv))
+    unsafe fn madd_into(acc: __m256i, pairs: __m256i, mv: __m256i) -> __m256i {
+        _mm256_add_epi32(acc, _mm256_madd_epi16(pairs, mv))
     }
 
     #[target_feature(enable = "avx2,fma,f16c")]
@@ -81,11 +88,11 @@ pub struct Vnni;
 impl IntDot for Vnni {
     #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
     #[inline]
-    unsafe fn scaled(acc: __m256i, wu: __m256i, x: __m256i, mv: __m256i) -> __m256i {
+    unsafe fn madd_into(acc: __m256i, pairs: __m256i, mv: __m256i) -> __m256i {
         // Inline assembly, not `_mm256_dpwssd_epi32`: from the intrinsic, LLVM's x86 backend (tuning for a generic
         // CPU) emitted `vpmaddwd` + `vpaddd` for all but one of a K-quant tile's products, the AVX2 instructions.
         // `{evex}`: the AVX-512 VNNI encoding, never AVX-VNNI's VEX one, which this entry point does not check for.
-        let (mut acc, pairs) = (acc, _mm256_maddubs_epi16(wu, x));
+        let mut acc = acc;
         // SAFETY: one register-to-register instruction of this function's features; no memory, stack or flags.
         unsafe {
             std::arch::asm!(
@@ -158,10 +165,26 @@ pub trait SimdFormat: Format {
 
 /// A K-quant (super-blocks of 256 in groups of 32, integer sub-scales): what the integer row kernel reads of
 /// its scales.
+///
+/// Every K-quant's integer codes are unsigned, so that they go into `maddubs` as they are: an affine type's, or
+/// a symmetric type's stored c = q + OFFSET (Q6_K: q + 32), whose OFFSET·Σ scale·x comes off each span in 32 bits
+/// (`offset_multipliers` against `Q8Rows::lane_sums`).
 pub trait SuperBlock: SimdFormat {
     type IntScales;
     /// The scales of the block at `b` (`Self::BYTES` readable bytes).
     unsafe fn int_scales(b: *const u8) -> Self::IntScales;
+    /// The unsigned codes of group `g` of the block at `b` (`Self::BYTES` readable bytes): `code_bytes`, plus
+    /// OFFSET for a symmetric type.
+    unsafe fn unsigned_codes(b: *const u8, g: usize) -> __m256i {
+        // SAFETY: the caller's contract is `code_bytes`'s.
+        unsafe { Self::code_bytes(b, g) }
+    }
+    /// For a type with an OFFSET: i32 lane j = -OFFSET · the scale of sub-block j of span `sp` (16 elements, an
+    /// eighth of the span, as `Q8Rows::lane_sums`), in its low 16 bits with the high 16 zero, so that `madd`
+    /// against the span's lane sums Σx gives -OFFSET·scale·Σx. Unused when OFFSET is 0.
+    unsafe fn offset_multipliers(_s: &Self::IntScales, _sp: usize) -> __m256i {
+        _mm256_setzero_si256()
+    }
     /// i16 multipliers of group `g`'s 16 pair-sums in `madd`: its integer sub-scales.
     unsafe fn multipliers(s: &Self::IntScales, g: usize) -> __m256i;
     /// The float scale of the block's integer sum: weight = block_d · multiplier · q (+ m).
@@ -298,50 +321,6 @@ int_entries!(int_row_avx2, int_row_vnni => int_row<F: SuperBlock>(
     y: &mut [f32; MAX_T]
 ));
 
-/// One group of one activation row against weight codes `w` (|w| in `wu`), with lane multipliers `mv`, added
-/// to `acc`: 8 i32 lanes whose sum grows by Σ mv·w·x over the group's 32 elements.
-///
-/// # Safety
-/// `x` must have 32 readable bytes.
-#[inline(always)]
-unsafe fn group_dot<F: SuperBlock, D: IntDot>(
-    acc: __m256i,
-    w: __m256i,
-    wu: __m256i,
-    mv: __m256i,
-    x: *const i8,
-) -> __m256i {
-    // SAFETY: guaranteed by the caller.
-    let x = unsafe { _mm256_loadu_si256(x.cast()) };
-    // The products take unsigned by signed bytes: symmetric codes go in as |w|, their sign onto x.
-    // SAFETY (both): the caller runs with D's features, which include AVX2's.
-    if F::AFFINE {
-        unsafe { D::scaled(acc, wu, x, mv) }
-    } else {
-        // Symmetric K-quants (Q6_K) keep AVX2's `madd` + add: with the sign trick in the loop, the fused VNNI
-        // product made Q6_K tiles 1-10% slower on the AVX-512 EPYC VM (Q4_K and Q5_K: 5-25% faster). Same bits.
-        let x = _mm256_sign_epi8(x, w);
-        unsafe { Madd::scaled(acc, wu, x, mv) }
-    }
-}
-
-/// Group `g` of the block at `b` as `group_dot` takes it: (w, |w| or w, multipliers).
-///
-/// # Safety
-/// `b` must have `F::BYTES` readable bytes.
-#[target_feature(enable = "avx2,fma,f16c")]
-#[inline]
-unsafe fn group_codes<F: SuperBlock>(
-    b: *const u8,
-    g: usize,
-    s: &F::IntScales,
-) -> (__m256i, __m256i, __m256i) {
-    // SAFETY: guaranteed by the caller.
-    let (w, mv) = unsafe { (F::code_bytes(b, g), F::multipliers(s, g)) };
-    let wu = if F::AFFINE { w } else { _mm256_sign_epi8(w, w) };
-    (w, wu, mv)
-}
-
 /// y[0..R] for activation rows t0..t0 + R (R = 1, 2, 4 or 8), one vector accumulator per row; returns R.
 ///
 /// A row's arithmetic is the same for every R (each row has its own accumulators, summed in the same order):
@@ -371,16 +350,35 @@ unsafe fn int_rows<F: SuperBlock, D: IntDot, const R: usize>(
             let mut isum = [_mm256_setzero_si256(); R];
             for g in sp * per_span..(sp + 1) * per_span {
                 // SAFETY: `b` holds F::BYTES bytes.
-                let (w, wu, mv) = unsafe { group_codes::<F>(b.as_ptr(), g, &s) };
+                let (w, mv) = unsafe { (F::unsigned_codes(b.as_ptr(), g), F::multipliers(&s, g)) };
                 let gi = bi * groups + g;
-                for r in 0..R {
+                for (r, sum) in isum.iter_mut().enumerate() {
                     // SAFETY: `matmul` quantized t * k codes (t0 + r < t) and checked row.len() == k / BLOCK *
-                    // BYTES, so group gi of row t0 + r is inside them.
-                    let x = unsafe { q8.codes.as_ptr().add((t0 + r) * a.k + gi * GROUP) };
-                    isum[r] = unsafe { group_dot::<F, D>(isum[r], w, wu, mv, x) };
+                    // BYTES, so group gi of row t0 + r is inside them; the caller runs with D's features.
+                    *sum = unsafe {
+                        let x = load32(q8.codes.as_ptr().add((t0 + r) * a.k + gi * GROUP).cast());
+                        D::scaled(*sum, w, x, mv)
+                    };
                 }
             }
             let (d, si) = (F::block_d(&s), bi * per_block + sp);
+            if F::OFFSET > 0 {
+                // SAFETY: `s` is this block's scales; sp < per_block.
+                let mv = unsafe { F::offset_multipliers(&s, sp) };
+                for (r, sum) in isum.iter_mut().enumerate() {
+                    // SAFETY: the row's lane sums hold 8 per span, `spans` spans (`Q8Rows::q8_k`); the caller
+                    // runs with D's features.
+                    *sum = unsafe {
+                        let sum_x = load32(
+                            q8.lane_sums
+                                .as_ptr()
+                                .add(8 * ((t0 + r) * spans + si))
+                                .cast(),
+                        );
+                        D::madd_into(*sum, sum_x, mv)
+                    };
+                }
+            }
             for r in 0..R {
                 let scale = _mm256_set1_ps(d * q8.scales[(t0 + r) * spans + si]);
                 acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[r]), scale, acc[r]);
@@ -873,12 +871,14 @@ k_format!(blocks::Q5K, |b, g| {
     _mm256_or_si256(bits32(qs, 4 * (g % 2), 0x0F), high)
 });
 
-/// Q6_K block scales: d, and the sixteen int8 sub-scales as i16 lanes, the first eight in both 128-bit halves of
-/// `low`, the last eight in both halves of `high` (so that `multipliers` picks a group's two with one shuffle).
+/// Q6_K block scales: d, the sixteen int8 sub-scales as i16 lanes, the first eight in both 128-bit halves of
+/// `low`, the last eight in both halves of `high` (so that `multipliers` picks a group's two with one shuffle),
+/// and each span's `offset_multipliers`.
 pub struct Q6Scales {
     d: f32,
     low: __m256i,
     high: __m256i,
+    offsets: [__m256i; 2],
 }
 
 /// `_mm256_shuffle_epi8` controls: for j in 0..4, i16 lane 2j of a 128-bit half into all 8 lanes of the low half,
@@ -900,19 +900,14 @@ const Q6_PICK: [[u8; 32]; 4] = {
 };
 
 impl SimdFormat for blocks::Q6K {
+    /// Stored as c = q + 32 in 0..64.
+    const OFFSET: u8 = 32;
+
     #[target_feature(enable = "avx2,fma,f16c")]
     unsafe fn code_bytes(b: *const u8, g: usize) -> __m256i {
-        let (h, t) = (g / 4, g % 4);
-        // SAFETY: the caller passes `Self::BYTES` readable bytes; the offsets are the block layout's.
-        let (ql, qh) = unsafe {
-            (
-                load32(b.add(64 * h + 32 * (t % 2))),
-                load32(b.add(128 + 32 * h)),
-            )
-        };
-        let high = _mm256_slli_epi16(bits32(qh, 2 * t, 3), 4);
-        let q = _mm256_or_si256(bits32(ql, 4 * (t / 2), 0x0F), high);
-        _mm256_sub_epi8(q, _mm256_set1_epi8(32))
+        // SAFETY: the caller's contract is `unsigned_codes`'.
+        let c = unsafe { Self::unsigned_codes(b, g) };
+        _mm256_sub_epi8(c, _mm256_set1_epi8(Self::OFFSET as i8))
     }
 
     fn int_kernel(vnni: bool) -> Kernel {
@@ -932,16 +927,44 @@ impl SuperBlock for blocks::Q6K {
                 b.add(208).cast::<u16>().read_unaligned(),
             )
         };
+        // -32·scale fits 16 bits (|scale| <= 128); zero-extended, each i32 lane's high half is 0.
+        let offsets = _mm256_sub_epi16(_mm256_setzero_si256(), _mm256_slli_epi16(sc, 5));
         Q6Scales {
             d: _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(i32::from(d)))),
             low: _mm256_permute2x128_si256(sc, sc, 0x00),
             high: _mm256_permute2x128_si256(sc, sc, 0x11),
+            offsets: [
+                _mm256_cvtepu16_epi32(_mm256_castsi256_si128(offsets)),
+                _mm256_cvtepu16_epi32(_mm256_extracti128_si256(offsets, 1)),
+            ],
         }
     }
 
+    /// Codes 0..64 (q + 32), as stored: ql's 4 low bits of group g = 4h + t at bit 4·(t / 2) of qs[64h + 32·(t %
+    /// 2)..], qh's 2 high bits at bit 2t of qh[32h..].
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn unsigned_codes(b: *const u8, g: usize) -> __m256i {
+        let (h, t) = (g / 4, g % 4);
+        // SAFETY: the caller passes `Self::BYTES` readable bytes; the offsets are the block layout's.
+        let (ql, qh) = unsafe {
+            (
+                load32(b.add(64 * h + 32 * (t % 2))),
+                load32(b.add(128 + 32 * h)),
+            )
+        };
+        let high = _mm256_slli_epi16(bits32(qh, 2 * t, 3), 4);
+        _mm256_or_si256(bits32(ql, 4 * (t / 2), 0x0F), high)
+    }
+
+    unsafe fn offset_multipliers(s: &Q6Scales, sp: usize) -> __m256i {
+        s.offsets[sp]
+    }
+
     /// Two sub-blocks of 16 per group: their int8 scales multiply the pair-sums of elements 0..16 (i16 lanes
-    /// 0-7) and 16..32 (lanes 8-15) inside `madd`. (|pair-sum| <= 2·32·127 and |scale| <= 128: an i32 lane
-    /// stays below 2^21 per group, below 2^23 over a span of 4 groups.)
+    /// 0-7) and 16..32 (lanes 8-15) inside `madd`. (|pair-sum| <= 2·63·127 < 2^15 and |scale| <= 128: an i32
+    /// lane stays below 2^22 per group, below 2^24 over a span of 4 groups; the offset's -32·scale·Σx, |Σx| <=
+    /// 16·127, adds at most 2^23. The integer sums are exact; a lane's conversion to float32 is exact below 2^24,
+    /// which only codes and activations at their extremes together could pass.)
     #[target_feature(enable = "avx2,fma,f16c")]
     unsafe fn multipliers(s: &Q6Scales, g: usize) -> __m256i {
         let source = if g < 4 { s.low } else { s.high };
