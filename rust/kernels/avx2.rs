@@ -151,8 +151,9 @@ pub trait SimdFormat: Format {
     /// `vnni_available()` for `vnni`).
     fn int_kernel(vnni: bool) -> Kernel;
 
-    /// For a symmetric legacy type stored as unsigned c = q + OFFSET (Q4_0: 8, Q5_0: 16), OFFSET: the group
-    /// kernel multiplies c as it does an affine type's codes, and takes OFFSET·d·Σx̂ off; 0: the sign trick.
+    /// For a symmetric type stored as unsigned c = q + OFFSET (Q4_0: 8, Q5_0: 16, Q6_K: 32), OFFSET: the integer
+    /// kernels multiply c as they do an affine type's codes, and take OFFSET·d·Σx̂ off (Q6_K: OFFSET·scale·Σx per
+    /// span, `SuperBlock::offset_multipliers`); 0: the sign trick.
     const OFFSET: u8 = 0;
 
     /// The 32 codes the group kernel multiplies, of the block at `b` (`Self::BYTES` readable bytes): c = q +
@@ -940,8 +941,8 @@ impl SuperBlock for blocks::Q6K {
         }
     }
 
-    /// Codes 0..64 (q + 32), as stored: ql's 4 low bits of group g = 4h + t at bit 4·(t / 2) of qs[64h + 32·(t %
-    /// 2)..], qh's 2 high bits at bit 2t of qh[32h..].
+    /// Codes 0..64 (q + 32), as stored: group g = 4h + t takes its 4 low bits at bit 4·(t / 2) of ql[64h + 32·(t
+    /// % 2)..], its 2 high bits at bit 2t of qh[32h..].
     #[target_feature(enable = "avx2,fma,f16c")]
     unsafe fn unsigned_codes(b: *const u8, g: usize) -> __m256i {
         let (h, t) = (g / 4, g % 4);
