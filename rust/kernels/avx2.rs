@@ -337,6 +337,12 @@ unsafe fn int_rows<F: SuperBlock, D: IntDot, const R: usize>(
     t0: usize,
     y: &mut [f32],
 ) -> usize {
+    const {
+        assert!(
+            F::AFFINE || F::OFFSET > 0,
+            "K-quant codes go into maddubs unsigned (`SuperBlock`)"
+        )
+    };
     let q8 = a.q8_for(F::SPAN);
     let mut acc = [_mm256_setzero_ps(); R];
     let mut mvec = [_mm256_setzero_ps(); R]; // offsets·Σx̂
@@ -928,8 +934,8 @@ impl SuperBlock for blocks::Q6K {
                 b.add(208).cast::<u16>().read_unaligned(),
             )
         };
-        // -32·scale fits 16 bits (|scale| <= 128); zero-extended, each i32 lane's high half is 0.
-        let offsets = _mm256_sub_epi16(_mm256_setzero_si256(), _mm256_slli_epi16(sc, 5));
+        // -OFFSET·scale fits 16 bits (|scale| <= 128); zero-extended, each i32 lane's high half is 0.
+        let offsets = _mm256_mullo_epi16(sc, _mm256_set1_epi16(-i16::from(Self::OFFSET)));
         Q6Scales {
             d: _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(i32::from(d)))),
             low: _mm256_permute2x128_si256(sc, sc, 0x00),
