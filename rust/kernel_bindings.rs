@@ -188,28 +188,26 @@ fn attend(
     Ok(())
 }
 
-/// A pre-norm decoder block over T new tokens (`rust/kernels/block.rs`): h [T, D] float32 updated in place,
+/// A stack of pre-norm decoder blocks (Llama / Qwen2 / BitNet shape) over T new tokens of one or several
+/// sequences (`rust/kernels/block.rs`): h [T, D] float32 updated in place, block after block with no return to
+/// Python between them, each block
 /// h += Wo · attn_sub_norm(attention(rope(Wqkv · rms_norm(h) + qkv_bias))), then
 /// h += Wdown · ffn_sub_norm(act(Wgate · x) · (Wup · x)), x = rms_norm(h); the sub-norms are optional (BitNet's),
-/// `gate` names act (`silu` or `relu2`). Matrices as in `quantized_matmul` ((raw, ggml type id, n, scale)); the
-/// cache, rotation and mask as in `attend`. h and the caches are written and must share no memory with each other
-/// or any other buffer.
+/// `gate` names act (`silu` or `relu2`). layers: (attn_norm, qkv, qkv_bias, wo, ffn_norm, gate_up, down,
+/// attn_sub_norm, ffn_sub_norm) per block, matrices as in `quantized_matmul`. sequences: (cache_k, cache_v,
+/// capacity, start, cos, sin, mask or None, rows) each, in row order: the next `rows` rows of h, whose caches
+/// [L, Hkv, capacity, hd] hold every block's, block i's the i-th (one block: [Hkv, capacity, hd]); the rotation
+/// and mask as in `attend`. h and the caches are written and must share no memory with each other or any other
+/// buffer.
 #[pyfunction]
-#[pyo3(signature = (h, d, attn_norm, qkv, qkv_bias, wo, ffn_norm, gate_up, down, sequences, *, eps, n_heads,
-                    n_kv_heads, head_dim, rope_dim, neox, attn_sub_norm = None, ffn_sub_norm = None, gate = "silu",
+#[pyo3(signature = (h, d, layers, sequences, *, eps, n_heads, n_kv_heads, head_dim, rope_dim, neox, gate = "silu",
                     isa = "best", int8 = true))]
 #[allow(clippy::too_many_arguments)]
-fn decoder_block(
+fn decoder_stack(
     py: Python<'_>,
     h: &Bound<'_, PyAny>,
     d: usize,
-    attn_norm: &Bound<'_, PyAny>,
-    qkv: Vec<PyMatrix<'_>>,
-    qkv_bias: Option<&Bound<'_, PyAny>>,
-    wo: PyMatrix<'_>,
-    ffn_norm: &Bound<'_, PyAny>,
-    gate_up: Vec<PyMatrix<'_>>,
-    down: PyMatrix<'_>,
+    layers: Vec<PyLayer<'_>>,
     sequences: Vec<PySequence<'_>>,
     eps: f32,
     n_heads: usize,
@@ -217,78 +215,43 @@ fn decoder_block(
     head_dim: usize,
     rope_dim: usize,
     neox: bool,
-    attn_sub_norm: Option<&Bound<'_, PyAny>>,
-    ffn_sub_norm: Option<&Bound<'_, PyAny>>,
     gate: &str,
     isa: &str,
     int8: bool,
 ) -> PyResult<()> {
-    let isa = checked_isa(isa)?;
-    let gate = checked_gate(gate)?;
+    let settings = BlockSettings {
+        eps,
+        attention: attention_shape(n_heads, n_kv_heads, head_dim, rope_dim, neox),
+        gate: checked_gate(gate)?,
+        isa: checked_isa(isa)?,
+        activations: activations(int8),
+    };
     let h = Lent::<f32>::typed(h, "h", Access::Write)?;
-    let qkv = qkv.iter().map(lend_matrix).collect::<PyResult<Vec<_>>>()?;
-    let gate_up = gate_up
+    let layers = layers
         .iter()
-        .map(lend_matrix)
+        .map(LentLayer::lend)
         .collect::<PyResult<Vec<_>>>()?;
-    let (wo, down) = (lend_matrix(&wo)?, lend_matrix(&down)?);
-    let floats =
-        |obj: &Bound<'_, PyAny>, name: &'static str| Lent::<f32>::typed(obj, name, Access::Read);
-    let (attn_norm, ffn_norm) = (
-        floats(attn_norm, "attn_norm")?,
-        floats(ffn_norm, "ffn_norm")?,
-    );
-    let qkv_bias = qkv_bias.map(|b| floats(b, "qkv_bias")).transpose()?;
-    let attn_sub_norm = attn_sub_norm
-        .map(|b| floats(b, "attn_sub_norm"))
-        .transpose()?;
-    let ffn_sub_norm = ffn_sub_norm
-        .map(|b| floats(b, "ffn_sub_norm"))
-        .transpose()?;
     let sequences = sequences
         .iter()
         .map(lend_sequence)
         .collect::<PyResult<Vec<_>>>()?;
     let mut written = vec![("h", h.range())];
-    let mut read = vec![
-        ("attn_norm", attn_norm.range()),
-        ("ffn_norm", ffn_norm.range()),
-        ("raw", wo.0.range()),
-        ("raw", down.0.range()),
-    ];
+    let mut read = Vec::new();
+    for layer in &layers {
+        layer.read_ranges(&mut read);
+    }
     for seq in &sequences {
         written.extend([("cache_k", seq.k.range()), ("cache_v", seq.v.range())]);
         read.extend([("cos", seq.cos.range()), ("sin", seq.sin.range())]);
         read.extend(seq.mask.iter().map(|m| ("mask", m.range())));
     }
-    read.extend(qkv.iter().chain(&gate_up).map(|m| ("raw", m.0.range())));
-    read.extend(qkv_bias.iter().map(|b| ("qkv_bias", b.range())));
-    read.extend(attn_sub_norm.iter().map(|b| ("attn_sub_norm", b.range())));
-    read.extend(ffn_sub_norm.iter().map(|b| ("ffn_sub_norm", b.range())));
     disjoint_writes(&written, &read)?;
-    let settings = BlockSettings {
-        eps,
-        attention: attention_shape(n_heads, n_kv_heads, head_dim, rope_dim, neox),
-        gate,
-        isa,
-        activations: activations(int8),
-    };
     py.detach(|| {
         // SAFETY: the written buffers (h, every sequence's caches) share no byte with each other or with any
         // read buffer (checked above); the exports live until this function returns, and the caller runs no
         // Python code on these tensors meanwhile.
         unsafe {
-            let weights = BlockWeights {
-                attn_norm: attn_norm.as_slice(),
-                qkv: qkv.iter().map(|m| matrix(m)).collect(),
-                qkv_bias: qkv_bias.as_ref().map(|b| b.as_slice()),
-                attn_sub_norm: attn_sub_norm.as_ref().map(|b| b.as_slice()),
-                wo: matrix(&wo),
-                ffn_norm: ffn_norm.as_slice(),
-                gate_up: gate_up.iter().map(|m| matrix(m)).collect(),
-                ffn_sub_norm: ffn_sub_norm.as_ref().map(|b| b.as_slice()),
-                down: matrix(&down),
-            };
+            let weights: Vec<BlockWeights> = layers.iter().map(|l| l.weights()).collect();
             let mut caches: Vec<BlockCache> = sequences
                 .iter()
                 .map(|seq| BlockCache {
@@ -302,13 +265,111 @@ fn decoder_block(
                     mask: seq.mask.as_ref().map(|m| m.as_slice()),
                 })
                 .collect();
-            kernels::decoder_block(h.as_mut_slice(), d, &weights, &mut caches, settings)
+            kernels::decoder_stack(h.as_mut_slice(), d, &weights, &mut caches, settings)
         }
     })?;
     Ok(())
 }
 
-/// One sequence of a `decoder_block` call as Python passes it: (cache_k, cache_v, capacity, start, cos, sin, mask or
+/// A block's weights as Python passes them: (attn_norm, qkv, qkv_bias, wo, ffn_norm, gate_up, down, attn_sub_norm,
+/// ffn_sub_norm); matrices as in `quantized_matmul`.
+type PyLayer<'py> = (
+    Bound<'py, PyAny>,
+    Vec<PyMatrix<'py>>,
+    Option<Bound<'py, PyAny>>,
+    PyMatrix<'py>,
+    Bound<'py, PyAny>,
+    Vec<PyMatrix<'py>>,
+    PyMatrix<'py>,
+    Option<Bound<'py, PyAny>>,
+    Option<Bound<'py, PyAny>>,
+);
+
+/// A block's weights, exported.
+struct LentLayer {
+    attn_norm: Lent<f32>,
+    qkv: Vec<LentMatrix>,
+    qkv_bias: Option<Lent<f32>>,
+    wo: LentMatrix,
+    ffn_norm: Lent<f32>,
+    gate_up: Vec<LentMatrix>,
+    down: LentMatrix,
+    attn_sub_norm: Option<Lent<f32>>,
+    ffn_sub_norm: Option<Lent<f32>>,
+}
+
+impl LentLayer {
+    fn lend(layer: &PyLayer<'_>) -> PyResult<LentLayer> {
+        let (attn_norm, qkv, qkv_bias, wo, ffn_norm, gate_up, down, attn_sub_norm, ffn_sub_norm) =
+            layer;
+        let floats = |obj: &Bound<'_, PyAny>, name: &'static str| {
+            Lent::<f32>::typed(obj, name, Access::Read)
+        };
+        let optional = |obj: &Option<Bound<'_, PyAny>>, name| {
+            obj.as_ref().map(|b| floats(b, name)).transpose()
+        };
+        let matrices = |ms: &[PyMatrix]| ms.iter().map(lend_matrix).collect::<PyResult<Vec<_>>>();
+        Ok(LentLayer {
+            attn_norm: floats(attn_norm, "attn_norm")?,
+            qkv: matrices(qkv)?,
+            qkv_bias: optional(qkv_bias, "qkv_bias")?,
+            wo: lend_matrix(wo)?,
+            ffn_norm: floats(ffn_norm, "ffn_norm")?,
+            gate_up: matrices(gate_up)?,
+            down: lend_matrix(down)?,
+            attn_sub_norm: optional(attn_sub_norm, "attn_sub_norm")?,
+            ffn_sub_norm: optional(ffn_sub_norm, "ffn_sub_norm")?,
+        })
+    }
+
+    /// Adds the named ranges of every buffer the block reads to `read`.
+    fn read_ranges(&self, read: &mut Vec<(&'static str, (usize, usize))>) {
+        read.extend([
+            ("attn_norm", self.attn_norm.range()),
+            ("ffn_norm", self.ffn_norm.range()),
+        ]);
+        let matrices = self
+            .qkv
+            .iter()
+            .chain(&self.gate_up)
+            .chain([&self.wo, &self.down]);
+        read.extend(matrices.map(|m| ("raw", m.0.range())));
+        read.extend(self.qkv_bias.iter().map(|b| ("qkv_bias", b.range())));
+        read.extend(
+            self.attn_sub_norm
+                .iter()
+                .map(|b| ("attn_sub_norm", b.range())),
+        );
+        read.extend(
+            self.ffn_sub_norm
+                .iter()
+                .map(|b| ("ffn_sub_norm", b.range())),
+        );
+    }
+
+    /// The kernels' view of the block.
+    ///
+    /// # Safety
+    /// The caller must keep the exports alive and unwritten while the view is used.
+    unsafe fn weights(&self) -> BlockWeights<'_> {
+        // SAFETY (all): guaranteed by the caller.
+        unsafe {
+            BlockWeights {
+                attn_norm: self.attn_norm.as_slice(),
+                qkv: self.qkv.iter().map(|m| matrix(m)).collect(),
+                qkv_bias: self.qkv_bias.as_ref().map(|b| b.as_slice()),
+                attn_sub_norm: self.attn_sub_norm.as_ref().map(|b| b.as_slice()),
+                wo: matrix(&self.wo),
+                ffn_norm: self.ffn_norm.as_slice(),
+                gate_up: self.gate_up.iter().map(|m| matrix(m)).collect(),
+                ffn_sub_norm: self.ffn_sub_norm.as_ref().map(|b| b.as_slice()),
+                down: matrix(&self.down),
+            }
+        }
+    }
+}
+
+/// One sequence of a `decoder_stack` call as Python passes it: (cache_k, cache_v, capacity, start, cos, sin, mask or
 /// None, rows).
 type PySequence<'py> = (
     Bound<'py, PyAny>,
@@ -321,7 +382,7 @@ type PySequence<'py> = (
     usize,
 );
 
-/// A `decoder_block` sequence's buffers, exported.
+/// A `decoder_stack` sequence's buffers, exported.
 struct LentSequence {
     k: Lent<f32>,
     v: Lent<f32>,
@@ -446,7 +507,7 @@ pub fn register(m: &Bound<PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(kernel_threads, m)?)?;
     m.add_function(wrap_pyfunction!(check_kernel_isa, m)?)?;
     m.add_function(wrap_pyfunction!(attend, m)?)?;
-    m.add_function(wrap_pyfunction!(decoder_block, m)?)?;
+    m.add_function(wrap_pyfunction!(decoder_stack, m)?)?;
     m.add("KERNEL_TYPES", QType::ALL.map(|q| q as u32).to_vec())?;
     m.add("KERNEL_MAX_T", kernels::MAX_T)?;
     let spans: std::collections::HashMap<u32, usize> = QType::ALL

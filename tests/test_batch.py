@@ -13,7 +13,7 @@ from ntio.kernels import ops
 from ntio.kernels.ops import SequenceRows
 from ntio.models.layers import causal_mask, rope_tables
 from ntio.policies.cosine_skip import CosineSkipPolicy
-from ntio.runtime.engine import Segment
+from ntio.runtime.engine import Engine, Segment
 from ntio.runtime.kv_cache import KVCache
 
 PROMPTS = ["The capital of France is", "def add(a, b):\n    return", "Once upon a time, in a small village"]
@@ -83,13 +83,15 @@ def test_a_token_tree_in_a_batched_pass_gets_the_logits_of_a_pass_of_its_own(smo
 @torch.inference_mode()
 def test_a_batched_pass_runs_each_block_as_one_kernel_call_with_the_per_op_bits(smollm2_path, qwen05_path,
                                                                                   monkeypatch):
-    """Several sequences' rows through each block in one kernel call (`ops.decoder_block`, every sequence attending
-    over its own cache) give the per-op path's logits bit for bit: a token tree beside a prefill, then three
-    sequences' decode steps. Llama (interleaved RoPE) and Qwen2 (NeoX RoPE, q/k/v bias)."""
+    """Several sequences' rows through every block in one kernel call (`ops.decoder_stack`, every sequence attending
+    over its own cache), through each block in one call (`ops.decoder_block`) and per op give the same logits bit for
+    bit: a token tree beside a prefill, then three sequences' decode steps. Llama (interleaved RoPE) and Qwen2 (NeoX
+    RoPE, q/k/v bias)."""
     tree, parents = [0, 11, 22, 33, 44], [-1, 0, 1, 0, 3]
     calls = []
-    decoder_block = ops.decoder_block
-    monkeypatch.setattr(ops, "decoder_block", lambda *a, **k: calls.append(len(a[7])) or decoder_block(*a, **k))
+    decoder_stack = ops.decoder_stack
+    monkeypatch.setattr(ops, "decoder_stack", lambda *a, **k: calls.append((len(a[1]), len(a[2]))) or
+                        decoder_stack(*a, **k))
     for path in (smollm2_path, qwen05_path):
         with ntio.load(path, max_context=128) as m:
             a, b, c = (m.encode_prompt(p) for p in PROMPTS)
@@ -106,12 +108,18 @@ def test_a_batched_pass_runs_each_block_as_one_kernel_call_with_the_per_op_bits(
                                                      for i, kv in enumerate(kvs)])
 
             calls.clear()
-            fused = run()
-            assert calls == [2] * m.config.n_layers * 2 + [3] * m.config.n_layers, path  # one call a block and pass
+            stacked = run()
+            n_layers = m.config.n_layers
+            assert calls == [(n_layers, 2), (n_layers, 2), (n_layers, 3)], path  # (blocks, sequences): one a pass
             with monkeypatch.context() as patch:
+                patch.setattr(Engine, "_whole_stack", lambda *args: None)
+                calls.clear()
+                per_block = run()
+                assert calls == [(1, 2)] * n_layers * 2 + [(1, 3)] * n_layers, path  # one a block and pass
                 patch.setattr(ops, "uses_cpu_block", lambda *args: False)
                 per_op = run()
-            assert all(torch.equal(x, y) for x, y in zip(fused, per_op)), path
+            assert all(torch.equal(x, y) for x, y in zip(stacked, per_block)), path
+            assert all(torch.equal(x, y) for x, y in zip(stacked, per_op)), path
 
 
 @torch.inference_mode()

@@ -10,6 +10,10 @@ import torch
 
 import ntio
 from ntio.kernels import cpu_kernels, ops
+from ntio.kernels.ops import SequenceRows
+from ntio.models.layers import rope_tables
+from ntio.runtime.engine import Engine
+from ntio.runtime.kv_cache import KVCache
 from ntio.synth import SynthSpec, write_synthetic_gguf
 
 PROMPT = "The three primary colors are"
@@ -91,9 +95,10 @@ def test_qwen_draft_beside_its_target_shares_the_tokenizer(qwen15_path, qwen05_p
 @pytest.mark.parametrize("cpu_activations", ["int8", "float32"])
 @torch.inference_mode()
 def test_one_call_blocks_equal_the_per_op_path(smollm2_path, qwen05_path, cpu_activations, monkeypatch):
-    """A decoder block as one kernel call (ops.decoder_block) gives the per-op path's logits bit for bit: the same
-    products, bias add, attention and residual adds in the same order. Llama (interleaved RoPE) and Qwen2 (NeoX
-    RoPE, q/k/v bias), a prefill of 7 tokens then single steps."""
+    """A resident model's layers as one kernel call (ops.decoder_stack), each decoder block as one kernel call
+    (ops.decoder_block) and the per-op path give the same logits bit for bit: the same products, bias add,
+    attention and residual adds in the same order. Llama (interleaved RoPE) and Qwen2 (NeoX RoPE, q/k/v bias), a
+    prefill of 7 tokens then single steps."""
     for path in (smollm2_path, qwen05_path):
         m = ntio.load(path, max_context=64, cpu_activations=cpu_activations)
         ids = m.encode_prompt("The capital of France is")[:7]
@@ -104,9 +109,44 @@ def test_one_call_blocks_equal_the_per_op_path(smollm2_path, qwen05_path, cpu_ac
             out += [m.engine.forward(torch.tensor([t]), len(ids) + i) for i, t in enumerate((11, 12, 13))]
             return out
 
-        fused = run()
+        real_stack, stacks = ops.decoder_stack, []
+
+        def counted_stack(*args, **kwargs):
+            stacks.append(args)
+            return real_stack(*args, **kwargs)
+
         with monkeypatch.context() as patch:
+            patch.setattr(ops, "decoder_stack", counted_stack)
+            stack = run()
+        assert len(stacks) == 4  # every forward ran as one stack
+        with monkeypatch.context() as patch:
+            patch.setattr(Engine, "_whole_stack", lambda *args: None)
+            per_block = run()
             patch.setattr(ops, "uses_cpu_block", lambda *args: False)
             per_op = run()
-        assert all(torch.equal(a, b) for a, b in zip(fused, per_op)), path
+        assert all(torch.equal(a, b) for a, b in zip(stack, per_block)), path
+        assert all(torch.equal(a, b) for a, b in zip(stack, per_op)), path
         m.close()
+
+
+@torch.inference_mode()
+def test_a_stack_refuses_caches_of_another_depth_and_leaves_them_as_they_were(smollm2_path):
+    """`ops.decoder_stack` takes one cache per block, [L, Hkv, capacity, hd]: other caches are refused with their
+    sizes and nothing is written; the right ones take each block's keys in its own layer."""
+    with ntio.load(smollm2_path, max_context=64) as m:
+        cfg, blocks = m.config, m.engine.layers.resident_blocks()
+        kv = KVCache(cfg, 16, torch.float32, "cpu")
+        before = kv.k.view(torch.int32).clone()  # bits: the empty cache may hold NaNs
+        rope = rope_tables(m.engine.globals.inv_freq, torch.arange(1))
+
+        def stack(k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            return ops.decoder_stack(torch.randn(1, cfg.d_model), [w.kernel_args for w in blocks[:2]],
+                                     [SequenceRows(slice(0, 1), k, v, 0, rope, None)], cfg.rms_eps,
+                                     (cfg.n_heads, cfg.n_kv_heads, cfg.head_dim), neox=False)
+
+        with pytest.raises(ValueError, match=rf"caches of \d+ and \d+ floats for 2 layers of \[{cfg.n_kv_heads}, 16,"):
+            stack(kv.k, kv.v)
+        assert torch.equal(kv.k.view(torch.int32), before)
+        stack(kv.k[:2], kv.v[:2])
+        written = (kv.k.view(torch.int32) != before)[:, :, 0].any(dim=(1, 2))  # per layer, position 0
+        assert written.tolist() == [True, True] + [False] * (cfg.n_layers - 2)

@@ -118,6 +118,8 @@ KERNEL_SPANS: dict[int, int]  # ggml type id -> elements per activation scale of
 """Elements per activation scale for the K-quants (the 32-element types take 32)."""
 
 Matrix = tuple[Buffer, int, int, float]  # (raw, ggml type id, n, scale)
+# A decoder block's weights: (attn_norm, qkv, qkv_bias, wo, ffn_norm, gate_up, down, attn_sub_norm, ffn_sub_norm).
+Layer = tuple[Buffer, list[Matrix], Buffer | None, Matrix, Buffer, list[Matrix], Matrix, Buffer | None, Buffer | None]
 
 def quantized_matmul(x: Buffer, t: int, k: int, matrices: list[Matrix], out: Buffer, *, isa: str = "best",
                      int8: bool = True, norm: Buffer | None = None, eps: float = 0.0, gate: str | None = None) -> None:
@@ -133,20 +135,20 @@ def quantized_matmul(x: Buffer, t: int, k: int, matrices: list[Matrix], out: Buf
     quantized types quantized to 8 bits (Q8_0 spans of 32; spans of 128 for the 256-element types) with integer
     products, else float32.
     """
-def decoder_block(h: Buffer, d: int, attn_norm: Buffer, qkv: list[Matrix], qkv_bias: Buffer | None, wo: Matrix,
-                  ffn_norm: Buffer, gate_up: list[Matrix], down: Matrix,
+def decoder_stack(h: Buffer, d: int, layers: list[Layer],
                   sequences: list[tuple[Buffer, Buffer, int, int, Buffer, Buffer, Buffer | None, int]], *,
                   eps: float, n_heads: int, n_kv_heads: int, head_dim: int, rope_dim: int, neox: bool,
-                  attn_sub_norm: Buffer | None = None, ffn_sub_norm: Buffer | None = None, gate: str = "silu",
-                  isa: str = "best", int8: bool = True) -> None:
-    """A pre-norm decoder block over T new tokens of one or several sequences, h [T, D] float32 updated in place
-    (GIL released): h += Wo attn_sub_norm(attention(rope(Wqkv rms_norm(h) + qkv_bias))), then
+                  gate: str = "silu", isa: str = "best", int8: bool = True) -> None:
+    """A stack of pre-norm decoder blocks over T new tokens of one or several sequences, h [T, D] float32 updated in
+    place block after block (GIL released, no return to Python between blocks), each block
+    h += Wo attn_sub_norm(attention(rope(Wqkv rms_norm(h) + qkv_bias))), then
     h += Wdown ffn_sub_norm(act(Wgate x) * (Wup x)), x = rms_norm(h), the sub-norms only where given (BitNet's) and
-    act named by gate (`silu`, `relu2`); matrices as in `quantized_matmul`. sequences: (cache_k, cache_v, capacity,
-    start, cos, sin, mask, rows) each, in row order: the next `rows` rows of h attend over that cache, with that
-    rotation and mask, as in `attend`; their rows add up to T. Every product runs once over all T rows, each row's
-    arithmetic that of a call of its own. h and the caches share no memory with each other or any other buffer;
-    refusals name the buffer."""
+    act named by gate (`silu`, `relu2`). layers: one `Layer` per block, matrices as in `quantized_matmul`.
+    sequences: (cache_k, cache_v, capacity, start, cos, sin, mask, rows) each, in row order: the next `rows` rows of
+    h attend over that cache, with that rotation and mask, as in `attend`; their rows add up to T; each cache
+    [L, Hkv, capacity, hd] holds every block's, block i's the i-th (one block: [Hkv, capacity, hd]). Every product
+    runs once over all T rows, each row's arithmetic that of a call of its own. h and the caches share no memory
+    with each other or any other buffer; refusals name the buffer."""
 def check_kernel_isa(name: str) -> None:
     """ValueError unless kernel set `name` (`best`, `avx512`, `avx2`, `neon`, `scalar`) exists and this CPU runs it."""
 def attend(qkv: Buffer, cache_k: Buffer, cache_v: Buffer, capacity: int, start: int, cos: Buffer, sin: Buffer,

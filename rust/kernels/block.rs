@@ -141,6 +141,53 @@ pub fn decoder_block<'a>(
     Ok(())
 }
 
+/// h [T, D] through `layers` in order, in place: `decoder_block` layer after layer, without a return to the caller
+/// between layers (a resident model's whole step in one call). Each of `caches` is a sequence's as in
+/// `decoder_block`, but its k and v hold every layer's cache, [L, Hkv, capacity, hd]: layer i takes the i-th.
+pub fn decoder_stack(
+    h: &mut [f32],
+    d: usize,
+    layers: &[BlockWeights],
+    caches: &mut [BlockCache],
+    s: BlockSettings,
+) -> Result<(), KernelError> {
+    let a = s.attention;
+    for c in caches.iter() {
+        let per_layer = a.n_kv_heads * c.capacity * a.head_dim;
+        if layers.is_empty() || c.k.len() != layers.len() * per_layer || c.v.len() != c.k.len() {
+            return Err(KernelError::Mismatch(format!(
+                "caches of {} and {} floats for {} layers of [{}, {}, {}]",
+                c.k.len(),
+                c.v.len(),
+                layers.len(),
+                a.n_kv_heads,
+                c.capacity,
+                a.head_dim
+            )));
+        }
+    }
+    for (i, w) in layers.iter().enumerate() {
+        let mut layer_caches: Vec<BlockCache> = caches
+            .iter_mut()
+            .map(|c| {
+                let per_layer = c.k.len() / layers.len();
+                BlockCache {
+                    rows: c.rows,
+                    k: &mut c.k[i * per_layer..][..per_layer],
+                    v: &mut c.v[i * per_layer..][..per_layer],
+                    capacity: c.capacity,
+                    start: c.start,
+                    cos: c.cos,
+                    sin: c.sin,
+                    mask: c.mask,
+                }
+            })
+            .collect();
+        decoder_block(h, d, w, &mut layer_caches, s)?;
+    }
+    Ok(())
+}
+
 /// h += u, element by element (the residual add).
 fn add(h: &mut [f32], u: &[f32]) {
     for (h, u) in h.iter_mut().zip(u) {

@@ -10,7 +10,7 @@
 //! - `avx512`: AVX-512 float row kernels for the block-quantized types (x86-64, selected at run time);
 //! - `neon`: NEON integer row kernels for the block-quantized types (aarch64; `sdot` selected at run time);
 //! - `attention`: RoPE, KV-cache writes and attention of a few new tokens (float32);
-//! - `block`: a whole pre-norm decoder block (the products and attention above) in one call;
+//! - `block`: a whole pre-norm decoder block (the products and attention above) in one call, or a stack of them;
 //! - `team`: the kernel threads, which the calling thread joins;
 //! - `matmul`: the entry point, argument checks, kernel selection and work split.
 //!
@@ -33,7 +33,7 @@ mod rows;
 mod team;
 
 pub use attention::{attend, AttentionShape, RopeKind};
-pub use block::{decoder_block, BlockCache, BlockSettings, BlockWeights};
+pub use block::{decoder_block, decoder_stack, BlockCache, BlockSettings, BlockWeights};
 pub use matmul::{
     quantized_matmul, set_threads, threads, Activations8, Gate, Isa, KernelError, Matrix, Prologue,
     QType,

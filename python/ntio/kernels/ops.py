@@ -308,24 +308,33 @@ def decoder_block(h: torch.Tensor, norms: tuple[torch.Tensor, torch.Tensor], wqk
                   w_down: EncodedMatrix, sequences: Sequence[SequenceRows], eps: float,
                   heads: tuple[int, int, int], *, neox: bool, gate: str = "silu",
                   sub_norms: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
-    """A pre-norm block in one CPU kernel call (ntio._core.decoder_block): h + attention(rms_norm(h)), then
+    """A pre-norm block in one CPU kernel call (`decoder_stack` of one block): h + attention(rms_norm(h)), then
     + gated FFN(rms_norm(.)), with the same products and attention as the per-op path, bit for bit. h: [T, D]
     (not modified) -> [T, D], the rows of one or several sequences (their `rows` in order, tiling h), each attending
     over its own cache; sub_norms: BitNet's (attention output [Hq hd], gated activations [F]) or None; the other
     arguments as in `normed_linear`, `cached_attention` and `gated_linear`."""
+    attn_sub_norm, ffn_sub_norm = (None, None) if sub_norms is None else (sub_norms[0].numpy(), sub_norms[1].numpy())
+    layer = (norms[0].numpy(), [w.kernel_arg for w in wqkv], None if qkv_bias is None else qkv_bias.numpy(),
+             wo.kernel_arg, norms[1].numpy(), [w.kernel_arg for w in w_gate_up], w_down.kernel_arg, attn_sub_norm,
+             ffn_sub_norm)
+    return decoder_stack(h, [layer], sequences, eps, heads, neox=neox, gate=gate)
+
+
+def decoder_stack(h: torch.Tensor, layers: list[_core.Layer], sequences: Sequence[SequenceRows], eps: float,
+                  heads: tuple[int, int, int], *, neox: bool, gate: str = "silu") -> torch.Tensor:
+    """h [T, D] (not modified) through a stack of pre-norm blocks in one CPU kernel call (ntio._core.decoder_stack)
+    -> [T, D]: each block's products and attention those of `decoder_block`, bit for bit, with no return to Python
+    between blocks. layers: each block's `LayerWeights.kernel_args`; sequences as in `decoder_block`, but each
+    cache [L, Hkv, capacity, hd] holds the stack's L layers in order (one block: [Hkv, capacity, hd])."""
     choice = _kernels.get()
     n_heads, n_kv_heads, hd = heads
     out = h.clone(memory_format=torch.contiguous_format)
-    caches = [(s.k_cache.numpy(), s.v_cache.numpy(), s.k_cache.shape[1], s.start_pos,
+    caches = [(s.k_cache.numpy(), s.v_cache.numpy(), s.k_cache.shape[-2], s.start_pos,
                s.rope[0].contiguous().numpy(), s.rope[1].contiguous().numpy(),
                None if s.mask is None else s.mask.contiguous().view(torch.uint8).numpy(), s.rows.stop - s.rows.start)
               for s in sequences]
-    _core.decoder_block(out.numpy(), h.shape[1], norms[0].numpy(), [w.kernel_arg for w in wqkv],
-                        None if qkv_bias is None else qkv_bias.numpy(), wo.kernel_arg, norms[1].numpy(),
-                        [w.kernel_arg for w in w_gate_up], w_down.kernel_arg, caches, eps=eps, n_heads=n_heads,
-                        n_kv_heads=n_kv_heads, head_dim=hd, rope_dim=2 * sequences[0].rope[0].shape[-1], neox=neox,
-                        attn_sub_norm=None if sub_norms is None else sub_norms[0].numpy(),
-                        ffn_sub_norm=None if sub_norms is None else sub_norms[1].numpy(), gate=gate,
+    _core.decoder_stack(out.numpy(), h.shape[1], layers, caches, eps=eps, n_heads=n_heads, n_kv_heads=n_kv_heads,
+                        head_dim=hd, rope_dim=2 * sequences[0].rope[0].shape[-1], neox=neox, gate=gate,
                         isa=choice.isa, int8=choice.int8)
     return out
 

@@ -12,7 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from ntio.models.layers import pre_norm_block
+from ntio.models.layers import pre_norm_block, pre_norm_stack
 
 if TYPE_CHECKING:
     import torch
@@ -53,6 +53,11 @@ class Family:
     def block(self) -> BlockFunction:
         """The pre-norm block of the shared layers with this family's RoPE; q/k/v biases come with the weights."""
         return functools.partial(pre_norm_block, rope_kind=self.rope)
+
+    @functools.cached_property
+    def stack(self) -> BlockFunction:
+        """A stack of those blocks over one sequence in one CPU kernel call, or None (`pre_norm_stack`)."""
+        return functools.partial(pre_norm_stack, rope_kind=self.rope)
 
     @property
     def parts(self) -> tuple[str, ...]:

@@ -10,14 +10,17 @@ L = cached positions after this step (start_pos + T).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
-from ntio.kernels import ops
+from ntio import _core
+from ntio.kernels import cpu_kernels, ops
 from ntio.kernels.ops import EncodedMatrix, SequenceRows, rms_norm
 
 if TYPE_CHECKING:
@@ -51,6 +54,23 @@ class LayerWeights:
     # keeps, the others counting as 0 in the down product (a load policy's sparse FFN, ntio.policies.sparse_ffn);
     # None: all.
     ffn_mask: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] | None = None
+
+    @functools.cached_property
+    def kernel_args(self) -> _core.Layer | None:
+        """The block as one CPU kernel call takes it (`ops.decoder_stack`), made once; None where the block does not
+        run as one call whatever its input (a type the kernels lack, weights off the CPU, an FFN row subset or
+        mask)."""
+        matrices = [*self.wqkv, self.wo, *self.w_gate_up, self.w_down]
+        if (self.ffn_rows is not None or self.ffn_mask is not None or self.attn_norm.device.type != "cpu"
+                or not all(m.qtype in cpu_kernels.KERNEL_TYPES for m in matrices)):
+            return None
+        return (self.attn_norm.numpy(), [m.kernel_arg for m in self.wqkv], _numpy(self.qkv_bias), self.wo.kernel_arg,
+                self.ffn_norm.numpy(), [m.kernel_arg for m in self.w_gate_up], self.w_down.kernel_arg,
+                _numpy(self.attn_sub_norm), _numpy(self.ffn_sub_norm))
+
+
+def _numpy(v: torch.Tensor | None) -> np.ndarray | None:
+    return None if v is None else v.numpy()
 
 
 @dataclass
@@ -276,6 +296,18 @@ def pre_norm_block(
             return fused
     h = h + attention(h, w, k_cache, v_cache, start_pos, rope, mask, cfg, rope_kind)
     return h + gated_ffn(h, w, cfg, taps)
+
+
+def pre_norm_stack(h: torch.Tensor, ws: Sequence[LayerWeights], sequences: Sequence[SequenceRows], cfg: ModelConfig,
+                   rope_kind: str) -> torch.Tensor | None:
+    """h [ΣT, D] of one or several sequences through the blocks ws in order as one CPU kernel call
+    (`ops.decoder_stack`: each block what `batched_block` computes, bit for bit), or None where they do not run as
+    one call. Each sequence's caches [len(ws), Hkv, capacity, hd] hold the blocks' in order."""
+    args = [w.kernel_args for w in ws]
+    if not ops.uses_cpu_attention(h, sequences[0].k_cache) or any(a is None for a in args):
+        return None
+    return ops.decoder_stack(h, args, sequences, cfg.rms_eps, (cfg.n_heads, cfg.n_kv_heads, cfg.head_dim),
+                             neox=rope_kind == "neox", gate=cfg.ffn_gate)
 
 
 def batched_block(h: torch.Tensor, w: LayerWeights, sequences: Sequence[SequenceRows], cfg: ModelConfig,

@@ -47,6 +47,10 @@ class LayerSource(Protocol):
     def block(self, layer: int) -> LayerWeights | None:
         """The layer's weights, or None when the policy skips it."""
 
+    def resident_blocks(self) -> Sequence[LayerWeights] | None:
+        """Every layer's weights in layer order when all are resident (as `block` gives them under a policy that
+        loads everything), else None."""
+
     def end_forward(self) -> None: ...
 
     def head_chunks(self) -> Iterator[tuple[int, EncodedMatrix]]:
@@ -140,11 +144,16 @@ class Engine:
             h, tables = self._batch_inputs(segments)
             self.layers.begin_forward(ends[-1])
             try:
-                for layer in range(self.cfg.n_layers):
-                    w = self.layers.block(layer)
-                    if w is None:
-                        raise NtioError(f"the load policy skipped layer {layer}: batched passes run every layer")
-                    h = self._batched_layer(h, layer, w, segments, tables)
+                blocks = self._whole_stack(ends[-1])
+                fused = None if blocks is None else self._stacked(h, blocks, self._stack_parts(segments, tables))
+                if fused is not None:
+                    h = fused
+                else:
+                    for layer in range(self.cfg.n_layers):
+                        w = self.layers.block(layer)
+                        if w is None:
+                            raise NtioError(f"the load policy skipped layer {layer}: batched passes run every layer")
+                        h = self._batched_layer(h, layer, w, segments, tables)
                 wanted = [range(end - n if s.all_logits else end - 1, end) for s, n, end in zip(segments, rows, ends)]
                 logits = self._logits(self.final_norm(h[[i for r in wanted for i in r]]))  # [rows wanted, V]
             finally:
@@ -272,6 +281,9 @@ class Engine:
         rows = [s.tokens.shape[0] for s in segments]
         with self._step(sum(rows), max(s.start_pos + n for s, n in zip(segments, rows))):
             h, tables = self._batch_inputs(segments)
+            fused = self._stacked(h, blocks, self._stack_parts(segments, tables))
+            if fused is not None:
+                return list(fused.split(rows))
             for layer, w in enumerate(blocks):
                 h = self._batched_layer(h, layer, w, segments, tables)
         return list(h.split(rows))
@@ -287,6 +299,38 @@ class Engine:
     def final_norm(self, h: torch.Tensor) -> torch.Tensor:
         """The final RMS norm of hidden states [t, D]."""
         return rms_norm(h, self.globals.output_norm, self.cfg.rms_eps)
+
+    @staticmethod
+    def _stack_parts(segments: Sequence[Segment], tables: list[tuple]) -> list[tuple]:
+        """The segments as `_stacked` takes them: (cache, start_pos, tokens, RoPE tables, mask) each."""
+        return [(s.kv, s.start_pos, s.tokens.shape[0], rope, mask) for s, (rope, mask) in zip(segments, tables)]
+
+    def _stacked(self, h: torch.Tensor, blocks: Sequence[LayerWeights], parts: list[tuple]) -> torch.Tensor | None:
+        """h [ΣT, D] of one or several sequences through `blocks` (layers 0 .. len(blocks)-1) as one stack
+        (`Family.stack`), each part (cache, start_pos, tokens, RoPE tables, mask) in row order writing its own
+        cache, or None (nothing computed) where they do not run as one: a cache with skipped positions to mask."""
+        if any(kv.has_skips for kv, *_ in parts):
+            return None
+        sequences, end, n_layers = [], 0, len(blocks)
+        for kv, start_pos, n, rope, mask in parts:
+            end += n
+            sequences.append(SequenceRows(slice(end - n, end), kv.k[:n_layers], kv.v[:n_layers], start_pos, rope,
+                                          mask))
+        out = self.cfg.family.stack(h, blocks, sequences, self.cfg)
+        if out is not None:
+            for kv, start_pos, n, *_ in parts:
+                kv.record_first(n_layers, start_pos, n)
+        return out
+
+    def _whole_stack(self, n_tokens: int) -> Sequence[LayerWeights] | None:
+        """Every layer's weights when a pass over n_tokens may run them as one stack (`_stacked`): all resident, a
+        policy with no say per layer, no timeline to record layer by layer, and a few tokens in all (decode steps,
+        short verify passes: within the CPU kernels' rows)."""
+        policy = self.layers.policy
+        if (self.layers.timeline is not None or n_tokens > ops.KERNEL_ROWS or policy.wants_ffn_gate
+                or any(overrides(policy, hook) for hook in _PER_LAYER_HOOKS)):
+            return None
+        return self.layers.resident_blocks()
 
     def _head(self) -> Iterator[tuple[int, EncodedMatrix]]:
         """The output head in row chunks (first row, rows [R, D]): itself when resident, else streamed chunks
@@ -319,33 +363,38 @@ class Engine:
         timeline = self.layers.timeline
         self.layers.begin_forward(n_tokens)
         try:
-            for layer in range(cfg.n_layers):
-                began = time.perf_counter() if timeline is not None else 0.0
-                w = self.layers.block(layer)
-                if masks_ffn and w is not None and (ffn_mask := policy.ffn_mask(layer)) is not None:
-                    w = dataclasses.replace(w, ffn_mask=ffn_mask)
-                active = _some_tokens(policy.tokens(layer)) if per_token and w is not None else None
-                if active is not None and not active.any():
-                    w, active = None, None  # no token computes it: a skip of the whole layer
-                h_in, taps = h, ({} if policy.wants_ffn_gate else None)
-                if w is not None:
-                    if active is not None:
-                        kv.record(layer, start_pos, n_tokens, skipped=~active)  # before: attention masks them
-                    layer_mask = kv.attention_mask(layer, mask, n_tokens, end)
-                    if active is not None:
-                        layer_mask = _own_position_kept(layer_mask, start_pos, ~active)
-                    h = block(h, w, kv.k[layer], kv.v[layer], start_pos, rope, layer_mask, cfg, taps=taps)
-                    if active is not None:
-                        h = torch.where(active[:, None], h, h_in)
-                    if reverts and (back := policy.revert(layer, h_in, h)) is not None:
-                        h = torch.where(back[:, None], h_in, h)
-                if active is None:
-                    kv.record(layer, start_pos, n_tokens, skipped=w is None)
-                if observed:
-                    gate = taps.get("ffn_gate") if taps is not None else None
-                    policy.observe(Observation(layer, start_pos, h_in, h, _decision(w), gate))
-                if timeline is not None:
-                    timeline.layer_done(layer, began)
+            blocks = self._whole_stack(n_tokens)
+            fused = None if blocks is None else self._stacked(h, blocks, [(kv, start_pos, n_tokens, rope, mask)])
+            if fused is not None:
+                h = fused
+            else:
+                for layer in range(cfg.n_layers):
+                    began = time.perf_counter() if timeline is not None else 0.0
+                    w = self.layers.block(layer)
+                    if masks_ffn and w is not None and (ffn_mask := policy.ffn_mask(layer)) is not None:
+                        w = dataclasses.replace(w, ffn_mask=ffn_mask)
+                    active = _some_tokens(policy.tokens(layer)) if per_token and w is not None else None
+                    if active is not None and not active.any():
+                        w, active = None, None  # no token computes it: a skip of the whole layer
+                    h_in, taps = h, ({} if policy.wants_ffn_gate else None)
+                    if w is not None:
+                        if active is not None:
+                            kv.record(layer, start_pos, n_tokens, skipped=~active)  # before: attention masks them
+                        layer_mask = kv.attention_mask(layer, mask, n_tokens, end)
+                        if active is not None:
+                            layer_mask = _own_position_kept(layer_mask, start_pos, ~active)
+                        h = block(h, w, kv.k[layer], kv.v[layer], start_pos, rope, layer_mask, cfg, taps=taps)
+                        if active is not None:
+                            h = torch.where(active[:, None], h, h_in)
+                        if reverts and (back := policy.revert(layer, h_in, h)) is not None:
+                            h = torch.where(back[:, None], h_in, h)
+                    if active is None:
+                        kv.record(layer, start_pos, n_tokens, skipped=w is None)
+                    if observed:
+                        gate = taps.get("ffn_gate") if taps is not None else None
+                        policy.observe(Observation(layer, start_pos, h_in, h, _decision(w), gate))
+                    if timeline is not None:
+                        timeline.layer_done(layer, began)
             began = time.perf_counter() if timeline is not None else 0.0
             out = project(policy.readout(h))
             if timeline is not None:
@@ -353,6 +402,10 @@ class Engine:
             return out
         finally:
             self.layers.end_forward()
+
+
+# Load-policy hooks that act layer by layer: a policy overriding any of them needs the layer loop, not one stack.
+_PER_LAYER_HOOKS = ("decide", "ffn_mask", "observe", "tokens", "revert", "begin_pass")
 
 
 def _some_tokens(active: torch.Tensor | None) -> torch.Tensor | None:

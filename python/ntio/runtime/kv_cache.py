@@ -68,6 +68,15 @@ class KVCache:
             self._n_skipped[layer] += n_tokens
         self.layer_length[layer] = end
 
+    @property
+    def has_skips(self) -> bool:
+        """Whether some layer skipped a cached position (its attention then masks it out)."""
+        return any(self._n_skipped)
+
+    def record_first(self, n_layers: int, start_pos: int, n_tokens: int) -> None:
+        """Layers 0 .. n_layers-1 processed positions start_pos .. start_pos+n_tokens-1 (wrote their K/V)."""
+        self.layer_length[:n_layers] = [start_pos + n_tokens] * n_layers
+
     def commit(self, start_pos: int, ids: Sequence[int]) -> None:
         """Every layer processed `ids` at start_pos..: they become valid positions."""
         del self.ids[start_pos:]

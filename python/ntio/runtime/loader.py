@@ -379,6 +379,12 @@ class LayerLoader:
             self._make_current(group)
         return self._blocks.get(layer)  # None: skipped (by the decision at submit, or no longer wanted)
 
+    def resident_blocks(self) -> list[LayerWeights] | None:
+        """Every layer's weights in layer order when all are resident, else None."""
+        if len(self._resident) != len(self._reads):
+            return None
+        return [self._resident[layer] for layer in range(len(self._reads))]
+
     def resident_copies(self, n_layers: int) -> list[LayerWeights]:
         """The first n_layers' weights for as long as the caller keeps them: this loader's own for resident layers,
         else a copy read now (checked like any read); for a self-draft, which runs those layers for every token."""
