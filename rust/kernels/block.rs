@@ -10,7 +10,8 @@
 //! Python layer runs them one call at a time, in the same order, so the result is bit for bit the same; what goes
 //! is ~6 crossings into Python per layer, the cost of a decode step of a small model. Several sequences (a batched
 //! pass: `ntio serve`'s requests, a draft model's chains) share every product, each row's arithmetic the same as
-//! in a pass of its own, and attend one after another, each over its own cache.
+//! in a pass of its own, and attend one after another, each over its own cache. `decoder_stack` runs a resident
+//! model's blocks one after another in one call, so a decode step crosses into Python once, not once per layer.
 
 use super::attention::{attend, AttentionShape};
 use super::matmul::{quantized_matmul, Activations8, Gate, Isa, KernelError, Matrix, Prologue};

@@ -33,7 +33,7 @@ mod rows;
 mod team;
 
 pub use attention::{attend, AttentionShape, RopeKind};
-pub use block::{decoder_block, decoder_stack, BlockCache, BlockSettings, BlockWeights};
+pub use block::{decoder_stack, BlockCache, BlockSettings, BlockWeights};
 pub use matmul::{
     quantized_matmul, set_threads, threads, Activations8, Gate, Isa, KernelError, Matrix, Prologue,
     QType,
