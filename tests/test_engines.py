@@ -12,7 +12,7 @@ import ntio
 from ntio.kernels import cpu_kernels, ops
 from ntio.kernels.ops import SequenceRows
 from ntio.models.layers import rope_tables
-from ntio.runtime.engine import Engine
+from ntio.runtime.engine import Engine, Segment
 from ntio.runtime.kv_cache import KVCache
 from ntio.synth import SynthSpec, write_synthetic_gguf
 
@@ -150,3 +150,36 @@ def test_a_stack_refuses_caches_of_another_depth_and_leaves_them_as_they_were(sm
         stack(kv.k[:2], kv.v[:2])
         written = (kv.k.view(torch.int32) != before)[:, :, 0].any(dim=(1, 2))  # per layer, position 0
         assert written.tolist() == [True, True] + [False] * (cfg.n_layers - 2)
+
+
+@torch.inference_mode()
+def test_early_exits_as_one_stack_equal_the_layer_loop(smollm2_path, monkeypatch):
+    """A self-draft's early exit (`Engine.early_exit_batch`: the first E blocks as one stack call) gives the layer
+    loop's hidden states and the same keys and values in each chain's cache, bit for bit: two chains, E = 6."""
+    with ntio.load(smollm2_path, max_context=64) as m:
+        blocks = m.loader.resident_copies(6)
+        prompts = [m.encode_prompt(p) for p in ("The capital of France is", "def add(a, b):")]
+
+        def run() -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+            kvs = [KVCache(m.config, 32, torch.float32, "cpu") for _ in prompts]
+            for kv, ids in zip(kvs, prompts):
+                m.engine.forward_batch([Segment(torch.tensor(ids), 0, kv)])
+            chains = [Segment(torch.tensor([11, 12]), len(ids), kv) for kv, ids in zip(kvs, prompts)]
+            h = m.engine.early_exit_batch(chains, blocks)
+            return h, [kv.k[:6, :, : len(ids) + 2].clone() for kv, ids in zip(kvs, prompts)]
+
+        real_stack, stacks = ops.decoder_stack, []
+
+        def counted_stack(*args, **kwargs):
+            stacks.append(len(args[1]))
+            return real_stack(*args, **kwargs)
+
+        with monkeypatch.context() as patch:
+            patch.setattr(ops, "decoder_stack", counted_stack)
+            stacked = run()
+        assert 6 in stacks  # the early exit ran as one stack of its 6 blocks
+        with monkeypatch.context() as patch:
+            patch.setattr(Engine, "_stacked", lambda *args: None)
+            looped = run()
+        assert all(torch.equal(a, b) for a, b in zip(stacked[0], looped[0]))
+        assert all(torch.equal(a, b) for a, b in zip(stacked[1], looped[1]))

@@ -60,7 +60,7 @@ pub struct BlockCache<'a> {
 }
 
 /// h [T, D] through the block, in place (see the module); `caches` in row order, their rows adding up to T.
-pub fn decoder_block<'a>(
+fn decoder_block<'a>(
     h: &mut [f32],
     d: usize,
     w: &BlockWeights<'a>,
@@ -153,9 +153,20 @@ pub fn decoder_stack(
     s: BlockSettings,
 ) -> Result<(), KernelError> {
     let a = s.attention;
+    if layers.is_empty() {
+        return Err(KernelError::Mismatch("a stack of no blocks".to_string()));
+    }
     for c in caches.iter() {
+        if c.start + c.rows > c.capacity {
+            return Err(KernelError::Mismatch(format!(
+                "positions {}..{} past a cache of {} positions",
+                c.start,
+                c.start + c.rows,
+                c.capacity
+            )));
+        }
         let per_layer = a.n_kv_heads * c.capacity * a.head_dim;
-        if layers.is_empty() || c.k.len() != layers.len() * per_layer || c.v.len() != c.k.len() {
+        if c.k.len() != layers.len() * per_layer || c.v.len() != c.k.len() {
             return Err(KernelError::Mismatch(format!(
                 "caches of {} and {} floats for {} layers of [{}, {}, {}]",
                 c.k.len(),

@@ -296,7 +296,7 @@ class SequenceRows:
     """One sequence's part of a block's pass: its rows of h, its layer's KV cache, and where its tokens go."""
 
     rows: slice  # of h [ΣT, D]
-    k_cache: torch.Tensor  # [Hkv, capacity, hd]: this layer's
+    k_cache: torch.Tensor  # [Hkv, capacity, hd]: this layer's (a stack's: [L, Hkv, capacity, hd], its L layers')
     v_cache: torch.Tensor
     start_pos: int
     rope: tuple[torch.Tensor, torch.Tensor]  # cos, sin [T, rope_dim/2]

@@ -38,6 +38,9 @@ class BlockTensor:
 # *, taps) -> h [T, D], after writing K/V for positions start_pos .. start_pos+T-1; taps (a dict, or None) receives
 # observations a load policy asked for ("ffn_gate": [T, F]).
 BlockFunction = Callable[..., "torch.Tensor"]
+# Stack function: (h [ΣT, D], blocks, sequences (`SequenceRows`, caches [len(blocks), Hkv, capacity, hd]), cfg)
+# -> h [ΣT, D] after every block, or None where the blocks do not run as one call.
+StackFunction = Callable[..., "torch.Tensor | None"]
 
 
 @dataclass(frozen=True)
@@ -55,8 +58,9 @@ class Family:
         return functools.partial(pre_norm_block, rope_kind=self.rope)
 
     @functools.cached_property
-    def stack(self) -> BlockFunction:
-        """A stack of those blocks over one sequence in one CPU kernel call, or None (`pre_norm_stack`)."""
+    def stack(self) -> StackFunction:
+        """A stack of those blocks over one or several sequences in one CPU kernel call, or None where they do not
+        run as one (`pre_norm_stack`)."""
         return functools.partial(pre_norm_stack, rope_kind=self.rope)
 
     @property

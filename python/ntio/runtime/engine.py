@@ -120,9 +120,10 @@ class Engine:
         """Several sequences in one pass: segment i's tokens [T_i] at positions start_pos.. of its own KV cache
         (not this engine's) -> its last-position logits [V] (with `all_logits`, [T_i, V]). Each layer is read once
         for the whole batch and its products run over all ΣT_i rows; attention runs per sequence
-        (`layers.batched_block`). Every row gets what it gets in a pass of its own (the CPU kernels compute rows
-        independently) as long as ΣT_i <= the kernels' rows (`ops.KERNEL_ROWS`). Dense load policies only; caches
-        are cropped to their start first, as in `forward`."""
+        (`layers.batched_block`, or every layer in one call where all are resident: `_stacked`). Every row gets what
+        it gets in a pass of its own (the CPU kernels compute rows independently) as long as ΣT_i <= the kernels'
+        rows (`ops.KERNEL_ROWS`). Dense load policies only; caches are cropped to their start first, as in
+        `forward`."""
         if not segments:
             raise ValueError("a batched pass needs at least one sequence")
         policy = self.layers.policy
@@ -308,8 +309,9 @@ class Engine:
     def _stacked(self, h: torch.Tensor, blocks: Sequence[LayerWeights], parts: list[tuple]) -> torch.Tensor | None:
         """h [ΣT, D] of one or several sequences through `blocks` (layers 0 .. len(blocks)-1) as one stack
         (`Family.stack`), each part (cache, start_pos, tokens, RoPE tables, mask) in row order writing its own
-        cache, or None (nothing computed) where they do not run as one: a cache with skipped positions to mask."""
-        if any(kv.has_skips for kv, *_ in parts):
+        cache, or None (nothing computed) where they do not run as one: no blocks, a cache with skipped positions
+        to mask, or what `pre_norm_stack` refuses (off the CPU kernels: device, cache dtype, rows, matrix types)."""
+        if not blocks or any(kv.has_skips for kv, *_ in parts):
             return None
         sequences, end, n_layers = [], 0, len(blocks)
         for kv, start_pos, n, rope, mask in parts:
@@ -404,7 +406,8 @@ class Engine:
             self.layers.end_forward()
 
 
-# Load-policy hooks that act layer by layer: a policy overriding any of them needs the layer loop, not one stack.
+# Load-policy hooks the layer loop serves (per layer, or per pass as `begin_pass`): a policy overriding any of them
+# needs the loop, not one stack.
 _PER_LAYER_HOOKS = ("decide", "ffn_mask", "observe", "tokens", "revert", "begin_pass")
 
 

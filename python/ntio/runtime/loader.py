@@ -381,9 +381,10 @@ class LayerLoader:
 
     def resident_blocks(self) -> list[LayerWeights] | None:
         """Every layer's weights in layer order when all are resident, else None."""
-        if len(self._resident) != len(self._reads):
+        n_layers = self.layout.cfg.n_layers  # (`_reads` also holds a streamed head's chunks)
+        if len(self._resident) != n_layers:
             return None
-        return [self._resident[layer] for layer in range(len(self._reads))]
+        return [self._resident[layer] for layer in range(n_layers)]
 
     def resident_copies(self, n_layers: int) -> list[LayerWeights]:
         """The first n_layers' weights for as long as the caller keeps them: this loader's own for resident layers,
