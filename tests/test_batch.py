@@ -84,7 +84,7 @@ def test_a_token_tree_in_a_batched_pass_gets_the_logits_of_a_pass_of_its_own(smo
 def test_a_batched_pass_runs_each_block_as_one_kernel_call_with_the_per_op_bits(smollm2_path, qwen05_path,
                                                                                   monkeypatch):
     """Several sequences' rows through every block in one kernel call (`ops.decoder_stack`, every sequence attending
-    over its own cache), through each block in one call (`ops.decoder_block`) and per op give the same logits bit for
+    over its own cache), through each block in one call (a stack of one) and per op give the same logits bit for
     bit: a token tree beside a prefill, then three sequences' decode steps. Llama (interleaved RoPE) and Qwen2 (NeoX
     RoPE, q/k/v bias)."""
     tree, parents = [0, 11, 22, 33, 44], [-1, 0, 1, 0, 3]
@@ -124,8 +124,8 @@ def test_a_batched_pass_runs_each_block_as_one_kernel_call_with_the_per_op_bits(
 
 @torch.inference_mode()
 def test_a_batched_block_refuses_rows_that_do_not_tile_h_and_a_cache_two_sequences_share(smollm2_path):
-    """`ops.decoder_block` over several sequences: their rows must split h's rows, and no two may write one cache;
-    each refusal names what is wrong and leaves the caches as they were."""
+    """A block in one call (`ops.decoder_stack` of one) over several sequences: their rows must split h's rows, and
+    no two may write one cache; each refusal names what is wrong and leaves the caches as they were."""
     with ntio.load(smollm2_path, max_context=64) as m:
         cfg, w = m.config, m.engine.layers.block(0)
         kvs = [KVCache(cfg, 16, torch.float32, "cpu") for _ in range(2)]
@@ -138,8 +138,8 @@ def test_a_batched_block_refuses_rows_that_do_not_tile_h_and_a_cache_two_sequenc
             return SequenceRows(slice(start, stop), kv.k[0], kv.v[0], 0, (cos, sin), mask)
 
         def block(sequences: list[SequenceRows]) -> torch.Tensor:
-            return ops.decoder_block(h, (w.attn_norm, w.ffn_norm), w.wqkv, w.qkv_bias, w.wo, w.w_gate_up, w.w_down,
-                                     sequences, cfg.rms_eps, (cfg.n_heads, cfg.n_kv_heads, cfg.head_dim), neox=False)
+            return ops.decoder_stack(h, [w.kernel_args], sequences, cfg.rms_eps,
+                                     (cfg.n_heads, cfg.n_kv_heads, cfg.head_dim), neox=False)
 
         with pytest.raises(ValueError, match=r"the sequences' rows \[1, 1\] do not split h's 3 rows"):
             block([rows(0, 1, kvs[0]), rows(1, 2, kvs[1])])

@@ -96,7 +96,7 @@ def test_qwen_draft_beside_its_target_shares_the_tokenizer(qwen15_path, qwen05_p
 @torch.inference_mode()
 def test_one_call_blocks_equal_the_per_op_path(smollm2_path, qwen05_path, cpu_activations, monkeypatch):
     """A resident model's layers as one kernel call (ops.decoder_stack), each decoder block as one kernel call
-    (ops.decoder_block) and the per-op path give the same logits bit for bit: the same products, bias add,
+    (a stack of one) and the per-op path give the same logits bit for bit: the same products, bias add,
     attention and residual adds in the same order. Llama (interleaved RoPE) and Qwen2 (NeoX RoPE, q/k/v bias), a
     prefill of 7 tokens then single steps."""
     for path in (smollm2_path, qwen05_path):

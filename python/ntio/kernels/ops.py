@@ -286,9 +286,10 @@ def cached_attention(qkv: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
     return out
 
 
-def uses_cpu_block(h: torch.Tensor, k_cache: torch.Tensor, ws: list[EncodedMatrix]) -> bool:
-    """Whether a whole decoder block runs as one CPU kernel call (`decoder_block`)."""
-    return uses_cpu_attention(h, k_cache) and uses_cpu_kernel(h, ws)
+def uses_cpu_block(h: torch.Tensor, k_cache: torch.Tensor) -> bool:
+    """Whether decoder blocks over h run as one CPU kernel call (`decoder_stack`), as far as the input decides (the
+    weights decide in `LayerWeights.kernel_args`)."""
+    return uses_cpu_attention(h, k_cache)
 
 
 @dataclass
@@ -303,29 +304,14 @@ class SequenceRows:
     mask: torch.Tensor | None  # [T, start_pos + T]
 
 
-def decoder_block(h: torch.Tensor, norms: tuple[torch.Tensor, torch.Tensor], wqkv: list[EncodedMatrix],
-                  qkv_bias: torch.Tensor | None, wo: EncodedMatrix, w_gate_up: list[EncodedMatrix],
-                  w_down: EncodedMatrix, sequences: Sequence[SequenceRows], eps: float,
-                  heads: tuple[int, int, int], *, neox: bool, gate: str = "silu",
-                  sub_norms: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
-    """A pre-norm block in one CPU kernel call (`decoder_stack` of one block): h + attention(rms_norm(h)), then
-    + gated FFN(rms_norm(.)), with the same products and attention as the per-op path, bit for bit. h: [T, D]
-    (not modified) -> [T, D], the rows of one or several sequences (their `rows` in order, tiling h), each attending
-    over its own cache; sub_norms: BitNet's (attention output [Hq hd], gated activations [F]) or None; the other
-    arguments as in `normed_linear`, `cached_attention` and `gated_linear`."""
-    attn_sub_norm, ffn_sub_norm = (None, None) if sub_norms is None else (sub_norms[0].numpy(), sub_norms[1].numpy())
-    layer = (norms[0].numpy(), [w.kernel_arg for w in wqkv], None if qkv_bias is None else qkv_bias.numpy(),
-             wo.kernel_arg, norms[1].numpy(), [w.kernel_arg for w in w_gate_up], w_down.kernel_arg, attn_sub_norm,
-             ffn_sub_norm)
-    return decoder_stack(h, [layer], sequences, eps, heads, neox=neox, gate=gate)
-
-
 def decoder_stack(h: torch.Tensor, layers: list[_core.Layer], sequences: Sequence[SequenceRows], eps: float,
                   heads: tuple[int, int, int], *, neox: bool, gate: str = "silu") -> torch.Tensor:
     """h [T, D] (not modified) through a stack of pre-norm blocks in one CPU kernel call (ntio._core.decoder_stack)
-    -> [T, D]: each block's products and attention those of `decoder_block`, bit for bit, with no return to Python
-    between blocks. layers: each block's `LayerWeights.kernel_args`; sequences as in `decoder_block`, but each
-    cache [L, Hkv, capacity, hd] holds the stack's L layers in order (one block: [Hkv, capacity, hd])."""
+    -> [T, D]: each block h + attention(rms_norm(h)), then + gated FFN(rms_norm(.)), with the same products and
+    attention as the per-op path, bit for bit, and no return to Python between blocks. layers: each block's
+    `LayerWeights.kernel_args`; sequences: the rows of one or several sequences (their `rows` in order, tiling h),
+    each attending over its own cache [L, Hkv, capacity, hd], the stack's L layers in order (one block: [Hkv,
+    capacity, hd]); the other arguments as in `normed_linear` and `cached_attention`."""
     choice = _kernels.get()
     n_heads, n_kv_heads, hd = heads
     out = h.clone(memory_format=torch.contiguous_format)

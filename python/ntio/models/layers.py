@@ -304,7 +304,7 @@ def pre_norm_stack(h: torch.Tensor, ws: Sequence[LayerWeights], sequences: Seque
     (`ops.decoder_stack`: each block what `batched_block` computes, bit for bit), or None where they do not run as
     one call. Each sequence's caches [len(ws), Hkv, capacity, hd] hold the blocks' in order."""
     args = [w.kernel_args for w in ws]
-    if not ops.uses_cpu_attention(h, sequences[0].k_cache) or any(a is None for a in args):
+    if not ops.uses_cpu_block(h, sequences[0].k_cache) or any(a is None for a in args):
         return None
     return ops.decoder_stack(h, args, sequences, cfg.rms_eps, (cfg.n_heads, cfg.n_kv_heads, cfg.head_dim),
                              neox=rope_kind == "neox", gate=cfg.ffn_gate)
@@ -328,13 +328,6 @@ def batched_block(h: torch.Tensor, w: LayerWeights, sequences: Sequence[Sequence
 
 def _one_call(h: torch.Tensor, w: LayerWeights, sequences: Sequence[SequenceRows], cfg: ModelConfig,
               rope_kind: str) -> torch.Tensor | None:
-    """The block over the sequences' rows as one CPU kernel call (ops.decoder_block: the same products and
-    attention as the per-op path, bit for bit), or None where it does not run as one: off the CPU kernels, past
-    their rows, or with a row subset or mask of the FFN."""
-    if (w.ffn_rows is not None or w.ffn_mask is not None
-            or not ops.uses_cpu_block(h, sequences[0].k_cache, [*w.wqkv, w.wo, *w.w_gate_up, w.w_down])):
-        return None
-    sub_norms = None if w.attn_sub_norm is None else (w.attn_sub_norm, w.ffn_sub_norm)
-    return ops.decoder_block(h, (w.attn_norm, w.ffn_norm), w.wqkv, w.qkv_bias, w.wo, w.w_gate_up, w.w_down,
-                             sequences, cfg.rms_eps, (cfg.n_heads, cfg.n_kv_heads, cfg.head_dim),
-                             neox=rope_kind == "neox", gate=cfg.ffn_gate, sub_norms=sub_norms)
+    """The block over the sequences' rows as one CPU kernel call (a stack of one: `pre_norm_stack`), or None where
+    it does not run as one."""
+    return pre_norm_stack(h, [w], sequences, cfg, rope_kind)
