@@ -121,6 +121,30 @@ fn quantized_matmul(
     Ok(())
 }
 
+/// Rows of `k` elements of ggml type `qtype`, encoded back to back in `raw` (uint8), decoded into out [rows, k]
+/// float32 (`rust/kernels/dequant.rs`: gguf-py's values, bit for bit). Both C-contiguous and sharing no memory; a
+/// size that is not whole rows is a ValueError.
+#[pyfunction]
+fn dequantize(
+    py: Python<'_>,
+    raw: &Bound<'_, PyAny>,
+    qtype: u32,
+    k: usize,
+    out: &Bound<'_, PyAny>,
+) -> PyResult<()> {
+    let qtype = kernel_type(qtype)?;
+    let raw = Lent::<u8>::typed(raw, "raw", Access::Read)?;
+    let out = Lent::<f32>::typed(out, "out", Access::Write)?;
+    buffers::disjoint(("out", out.range()), ("raw", raw.range()))?;
+    py.detach(|| {
+        // SAFETY: `out` shares no byte with `raw` (checked above); the exports live until this function returns and
+        // the caller runs no Python code on them meanwhile.
+        let (raw, out) = unsafe { (raw.as_slice(), out.as_mut_slice()) };
+        kernels::dequantize(raw, qtype, k, out)
+    })?;
+    Ok(())
+}
+
 /// Attention of T new tokens over one layer's float32 KV cache (`rust/kernels/attention.rs`): rotates the queries
 /// and keys of qkv [T, (Hq + 2 Hkv) hd] in place with cos, sin [T, rope_dim / 2], writes keys and values at
 /// positions start.. of cache_k, cache_v [Hkv, capacity, hd], and puts softmax(q·kᵀ / sqrt(hd)) · v in out
@@ -507,6 +531,7 @@ pub fn register(m: &Bound<PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(kernel_threads, m)?)?;
     m.add_function(wrap_pyfunction!(check_kernel_isa, m)?)?;
     m.add_function(wrap_pyfunction!(attend, m)?)?;
+    m.add_function(wrap_pyfunction!(dequantize, m)?)?;
     m.add_function(wrap_pyfunction!(decoder_stack, m)?)?;
     m.add("KERNEL_TYPES", QType::ALL.map(|q| q as u32).to_vec())?;
     m.add("KERNEL_MAX_T", kernels::MAX_T)?;

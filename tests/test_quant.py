@@ -15,7 +15,8 @@ from gguf import GGMLQuantizationType as T
 from gguf.quants import dequantize as ref_dequantize
 from gguf.quants import quantize as ref_quantize
 
-from ntio.kernels import quant
+from ntio import _core
+from ntio.kernels import ops, quant
 from ntio.errors import UnsupportedModelError
 from ntio.formats.gguf_file import GGUFFile
 
@@ -151,6 +152,29 @@ def test_random_quantized_is_reproducible_and_3d() -> None:
     b = quant.random_quantized(T.Q4_K, (2, 3, 256), np.random.default_rng(5))
     assert a.shape == (2, 3, 144)
     assert np.array_equal(a, b)
+
+
+@pytest.mark.parametrize("qtype", ALL_TYPES, ids=lambda t: t.name)
+def test_embedding_rows_decoded_by_the_kernels_match_reference(qtype: T) -> None:
+    """`ops.embedding` on the CPU decodes its rows in Rust (`_core.dequantize`), not in `quant.dequantize`: the
+    rows it picks must be gguf-py's, bit for bit, repeated ids and the last row included."""
+    rng = np.random.default_rng(300 + int(qtype))
+    shape = (9, 2 * 256)
+    raw = quant.random_quantized(qtype, shape, rng) if qtype in (T.F32, T.F16, T.BF16) else random_blocks(
+        qtype, shape, rng)
+    table = ops.EncodedMatrix(torch.from_numpy(np.ascontiguousarray(raw).reshape(-1)), qtype, shape)
+    ids = torch.tensor([8, 0, 3, 3])
+    assert_bit_exact(ops.embedding(ids, table), reference(raw, qtype, shape)[ids.numpy()])
+
+
+def test_the_kernels_dequantizer_refuses_partial_rows() -> None:
+    raw = np.zeros(2 * 20, np.uint8)  # two Q4_1 blocks
+    with pytest.raises(ValueError, match="not a positive multiple"):
+        _core.dequantize(raw, int(T.Q4_1), 48, np.empty(48, np.float32))
+    with pytest.raises(ValueError, match="rows of 32 take 20 bytes"):
+        _core.dequantize(raw[:30], int(T.Q4_1), 32, np.empty(32, np.float32))
+    with pytest.raises(ValueError, match="rows of 32 take 20 bytes"):
+        _core.dequantize(raw, int(T.Q4_1), 32, np.empty(63, np.float32))
 
 
 # ------------------------------------------------------------------------------------------------ real model

@@ -159,6 +159,9 @@ def attend(qkv: Buffer, cache_k: Buffer, cache_v: Buffer, capacity: int, start: 
     keys and values written at positions start.. of cache_k, cache_v [Hkv, capacity, hd], then out [T, Hq hd] =
     softmax(q k^T / sqrt(hd)) v over the start + T cached positions (mask [T, start + T] uint8, nonzero: may
     attend; None: all). qkv, the caches and out must share no memory; refusals name the buffer."""
+def dequantize(raw: Buffer, qtype: int, k: int, out: Buffer) -> None:
+    """Rows of k elements of ggml type `qtype` encoded back to back in raw (uint8) -> out [rows, k] float32, the
+    values gguf-py's dequantizer gives, bit for bit (GIL released). A size that is not whole rows is a ValueError."""
 def set_kernel_threads(n: int) -> None:
     """Use `n` kernel threads (0: one per available CPU)."""
 def kernel_threads() -> int: ...

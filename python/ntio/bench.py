@@ -283,6 +283,7 @@ def stream(model, tier_specs, tokens, ctx_size, ram_budget, layer_group_size, sy
     import torch
 
     import ntio
+    from ntio.decoding.generation import greedy_token
     from ntio.fetch import resolve_model
 
     model = resolve_model(model)
@@ -297,7 +298,7 @@ def stream(model, tier_specs, tokens, ctx_size, ram_budget, layer_group_size, sy
             m.stats.reset()
             start = time.perf_counter()
             for step in range(tokens):  # fixed step count: no stop tokens
-                token = torch.tensor([int(logits.argmax())])
+                token = torch.tensor([greedy_token(logits)])
                 logits = m.engine.forward(token, len(ids) + step)
             elapsed = time.perf_counter() - start
             s = m.stats.summary()

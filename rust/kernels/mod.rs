@@ -4,11 +4,14 @@
 //!
 //! - `blocks`: block layouts, scale decoding and scalar code decoding per type;
 //! - `q8`: activation quantization;
+//! - `dequant`: encoded rows decoded to float32 (embedding lookups);
 //! - `rows`: what every row kernel shares (the activations of a call, the row-kernel signature, `MAX_T`);
 //! - `dot`: portable scalar row kernels (integer and float);
 //! - `avx2`: AVX2/FMA row kernels, integer and float (x86-64, selected at run time);
 //! - `avx512`: AVX-512 float row kernels for the block-quantized types (x86-64, selected at run time);
 //! - `neon`: NEON integer row kernels for the block-quantized types (aarch64; `sdot` selected at run time);
+//! - `activation`: the FFN gate's activation over a row (SiLU through one polynomial e^x, the same bits scalar
+//!   and vectorized);
 //! - `attention`: RoPE, KV-cache writes and attention of a few new tokens (float32);
 //! - `block`: a whole pre-norm decoder block (the products and attention above) in one call, or a stack of them;
 //! - `team`: the kernel threads, which the calling thread joins;
@@ -17,6 +20,7 @@
 //! Imports go one way: the row kernels (`dot`, `avx2`, `avx512`, `neon`) use `blocks` and `rows`; `matmul` uses
 //! them all.
 
+mod activation;
 mod attention;
 #[cfg(target_arch = "x86_64")]
 mod avx2;
@@ -24,6 +28,7 @@ mod avx2;
 mod avx512;
 mod block;
 mod blocks;
+mod dequant;
 mod dot;
 mod matmul;
 #[cfg(target_arch = "aarch64")]
@@ -34,6 +39,7 @@ mod team;
 
 pub use attention::{attend, AttentionShape, RopeKind};
 pub use block::{decoder_stack, BlockCache, BlockSettings, BlockWeights};
+pub use dequant::dequantize;
 pub use matmul::{
     quantized_matmul, set_threads, threads, Activations8, Gate, Isa, KernelError, Matrix, Prologue,
     QType,

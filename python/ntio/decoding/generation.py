@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from ntio.runtime.engine import Engine
@@ -36,6 +37,14 @@ class SamplingParams:
             raise OptionError("repetition_penalty", f"must be > 0, got {self.repetition_penalty}")
 
 
+def greedy_token(logits: torch.Tensor) -> int:
+    """The id of the largest of logits [V] (the first, at a tie). On the CPU through numpy: torch's argmax takes
+    ~0.2 ms over a 152k vocabulary, numpy's ~15 us."""
+    if logits.device.type == "cpu":
+        return int(np.argmax(logits.numpy()))
+    return int(logits.argmax())
+
+
 class Sampler:
     def __init__(self, params: SamplingParams, device: torch.device | str = "cpu") -> None:
         self.params = params
@@ -48,7 +57,7 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, history: torch.Tensor) -> int:
         """logits: [V] float; history: [n] int64 ids seen so far (prompt and generated) for the penalty."""
         if self.params.temperature == 0:
-            return int(self.processed(logits, history).argmax())
+            return greedy_token(self.processed(logits, history))
         return int(torch.multinomial(self.probabilities(logits, history), 1, generator=self.generator))
 
     def probabilities(self, logits: torch.Tensor, history: torch.Tensor) -> torch.Tensor:

@@ -40,7 +40,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ntio.decoding.generation import Sampler
+from ntio.decoding.generation import Sampler, greedy_token
 from ntio.kernels.ops import KERNEL_ROWS
 from ntio.runtime.engine import Engine
 
@@ -383,7 +383,7 @@ def draw(sampler: Sampler, logits: torch.Tensor, seen: torch.Tensor, branches: i
         token = int(torch.multinomial(p, 1, generator=sampler.generator))
     else:
         processed = sampler.processed(logits, seen)  # once: the argmax and the next choices come from it
-        p, token = None, int(processed.argmax())
+        p, token = None, greedy_token(processed)
         q = processed.softmax(-1) if branches else None
     return token, p, next_choices(q, token, branches) if branches else []
 
