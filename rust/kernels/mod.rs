@@ -10,8 +10,8 @@
 //! - `avx2`: AVX2/FMA row kernels, integer and float (x86-64, selected at run time);
 //! - `avx512`: AVX-512 float row kernels for the block-quantized types (x86-64, selected at run time);
 //! - `neon`: NEON integer row kernels for the block-quantized types (aarch64; `sdot` selected at run time);
-//! - `activation`: the FFN gate's activation over a row (SiLU through one polynomial e^x, the same bits scalar
-//!   and vectorized);
+//! - `exp`: e^x as one polynomial, the same bits scalar and vectorized;
+//! - `activation`: the FFN gate's activation over a row (SiLU through `exp`);
 //! - `attention`: RoPE, KV-cache writes and attention of a few new tokens (float32);
 //! - `block`: a whole pre-norm decoder block (the products and attention above) in one call, or a stack of them;
 //! - `team`: the kernel threads, which the calling thread joins;
@@ -30,6 +30,7 @@ mod block;
 mod blocks;
 mod dequant;
 mod dot;
+mod exp;
 mod matmul;
 #[cfg(target_arch = "aarch64")]
 mod neon;
