@@ -38,6 +38,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
 from ntio.decoding.generation import Sampler, greedy_token
@@ -391,10 +392,24 @@ def draw(sampler: Sampler, logits: torch.Tensor, seen: torch.Tensor, branches: i
 def next_choices(q: torch.Tensor, chosen: int, n: int) -> list[tuple[int, float]]:
     """The n most likely tokens of q [V] besides `chosen`, each with q's probability that it is the right one when
     `chosen` is not: q(t) / (1 - q(chosen))."""
-    values, indices = q.topk(n + 1)
     rest = max(1.0 - float(q[chosen]), 1e-9)
-    picks = [(int(t), min(1.0, float(v) / rest)) for v, t in zip(values, indices) if int(t) != chosen and v > 0]
+    picks = [(t, min(1.0, v / rest)) for t, v in _largest(q, n + 1) if t != chosen and v > 0]
     return picks[:n]
+
+
+def _largest(q: torch.Tensor, n: int) -> list[tuple[int, float]]:
+    """The n largest entries of q [V] as (index, value), largest first. On the CPU as n argmax passes over a numpy
+    copy: torch's topk(3) took ~160 us over a 49k vocabulary, three passes ~20 us."""
+    if q.device.type != "cpu":
+        values, indices = q.topk(n)
+        return [(int(t), float(v)) for v, t in zip(values, indices)]
+    left = q.numpy().copy()
+    picks = []
+    for _ in range(min(n, left.shape[0])):
+        t = int(np.argmax(left))
+        picks.append((t, float(left[t])))
+        left[t] = -np.inf
+    return picks
 
 
 @dataclass

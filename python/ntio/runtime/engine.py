@@ -1,7 +1,8 @@
 """The layer loop: one forward pass over T >= 1 new tokens at explicit positions.
 
-The engine owns the loop, the KV cache and its scratch memory; weights come from a `LayerSource` (the layer loader),
-which asks its load policy before each read what to load. The family's block function (ntio.models) is pure.
+The engine owns the loop, the KV cache, its scratch memory and its RoPE table; weights come from a `LayerSource` (the
+layer loader), which asks its load policy before each read what to load. The family's block function (ntio.models) is
+pure.
 """
 
 from __future__ import annotations
@@ -19,8 +20,7 @@ from ntio.errors import ContextOverflowError, NtioError
 from ntio.kernels import cpu_kernels, ops
 from ntio.models.config import ModelConfig
 from ntio.kernels.ops import EncodedMatrix, SequenceRows, rms_norm
-from ntio.models.layers import (GlobalWeights, LayerWeights, batched_block, causal_mask, rope_tables,
-                                token_positions)
+from ntio.models.layers import GlobalWeights, LayerWeights, RopeTable, batched_block, causal_mask
 from ntio.policies.base import LOAD_ALL, SKIP, LoadDecision, LoadPolicy, Observation, overrides
 from ntio.runtime.kv_cache import KVCache
 from ntio.runtime.stats import StreamStats
@@ -94,6 +94,7 @@ class Engine:
         self.threads = threads
         self.prefill_chunk = prefill_chunk
         self.scratch = ops.Scratch()
+        self.rope = RopeTable(globals_.inv_freq)
         self.kernels = kernels
 
     @torch.inference_mode()
@@ -244,7 +245,7 @@ class Engine:
         tables = []
         for s in segments:
             n = s.tokens.shape[0]
-            tables.append((rope_tables(self.globals.inv_freq, token_positions(s.start_pos, n, s.parents, h.device)),
+            tables.append((self.rope.rows(s.start_pos, n, s.parents),
                            causal_mask(s.start_pos, n, h.device, s.parents)))
         return h, tables
 
@@ -361,7 +362,7 @@ class Engine:
         masks_ffn = overrides(policy, "ffn_mask")
         per_token, reverts = overrides(policy, "tokens"), overrides(policy, "revert")
         h = ops.embedding(tokens, self.globals.token_embd)  # [T, D]
-        rope = rope_tables(self.globals.inv_freq, token_positions(start_pos, n_tokens, parents, h.device))
+        rope = self.rope.rows(start_pos, n_tokens, parents)
         mask = causal_mask(start_pos, n_tokens, h.device, parents)
         if overrides(policy, "begin_pass"):
             policy.begin_pass(start_pos, n_tokens)
