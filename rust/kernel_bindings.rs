@@ -121,6 +121,67 @@ fn quantized_matmul(
     Ok(())
 }
 
+/// Rewrites the n rows of `raw` (GGUF type `qtype`, rows of k elements; uint8, C-contiguous, writable) in place
+/// into the type's interleaved layout (`rust/kernels/interleave.rs`: rows in groups of 8, word by word; the same
+/// bytes, reordered) and returns that layout's type id, which `quantized_matmul` and `dequantize` take in place of
+/// `qtype`; with `inverse`, `qtype` is an interleaved layout's id, whose rows go back to plain, and the plain
+/// type's id is returned. A ValueError names what does not fit: a type without an interleaved layout, n not a
+/// multiple of 8, k not whole blocks, or the size.
+#[pyfunction]
+#[pyo3(signature = (raw, qtype, n, k, *, inverse = false))]
+fn interleave(
+    py: Python<'_>,
+    raw: &Bound<'_, PyAny>,
+    qtype: u32,
+    n: usize,
+    k: usize,
+    inverse: bool,
+) -> PyResult<u32> {
+    let given = kernel_type(qtype)?;
+    let plain = given.plain();
+    let (mixed, block_bytes) = match plain.interleaved() {
+        Some(layout) if inverse == given.interleaved_rows() => layout,
+        _ => {
+            return Err(PyValueError::new_err(format!(
+                "{given:?} has no {} layout (Q4_1 and Q4_1X8 have)",
+                if inverse { "plain" } else { "interleaved" }
+            )))
+        }
+    };
+    let (block, _) = plain.block();
+    if n % 8 != 0 || k % block != 0 {
+        return Err(PyValueError::new_err(format!(
+            "{given:?} [{n}, {k}]: interleaved rows come in groups of 8 and k in whole blocks of {block}"
+        )));
+    }
+    let row_bytes = k / block * block_bytes;
+    let raw = Lent::<u8>::typed(raw, "raw", Access::Write)?;
+    if raw.len() != n * row_bytes {
+        return Err(PyValueError::new_err(format!(
+            "{given:?} [{n}, {k}] takes {} bytes: raw has {}",
+            n * row_bytes,
+            raw.len()
+        )));
+    }
+    py.detach(|| {
+        // SAFETY: the export lives until this function returns and the caller runs no Python code on it meanwhile.
+        let raw = unsafe { raw.as_mut_slice() };
+        kernels::permute_in_place(raw, row_bytes, block_bytes, inverse);
+    });
+    Ok(if inverse { plain } else { mixed } as u32)
+}
+
+/// Whether interleaved rows (`interleave`) have kernels of their own under kernel set `isa` and `int8` (else they
+/// are restored to rows group by group, slower than plain rows).
+#[pyfunction]
+#[pyo3(signature = (isa = "best", int8 = true))]
+fn interleaved_kernels(isa: &str, int8: bool) -> PyResult<bool> {
+    Ok(kernels::interleaved_kernels(
+        checked_isa(isa)?,
+        activations(int8),
+    ))
+}
+
 /// Rows of `k` elements of ggml type `qtype`, encoded back to back in `raw` (uint8), decoded into out [rows, k]
 /// float32 (`rust/kernels/dequant.rs`: gguf-py's values, bit for bit). Both C-contiguous and sharing no memory; a
 /// size that is not whole rows is a ValueError.
@@ -532,8 +593,15 @@ pub fn register(m: &Bound<PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(check_kernel_isa, m)?)?;
     m.add_function(wrap_pyfunction!(attend, m)?)?;
     m.add_function(wrap_pyfunction!(dequantize, m)?)?;
+    m.add_function(wrap_pyfunction!(interleave, m)?)?;
+    m.add_function(wrap_pyfunction!(interleaved_kernels, m)?)?;
     m.add_function(wrap_pyfunction!(decoder_stack, m)?)?;
     m.add("KERNEL_TYPES", QType::ALL.map(|q| q as u32).to_vec())?;
+    let interleaved: std::collections::HashMap<u32, u32> = QType::ALL
+        .into_iter()
+        .filter_map(|q| q.interleaved().map(|(x8, _)| (q as u32, x8 as u32)))
+        .collect();
+    m.add("INTERLEAVED_TYPES", interleaved)?;
     m.add("KERNEL_MAX_T", kernels::MAX_T)?;
     let spans: std::collections::HashMap<u32, usize> = QType::ALL
         .iter()

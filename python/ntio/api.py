@@ -143,7 +143,8 @@ class LLM:
         self.plan, capacity, depth = self.memory.plan, self.memory.capacity, self.memory.prefetch_depth
         with torch.inference_mode():
             self.loader = LayerLoader(layout, self.plan, self.device, group_size=layer_group_size, prefetch_depth=depth,
-                                      backend=io_backend, on_progress=on_progress, policy=policy, verify=verify)
+                                      backend=io_backend, on_progress=on_progress, policy=policy, verify=verify,
+                                      interleave=not cuda and kernels.interleaves_rows)
             token_rows = self.loader.disk_rows(layout.token_embd) if self.plan.embedding == "C" else None
             globals_ = load_global_weights(layout, self.loader.read_tensor, self.device, token_rows,
                                            head_resident=self.plan.head == "A")

@@ -27,6 +27,9 @@ use std::arch::x86_64::*;
 use super::blocks::{self, Dense, Format, GROUP, MAX_SUBS};
 use super::rows::{in_tiles, Activations, GroupKernel, Kernel, RowKernel, GROUP_ROWS, MAX_T};
 
+mod interleaved;
+pub use interleaved::q4_1_x8;
+
 /// Whether this CPU runs the kernels of this module.
 pub fn available() -> bool {
     is_x86_feature_detected!("avx2")
@@ -565,7 +568,7 @@ fn reduce8(v: [__m256i; GROUP_ROWS]) -> __m256i {
 unsafe fn legacy_scales8(ptrs: &[*const u8; GROUP_ROWS], off: usize) -> (__m256, __m256) {
     // SAFETY: guaranteed by the caller.
     let word = |j: usize| unsafe { ptrs[j].add(off).cast::<i32>().read_unaligned() };
-    let raw = _mm256_setr_epi32(
+    halves8(_mm256_setr_epi32(
         word(0),
         word(1),
         word(2),
@@ -574,16 +577,21 @@ unsafe fn legacy_scales8(ptrs: &[*const u8; GROUP_ROWS], off: usize) -> (__m256,
         word(5),
         word(6),
         word(7),
-    );
-    // In each 128-bit half: the four d (bytes 0-1 of each word) in the low 8 bytes, the four m in the high 8.
+    ))
+}
+
+/// Eight 32-bit words, each two float16 halves (low: a, high: b), as (a, b) float32 vectors (F16C: exact).
+#[target_feature(enable = "avx2,fma,f16c")]
+fn halves8(words: __m256i) -> (__m256, __m256) {
+    // In each 128-bit half: the four low halves in the low 8 bytes, the four high halves in the high 8.
     let split = _mm256_shuffle_epi8(
-        raw,
+        words,
         _mm256_setr_epi8(
             0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15, 0, 1, 4, 5, 8, 9, 12, 13, 2, 3,
             6, 7, 10, 11, 14, 15,
         ),
     );
-    // 64-bit quarters (d0-3, m0-3, d4-7, m4-7) -> (d0-3, d4-7, m0-3, m4-7).
+    // 64-bit quarters (a0-3, b0-3, a4-7, b4-7) -> (a0-3, a4-7, b0-3, b4-7).
     let v = _mm256_permute4x64_epi64(split, 0b11_01_10_00);
     (
         _mm256_cvtph_ps(_mm256_castsi256_si128(v)),

@@ -36,6 +36,9 @@ pub enum QType {
     BF16 = 30,
     TQ1_0 = 34,
     TQ2_0 = 35,
+    /// ntio's own (beyond ggml's ids): Q4_1 rows interleaved by eight (`interleave`), which resident matrices take
+    /// at load; n and the matrix's first output column within a call must be multiples of 8.
+    Q4_1X8 = 256 + 3,
 }
 
 impl QType {
@@ -55,9 +58,33 @@ impl QType {
         QType::TQ2_0,
     ];
 
-    /// The type with ggml id `id`, if supported.
+    /// The type with id `id` (a ggml id, or an interleaved layout's), if supported.
     pub fn from_id(id: u32) -> Option<QType> {
-        QType::ALL.into_iter().find(|q| *q as u32 == id)
+        QType::ALL
+            .into_iter()
+            .chain([QType::Q4_1X8])
+            .find(|q| *q as u32 == id)
+    }
+
+    /// Whether the type's rows are stored interleaved (in groups of `GROUP_ROWS`).
+    pub fn interleaved_rows(self) -> bool {
+        self == QType::Q4_1X8
+    }
+
+    /// The interleaved layout of this type, if it has one: (its type, bytes per block of a row).
+    pub fn interleaved(self) -> Option<(QType, usize)> {
+        match self {
+            QType::Q4_1 => Some((QType::Q4_1X8, blocks::Q4_1::BYTES)),
+            _ => None,
+        }
+    }
+
+    /// The type whose rows an interleaved layout holds (itself for the others).
+    pub fn plain(self) -> QType {
+        match self {
+            QType::Q4_1X8 => QType::Q4_1,
+            other => other,
+        }
     }
 
     /// (elements, bytes) per block.
@@ -84,7 +111,7 @@ impl QType {
             QType::F16 => d::<blocks::F16>(),
             QType::BF16 => d::<blocks::BF16>(),
             QType::Q4_0 => q::<blocks::Q4_0>(),
-            QType::Q4_1 => q::<blocks::Q4_1>(),
+            QType::Q4_1 | QType::Q4_1X8 => q::<blocks::Q4_1>(),
             QType::Q5_0 => q::<blocks::Q5_0>(),
             QType::Q5_1 => q::<blocks::Q5_1>(),
             QType::Q8_0 => q::<blocks::Q8_0>(),
@@ -97,7 +124,10 @@ impl QType {
     }
 
     fn affine(self) -> bool {
-        matches!(self, QType::Q4_1 | QType::Q5_1 | QType::Q4K | QType::Q5K)
+        matches!(
+            self,
+            QType::Q4_1 | QType::Q5_1 | QType::Q4K | QType::Q5K | QType::Q4_1X8
+        )
     }
 
     /// The kernel for `isa` and `activations`: the widest this CPU runs and the type has, down to scalar.
@@ -118,7 +148,28 @@ impl QType {
             QType::Q6K => quantized_kernel::<blocks::Q6K>(isa, int),
             QType::TQ1_0 => quantized_kernel::<blocks::TQ1_0>(isa, int),
             QType::TQ2_0 => quantized_kernel::<blocks::TQ2_0>(isa, int),
+            QType::Q4_1X8 => interleaved_q4_1_kernel(isa, activations),
         }
+    }
+}
+
+/// Whether interleaved rows have a kernel of their own under `isa` and `activations` (else each group is restored
+/// to rows first, slower than plain rows): where they do, resident matrices pay to take the layout.
+pub fn interleaved_kernels(isa: Isa, activations: Activations8) -> bool {
+    matches!(interleaved_q4_1_kernel(isa, activations), Kernel::Group(_))
+}
+
+/// Interleaved Q4_1's kernel: its AVX2 integer group kernel where it runs (VNNI's products where allowed and
+/// present), else Q4_1's row kernel on each group restored to rows. Either gives the plain rows' bits.
+fn interleaved_q4_1_kernel(isa: Isa, activations: Activations8) -> Kernel {
+    #[cfg(target_arch = "x86_64")]
+    if activations == Activations8::Int8 && isa != Isa::Scalar && super::avx2::available() {
+        let vnni = matches!(isa, Isa::Best | Isa::Avx512) && super::avx2::vnni_available();
+        return Kernel::Group(super::avx2::q4_1_x8(vnni));
+    }
+    match QType::Q4_1.kernel(isa, activations) {
+        Kernel::Row(kernel) => Kernel::Interleaved(kernel),
+        _ => unreachable!("Q4_1's kernels are row kernels but for AVX2's integer one, taken above"),
     }
 }
 
@@ -362,7 +413,16 @@ pub fn quantized_matmul(
     if t == 0 {
         return mismatch("t = 0 activation rows; the kernels take at least 1".to_string());
     }
+    let mut first = 0;
     for m in matrices {
+        if m.qtype.interleaved_rows() && (m.n % GROUP_ROWS != 0 || first % GROUP_ROWS != 0) {
+            return mismatch(format!(
+                "{:?} weights [{}, {k}] at output column {first}: interleaved rows come in groups of \
+                 {GROUP_ROWS} (rows and first column multiples of {GROUP_ROWS})",
+                m.qtype, m.n
+            ));
+        }
+        first += m.n;
         let (block, bytes) = m.qtype.block();
         if k % block != 0 {
             return mismatch(format!(
@@ -462,6 +522,23 @@ pub fn quantized_matmul(
                             kernel(a, row, &mut y);
                             for (ti, &v) in y[..a.t].iter().enumerate() {
                                 store(bi, ti, c, v * m.scale);
+                            }
+                        }
+                    }
+                }
+                Kernel::Interleaved(kernel) => {
+                    let mut plain = vec![0u8; GROUP_ROWS * row_bytes];
+                    let mut y = [0f32; MAX_T];
+                    let block_bytes = m.qtype.block().1;
+                    for c in (start..stop).step_by(GROUP_ROWS) {
+                        let group = &m.raw[(c - first) * row_bytes..][..GROUP_ROWS * row_bytes];
+                        super::interleave::deinterleave(group, row_bytes, block_bytes, &mut plain);
+                        for (j, row) in plain.chunks_exact(row_bytes).enumerate() {
+                            for (bi, a) in blocks.iter().enumerate() {
+                                kernel(a, row, &mut y);
+                                for (ti, &v) in y[..a.t].iter().enumerate() {
+                                    store(bi, ti, c + j, v * m.scale);
+                                }
                             }
                         }
                     }
@@ -854,6 +931,87 @@ mod tests {
                 first += m.n;
             }
         }
+    }
+
+    /// Q4_1 rows interleaved by eight give the plain rows' bits in every kernel set, on both activation paths and
+    /// for every row count, beside a plain matrix in the same call and with more than one task per matrix.
+    #[test]
+    fn interleaved_rows_give_the_plain_rows_bits() {
+        let (n, k) = (48, 768);
+        let (block, size) = QType::Q4_1.block();
+        let row_bytes = k / block * size;
+        let plain = bytes(n * row_bytes, 6);
+        let mut mixed = vec![0u8; plain.len()];
+        super::super::interleave::interleave(&plain, row_bytes, size, &mut mixed);
+        let other = bytes(5 * k / 32 * 18, 7); // five Q4_0 rows after the Q4_K ones
+        for act in [Activations8::Int8, Activations8::Float] {
+            for isa in [Isa::Best, Isa::Avx512, Isa::Avx2, Isa::Neon, Isa::Scalar]
+                .into_iter()
+                .filter(|i| i.available())
+            {
+                for t in (1..=MAX_T).chain([MAX_T + 9]) {
+                    let x: Vec<f32> = bytes(t * k, 8)
+                        .iter()
+                        .map(|&b| f32::from(b) / 127.0 - 1.0)
+                        .collect();
+                    let product = |w: &[u8], qtype: QType| {
+                        let mut out = vec![0f32; t * (n + 5)];
+                        let ms = [
+                            Matrix::new(w, qtype, n),
+                            Matrix::new(&other, QType::Q4_0, 5),
+                        ];
+                        quantized_matmul(&x, t, k, Prologue::default(), &ms, &mut out, isa, act)
+                            .unwrap();
+                        out
+                    };
+                    let (want, got) =
+                        (product(&plain, QType::Q4_1), product(&mixed, QType::Q4_1X8));
+                    assert!(
+                        want.iter()
+                            .zip(&got)
+                            .all(|(a, b)| a.to_bits() == b.to_bits()),
+                        "{act:?} {isa:?} t={t}"
+                    );
+                }
+            }
+        }
+    }
+
+    /// Interleaved rows come in whole groups of eight, at an output column that is a multiple of eight.
+    #[test]
+    fn interleaved_rows_out_of_their_groups_are_errors() {
+        let k = 256;
+        let row_bytes = k / 32 * 20;
+        let x = vec![0.5f32; k];
+        let call = |ms: &[Matrix]| {
+            let mut out = vec![0f32; ms.iter().map(|m| m.n).sum()];
+            quantized_matmul(
+                &x,
+                1,
+                k,
+                Prologue::default(),
+                ms,
+                &mut out,
+                Isa::Best,
+                Activations8::Int8,
+            )
+        };
+        let w = vec![0u8; 16 * row_bytes];
+        let q8 = vec![0u8; 3 * k / 32 * 34];
+        assert!(matches!(
+            call(&[Matrix::new(&w[..12 * row_bytes], QType::Q4_1X8, 12)]),
+            Err(KernelError::Mismatch(_))
+        ));
+        let after_three = [
+            Matrix::new(&q8, QType::Q8_0, 3),
+            Matrix::new(&w, QType::Q4_1X8, 16),
+        ];
+        assert!(matches!(call(&after_three), Err(KernelError::Mismatch(_))));
+        let before_three = [
+            Matrix::new(&w, QType::Q4_1X8, 16),
+            Matrix::new(&q8, QType::Q8_0, 3),
+        ];
+        assert!(call(&before_three).is_ok());
     }
 
     /// A matrix's scale multiplies its outputs, and only its own: a scale of 1 changes no bit.

@@ -5,6 +5,7 @@
 //! - `blocks`: block layouts, scale decoding and scalar code decoding per type;
 //! - `q8`: activation quantization;
 //! - `dequant`: encoded rows decoded to float32 (embedding lookups);
+//! - `interleave`: rows interleaved by eight, word by word (the layout resident Q4_1 matrices take);
 //! - `rows`: what every row kernel shares (the activations of a call, the row-kernel signature, `MAX_T`);
 //! - `dot`: portable scalar row kernels (integer and float);
 //! - `avx2`: AVX2/FMA row kernels, integer and float (x86-64, selected at run time);
@@ -31,6 +32,7 @@ mod blocks;
 mod dequant;
 mod dot;
 mod exp;
+mod interleave;
 mod matmul;
 #[cfg(target_arch = "aarch64")]
 mod neon;
@@ -41,8 +43,9 @@ mod team;
 pub use attention::{attend, AttentionShape, RopeKind};
 pub use block::{decoder_stack, BlockCache, BlockSettings, BlockWeights};
 pub use dequant::dequantize;
+pub use interleave::permute_in_place;
 pub use matmul::{
-    quantized_matmul, set_threads, threads, Activations8, Gate, Isa, KernelError, Matrix, Prologue,
-    QType,
+    interleaved_kernels, quantized_matmul, set_threads, threads, Activations8, Gate, Isa,
+    KernelError, Matrix, Prologue, QType,
 };
 pub use rows::MAX_T;

@@ -27,6 +27,9 @@ pub enum Kernel {
     /// Only the AVX2 kernels have group kernels so far.
     #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
     Group(GroupKernel),
+    /// Rows stored interleaved by `GROUP_ROWS` (`interleave`): each group is restored to plain rows, then computed
+    /// by the row kernel, so its outputs are the plain rows' bits.
+    Interleaved(RowKernel),
 }
 
 /// The activations of a call: x [t, k] row-major, for affine types Σx of every 32-element group, and for the

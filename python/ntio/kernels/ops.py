@@ -14,6 +14,7 @@ CPU kernels' products move by ~0.3-1% relative (ntio.kernels.cpu_kernels states 
 from __future__ import annotations
 
 import contextvars
+import dataclasses
 import functools
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -38,6 +39,7 @@ class EncodedMatrix:
     qtype: gguf.GGMLQuantizationType
     shape: tuple[int, int]  # (N, K)
     scale: float = 1.0
+    interleaved: bool = False  # rows in groups of 8, word by word (`interleave_rows`): the same bytes, reordered
 
     @property
     def row_nbytes(self) -> int:
@@ -45,11 +47,18 @@ class EncodedMatrix:
 
     @functools.cached_property
     def kernel_arg(self) -> tuple[np.ndarray, int, int, float]:
-        """(raw as numpy, ggml type id, N, scale): what the CPU kernels take, made once per matrix (CPU only)."""
-        return self.raw.numpy(), int(self.qtype), self.shape[0], self.scale
+        """(raw as numpy, type id, N, scale): what the CPU kernels take, made once per matrix (CPU only). The id is
+        ggml's, or its interleaved layout's."""
+        return self.raw.numpy(), self.kernel_type, self.shape[0], self.scale
+
+    @property
+    def kernel_type(self) -> int:
+        return _core.INTERLEAVED_TYPES[int(self.qtype)] if self.interleaved else int(self.qtype)
 
     def encoded_rows(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows `ids` [T] of the encoding: [T, row_nbytes] uint8."""
+        if self.interleaved:
+            raise ValueError("the rows of an interleaved matrix are not fetched by id")
         return self.raw.view(self.shape[0], self.row_nbytes)[ids]
 
 
@@ -66,22 +75,47 @@ def fuse_adjacent(matrices: list[EncodedMatrix]) -> list[EncodedMatrix]:
             last is not None
             and last.qtype == m.qtype
             and last.scale == m.scale
+            and last.interleaved == m.interleaved
             and last.shape[1] == m.shape[1]
             and last.raw.device == m.raw.device
             and last.raw.untyped_storage().data_ptr() == m.raw.untyped_storage().data_ptr()
             and last.raw.storage_offset() + last.raw.numel() == m.raw.storage_offset()
         ):
             span = last.raw.as_strided((last.raw.numel() + m.raw.numel(),), (1,))
-            fused[-1] = EncodedMatrix(span, m.qtype, (last.shape[0] + m.shape[0], m.shape[1]), m.scale)
+            fused[-1] = EncodedMatrix(span, m.qtype, (last.shape[0] + m.shape[0], m.shape[1]), m.scale, m.interleaved)
         else:
             fused.append(m)
     return fused
 
 
 def row_slice(w: EncodedMatrix, start: int, stop: int) -> EncodedMatrix:
-    """Rows [start, stop) of w, as a view (rows are whole blocks in a row-major encoding)."""
+    """Rows [start, stop) of w, as a view (rows are whole blocks in a row-major encoding; interleaved rows whole
+    groups of 8). Interleaved rows cut inside a group (a sparse FFN's neuron ranges) come as plain rows, copied."""
+    if w.interleaved and (start % INTERLEAVE_ROWS or stop % INTERLEAVE_ROWS):
+        first, last = start // INTERLEAVE_ROWS * INTERLEAVE_ROWS, -(-stop // INTERLEAVE_ROWS) * INTERLEAVE_ROWS
+        groups = w.raw[first * w.row_nbytes : last * w.row_nbytes].clone()
+        _core.interleave(groups.numpy(), w.kernel_type, last - first, w.shape[1], inverse=True)
+        plain = EncodedMatrix(groups, w.qtype, (last - first, w.shape[1]), w.scale)
+        return row_slice(plain, start - first, stop - first)
     return EncodedMatrix(w.raw[start * w.row_nbytes : stop * w.row_nbytes], w.qtype, (stop - start, w.shape[1]),
-                         w.scale)
+                         w.scale, w.interleaved)
+
+
+# Rows per group of an interleaved matrix.
+INTERLEAVE_ROWS = 8
+
+
+def interleave_rows(w: EncodedMatrix) -> EncodedMatrix:
+    """w with its rows interleaved by eight in place (`_core.interleave`: one linear stream per 8 rows, whose
+    kernel sums each row in its own vector lane), where that pays: a type with the layout (Q4_1), whole groups of
+    rows, on the CPU; else w as it is. The products give the plain rows' bits (SmolLM2's Q4_1 products ran
+    1.37-1.68x faster from T = 1 to 32 rows, benches/RESULTS.md), so resident and streamed layers still agree. The
+    bytes are w's own (a resident layer's buffer): whatever else views them must take the new layout."""
+    if (w.interleaved or w.raw.device.type != "cpu" or int(w.qtype) not in _core.INTERLEAVED_TYPES
+            or w.shape[0] % INTERLEAVE_ROWS):
+        return w
+    _core.interleave(w.raw.numpy(), int(w.qtype), w.shape[0], w.shape[1])
+    return dataclasses.replace(w, interleaved=True)
 
 
 def split_rows(ws: list[EncodedMatrix], n_first: int) -> tuple[EncodedMatrix, EncodedMatrix]:
@@ -147,6 +181,9 @@ def _dequantized_rows(w: EncodedMatrix, start: int, stop: int) -> torch.Tensor:
     k = w.shape[1]
     buf = _scratch.get().take(w.raw.device, (stop - start) * k)
     raw = w.raw[start * w.row_nbytes : stop * w.row_nbytes]
+    if w.interleaved:  # whole groups (`linear`), on the CPU
+        _core.dequantize(raw.numpy(), w.kernel_type, k, buf.numpy())
+        return buf.view(stop - start, k)
     return quant.dequantize(raw, w.qtype, (stop - start, k), out=buf.view(stop - start, k))
 
 
@@ -210,6 +247,8 @@ def linear(x: torch.Tensor, w: EncodedMatrix) -> torch.Tensor:
         return _kernel_product(x, [w])
     n, k = w.shape
     rows = max(1, SCRATCH_BYTES // (4 * k))
+    if w.interleaved:
+        rows = max(INTERLEAVE_ROWS, rows // INTERLEAVE_ROWS * INTERLEAVE_ROWS)
     if rows >= n:
         out = F.linear(x, _dequantized_rows(w, 0, n))
     else:

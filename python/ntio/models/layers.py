@@ -10,6 +10,7 @@ L = cached positions after this step (start_pos + T).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -54,6 +55,14 @@ class LayerWeights:
     # keeps, the others counting as 0 in the down product (a load policy's sparse FFN, ntio.policies.sparse_ffn);
     # None: all.
     ffn_mask: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] | None = None
+
+    def with_interleaved_rows(self) -> LayerWeights:
+        """These weights with every matrix that pays for it interleaved in place (`ops.interleave_rows`): a
+        resident layer's, once at load. Same results, bit for bit."""
+        return dataclasses.replace(self, wqkv=[ops.interleave_rows(m) for m in self.wqkv],
+                                   wo=ops.interleave_rows(self.wo),
+                                   w_gate_up=[ops.interleave_rows(m) for m in self.w_gate_up],
+                                   w_down=ops.interleave_rows(self.w_down))
 
     @functools.cached_property
     def kernel_args(self) -> _core.Layer | None:

@@ -140,6 +140,7 @@ class LayerLoader:
         on_progress: ProgressCallback | None = None,
         policy: LoadPolicy | None = None,
         verify: bool = True,
+        interleave: bool = False,
     ) -> None:
         cfg = layout.cfg
         if group_size < 1:
@@ -147,6 +148,7 @@ class LayerLoader:
         if len(plan.tiers) != cfg.n_layers:
             raise NtioError(f"the tier plan has {len(plan.tiers)} layers, the model {cfg.n_layers}")
         self.layout, self.plan, self.device, self.verify = layout, plan, device, verify
+        self.interleave = interleave
         self.cuda = device.type == "cuda"
         if prefetch_depth is not None and prefetch_depth < 0:
             raise OptionError("prefetch_depth", f"must be >= 0, got {prefetch_depth}")
@@ -176,7 +178,7 @@ class LayerLoader:
             if layer in host_only:
                 self._host[layer] = buf.pin_memory()
             else:
-                self._resident[layer] = self._weights(layer, buf.to(device))
+                self._resident[layer] = self._resident_weights(layer, buf.to(device))
             self._progress("load", n, len(resident) + len(host_only))
 
         # Streamed groups and their staging slots; then the head's chunks, one unit and group each.
@@ -395,7 +397,7 @@ class LayerLoader:
             if weights is None:
                 read = self._reads[layer]
                 buf = self._read_now(read.extents, read.nbytes, list(read.checks.values()))
-                weights = self._weights(layer, buf.to(self.device))
+                weights = self._resident_weights(layer, buf.to(self.device))
             copies.append(weights)
         return copies
 
@@ -641,6 +643,12 @@ class LayerLoader:
         except OSError as e:
             raise read_error(e) from None
         return torch.from_numpy(buf)
+
+    def _resident_weights(self, layer: int, buf: torch.Tensor) -> LayerWeights:
+        """`_weights` of a buffer read once and kept: with `interleave`, its matrices that pay for it interleaved
+        in place (`LayerWeights.with_interleaved_rows`; streamed layers keep plain rows, the same bits)."""
+        weights = self._weights(layer, buf)
+        return weights.with_interleaved_rows() if self.interleave else weights
 
     def _weights(self, layer: int, buf: torch.Tensor, keep_vectors: bool = False) -> LayerWeights:
         """LayerWeights viewing one packed layer buffer (host or device); keep_vectors (streamed layers) keeps the

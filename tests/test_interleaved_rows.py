@@ -1,0 +1,102 @@
+"""Resident Q4_1 matrices take an interleaved layout at load (`ops.interleave_rows`: rows in groups of 8, word by
+word) whose kernels give the plain rows' bits. Checked here against the same matrix in plain rows and against
+gguf-py's dequantizer: every path a matrix takes (the kernel product at every row count and kernel set, the dense
+product of a long prefill, row slices inside and across groups), the layout's own errors, and a model's resident
+layers against the same layers streamed (plain) from disk."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as T
+from gguf.quants import dequantize as ref_dequantize
+
+import ntio
+from ntio import _core
+from ntio.kernels import cpu_kernels, ops, quant
+
+N, K = 48, 256
+
+
+def pair(seed: int = 0) -> tuple[ops.EncodedMatrix, ops.EncodedMatrix]:
+    """A random Q4_1 matrix [N, K] in plain rows and a copy interleaved in place."""
+    raw = torch.from_numpy(quant.random_quantized(T.Q4_1, (N, K), np.random.default_rng(seed)).reshape(-1).copy())
+    plain = ops.EncodedMatrix(raw, T.Q4_1, (N, K))
+    mixed = ops.interleave_rows(ops.EncodedMatrix(raw.clone(), T.Q4_1, (N, K)))
+    assert mixed.interleaved and not torch.equal(mixed.raw, plain.raw)
+    return plain, mixed
+
+
+@pytest.mark.parametrize("isa", ["best", "avx2", "scalar"])
+@pytest.mark.parametrize("int8", [True, False])
+def test_products_give_the_plain_rows_bits(isa: str, int8: bool) -> None:
+    """The layout's own kernels (AVX2's 8-bit ones), and elsewhere the plain kernels on each group restored."""
+    try:
+        _core.check_kernel_isa(isa)
+    except ValueError:
+        pytest.skip(f"this CPU has no {isa} kernels")
+    plain, mixed = pair()
+    for t in (1, 3, 8, 33, 64, 100):  # 100: the dense path (dequantize, then F.linear)
+        x = torch.randn(t, K)
+        with ops.using_kernels(cpu_kernels.KernelChoice(isa, int8)):
+            assert torch.equal(ops.linear(x, plain), ops.linear(x, mixed)), (t, isa, int8)
+
+
+def test_dequantized_interleaved_rows_are_gguf_pys() -> None:
+    plain, mixed = pair(1)
+    want = ref_dequantize(plain.raw.numpy().reshape(N, -1), T.Q4_1).astype(np.float32)
+    out = np.empty((N, K), np.float32)
+    _core.dequantize(mixed.raw.numpy(), mixed.kernel_type, K, out)
+    assert np.array_equal(out.view(np.uint32), want.view(np.uint32))
+
+
+@pytest.mark.parametrize(("start", "stop"), [(8, 24), (3, 21), (0, 5), (40, 48)])
+def test_row_slices_are_the_plain_rows(start: int, stop: int) -> None:
+    """Whole groups stay interleaved views; a slice cut inside a group (a sparse FFN's neuron range) comes as plain
+    rows. Either way its products are the plain slice's."""
+    plain, mixed = pair(2)
+    a, b = ops.row_slice(plain, start, stop), ops.row_slice(mixed, start, stop)
+    assert b.interleaved == (start % 8 == 0 and stop % 8 == 0)
+    if not b.interleaved:
+        assert torch.equal(a.raw, b.raw)
+    x = torch.randn(2, K)
+    assert torch.equal(ops.linear(x, a), ops.linear(x, b))
+
+
+def test_the_layout_refuses_what_it_cannot_hold() -> None:
+    plain, mixed = pair(3)
+    raw = plain.raw.numpy()
+    with pytest.raises(ValueError, match="has no interleaved layout"):
+        _core.interleave(raw[: 34 * 8].copy(), int(T.Q8_0), 8, 32)
+    with pytest.raises(ValueError, match="groups of 8"):
+        _core.interleave(raw[: 12 * 160].copy(), int(T.Q4_1), 12, K)
+    with pytest.raises(ValueError, match="takes 7680 bytes: raw has 7600"):
+        _core.interleave(raw[:7600].copy(), int(T.Q4_1), N, K)
+    with pytest.raises(ValueError, match="has no plain layout"):
+        _core.interleave(raw.copy(), int(T.Q4_1), N, K, inverse=True)
+    with pytest.raises(ValueError, match="not fetched by id"):
+        mixed.encoded_rows(torch.tensor([0]))
+    odd = ops.EncodedMatrix(plain.raw[: 12 * 160].clone(), T.Q4_1, (12, K))
+    assert ops.interleave_rows(odd) is odd  # 12 rows: not whole groups, left as they are
+    with pytest.raises(ValueError, match="interleaved rows come in groups of 8"):  # a product given part of a group
+        ops.linear(torch.randn(1, K), dataclasses.replace(odd, interleaved=True))
+
+
+@pytest.mark.skipif(not _core.interleaved_kernels(), reason="the interleaved kernels need AVX2")
+def test_resident_layers_compute_what_streamed_ones_do(smollm2_path) -> None:
+    """SmolLM2 (Q4_1): its resident layers take the layout, its streamed ones keep plain rows; a prefill and decode
+    steps give the same logits, bit for bit."""
+    with ntio.load(smollm2_path, max_context=64, tiers="A") as resident, \
+            ntio.load(smollm2_path, max_context=64, tiers="C") as streamed:
+        w = resident.loader.resident_blocks()[3]
+        assert w.w_down.interleaved and all(m.interleaved for m in w.w_gate_up)
+        ids = torch.tensor(resident.encode_prompt("Name three rivers in Europe.", chat=True))
+
+        def run(m: ntio.LLM) -> list[torch.Tensor]:
+            logits = [m.engine.forward(ids, 0, all_logits=True)]  # the prefill, then three decode steps
+            return logits + [m.engine.forward(torch.tensor([t]), len(ids) + i) for i, t in enumerate([300, 301, 302])]
+
+        assert all(torch.equal(a, b) for a, b in zip(run(resident), run(streamed)))
