@@ -149,7 +149,7 @@ fn interleave(
         }
     };
     let (block, _) = plain.block();
-    if n % 8 != 0 || k % block != 0 {
+    if n % 8 != 0 || k == 0 || k % block != 0 {
         return Err(PyValueError::new_err(format!(
             "{given:?} [{n}, {k}]: interleaved rows come in groups of 8 and k in whole blocks of {block}"
         )));

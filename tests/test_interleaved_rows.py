@@ -54,16 +54,17 @@ def test_dequantized_interleaved_rows_are_gguf_pys() -> None:
 
 
 @pytest.mark.parametrize(("start", "stop"), [(8, 24), (3, 21), (0, 5), (40, 48)])
-def test_row_slices_are_the_plain_rows(start: int, stop: int) -> None:
-    """Whole groups stay interleaved views; a slice cut inside a group (a sparse FFN's neuron range) comes as plain
-    rows. Either way its products are the plain slice's."""
+def test_row_ranges_give_the_plain_rows_products(start: int, stop: int) -> None:
+    """A sparse FFN's neuron range (`ops.linear_rows`): interleaved rows are computed in the groups around it, and
+    the range's outputs are the plain rows' bits. A slice itself takes whole groups only."""
     plain, mixed = pair(2)
-    a, b = ops.row_slice(plain, start, stop), ops.row_slice(mixed, start, stop)
-    assert b.interleaved == (start % 8 == 0 and stop % 8 == 0)
-    if not b.interleaved:
-        assert torch.equal(a.raw, b.raw)
     x = torch.randn(2, K)
-    assert torch.equal(ops.linear(x, a), ops.linear(x, b))
+    assert torch.equal(ops.linear_rows(x, plain, start, stop), ops.linear_rows(x, mixed, start, stop))
+    if start % 8 or stop % 8:
+        with pytest.raises(ValueError, match=rf"rows \[{start}, {stop}\) of an interleaved matrix cut through"):
+            ops.row_slice(mixed, start, stop)
+    else:
+        assert ops.row_slice(mixed, start, stop).interleaved
 
 
 def test_the_layout_refuses_what_it_cannot_hold() -> None:
@@ -100,3 +101,18 @@ def test_resident_layers_compute_what_streamed_ones_do(smollm2_path) -> None:
             return logits + [m.engine.forward(torch.tensor([t]), len(ids) + i) for i, t in enumerate([300, 301, 302])]
 
         assert all(torch.equal(a, b) for a, b in zip(run(resident), run(streamed)))
+
+
+def test_a_row_stack_interleaves_only_group_aligned_matrices() -> None:
+    """In a row stack (q/k/v, gate/up) a matrix takes the layout only where its first row is a multiple of 8 (a
+    product takes interleaved rows at group-aligned output columns) and so is the gate/up cut inside it."""
+    from ntio.models.layers import _interleaved
+
+    def q4_1(n: int) -> ops.EncodedMatrix:
+        raw = quant.random_quantized(T.Q4_1, (n, K), np.random.default_rng(n)).reshape(-1).copy()
+        return ops.EncodedMatrix(torch.from_numpy(raw), T.Q4_1, (n, K))
+
+    assert [m.interleaved for m in _interleaved([q4_1(8), q4_1(3), q4_1(8)])] == [True, False, False]
+    assert [m.interleaved for m in _interleaved([q4_1(16), q4_1(16)])] == [True, True]
+    assert [m.interleaved for m in _interleaved([q4_1(24)], cut=12)] == [False]  # gate/up of F = 12 fused
+    assert [m.interleaved for m in _interleaved([q4_1(32)], cut=16)] == [True]

@@ -260,6 +260,36 @@ fn rotate(x: &mut [f32], cos: &[f32], sin: &[f32], kind: RopeKind) {
 mod tests {
     use super::*;
 
+    /// `one_query` as this CPU runs it (compiled for AVX2 + FMA where it has them) against the portable build,
+    /// bit for bit: masked and unmasked positions, scores far below the peak, lengths not a multiple of 8.
+    #[test]
+    fn a_query_gives_the_portable_builds_bits() {
+        let mut seed = 11u64;
+        let mut rnd = || {
+            seed = seed
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            ((seed >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
+        };
+        for (hd, len) in [(64, 37), (128, 130), (8, 1)] {
+            let q: Vec<f32> = (0..hd).map(|_| 30.0 * rnd()).collect();
+            let keys: Vec<f32> = (0..len * hd).map(|_| rnd()).collect();
+            let values: Vec<f32> = (0..len * hd).map(|_| rnd()).collect();
+            let allowed = |j: usize| j % 5 != 3;
+            let (mut scores, mut acc) = (vec![0f32; len], vec![0f32; hd]);
+            one_query(&q, &keys, &values, allowed, &mut scores, &mut acc);
+            let (mut scores2, mut portable) = (vec![0f32; len], vec![0f32; hd]);
+            query(&q, &keys, &values, allowed, &mut scores2, &mut portable);
+            assert!(
+                acc.iter()
+                    .zip(&portable)
+                    .all(|(a, b)| a.to_bits() == b.to_bits()),
+                "hd {hd}, {len} positions"
+            );
+            assert!(acc.iter().all(|a| a.is_finite()));
+        }
+    }
+
     /// Attention written the plain way, in float64: rotate, then softmax over allowed positions.
     #[test]
     fn matches_a_float64_reference_with_gqa_partial_rope_and_a_mask() {

@@ -77,8 +77,9 @@ fn quantized<F: Format>(raw: &[u8], out: &mut [f32]) {
         for (g, out) in out.chunks_exact_mut(GROUP).enumerate() {
             F::codes(b, g, &mut q);
             for (i, (w, &q)) in out.iter_mut().zip(&q).enumerate() {
-                let scaled = d[(g * GROUP + i) / F::SUB] * q as f32;
-                *w = if F::AFFINE { scaled + m[g] } else { scaled };
+                let s = (g * GROUP + i) / F::SUB;
+                let scaled = d[s] * q as f32;
+                *w = if F::AFFINE { scaled + m[s] } else { scaled };
             }
         }
     }

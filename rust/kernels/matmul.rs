@@ -943,7 +943,7 @@ mod tests {
         let plain = bytes(n * row_bytes, 6);
         let mut mixed = vec![0u8; plain.len()];
         super::super::interleave::interleave(&plain, row_bytes, size, &mut mixed);
-        let other = bytes(5 * k / 32 * 18, 7); // five Q4_0 rows after the Q4_K ones
+        let other = bytes(5 * k / 32 * 18, 7); // five Q4_0 rows after the Q4_1 ones
         for act in [Activations8::Int8, Activations8::Float] {
             for isa in [Isa::Best, Isa::Avx512, Isa::Avx2, Isa::Neon, Isa::Scalar]
                 .into_iter()

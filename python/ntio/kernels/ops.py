@@ -32,8 +32,9 @@ from ntio.kernels import cpu_kernels, quant
 
 @dataclass(frozen=True)
 class EncodedMatrix:
-    """A weight matrix [N, K] in its GGUF encoding: N rows of K / block_size blocks each, row-major; its products
-    are multiplied by `scale` (a per-tensor weight scale, which only BitNet files carry)."""
+    """A weight matrix [N, K] in its GGUF encoding: N rows of K / block_size blocks each, row-major, or with
+    `interleaved` in groups of 8 rows (`interleave_rows`); its products are multiplied by `scale` (a per-tensor
+    weight scale, which only BitNet files carry)."""
 
     raw: torch.Tensor  # uint8 [encoded_nbytes(qtype, shape)], contiguous, on the compute device (or pinned host)
     qtype: gguf.GGMLQuantizationType
@@ -90,15 +91,22 @@ def fuse_adjacent(matrices: list[EncodedMatrix]) -> list[EncodedMatrix]:
 
 def row_slice(w: EncodedMatrix, start: int, stop: int) -> EncodedMatrix:
     """Rows [start, stop) of w, as a view (rows are whole blocks in a row-major encoding; interleaved rows whole
-    groups of 8). Interleaved rows cut inside a group (a sparse FFN's neuron ranges) come as plain rows, copied."""
+    groups of INTERLEAVE_ROWS, so their bounds must be multiples of it: `linear_rows` takes any)."""
     if w.interleaved and (start % INTERLEAVE_ROWS or stop % INTERLEAVE_ROWS):
-        first, last = start // INTERLEAVE_ROWS * INTERLEAVE_ROWS, -(-stop // INTERLEAVE_ROWS) * INTERLEAVE_ROWS
-        groups = w.raw[first * w.row_nbytes : last * w.row_nbytes].clone()
-        _core.interleave(groups.numpy(), w.kernel_type, last - first, w.shape[1], inverse=True)
-        plain = EncodedMatrix(groups, w.qtype, (last - first, w.shape[1]), w.scale)
-        return row_slice(plain, start - first, stop - first)
+        raise ValueError(f"rows [{start}, {stop}) of an interleaved matrix cut through its groups of "
+                         f"{INTERLEAVE_ROWS}")
     return EncodedMatrix(w.raw[start * w.row_nbytes : stop * w.row_nbytes], w.qtype, (stop - start, w.shape[1]),
                          w.scale, w.interleaved)
+
+
+def linear_rows(x: torch.Tensor, w: EncodedMatrix, start: int, stop: int) -> torch.Tensor:
+    """x @ rows [start, stop) of w, transposed: [T, stop - start] (a sparse FFN's neuron range). Interleaved rows are
+    computed in the whole groups around them and the outputs cut to the range: on the CPU kernels an output's
+    arithmetic is its own row's, so the bits are those of the range alone."""
+    if not w.interleaved:
+        return linear(x, row_slice(w, start, stop))
+    first, last = start // INTERLEAVE_ROWS * INTERLEAVE_ROWS, -(-stop // INTERLEAVE_ROWS) * INTERLEAVE_ROWS
+    return linear(x, row_slice(w, first, last))[:, start - first : stop - first]
 
 
 # Rows per group of an interleaved matrix.
@@ -110,7 +118,8 @@ def interleave_rows(w: EncodedMatrix) -> EncodedMatrix:
     kernel sums each row in its own vector lane), where that pays: a type with the layout (Q4_1), whole groups of
     rows, on the CPU; else w as it is. The products give the plain rows' bits (SmolLM2's Q4_1 products ran
     1.37-1.68x faster from T = 1 to 32 rows, benches/RESULTS.md), so resident and streamed layers still agree. The
-    bytes are w's own (a resident layer's buffer): whatever else views them must take the new layout."""
+    bytes are w's own (a resident layer's buffer): whatever else views them must take the new layout. Where w is
+    part of a row stack, the caller keeps its first row a multiple of INTERLEAVE_ROWS (`LayerWeights`)."""
     if (w.interleaved or w.raw.device.type != "cpu" or int(w.qtype) not in _core.INTERLEAVED_TYPES
             or w.shape[0] % INTERLEAVE_ROWS):
         return w
@@ -181,10 +190,19 @@ def _dequantized_rows(w: EncodedMatrix, start: int, stop: int) -> torch.Tensor:
     k = w.shape[1]
     buf = _scratch.get().take(w.raw.device, (stop - start) * k)
     raw = w.raw[start * w.row_nbytes : stop * w.row_nbytes]
-    if w.interleaved:  # whole groups (`linear`), on the CPU
-        _core.dequantize(raw.numpy(), w.kernel_type, k, buf.numpy())
-        return buf.view(stop - start, k)
+    if w.interleaved:  # whole groups (`linear`): restored to rows in one strided copy, then decoded as plain rows
+        raw = _plain_rows(raw, w.qtype, stop - start)
     return quant.dequantize(raw, w.qtype, (stop - start, k), out=buf.view(stop - start, k))
+
+
+def _plain_rows(raw: torch.Tensor, qtype: gguf.GGMLQuantizationType, n: int) -> torch.Tensor:
+    """The plain rows of n interleaved ones (`_core.interleave`'s layout: in a group's block, word w of row r at
+    byte 4 (8w + r)), as a new tensor: one strided copy, on torch's threads."""
+    words = gguf.GGML_QUANT_SIZES[qtype][1] // 4
+    if raw.storage_offset() % 4:
+        raw = raw.clone()
+    mixed = raw.view(torch.int32).view(n // INTERLEAVE_ROWS, -1, words, INTERLEAVE_ROWS)  # [group, block, word, row]
+    return mixed.permute(0, 3, 1, 2).contiguous().view(torch.uint8).view(-1)
 
 
 # Attention work (query heads x cached positions x head_dim) below which one torch thread beats two: SDPA for one

@@ -59,9 +59,8 @@ class LayerWeights:
     def with_interleaved_rows(self) -> LayerWeights:
         """These weights with every matrix that pays for it interleaved in place (`ops.interleave_rows`): a
         resident layer's, once at load. Same results, bit for bit."""
-        return dataclasses.replace(self, wqkv=[ops.interleave_rows(m) for m in self.wqkv],
-                                   wo=ops.interleave_rows(self.wo),
-                                   w_gate_up=[ops.interleave_rows(m) for m in self.w_gate_up],
+        return dataclasses.replace(self, wqkv=_interleaved(self.wqkv), wo=ops.interleave_rows(self.wo),
+                                   w_gate_up=_interleaved(self.w_gate_up, cut=self.w_down.shape[1]),
                                    w_down=ops.interleave_rows(self.w_down))
 
     @functools.cached_property
@@ -76,6 +75,20 @@ class LayerWeights:
         return (self.attn_norm.numpy(), [m.kernel_arg for m in self.wqkv], _numpy(self.qkv_bias), self.wo.kernel_arg,
                 self.ffn_norm.numpy(), [m.kernel_arg for m in self.w_gate_up], self.w_down.kernel_arg,
                 _numpy(self.attn_sub_norm), _numpy(self.ffn_sub_norm))
+
+
+def _interleaved(stack: list[EncodedMatrix], cut: int | None = None) -> list[EncodedMatrix]:
+    """Row-stacked matrices, each interleaved (`ops.interleave_rows`) where its first row in the stack is a multiple
+    of ops.INTERLEAVE_ROWS (a product takes interleaved rows at group-aligned output columns only) and so is `cut`
+    where it falls inside it (gate/up are split at F: `ops.split_rows`)."""
+    out, first = [], 0
+    for m in stack:
+        stop = first + m.shape[0]
+        inside = cut is not None and first < cut < stop
+        aligned = first % ops.INTERLEAVE_ROWS == 0 and not (inside and (cut - first) % ops.INTERLEAVE_ROWS)
+        out.append(ops.interleave_rows(m) if aligned else m)
+        first = stop
+    return out
 
 
 def _numpy(v: torch.Tensor | None) -> np.ndarray | None:
@@ -119,8 +132,8 @@ class RopeTable:
 
     BLOCK = 256
 
-    def __init__(self, inv_freq: torch.Tensor) -> None:
-        self.inv_freq = inv_freq
+    def __init__(self, inv_freq: torch.Tensor, capacity: int) -> None:
+        self.inv_freq, self.capacity = inv_freq, capacity  # positions it may be asked for: a KV cache's
         self.cos = self.sin = inv_freq.new_empty((0, inv_freq.shape[0]))
 
     def rows(self, start_pos: int, n_tokens: int, parents: Sequence[int] | None = None
@@ -134,10 +147,11 @@ class RopeTable:
         return self.cos[positions], self.sin[positions]
 
     def _reach(self, end: int) -> None:
+        """Grows the table past position end - 1, at least doubling it (up to the capacity): O(P) copying in all."""
         have = self.cos.shape[0]
         if end <= have:
             return
-        stop = -(-end // self.BLOCK) * self.BLOCK
+        stop = -(-max(end, min(2 * have, self.capacity)) // self.BLOCK) * self.BLOCK
         blocks = [rope_tables(self.inv_freq, torch.arange(b, b + self.BLOCK, device=self.inv_freq.device))
                   for b in range(have, stop, self.BLOCK)]
         self.cos = torch.cat([self.cos] + [c for c, _ in blocks])
@@ -312,8 +326,8 @@ def _sparse_gate_up(x: torch.Tensor, w: LayerWeights) -> tuple[torch.Tensor, tor
     gate = x.new_zeros((x.shape[0], d_ff))
     up = x.new_zeros((x.shape[0], d_ff))
     for start, stop in w.ffn_rows:
-        gate[:, start:stop] = ops.linear(x, ops.row_slice(gate_m, start, stop))
-        up[:, start:stop] = ops.linear(x, ops.row_slice(up_m, start, stop))
+        gate[:, start:stop] = ops.linear_rows(x, gate_m, start, stop)
+        up[:, start:stop] = ops.linear_rows(x, up_m, start, stop)
     return gate, up
 
 

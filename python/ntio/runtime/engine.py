@@ -94,7 +94,7 @@ class Engine:
         self.threads = threads
         self.prefill_chunk = prefill_chunk
         self.scratch = ops.Scratch()
-        self.rope = RopeTable(globals_.inv_freq)
+        self.rope = RopeTable(globals_.inv_freq, kv.capacity)
         self.kernels = kernels
 
     @torch.inference_mode()
@@ -173,9 +173,10 @@ class Engine:
         Logits are made for LOGITS_BYTES at a time (positions x one chunk of the head's rows) and folded into a
         running log-sum-exp, so memory stays small for any vocabulary, and a streamed head is read once per pass."""
         targets = tokens[1:]
+        norm, eps = self.globals.output_norm, self.cfg.rms_eps
 
         def score(h: torch.Tensor, first: int) -> torch.Tensor:  # h: [t, D] of positions first .. first+t-1
-            x = self.final_norm(h[: targets.shape[0] - first])  # [n, D]: the last position has no target
+            x = h[: targets.shape[0] - first]  # [n, D]: the last position has no target
             target = targets[first : first + x.shape[0]]
             peak = torch.full((x.shape[0],), -torch.inf, device=x.device)  # running max logit per position
             total = torch.zeros_like(peak)  # running sum of exp(logit - peak)
@@ -183,7 +184,7 @@ class Engine:
             for row0, chunk in self._head():  # every chunk, even with no position to score: the stream reads them
                 rows = max(1, LOGITS_BYTES // (4 * chunk.shape[0]))
                 for i in range(0, x.shape[0], rows):
-                    logits = ops.linear(x[i : i + rows], chunk)  # [r, R]
+                    logits = ops.normed_linear(x[i : i + rows], norm, eps, [chunk])  # [r, R], as `_logits`
                     new_peak = torch.maximum(peak[i : i + rows], logits.max(dim=1).values)
                     total[i : i + rows] = (total[i : i + rows] * (peak[i : i + rows] - new_peak).exp()
                                            + (logits - new_peak[:, None]).exp().sum(dim=1))
