@@ -127,7 +127,14 @@ pub fn attend(
         for ti in 0..t {
             let q = &qkv[ti * width + h * hd..][..hd];
             let allowed = |j: usize| mask.is_none_or(|m| m[ti * end + j] != 0);
-            one_query(q, keys, values, allowed, &mut scores, &mut acc);
+            let x = Query {
+                q,
+                keys,
+                values,
+                scores: &mut scores,
+                acc: &mut acc,
+            };
+            one_query(x, allowed);
             // SAFETY: row ti, head h of `out` (checked size t * hq * hd) belongs to this task alone.
             let dst = unsafe { std::slice::from_raw_parts_mut(out_ptr.at((ti * hq + h) * hd), hd) };
             dst.copy_from_slice(&acc);
@@ -142,46 +149,42 @@ pub fn attend(
     Ok(())
 }
 
-/// acc [hd] = softmax(q · keys[j] / sqrt(hd) over allowed j) · values; `scores` [L] is scratch. With AVX2 + FMA
-/// compiled for them (the same steps, so the same bits: no operation is fused or reordered by the compiler).
-fn one_query(
-    q: &[f32],
-    keys: &[f32],
-    values: &[f32],
-    allowed: impl Fn(usize) -> bool,
-    scores: &mut [f32],
-    acc: &mut [f32],
-) {
+/// One query over a head's cache: q [hd], the cached keys and values [L, hd]; `scores` [L] is scratch and `acc`
+/// [hd] receives the output.
+struct Query<'a> {
+    q: &'a [f32],
+    keys: &'a [f32],
+    values: &'a [f32],
+    scores: &'a mut [f32],
+    acc: &'a mut [f32],
+}
+
+/// acc = softmax(q · keys[j] / sqrt(hd) over allowed j) · values. With AVX2 + FMA compiled for them (the same
+/// steps, so the same bits: no operation is fused or reordered by the compiler).
+fn one_query(x: Query, allowed: impl Fn(usize) -> bool) {
     #[cfg(target_arch = "x86_64")]
     if super::avx2::available() {
         // SAFETY: the CPU has AVX2 and FMA.
-        return unsafe { one_query_avx2(q, keys, values, allowed, scores, acc) };
+        return unsafe { one_query_avx2(x, allowed) };
     }
-    query(q, keys, values, allowed, scores, acc);
+    query(x, allowed);
 }
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
-fn one_query_avx2(
-    q: &[f32],
-    keys: &[f32],
-    values: &[f32],
-    allowed: impl Fn(usize) -> bool,
-    scores: &mut [f32],
-    acc: &mut [f32],
-) {
-    query(q, keys, values, allowed, scores, acc);
+fn one_query_avx2(x: Query, allowed: impl Fn(usize) -> bool) {
+    query(x, allowed);
 }
 
 #[inline(always)]
-fn query(
-    q: &[f32],
-    keys: &[f32],
-    values: &[f32],
-    allowed: impl Fn(usize) -> bool,
-    scores: &mut [f32],
-    acc: &mut [f32],
-) {
+fn query(x: Query, allowed: impl Fn(usize) -> bool) {
+    let Query {
+        q,
+        keys,
+        values,
+        scores,
+        acc,
+    } = x;
     let hd = q.len();
     let scale = 1.0 / (hd as f32).sqrt();
     let mut peak = f32::NEG_INFINITY;
@@ -260,26 +263,46 @@ fn rotate(x: &mut [f32], cos: &[f32], sin: &[f32], kind: RopeKind) {
 mod tests {
     use super::*;
 
-    /// `one_query` as this CPU runs it (compiled for AVX2 + FMA where it has them) against the portable build,
-    /// bit for bit: masked and unmasked positions, scores far below the peak, lengths not a multiple of 8.
-    #[test]
-    fn a_query_gives_the_portable_builds_bits() {
-        let mut seed = 11u64;
-        let mut rnd = || {
+    /// Pseudo-random floats in [-1, 1).
+    fn uniform(mut seed: u64) -> impl FnMut() -> f32 {
+        move || {
             seed = seed
                 .wrapping_mul(6364136223846793005)
                 .wrapping_add(1442695040888963407);
             ((seed >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
-        };
+        }
+    }
+
+    /// `one_query` as this CPU runs it (compiled for AVX2 + FMA where it has them) against the portable build,
+    /// bit for bit: masked and unmasked positions, scores far below the peak, lengths not a multiple of 8.
+    #[test]
+    fn a_query_gives_the_portable_builds_bits() {
+        let mut rnd = uniform(11);
         for (hd, len) in [(64, 37), (128, 130), (8, 1)] {
             let q: Vec<f32> = (0..hd).map(|_| 30.0 * rnd()).collect();
             let keys: Vec<f32> = (0..len * hd).map(|_| rnd()).collect();
             let values: Vec<f32> = (0..len * hd).map(|_| rnd()).collect();
             let allowed = |j: usize| j % 5 != 3;
-            let (mut scores, mut acc) = (vec![0f32; len], vec![0f32; hd]);
-            one_query(&q, &keys, &values, allowed, &mut scores, &mut acc);
-            let (mut scores2, mut portable) = (vec![0f32; len], vec![0f32; hd]);
-            query(&q, &keys, &values, allowed, &mut scores2, &mut portable);
+            let (mut scores, mut acc, mut portable) =
+                (vec![0f32; len], vec![0f32; hd], vec![0f32; hd]);
+            let (q, keys, values) = (&q[..], &keys[..], &values[..]);
+            let scores = &mut scores[..];
+            let x = Query {
+                q,
+                keys,
+                values,
+                scores,
+                acc: &mut acc,
+            };
+            one_query(x, allowed);
+            let x = Query {
+                q,
+                keys,
+                values,
+                scores,
+                acc: &mut portable,
+            };
+            query(x, allowed);
             assert!(
                 acc.iter()
                     .zip(&portable)
@@ -302,13 +325,7 @@ mod tests {
         };
         let (t, start, capacity) = (3, 2, 8);
         let width = (4 + 4) * 8;
-        let mut seed = 3u64;
-        let mut rnd = || {
-            seed = seed
-                .wrapping_mul(6364136223846793005)
-                .wrapping_add(1442695040888963407);
-            ((seed >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
-        };
+        let mut rnd = uniform(3);
         let qkv: Vec<f32> = (0..t * width).map(|_| rnd()).collect();
         let mut cache_k: Vec<f32> = (0..2 * capacity * 8).map(|_| rnd()).collect();
         let mut cache_v: Vec<f32> = (0..2 * capacity * 8).map(|_| rnd()).collect();
