@@ -45,12 +45,17 @@ def test_products_give_the_plain_rows_bits(isa: str, int8: bool) -> None:
             assert torch.equal(ops.linear(x, plain), ops.linear(x, mixed)), (t, isa, int8)
 
 
-def test_dequantized_interleaved_rows_are_gguf_pys() -> None:
+def test_a_dense_product_restores_the_plain_rows() -> None:
+    """Past the kernels' rows `ops.linear` dequantizes: interleaved rows are first restored to the file's rows (one
+    strided copy), whose values are gguf-py's; the kernels' dequantizer takes plain rows only."""
     plain, mixed = pair(1)
+    restored = ops._plain_rows(mixed.raw, T.Q4_1, N)
+    assert torch.equal(restored, plain.raw)
     want = ref_dequantize(plain.raw.numpy().reshape(N, -1), T.Q4_1).astype(np.float32)
-    out = np.empty((N, K), np.float32)
-    _core.dequantize(mixed.raw.numpy(), mixed.kernel_type, K, out)
-    assert np.array_equal(out.view(np.uint32), want.view(np.uint32))
+    got = ops._dequantized_rows(mixed, 0, N).numpy()
+    assert np.array_equal(got.view(np.uint32), want.view(np.uint32))
+    with pytest.raises(ValueError, match="rows interleaved for the products"):
+        _core.dequantize(mixed.raw.numpy(), mixed.kernel_type, K, np.empty((N, K), np.float32))
 
 
 @pytest.mark.parametrize(("start", "stop"), [(8, 24), (3, 21), (0, 5), (40, 48)])

@@ -113,7 +113,7 @@ class Slot:
 KERNEL_TYPES: list[int]
 """ggml type ids `quantized_matmul` supports."""
 INTERLEAVED_TYPES: dict[int, int]
-"""ggml type id -> the id of its interleaved layout (`interleave`), which `quantized_matmul` and `dequantize` take."""
+"""ggml type id -> the id of its interleaved layout (`interleave`), which `quantized_matmul` takes."""
 KERNEL_MAX_T: int
 """Activation rows the kernels take at once (longer inputs run in blocks of this many)."""
 KERNEL_SPANS: dict[int, int]  # ggml type id -> elements per activation scale of its integer kernels
@@ -162,13 +162,13 @@ def attend(qkv: Buffer, cache_k: Buffer, cache_v: Buffer, capacity: int, start: 
     softmax(q k^T / sqrt(hd)) v over the start + T cached positions (mask [T, start + T] uint8, nonzero: may
     attend; None: all). qkv, the caches and out must share no memory; refusals name the buffer."""
 def dequantize(raw: Buffer, qtype: int, k: int, out: Buffer) -> None:
-    """Rows of k elements of type `qtype` (a ggml id, or an interleaved layout's) encoded back to back in raw
-    (uint8) -> out [rows, k] float32, the values gguf-py's dequantizer gives, bit for bit (GIL released). A size that
-    is not whole rows (interleaved: whole groups of 8 rows) is a ValueError."""
+    """Rows of k elements of ggml type `qtype` encoded back to back in raw (uint8) -> out [rows, k] float32, the
+    values gguf-py's dequantizer gives, bit for bit (GIL released). A size that is not whole rows, or an interleaved
+    layout's id, is a ValueError."""
 def interleave(raw: Buffer, qtype: int, n: int, k: int, *, inverse: bool = False) -> int:
     """Rewrites n rows of k elements of ggml type `qtype` (raw: uint8, writable) in place into the type's interleaved
     layout (rows in groups of 8, word w of row r at byte 4 (8w + r) of each block of the group) and returns that
-    layout's id; with `inverse`, qtype is the layout's id and the rows go back (the plain id is returned). A type
+    layout's id (for `quantized_matmul`); with `inverse`, qtype is the layout's id and the rows go back (the plain id is returned). A type
     without the layout, n not a multiple of 8, k not whole blocks or a wrong size is a ValueError."""
 def interleaved_kernels(isa: str = "best", int8: bool = True) -> bool:
     """Whether interleaved rows have kernels of their own under that kernel set (else each group is restored to rows

@@ -1,14 +1,11 @@
-//! Encoded rows decoded to float32: what an embedding lookup needs (a few rows of the token table per step), and
-//! a dense product of a matrix whose rows are interleaved (`interleave`).
+//! Encoded rows decoded to float32: what an embedding lookup needs (a few rows of the token table per step).
 //!
 //! Each element is `d[s] * q + m[s]` from the type's `Format` (the dense types: `Dense::get`), computed as
 //! gguf-py's dequantizer computes it, so the two agree bit for bit: the scales are exact products of a float16 and
 //! a small integer, then one multiply and (affine types) one add of the negated offset, with no fused multiply-add.
 
 use super::blocks::{self, Dense, Format, GROUP, MAX_SUBS};
-use super::interleave::deinterleave;
 use super::matmul::{KernelError, QType};
-use super::rows::GROUP_ROWS;
 
 /// raw: whole rows of `k` elements of type `qtype`, row after row -> out [rows, k] float32.
 pub fn dequantize(raw: &[u8], qtype: QType, k: usize, out: &mut [f32]) -> Result<(), KernelError> {
@@ -18,32 +15,20 @@ pub fn dequantize(raw: &[u8], qtype: QType, k: usize, out: &mut [f32]) -> Result
             "k = {k} is not a positive multiple of the {qtype:?} block size {block}"
         )));
     }
-    let row_bytes = k / block * bytes;
-    let whole = if qtype.interleaved_rows() {
-        GROUP_ROWS * row_bytes
-    } else {
-        row_bytes
-    };
-    if raw.len() % whole != 0 || out.len() != raw.len() / row_bytes * k {
+    if qtype.interleaved_rows() {
         return Err(KernelError::Mismatch(format!(
-            "raw has {} bytes and out {} floats: {qtype:?} rows of {k} take {row_bytes} bytes and give {k} floats \
-             each{}",
-            raw.len(),
-            out.len(),
-            if whole > row_bytes { ", in groups of 8 rows" } else { "" }
+            "{qtype:?}: rows interleaved for the products; restore them to {:?} rows first",
+            qtype.plain()
         )));
     }
-    if qtype.interleaved_rows() {
-        // Group by group, restored to plain rows first.
-        let mut plain = vec![0u8; whole];
-        for (group, out) in raw
-            .chunks_exact(whole)
-            .zip(out.chunks_exact_mut(GROUP_ROWS * k))
-        {
-            deinterleave(group, row_bytes, bytes, &mut plain);
-            dequantize(&plain, qtype.plain(), k, out)?;
-        }
-        return Ok(());
+    let row_bytes = k / block * bytes;
+    if raw.len() % row_bytes != 0 || out.len() != raw.len() / row_bytes * k {
+        return Err(KernelError::Mismatch(format!(
+            "raw has {} bytes and out {} floats: {qtype:?} rows of {k} take {row_bytes} bytes and give {k} floats \
+             each",
+            raw.len(),
+            out.len()
+        )));
     }
     let decode: fn(&[u8], &mut [f32]) = match qtype {
         QType::F32 => dense::<blocks::F32>,
@@ -51,7 +36,7 @@ pub fn dequantize(raw: &[u8], qtype: QType, k: usize, out: &mut [f32]) -> Result
         QType::BF16 => dense::<blocks::BF16>,
         QType::Q4_0 => quantized::<blocks::Q4_0>,
         QType::Q4_1 => quantized::<blocks::Q4_1>,
-        QType::Q4_1X8 => unreachable!("restored to plain rows above"),
+        QType::Q4_1X8 => unreachable!("refused above"),
         QType::Q5_0 => quantized::<blocks::Q5_0>,
         QType::Q5_1 => quantized::<blocks::Q5_1>,
         QType::Q8_0 => quantized::<blocks::Q8_0>,
