@@ -12,9 +12,12 @@ fused gate+up 3072x576, down 576x1536; then the Q8_0 49152x576 head). Passes
 alternate A B C A B C; medians are reported, with each T's cost relative to T = 1 (`vs_t1`: what a speculative
 verification pass of T tokens costs against one decode step). `--isa best avx2` adds the 8-bit pass of every further
 kernel set named (`int8_avx2_ms`, and its time over the first set's, `int8_avx2_vs_int8`), alternating with the rest.
-Prints JSON.
+`--layout resident` (the default) gives each pass the matrices as a resident layer holds them: Q4_1 rows interleaved
+by eight (`ops.interleave_rows`) where the pass's kernel set takes that layout (`_core.interleaved_kernels`), the
+file's rows elsewhere; `--layout file`: the file's rows everywhere, as streamed layers are read. Prints JSON.
 
     python benches/cpu_kernels.py [--model NAME|PATH] [--threads 2] [--repeats 7] [--rows 1 8 16] [--isa best avx2]
+                                  [--layout resident|file]
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ import torch
 import torch.nn.functional as F
 from gguf import GGMLQuantizationType as T
 
+from ntio import _core
 from ntio.kernels import cpu_kernels, quant
 
 LAYERS = 30
@@ -60,6 +64,20 @@ def load(model: str) -> list[tuple[T, tuple[int, int], torch.Tensor, torch.Tenso
             for n in names]
 
 
+def interleaved(mats: list) -> list[tuple[int, tuple[int, int], torch.Tensor]]:
+    """(kernel type id, shape, bytes) of each matrix as a resident layer keeps it for the interleaving kernel sets:
+    rows interleaved by eight where the type has that layout and the rows come in whole groups (a copy), else as
+    in the file."""
+    out = []
+    for qtype, shape, raw, _ in mats:
+        if int(qtype) in _core.INTERLEAVED_TYPES and shape[0] % 8 == 0:
+            raw = raw.clone()
+            out.append((_core.interleave(raw.numpy(), int(qtype), shape[0], shape[1]), shape, raw))
+        else:
+            out.append((int(qtype), shape, raw))
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--threads", type=int, default=2)
@@ -68,20 +86,25 @@ def main() -> None:
     ap.add_argument("--model", help="a real GGUF (name or path) instead of the synthetic SmolLM2-shaped matrices")
     ap.add_argument("--isa", nargs="+", default=["best"],
                     help="kernel sets of the 8-bit passes (best, avx512, avx2, neon, scalar); the first is `int8`")
+    ap.add_argument("--layout", choices=["resident", "file"], default="resident",
+                    help="resident: Q4_1 rows interleaved by eight where the kernel set takes it; file: as read")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     cpu_kernels.set_threads(args.threads)
     mats = load(args.model) if args.model else build()
+    layouts = {False: [(q, shape, raw) for q, shape, raw, _ in mats],
+               True: interleaved(mats) if args.layout == "resident" else None}
     evict = torch.zeros(128 << 20, dtype=torch.uint8)  # written before each pass: last-level caches hold <= 32 MB
     result = {"model": args.model or "synthetic SmolLM2-shaped Q4_1", "threads": args.threads, "isa": args.isa,
-              "repeats": args.repeats, "matrices": len(mats),
+              "repeats": args.repeats, "layout": args.layout, "matrices": len(mats),
               "encoded_mb": round(sum(m[2].numel() for m in mats) / 1e6, 1), "rows": {}}
     for t in args.rows:
         xs = {k: torch.randn(t, k) for k in {s[1] for _, s, _, _ in mats}}
         outs = [torch.empty(t, s[0]) for _, s, _, _ in mats]  # kernel outputs (F.linear allocates its own)
 
         def kernel_pass(int8: bool, isa: str = args.isa[0]) -> None:
-            for (qtype, shape, raw, _), out in zip(mats, outs):
+            resident = layouts[True] is not None and _core.interleaved_kernels(isa, int8)
+            for (qtype, shape, raw), out in zip(layouts[resident], outs):
                 cpu_kernels.quantized_linear(xs[shape[1]], raw, qtype, shape, out, isa=isa, int8=int8)
 
         def dense_pass() -> None:

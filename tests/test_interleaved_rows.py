@@ -43,6 +43,9 @@ def test_products_give_the_plain_rows_bits(isa: str, int8: bool) -> None:
         x = torch.randn(t, K)
         with ops.using_kernels(cpu_kernels.KernelChoice(isa, int8)):
             assert torch.equal(ops.linear(x, plain), ops.linear(x, mixed)), (t, isa, int8)
+        if t <= 64:  # the public entry point takes the layout's id too
+            got = cpu_kernels.quantized_linear(x, mixed.raw, mixed.kernel_type, (N, K), isa=isa, int8=int8)
+            assert torch.equal(got, cpu_kernels.quantized_linear(x, plain.raw, T.Q4_1, (N, K), isa=isa, int8=int8))
 
 
 def test_a_dense_product_restores_the_plain_rows() -> None:

@@ -505,11 +505,18 @@ pub fn quantized_matmul(
     let out_ptr = OutPtr(out.as_mut_ptr());
     // Output columns [start, stop) of the whole call, matrix by matrix.
     let columns_fn = |columns: std::ops::Range<usize>| {
-        // SAFETY (both stores): bi * MAX_T + ti < t and c < n, so the index is inside `out` (t * n floats,
-        // checked above); tasks own disjoint column ranges, so no two threads write the same element; `out`
-        // outlives the call.
-        let store = |bi: usize, ti: usize, c: usize, v: f32| unsafe {
-            *out_ptr.at((bi * MAX_T + ti) * n + c) = v
+        // out[bi · MAX_T + ti, c..c + values.len()] = values · scale: one run of columns of one output row, in
+        // a loop the compiler vectorizes (element by element, after a kernel's vector stores, the loads stalled).
+        let store = |bi: usize, ti: usize, c: usize, values: &[f32], scale: f32| {
+            // SAFETY: bi * MAX_T + ti < t and c + values.len() <= n, so the run is inside `out` (t * n floats,
+            // checked above); tasks own disjoint column ranges, so no two threads write the same element; `out`
+            // outlives the call.
+            let run = unsafe {
+                std::slice::from_raw_parts_mut(out_ptr.at((bi * MAX_T + ti) * n + c), values.len())
+            };
+            for (o, &v) in run.iter_mut().zip(values) {
+                *o = v * scale;
+            }
         };
         for (m, &(kernel, row_bytes, first)) in matrices.iter().zip(&plan) {
             let (start, stop) = (columns.start.max(first), columns.end.min(first + m.n));
@@ -520,8 +527,8 @@ pub fn quantized_matmul(
                         let row = &m.raw[(c - first) * row_bytes..][..row_bytes];
                         for (bi, a) in blocks.iter().enumerate() {
                             kernel(a, row, &mut y);
-                            for (ti, &v) in y[..a.t].iter().enumerate() {
-                                store(bi, ti, c, v * m.scale);
+                            for (ti, v) in y[..a.t].iter().enumerate() {
+                                store(bi, ti, c, std::slice::from_ref(v), m.scale);
                             }
                         }
                     }
@@ -536,8 +543,8 @@ pub fn quantized_matmul(
                         for (j, row) in plain.chunks_exact(row_bytes).enumerate() {
                             for (bi, a) in blocks.iter().enumerate() {
                                 kernel(a, row, &mut y);
-                                for (ti, &v) in y[..a.t].iter().enumerate() {
-                                    store(bi, ti, c + j, v * m.scale);
+                                for (ti, v) in y[..a.t].iter().enumerate() {
+                                    store(bi, ti, c + j, std::slice::from_ref(v), m.scale);
                                 }
                             }
                         }
@@ -551,9 +558,7 @@ pub fn quantized_matmul(
                         for (bi, a) in blocks.iter().enumerate() {
                             kernel(a, rows, row_bytes, &mut y);
                             for (ti, lanes) in y[..a.t].iter().enumerate() {
-                                for (j, &v) in lanes[..count].iter().enumerate() {
-                                    store(bi, ti, c + j, v * m.scale);
-                                }
+                                store(bi, ti, c, &lanes[..count], m.scale);
                             }
                         }
                     }

@@ -38,40 +38,25 @@ impl Q8Rows {
 
     /// llama.cpp's Q8_0 of x [t, k] (k a multiple of 32).
     pub fn q8_0(x: &[f32], k: usize) -> Q8Rows {
-        Q8Rows::quantize(x, k, GROUP, round_to_f16)
+        Q8Rows::quantize(x, k, GROUP, true)
     }
 
     /// Spans of `span` elements with float32 scales, for the K-quants and ternary types (k a multiple of span).
     pub fn q8_k(x: &[f32], k: usize, span: usize) -> Q8Rows {
-        Q8Rows::quantize(x, k, span, |d| d)
+        Q8Rows::quantize(x, k, span, false)
     }
 
-    fn quantize(x: &[f32], k: usize, span: usize, stored: fn(f32) -> f32) -> Q8Rows {
+    /// x in spans of `span`, scales rounded to float16 if `f16_scales`. The activations of every product are
+    /// quantized on the calling thread before the kernel threads start, so this is on the critical path: with
+    /// AVX2 the whole loop (codes, scales, sums) is compiled for it and vectorizes, the same bits as without.
+    fn quantize(x: &[f32], k: usize, span: usize, f16_scales: bool) -> Q8Rows {
         debug_assert!(k % span == 0 && x.len() % k == 0);
-        let mut codes = vec![0i8; x.len()];
-        let mut scales = Vec::with_capacity(x.len() / span);
-        let mut sums = Vec::with_capacity(x.len() / GROUP);
-        let encode = encoder();
-        for (x, q) in x.chunks_exact(span).zip(codes.chunks_exact_mut(span)) {
-            let d = stored(encode(x, q));
-            scales.push(d);
-            sums.extend(
-                q.chunks_exact(GROUP)
-                    .map(|g| d * g.iter().map(|&c| i32::from(c)).sum::<i32>() as f32),
-            );
+        #[cfg(target_arch = "x86_64")]
+        if is_x86_feature_detected!("avx2") {
+            // SAFETY: the CPU has AVX2.
+            return unsafe { quantize_avx2(x, k, span, f16_scales) };
         }
-        let lane_sums = codes
-            .chunks_exact(span / 8)
-            .map(|c| c.iter().map(|&c| i32::from(c)).sum())
-            .collect();
-        Q8Rows {
-            codes,
-            scales,
-            sums,
-            lane_sums,
-            span,
-            k,
-        }
+        quantize_with(x, k, span, f16_scales, encode)
     }
 
     /// Elements per scale.
@@ -95,26 +80,133 @@ impl Q8Rows {
     }
 }
 
-/// This CPU's encoder of one span's codes into `q`: q = round(x / d) with d = max|x| / 127 (0 when x is all zeros), ties away from
-/// zero; returns d. The same bits on every CPU; with AVX2 the loops vectorize (the activations of a decode step are
-/// quantized on one thread before every product, so this is on the critical path).
-fn encoder() -> fn(&[f32], &mut [i8]) -> f32 {
-    #[cfg(target_arch = "x86_64")]
-    if is_x86_feature_detected!("avx2") {
-        // SAFETY: the CPU has AVX2.
-        return |x, q| unsafe { encode_avx2(x, q) };
-    }
-    encode_any
-}
-
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2")]
-fn encode_avx2(x: &[f32], q: &mut [i8]) -> f32 {
-    encode_any(x, q)
+fn quantize_avx2(x: &[f32], k: usize, span: usize, f16_scales: bool) -> Q8Rows {
+    // SAFETY: this function runs with AVX2.
+    quantize_with(x, k, span, f16_scales, |x, q| unsafe { encode_avx2(x, q) })
 }
 
+/// `Q8Rows::quantize` with `encode` for each span.
 #[inline(always)]
-fn encode_any(x: &[f32], q: &mut [i8]) -> f32 {
+fn quantize_with(
+    x: &[f32],
+    k: usize,
+    span: usize,
+    f16_scales: bool,
+    encode: impl Fn(&[f32], &mut [i8]) -> f32,
+) -> Q8Rows {
+    let mut codes = vec![0i8; x.len()];
+    let mut scales = vec![0f32; x.len() / span];
+    let mut sums = vec![0f32; x.len() / GROUP];
+    // Only the kernels of longer spans read Σcodes per eighth of a span.
+    let mut lane_sums = vec![
+        0i32;
+        if span == GROUP {
+            0
+        } else {
+            x.len() / (span / 8)
+        }
+    ];
+    let spans = x.chunks_exact(span).zip(codes.chunks_exact_mut(span));
+    for (si, (x, q)) in spans.enumerate() {
+        let d = encode(x, q);
+        let d = if f16_scales { round_to_f16(d) } else { d };
+        scales[si] = d;
+        let groups = sums[si * (span / GROUP)..]
+            .iter_mut()
+            .zip(q.chunks_exact(GROUP));
+        for (sum, g) in groups {
+            *sum = d * code_sum(g) as f32;
+        }
+        if !lane_sums.is_empty() {
+            let eighths = lane_sums[si * 8..][..8]
+                .iter_mut()
+                .zip(q.chunks_exact(span / 8));
+            for (sum, e) in eighths {
+                *sum = code_sum(e);
+            }
+        }
+    }
+    Q8Rows {
+        codes,
+        scales,
+        sums,
+        lane_sums,
+        span,
+        k,
+    }
+}
+
+/// Σ of 8-bit codes.
+#[inline(always)]
+fn code_sum(codes: &[i8]) -> i32 {
+    codes.iter().map(|&c| i32::from(c)).sum()
+}
+
+/// `encode` in AVX2, the same operations on eight elements at once (same bits); x.len() a multiple of 32.
+///
+/// # Safety
+/// The CPU must have AVX2.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+unsafe fn encode_avx2(x: &[f32], q: &mut [i8]) -> f32 {
+    use std::arch::x86_64::*;
+    debug_assert!(x.len() % GROUP == 0 && q.len() == x.len());
+    let magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(i32::MAX));
+    let load = |i: usize| {
+        // SAFETY: i + 8 <= x.len() at every call below.
+        unsafe { _mm256_loadu_ps(x.as_ptr().add(i)) }
+    };
+    // max|x|: a NaN element as `vmaxps`'s first operand yields the second, so it is skipped, as f32::max skips it.
+    let mut m = _mm256_setzero_ps();
+    for i in (0..x.len()).step_by(8) {
+        m = _mm256_max_ps(_mm256_and_ps(load(i), magnitude), m);
+    }
+    let m4 = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+    let m2 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+    let amax = _mm_cvtss_f32(_mm_max_ss(m2, _mm_movehdup_ps(m2)));
+    let d = amax / 127.0;
+    let id = _mm256_set1_ps(if d == 0.0 { 0.0 } else { 1.0 / d });
+    let (half, one, sign) = (
+        _mm256_set1_ps(0.5),
+        _mm256_set1_ps(1.0),
+        _mm256_set1_ps(-0.0),
+    );
+    let (lo, hi) = (_mm256_set1_ps(-127.0), _mm256_set1_ps(127.0));
+    let code = |i: usize| {
+        let y = _mm256_mul_ps(load(i), id);
+        let t = _mm256_round_ps(y, _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC);
+        let frac = _mm256_and_ps(_mm256_sub_ps(y, t), magnitude);
+        let step = _mm256_or_ps(_mm256_and_ps(y, sign), one);
+        let r = _mm256_blendv_ps(
+            t,
+            _mm256_add_ps(t, step),
+            _mm256_cmp_ps(frac, half, _CMP_GE_OQ),
+        );
+        // NaN to 0 (as a float's cast does), then the clamp; the values are whole, so truncation is exact.
+        let r = _mm256_and_ps(r, _mm256_cmp_ps(r, r, _CMP_ORD_Q));
+        _mm256_cvttps_epi32(_mm256_min_ps(_mm256_max_ps(r, lo), hi))
+    };
+    for i in (0..x.len()).step_by(32) {
+        // Packing works within 128-bit halves: bytes come out as 4-element runs of the four vectors in the order
+        // a0 b0 c0 d0 a1 b1 c1 d1 (run 0: elements 0-3, run 1: 4-7), which the permutation puts back in place.
+        let ab = _mm256_packs_epi32(code(i), code(i + 8));
+        let cd = _mm256_packs_epi32(code(i + 16), code(i + 24));
+        let bytes = _mm256_permutevar8x32_epi32(
+            _mm256_packs_epi16(ab, cd),
+            _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7),
+        );
+        // SAFETY: i + 32 <= q.len().
+        unsafe { _mm256_storeu_si256(q.as_mut_ptr().add(i).cast(), bytes) };
+    }
+    d
+}
+
+/// One span's codes into `q`: q = round(x / d) with d = max|x| / 127 (0 when x is all zeros), ties away from
+/// zero; returns d.
+#[inline(always)]
+fn encode(x: &[f32], q: &mut [i8]) -> f32 {
     // max|x| over 8 lanes, so that the loop vectorizes (max is exact: the order does not matter).
     let mut lanes = [0f32; 8];
     for chunk in x.chunks_exact(8) {
@@ -141,8 +233,9 @@ fn encode_any(x: &[f32], q: &mut [i8]) -> f32 {
             t
         };
         // |y| <= 127 (+ rounding), except where 1/d overflows to inf (max|x| below ~3.7e-37): the clamp keeps
-        // codes in -127..=127 there too, which the kernels' 16-bit pair sums rely on (a NaN casts to 0).
-        *q = r.clamp(-127.0, 127.0) as i8;
+        // codes in -127..=127 there too, which the kernels' 16-bit pair sums rely on (a NaN casts to 0). Through
+        // i32: a float's saturating cast to i8 compiles to one scalar conversion per element, to i32 it vectorizes.
+        *q = r.clamp(-127.0, 127.0) as i32 as i8;
     }
     d
 }
@@ -194,15 +287,15 @@ mod tests {
             -1.4999999,
         ]);
         x.resize(x.len().next_multiple_of(32), 0.0);
-        let mut q = vec![0i8; x.len()];
-        let d = encoder()(&x, &mut q);
-        assert_eq!(d, 127.0 / 127.0);
-        for (c, v) in q.iter().zip(&x) {
+        // One span, through this CPU's build (AVX2 where present), then the portable one.
+        let q8 = Q8Rows::q8_k(&x, x.len(), x.len());
+        assert_eq!(q8.scales, [127.0 / 127.0]);
+        for (c, v) in q8.codes.iter().zip(&x) {
             assert_eq!(i32::from(*c), v.round() as i32, "{v}");
         }
         let mut plain = vec![0i8; x.len()];
-        assert_eq!(encode_any(&x, &mut plain), d);
-        assert_eq!(plain, q);
+        assert_eq!(encode(&x, &mut plain), q8.scales[0]);
+        assert_eq!(plain, q8.codes);
     }
 
     #[test]
@@ -228,9 +321,72 @@ mod tests {
     fn codes_stay_within_127_when_the_scale_is_tiny() {
         let mut x = [0f32; 32];
         x[..4].copy_from_slice(&[1e-38, -1e-38, -4e-39, 0.0]);
-        let mut q = [0i8; 32];
-        let d = encoder()(&x, &mut q);
+        let q8 = Q8Rows::q8_k(&x, 32, 32);
+        let d = q8.scales[0];
         assert!(d > 0.0 && (1.0 / d).is_infinite());
-        assert_eq!(q[..4], [127, -127, -127, 0]);
+        assert_eq!(q8.codes[..4], [127, -127, -127, 0]);
+    }
+
+    /// This CPU's build (AVX2 where present) gives the portable codes and scales, on spans of every magnitude
+    /// and with infinities and NaNs among the values.
+    #[test]
+    fn every_build_gives_the_same_codes() {
+        let mut s = 11u64;
+        for span in 0..400 {
+            let scale = 2f32.powi(span % 60 - 40);
+            let mut x: Vec<f32> = (0..64)
+                .map(|_| {
+                    s = s
+                        .wrapping_mul(6364136223846793005)
+                        .wrapping_add(1442695040888963407);
+                    ((s >> 40) as f32 / (1u64 << 23) as f32 - 1.0) * scale
+                })
+                .collect();
+            match span % 5 {
+                1 => x[span as usize % 64] = f32::NAN,
+                2 => x[span as usize % 64] = f32::INFINITY,
+                3 => x[..32].fill(0.0),
+                _ => {}
+            }
+            let q8 = Q8Rows::q8_k(&x, 64, 64);
+            let mut plain = vec![0i8; 64];
+            assert_eq!(
+                encode(&x, &mut plain).to_bits(),
+                q8.scales[0].to_bits(),
+                "span {span}"
+            );
+            assert_eq!(plain, q8.codes, "span {span}");
+        }
+    }
+
+    /// Every span's sums land at its own rows' and groups' places: Σx̂ per 32 codes, Σcodes per eighth of a
+    /// longer span (none for spans of 32).
+    #[test]
+    fn sums_follow_the_codes() {
+        let (t, k) = (3, 512);
+        let x: Vec<f32> = (0..t * k)
+            .map(|i| ((i * 7919 % 1001) as f32 - 500.0) * 0.01)
+            .collect();
+        for span in [32, 128, 256] {
+            let q8 = Q8Rows::in_spans(&x, k, span);
+            assert_eq!(
+                (q8.scales.len(), q8.sums.len()),
+                (t * k / span, t * k / GROUP)
+            );
+            for (gi, g) in q8.codes.chunks_exact(GROUP).enumerate() {
+                let d = q8.scales[gi * GROUP / span];
+                assert_eq!(
+                    q8.sums[gi],
+                    d * code_sum(g) as f32,
+                    "span {span}, group {gi}"
+                );
+            }
+            if span == GROUP {
+                assert!(q8.lane_sums.is_empty());
+            } else {
+                let want: Vec<i32> = q8.codes.chunks_exact(span / 8).map(code_sum).collect();
+                assert_eq!(q8.lane_sums, want, "span {span}");
+            }
+        }
     }
 }

@@ -43,6 +43,8 @@ from ntio.errors import OptionError
 T = gguf.GGMLQuantizationType
 
 KERNEL_TYPES: frozenset[gguf.GGMLQuantizationType] = frozenset(T(i) for i in _core.KERNEL_TYPES)
+# ntio's own ids of rows interleaved by eight (`_core.interleave`), beyond ggml's.
+_INTERLEAVED_IDS = frozenset(_core.INTERLEAVED_TYPES.values())
 MAX_ROWS: int = _core.KERNEL_MAX_T  # activation rows the kernels take at once (longer inputs run in such blocks)
 
 
@@ -127,7 +129,8 @@ def _array(name: str, t: torch.Tensor) -> np.ndarray:
 def quantized_linear(x: torch.Tensor, raw: torch.Tensor, qtype: gguf.GGMLQuantizationType | int,
                      shape: tuple[int, int], out: torch.Tensor | None = None, *, isa: str = "best",
                      int8: bool = True) -> torch.Tensor:
-    """x [T, K] float32 · Wᵀ -> [T, N] float32, with W of `shape` (N, K) given as its GGUF encoding `raw`.
+    """x [T, K] float32 · Wᵀ -> [T, N] float32, with W of `shape` (N, K) given as its GGUF encoding `raw` (or as
+    rows `_core.interleave` rewrote, with the id it returned).
 
     x: contiguous float32 CPU tensor, T >= 1. raw: contiguous 1-D uint8 CPU tensor of exactly the
     encoded size. out: optional contiguous float32 [T, N] CPU tensor, not overlapping x or raw.
@@ -185,8 +188,9 @@ def fused_linear(x: torch.Tensor, weights: list[Weight], out: torch.Tensor | Non
 
 
 def _kernel_type(qtype: gguf.GGMLQuantizationType | int) -> int:
-    """The ggml id of a type the kernels decode, else a ValueError naming it."""
-    if qtype in KERNEL_TYPES:
+    """The id of a type the kernels decode (a ggml type, or the layout `_core.interleave` returned), else a
+    ValueError naming it."""
+    if qtype in KERNEL_TYPES or int(qtype) in _INTERLEAVED_IDS:
         return int(qtype)
     try:
         qt = T(int(qtype))

@@ -89,6 +89,15 @@ unsafe fn tile<D: IntDot, const R: usize>(
 ) -> usize {
     let q8 = a.q8_for(Q4_1::SPAN);
     let gs = a.k / GROUP;
+    // Activation row t0 + r's codes (gs groups of 32), scales and sums (one per group) start r · gs groups on.
+    // SAFETY: `matmul` quantized t rows of k codes (gs scales and sums each), and t0 + R <= t.
+    let (codes, scales, sums) = unsafe {
+        (
+            q8.codes.as_ptr().add(t0 * a.k),
+            q8.scales.as_ptr().add(t0 * gs),
+            q8.sums.as_ptr().add(t0 * gs),
+        )
+    };
     let low = _mm256_set1_epi8(0x0F);
     let mut acc = [_mm256_setzero_ps(); R];
     let mut macc = [_mm256_setzero_ps(); R];
@@ -96,32 +105,42 @@ unsafe fn tile<D: IntDot, const R: usize>(
         // SAFETY: block bi of the group is inside it (the caller's contract).
         let block = unsafe { base.add(bi * GROUP_BLOCK) };
         let (d, m) = halves8(unsafe { _mm256_loadu_si256(block.cast()) });
-        // codes[2c]: elements 4c..4c + 4 of each row (low nibbles of word c); codes[2c + 1]: 16 + 4c.. (high).
-        let codes: [__m256i; 2 * CODE_WORDS] = std::array::from_fn(|i| {
-            // SAFETY: words 1..=4 of the block.
-            let word = unsafe { _mm256_loadu_si256(block.add(32 * (1 + i / 2)).cast()) };
-            if i % 2 == 0 {
-                _mm256_and_si256(word, low)
-            } else {
-                _mm256_and_si256(_mm256_srli_epi16(word, 4), low)
+        // One code word at a time, met by the R activation rows in turn: R independent running sums, each
+        // with its own chain of products, which the CPU overlaps (row by row, one chain of eight waited on
+        // the last).
+        let mut int_sums = [_mm256_setzero_si256(); R];
+        for c in 0..CODE_WORDS {
+            // SAFETY: word 1 + c of the block.
+            let word = unsafe { _mm256_loadu_si256(block.add(32 * (1 + c)).cast()) };
+            // Elements 4c..4c + 4 of each row (low nibbles), then 16 + 4c.. (high).
+            let halves = [
+                (_mm256_and_si256(word, low), 4 * c),
+                (
+                    _mm256_and_si256(_mm256_srli_epi16(word, 4), low),
+                    16 + 4 * c,
+                ),
+            ];
+            for (w, at) in halves {
+                for (r, sum) in int_sums.iter_mut().enumerate() {
+                    // The activation bytes this code vector meets, in every lane.
+                    // SAFETY: group bi of activation row t0 + r holds 32 codes.
+                    let x = unsafe {
+                        codes
+                            .add((r * gs + bi) * GROUP + at)
+                            .cast::<i32>()
+                            .read_unaligned()
+                    };
+                    // SAFETY: the caller runs with D's features.
+                    *sum = unsafe { D::add_products(*sum, w, _mm256_set1_epi32(x)) };
+                }
             }
-        });
-        for r in 0..R {
-            let row = (t0 + r) * gs + bi;
-            // SAFETY: `matmul` quantized t * k codes and t0 + r < t.
-            let x = unsafe { q8.codes.as_ptr().add(row * GROUP) };
-            let mut sum = _mm256_setzero_si256();
-            for (i, &w) in codes.iter().enumerate() {
-                // The activation bytes this code vector meets, in every lane.
-                let at = 4 * (i / 2) + 16 * (i % 2);
-                let xs = _mm256_set1_epi32(unsafe { x.add(at).cast::<i32>().read_unaligned() });
-                // SAFETY: the caller runs with D's features.
-                sum = unsafe { D::add_products(sum, w, xs) };
-            }
-            let sums = _mm256_cvtepi32_ps(unsafe { D::widen(sum) });
-            let scale = _mm256_mul_ps(d, _mm256_set1_ps(q8.scales[row]));
-            acc[r] = _mm256_fmadd_ps(sums, scale, acc[r]);
-            macc[r] = _mm256_fmadd_ps(m, _mm256_set1_ps(q8.sums[row]), macc[r]);
+        }
+        for (r, sum) in int_sums.into_iter().enumerate() {
+            // SAFETY: as for the codes; one scale and sum per group (Q4_1's span is a group).
+            let (dx, sx) = unsafe { (*scales.add(r * gs + bi), *sums.add(r * gs + bi)) };
+            let sum = _mm256_cvtepi32_ps(unsafe { D::widen(sum) });
+            acc[r] = _mm256_fmadd_ps(sum, _mm256_mul_ps(d, _mm256_set1_ps(dx)), acc[r]);
+            macc[r] = _mm256_fmadd_ps(m, _mm256_set1_ps(sx), macc[r]);
         }
     }
     for r in 0..R {
