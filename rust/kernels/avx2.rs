@@ -58,12 +58,18 @@ pub trait IntDot {
     unsafe fn add_products(sum: __m256i, wu: __m256i, x: __m256i) -> __m256i;
     /// A running sum of `add_products` as i32 lanes.
     unsafe fn widen(sum: __m256i) -> __m256i;
+    /// The largest weight code whose products a running sum of `add_products` holds over a whole block (32
+    /// codes against 8-bit activations), as a group tile transposed into lanes (`int_group_lanes_tile`) adds
+    /// them: any byte for 32-bit sums, 4-bit codes for `Madd`'s 16-bit pair-sums (8 · 2 · 15 · 127 < 2^15).
+    const LANES_MAX_CODE: u8;
 }
 
 /// AVX2: `maddubs` (u8 x i8 -> i16 pair-sums), then `madd` (-> i32 lanes); running sums are i16 pair-sums.
 pub struct Madd;
 
 impl IntDot for Madd {
+    const LANES_MAX_CODE: u8 = 15;
+
     #[target_feature(enable = "avx2,fma,f16c")]
     #[inline]
     unsafe fn madd_into(acc: __m256i, pairs: __m256i, mv: __m256i) -> __m256i {
@@ -89,6 +95,8 @@ impl IntDot for Madd {
 pub struct Vnni;
 
 impl IntDot for Vnni {
+    const LANES_MAX_CODE: u8 = u8::MAX;
+
     #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
     #[inline]
     unsafe fn madd_into(acc: __m256i, pairs: __m256i, mv: __m256i) -> __m256i {
@@ -158,6 +166,9 @@ pub trait SimdFormat: Format {
     /// kernels multiply c as they do an affine type's codes, and take OFFSET·d·Σx̂ off (Q6_K: OFFSET·scale·Σx per
     /// span, `SuperBlock::offset_multipliers`); 0: the sign trick.
     const OFFSET: u8 = 0;
+
+    /// The largest code `group_codes` gives, as an unsigned byte (a signed type's codes count as w + 128).
+    const MAX_CODE: u8 = u8::MAX;
 
     /// The 32 codes the group kernel multiplies, of the block at `b` (`Self::BYTES` readable bytes): c = q +
     /// OFFSET when OFFSET > 0, else `code_bytes`.
@@ -484,12 +495,155 @@ impl Prefetch {
     }
 }
 
-/// y[0..R] (lane j: weight row j) for activation rows t0..t0 + R; returns R.
+/// y[0..R] (lane j: weight row j) for activation rows t0..t0 + R; returns R. Tiles of two or more rows transpose
+/// each block's codes into lanes where D's sums hold F's codes (`int_group_lanes_tile`); the others reduce each row's
+/// products across lanes (`int_group_reduced_tile`), which one row alone does at less cost. Both give every row's block sum as the same exact integer
+/// and do the same float steps after it, so the choice never changes a bit.
 ///
 /// # Safety
 /// Each of `ptrs` must point at an encoded row of `a.k / 32` blocks of `F`; t0 + R <= a.t.
 #[inline(always)]
 unsafe fn int_group_tile<F: SimdFormat, D: IntDot, const R: usize>(
+    a: &Activations,
+    ptrs: &[*const u8; GROUP_ROWS],
+    t0: usize,
+    y: &mut [[f32; GROUP_ROWS]],
+    ahead: Prefetch,
+) -> usize {
+    // SAFETY (both): the caller's contract.
+    if F::MAX_CODE <= D::LANES_MAX_CODE && R >= 2 {
+        unsafe { int_group_lanes_tile::<F, D, R>(a, ptrs, t0, y, ahead) }
+    } else {
+        unsafe { int_group_reduced_tile::<F, D, R>(a, ptrs, t0, y, ahead) }
+    }
+}
+
+/// `int_group_tile` with each block's eight code vectors transposed (`lanes8`) so that lane j holds weight row j's
+/// codes 4i..4i + 4 in vector i: each activation row then meets a block in eight products whose activation
+/// operand is one 4-byte word broadcast, and its row sums build up in their own lanes, with nothing reduced
+/// across lanes. The transposition (24 shuffles a block) is shared by the tile's rows; from two rows on it costs
+/// less than reducing eight vectors per row (SmolLM2's products in file layout, VNNI, 2 threads: 1.03x at T = 2,
+/// 1.47x at T = 8, 1.87x at T = 16; 0.92-0.99x at T = 1). Signed codes (Q8_0) go in as w + 128 and 128·Σx comes off each sum.
+///
+/// # Safety
+/// As `int_group_tile`; D's running sums hold a block's products (F::MAX_CODE <= D::LANES_MAX_CODE).
+#[inline(always)]
+unsafe fn int_group_lanes_tile<F: SimdFormat, D: IntDot, const R: usize>(
+    a: &Activations,
+    ptrs: &[*const u8; GROUP_ROWS],
+    t0: usize,
+    y: &mut [[f32; GROUP_ROWS]],
+    ahead: Prefetch,
+) -> usize {
+    let q8 = a.q8_for(F::SPAN);
+    let gs = a.k / GROUP;
+    let unsigned = F::AFFINE || F::OFFSET > 0;
+    // Activation row t0 + r's codes (gs groups of 32), and its scales, sums and code sums (one per group), start
+    // r · gs groups on.
+    // SAFETY: `matmul` quantized t rows of k codes (gs of the others each) in spans of 32, and t0 + R <= t.
+    let (codes, scales, sums, code_sums) = unsafe {
+        (
+            q8.codes.as_ptr().add(t0 * a.k),
+            q8.scales.as_ptr().add(t0 * gs),
+            q8.sums.as_ptr().add(t0 * gs),
+            q8.code_sums.as_ptr().add(t0 * gs),
+        )
+    };
+    let mut acc = [_mm256_setzero_ps(); R];
+    let mut macc = [_mm256_setzero_ps(); R]; // offsets·Σx̂ (unsigned codes)
+    for bi in 0..gs {
+        ahead.block(bi);
+        let off = bi * F::BYTES;
+        // SAFETY: block bi of every row is inside it (the caller's contract).
+        let (d, m) = unsafe { legacy_scales8(ptrs, off) };
+        let m = if F::OFFSET > 0 {
+            _mm256_mul_ps(d, _mm256_set1_ps(-f32::from(F::OFFSET)))
+        } else {
+            m
+        };
+        let w: [__m256i; GROUP_ROWS] = std::array::from_fn(|j| {
+            // SAFETY: as above.
+            let w = unsafe { F::group_codes(ptrs[j].add(off)) };
+            if unsigned {
+                w
+            } else {
+                _mm256_xor_si256(w, _mm256_set1_epi8(i8::MIN))
+            }
+        });
+        let lanes = lanes8(w);
+        let mut int_sums = [_mm256_setzero_si256(); R];
+        for (i, &wl) in lanes.iter().enumerate() {
+            for (r, sum) in int_sums.iter_mut().enumerate() {
+                // SAFETY: group bi of activation row t0 + r holds 32 codes.
+                let x = unsafe {
+                    codes
+                        .add((r * gs + bi) * GROUP + 4 * i)
+                        .cast::<i32>()
+                        .read_unaligned()
+                };
+                // SAFETY: the caller runs with D's features.
+                *sum = unsafe { D::add_products(*sum, wl, _mm256_set1_epi32(x)) };
+            }
+        }
+        for (r, sum) in int_sums.into_iter().enumerate() {
+            let at = r * gs + bi;
+            // SAFETY: as for the codes.
+            let (dx, sx, cx) = unsafe { (*scales.add(at), *sums.add(at), *code_sums.add(at)) };
+            let sum = unsafe { D::widen(sum) };
+            let sum = if unsigned {
+                sum
+            } else {
+                _mm256_sub_epi32(sum, _mm256_set1_epi32(cx << 7))
+            };
+            acc[r] = _mm256_fmadd_ps(
+                _mm256_cvtepi32_ps(sum),
+                _mm256_mul_ps(d, _mm256_set1_ps(dx)),
+                acc[r],
+            );
+            if unsigned {
+                macc[r] = _mm256_fmadd_ps(m, _mm256_set1_ps(sx), macc[r]);
+            }
+        }
+    }
+    for r in 0..R {
+        // SAFETY: y[r] holds GROUP_ROWS floats.
+        unsafe { _mm256_storeu_ps(y[r].as_mut_ptr(), _mm256_add_ps(acc[r], macc[r])) };
+    }
+    R
+}
+
+/// Eight rows' 32 codes (w[j]: row j, 4-byte word i = codes 4i..4i + 4) transposed by 4-byte words: vector i of
+/// the result holds word i of every row (lane j: row j).
+#[target_feature(enable = "avx2,fma,f16c")]
+fn lanes8(w: [__m256i; GROUP_ROWS]) -> [__m256i; GROUP_ROWS] {
+    // Within each 128-bit half: pairs of rows by words, then quads of rows by pairs of words.
+    let lo32 = [0, 2, 4, 6].map(|j| _mm256_unpacklo_epi32(w[j], w[j + 1])); // words 0, 1 (4, 5) of rows j, j + 1
+    let hi32 = [0, 2, 4, 6].map(|j| _mm256_unpackhi_epi32(w[j], w[j + 1])); // words 2, 3 (6, 7)
+                                                                            // quad[q][h]: word h (and h + 4 in the high half) of rows 4q..4q + 4.
+    let quad = [0, 2].map(|p| {
+        [
+            _mm256_unpacklo_epi64(lo32[p], lo32[p + 1]),
+            _mm256_unpackhi_epi64(lo32[p], lo32[p + 1]),
+            _mm256_unpacklo_epi64(hi32[p], hi32[p + 1]),
+            _mm256_unpackhi_epi64(hi32[p], hi32[p + 1]),
+        ]
+    });
+    std::array::from_fn(|i| {
+        let (a, b) = (quad[0][i % 4], quad[1][i % 4]);
+        if i < 4 {
+            _mm256_permute2x128_si256(a, b, 0x20)
+        } else {
+            _mm256_permute2x128_si256(a, b, 0x31)
+        }
+    })
+}
+
+/// `int_group_tile` reducing each activation row's eight product vectors across lanes (`reduce8`).
+///
+/// # Safety
+/// As `int_group_tile`.
+#[inline(always)]
+unsafe fn int_group_reduced_tile<F: SimdFormat, D: IntDot, const R: usize>(
     a: &Activations,
     ptrs: &[*const u8; GROUP_ROWS],
     t0: usize,
@@ -745,12 +899,13 @@ unsafe fn load32(p: *const u8) -> __m256i {
 /// are read eight blocks at a time by `legacy_scales8`. A symmetric type stored with an offset names it, and
 /// its unsigned codes `$unsigned` (`SimdFormat::OFFSET`).
 macro_rules! legacy_format {
-    ($t:ty, |$b:ident| $codes:expr) => {
-        legacy_format!($t, |$b| $codes, offset 0 => $codes);
+    ($t:ty, max $max:expr, |$b:ident| $codes:expr) => {
+        legacy_format!($t, max $max, |$b| $codes, offset 0 => $codes);
     };
-    ($t:ty, |$b:ident| $codes:expr, offset $offset:literal => $unsigned:expr) => {
+    ($t:ty, max $max:expr, |$b:ident| $codes:expr, offset $offset:literal => $unsigned:expr) => {
         impl SimdFormat for $t {
             const OFFSET: u8 = $offset;
+            const MAX_CODE: u8 = $max;
 
             #[target_feature(enable = "avx2,fma,f16c")]
             unsafe fn code_bytes($b: *const u8, _g: usize) -> __m256i {
@@ -771,10 +926,10 @@ macro_rules! legacy_format {
     };
 }
 
-legacy_format!(blocks::Q8_0, |b| load32(b.add(2)));
-legacy_format!(blocks::Q4_0, |b| legacy(b.add(2), None, 8), offset 8 => legacy(b.add(2), None, 0));
-legacy_format!(blocks::Q4_1, |b| legacy(b.add(4), None, 0));
-legacy_format!(blocks::Q5_0, |b| legacy(
+legacy_format!(blocks::Q8_0, max u8::MAX, |b| load32(b.add(2)));
+legacy_format!(blocks::Q4_0, max 15, |b| legacy(b.add(2), None, 8), offset 8 => legacy(b.add(2), None, 0));
+legacy_format!(blocks::Q4_1, max 15, |b| legacy(b.add(4), None, 0));
+legacy_format!(blocks::Q5_0, max 31, |b| legacy(
     b.add(6),
     Some(b.add(2).cast::<u32>().read_unaligned()),
     16
@@ -783,7 +938,7 @@ legacy_format!(blocks::Q5_0, |b| legacy(
     Some(b.add(2).cast::<u32>().read_unaligned()),
     0
 ));
-legacy_format!(blocks::Q5_1, |b| legacy(
+legacy_format!(blocks::Q5_1, max 31, |b| legacy(
     b.add(8),
     Some(b.add(4).cast::<u32>().read_unaligned()),
     0

@@ -18,6 +18,10 @@ pub struct Q8Rows {
     pub scales: Vec<f32>,
     /// [t, k / GROUP] Σx̂ = scale · Σcodes of each 32 elements (what affine weights' offsets multiply).
     pub sums: Vec<f32>,
+    /// [t, k / GROUP] Σcodes of each 32 elements: what the AVX2 group kernels take off a signed type's products
+    /// when they multiply its codes offset by 128.
+    #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
+    pub code_sums: Vec<i32>,
     /// [t, k / (span / 8)] Σcodes of each eighth of a span: per span, the integer Σx the ternary kernels take
     /// off their codes' sums, as one vector of 8 lanes (read by the AVX2 kernels only).
     #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
@@ -99,6 +103,7 @@ fn quantize_with(
     let mut codes = vec![0i8; x.len()];
     let mut scales = vec![0f32; x.len() / span];
     let mut sums = vec![0f32; x.len() / GROUP];
+    let mut code_sums = vec![0i32; x.len() / GROUP];
     // Only the kernels of longer spans read Σcodes per eighth of a span.
     let mut lane_sums = vec![
         0i32;
@@ -113,11 +118,11 @@ fn quantize_with(
         let d = encode(x, q);
         let d = if f16_scales { round_to_f16(d) } else { d };
         scales[si] = d;
-        let groups = sums[si * (span / GROUP)..]
-            .iter_mut()
-            .zip(q.chunks_exact(GROUP));
-        for (sum, g) in groups {
-            *sum = d * code_sum(g) as f32;
+        let at = si * (span / GROUP);
+        let groups = sums[at..].iter_mut().zip(&mut code_sums[at..]);
+        for ((sum, int_sum), g) in groups.zip(q.chunks_exact(GROUP)) {
+            *int_sum = code_sum(g);
+            *sum = d * *int_sum as f32;
         }
         if !lane_sums.is_empty() {
             let eighths = lane_sums[si * 8..][..8]
@@ -132,6 +137,7 @@ fn quantize_with(
         codes,
         scales,
         sums,
+        code_sums,
         lane_sums,
         span,
         k,
