@@ -363,6 +363,17 @@ unsafe fn int_rows<F: SuperBlock, D: IntDot, const R: usize>(
     let span = F::SPAN;
     let (groups, per_block, per_span) = (F::BLOCK / GROUP, F::BLOCK / span, span / GROUP);
     let (spans, gs) = (a.k / span, a.k / GROUP);
+    // Activation row t0's codes, scales, group sums and lane sums; row t0 + r's are r rows further on. Each r
+    // steps one row from the last (a pointer per row was R registers, which spilled at R = 8).
+    // SAFETY: `matmul` quantized t rows of k codes (spans scales, gs sums, 8 · spans lane sums each), t0 + R <= t.
+    let (codes, scales, sums, lane_sums) = unsafe {
+        (
+            q8.codes.as_ptr().add(t0 * a.k),
+            q8.scales.as_ptr().add(t0 * spans),
+            q8.sums.as_ptr().add(t0 * gs),
+            q8.lane_sums.as_ptr().add(t0 * 8 * spans),
+        )
+    };
     for (bi, b) in row.chunks_exact(F::BYTES).enumerate() {
         prefetch(b.as_ptr().wrapping_add(ROW_PREFETCH), F::BYTES);
         // SAFETY: `b` holds F::BYTES bytes.
@@ -372,14 +383,13 @@ unsafe fn int_rows<F: SuperBlock, D: IntDot, const R: usize>(
             for g in sp * per_span..(sp + 1) * per_span {
                 // SAFETY: `b` holds F::BYTES bytes.
                 let (w, mv) = unsafe { (F::unsigned_codes(b.as_ptr(), g), F::multipliers(&s, g)) };
-                let gi = bi * groups + g;
-                for (r, sum) in isum.iter_mut().enumerate() {
-                    // SAFETY: `matmul` quantized t * k codes (t0 + r < t) and checked row.len() == k / BLOCK *
-                    // BYTES, so group gi of row t0 + r is inside them; the caller runs with D's features.
-                    *sum = unsafe {
-                        let x = load32(q8.codes.as_ptr().add((t0 + r) * a.k + gi * GROUP).cast());
-                        D::scaled(*sum, w, x, mv)
-                    };
+                // SAFETY: group bi · groups + g of row t0 (and, a.k codes on each time, of the next rows) is
+                // inside the codes: `matmul` checked row.len() == k / BLOCK * BYTES.
+                let mut x = unsafe { codes.add((bi * groups + g) * GROUP) };
+                for sum in isum.iter_mut() {
+                    // SAFETY: x is group gi of a row below t0 + R; the caller runs with D's features.
+                    *sum = unsafe { D::scaled(*sum, w, load32(x.cast()), mv) };
+                    x = x.wrapping_add(a.k);
                 }
             }
             let (d, si) = (F::block_d(&s), bi * per_block + sp);
@@ -387,22 +397,18 @@ unsafe fn int_rows<F: SuperBlock, D: IntDot, const R: usize>(
                 // SAFETY: `s` is this block's scales; sp < per_block.
                 let mv = unsafe { F::offset_multipliers(&s, sp) };
                 for (r, sum) in isum.iter_mut().enumerate() {
-                    // SAFETY: the row's lane sums hold 8 per span, `spans` spans (`Q8Rows::q8_k`); the caller
-                    // runs with D's features.
+                    // SAFETY: the row's lane sums hold 8 per span (`Q8Rows::q8_k`); the caller runs with D's
+                    // features.
                     *sum = unsafe {
-                        let sum_x = load32(
-                            q8.lane_sums
-                                .as_ptr()
-                                .add(8 * ((t0 + r) * spans + si))
-                                .cast(),
-                        );
+                        let sum_x = load32(lane_sums.add(8 * (r * spans + si)).cast());
                         D::madd_into(*sum, sum_x, mv)
                     };
                 }
             }
-            for r in 0..R {
-                let scale = _mm256_set1_ps(d * q8.scales[(t0 + r) * spans + si]);
-                acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[r]), scale, acc[r]);
+            for (r, sum) in isum.into_iter().enumerate() {
+                // SAFETY: one scale per span and row.
+                let scale = _mm256_set1_ps(d * unsafe { *scales.add(r * spans + si) });
+                acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), scale, acc[r]);
             }
         }
         if F::AFFINE {
@@ -410,8 +416,7 @@ unsafe fn int_rows<F: SuperBlock, D: IntDot, const R: usize>(
             let m = F::group_ms(&s);
             for r in 0..R {
                 // SAFETY: the row's group sums hold the block's 8 groups (k / GROUP per row, checked sizes).
-                let sums =
-                    unsafe { _mm256_loadu_ps(q8.sums.as_ptr().add((t0 + r) * gs + bi * groups)) };
+                let sums = unsafe { _mm256_loadu_ps(sums.add(r * gs + bi * groups)) };
                 mvec[r] = _mm256_fmadd_ps(m, sums, mvec[r]);
             }
         }
