@@ -41,6 +41,9 @@ struct Shared {
     /// The current job and its generation; sleepers wait on `wake` for the generation to change.
     job: Mutex<(u64, Option<Job>)>,
     wake: Condvar,
+    /// Workers waiting on `wake` (changed under `job`'s lock): a job published while none sleeps needs no
+    /// wake-up call (a futex system call per product, most of them while the workers still spin).
+    sleepers: AtomicUsize,
     shutdown: AtomicBool,
 }
 
@@ -86,6 +89,7 @@ impl Team {
             panicked: AtomicBool::new(false),
             job: Mutex::new((0, None)),
             wake: Condvar::new(),
+            sleepers: AtomicUsize::new(0),
             shutdown: AtomicBool::new(false),
         });
         let workers = (1..threads.max(1))
@@ -122,12 +126,15 @@ impl Team {
         let s = &self.shared;
         s.done.store(0, Ordering::Relaxed);
         s.panicked.store(false, Ordering::Relaxed);
-        {
+        let sleeping = {
             let mut slot = s.job.lock().unwrap_or_else(|e| e.into_inner());
             *slot = (*generation, Some(job));
             s.claim.store(*generation << 32, Ordering::Release);
+            s.sleepers.load(Ordering::Relaxed) > 0
+        };
+        if sleeping {
+            s.wake.notify_all();
         }
-        s.wake.notify_all();
         s.work(*generation, job);
         // The last tasks are a worker's: spin for them, then give the CPU away between looks, in case the worker
         // was preempted (by the reader's threads, say) and needs this core to finish.
@@ -170,7 +177,9 @@ fn worker(s: &Shared) {
         let (generation, job) = {
             let mut slot = s.job.lock().unwrap_or_else(|e| e.into_inner());
             while slot.0 == seen && !s.shutdown.load(Ordering::Acquire) {
+                s.sleepers.fetch_add(1, Ordering::Relaxed);
                 slot = s.wake.wait(slot).unwrap_or_else(|e| e.into_inner());
+                s.sleepers.fetch_sub(1, Ordering::Relaxed);
             }
             if s.shutdown.load(Ordering::Acquire) {
                 return;
