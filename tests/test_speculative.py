@@ -14,8 +14,8 @@ from click.testing import CliRunner
 import ntio
 from ntio.cli import main
 from ntio.decoding.generation import Sampler, SamplingParams
-from ntio.decoding.speculative import (Draft, Drafters, DraftLength, DraftTree, Extra, PassCost, PromptLookup, grow,
-                                      sample_chain, verify)
+from ntio.decoding.speculative import (PREFERRED_LOOKUP, Draft, Drafters, DraftLength, DraftTree, Extra, PassCost,
+                                      PromptLookup, grow, sample_chain, verify)
 from ntio.errors import NtioError, OptionError
 from ntio.models.layers import causal_mask, token_positions, tree_depths
 
@@ -293,36 +293,55 @@ def test_a_drafts_step_cost_leaves_out_catching_up_on_the_history():
     assert sample_chain([0], 1, Sampler(SamplingParams()), logits_after, "model").step_s is None
 
 
+class _CountingModel:
+    """A drafting model that proposes token 7, k times, and counts its calls."""
+
+    name = "model"
+
+    def __init__(self):
+        self.calls = 0
+
+    def propose(self, history, k, sampler, branches=0):
+        self.calls += 1
+        return Draft([7] * k, self.name)
+
+
+def _lookup_or_model(records: dict[str, tuple[int, int]], history: list[int]) -> tuple[list[str], int]:
+    """(The sources of the tree drafted after `history`, the model's calls) by lookup beside a model drafting at 20 ms
+    a token, passes at 30 ms + 5 ms a row, after six passes with verdicts `records` (source: (drafted, accepted))."""
+    length = DraftLength()
+    for _ in range(6):
+        length.observe(1, 0.035, records, ("model", 4, 0.08))
+        length.observe(9, 0.075, {}, None)
+    model = _CountingModel()
+    tree, _ = Drafters(PromptLookup(), model, length).propose(history, 8, 8, Sampler(SamplingParams()))
+    return tree.sources[1:], model.calls
+
+
 def test_a_short_lookup_match_is_taken_alone_where_lookup_pays_better_than_the_model():
-    """A lookup match of a 2-gram (shorter than PREFERRED_LOOKUP) beside a model drafting at 20 ms a token, passes at
-    30 ms + 5 ms a row. Where lookup's chains have been accepted and the model's not, the match alone
-    promises more tokens per second: it is drafted alone and the model is not run. Where the records are the other
-    way round, the model drafts and the match joins its tree."""
-
-    class Model:
-        name = "model"
-
-        def __init__(self):
-            self.calls = 0
-
-        def propose(self, history, k, sampler, branches=0):
-            self.calls += 1
-            return Draft([7] * k, self.name)
-
-    def drafted(lookup_accepts: int, model_accepts: int) -> tuple[list[str], int]:
-        length = DraftLength()
-        for _ in range(6):
-            length.observe(1, 0.035, {"lookup": (4, lookup_accepts), "model": (4, model_accepts)}, ("model", 4, 0.08))
-            length.observe(9, 0.075, {}, None)
-        model = Model()
-        drafters = Drafters(PromptLookup(), model, length)
-        tree, _ = drafters.propose([1, 2, 3, 9, 9, 1, 2], 8, 8, Sampler(SamplingParams()))
-        return tree.sources[1:], model.calls
-
-    sources, calls = drafted(lookup_accepts=4, model_accepts=0)
+    """A lookup match of a 2-gram (shorter than PREFERRED_LOOKUP). Where lookup's chains have been accepted and the
+    model's not, the match alone promises more tokens per second: it is drafted alone and the model is not run. Where
+    the records are the other way round, the model drafts and the match joins its tree."""
+    history = [1, 2, 3, 9, 9, 1, 2]
+    sources, calls = _lookup_or_model({"lookup": (4, 4), "model": (4, 0)}, history)
     assert sources and set(sources) == {"lookup"} and calls == 0
-    sources, calls = drafted(lookup_accepts=0, model_accepts=4)
+    sources, calls = _lookup_or_model({"lookup": (4, 0), "model": (4, 4)}, history)
     assert calls == 1 and sources[0] == "model"
+
+
+def test_a_long_lookup_match_is_taken_alone_until_lookup_is_measured_to_lose():
+    """A match of a 3-gram (PREFERRED_LOOKUP) is drafted alone while lookup's acceptance is unmeasured; once lookup's
+    chains have been rejected and the model's accepted (as on code, where repeated identifiers match often and the
+    continuation rarely), the model drafts (and the match joins its tree only where it pays). Where lookup's chains
+    were accepted, the long match is still taken alone."""
+    history = [1, 2, 3, 4, 5, 9, 1, 2, 3]  # the last 3-gram occurred before
+    assert PromptLookup().match(history, 8)[0] >= PREFERRED_LOOKUP
+    sources, calls = _lookup_or_model({"model": (4, 4)}, history)  # lookup unmeasured
+    assert set(sources) == {"lookup"} and calls == 0
+    sources, calls = _lookup_or_model({"lookup": (4, 0), "model": (4, 4)}, history)
+    assert calls == 1 and sources[0] == "model"
+    sources, calls = _lookup_or_model({"lookup": (4, 4), "model": (4, 1)}, history)
+    assert set(sources) == {"lookup"} and calls == 0
 
 
 def test_prompt_lookup_drafts_what_followed_the_latest_match():

@@ -4,12 +4,13 @@
 //!   integer sub-scales) against the activations' 8-bit codes, one float conversion and FMA per activation span
 //!   (128 elements) and row;
 //! - integer group kernels (`int_group`, the legacy 32-element types): the same products for eight weight rows
-//!   at once, their integer sums reduced into one vector (lane j: row j) so that the float work is shared by the
-//!   eight rows;
+//!   at once, each row's integer sum in its own lane (lane j: row j) so that the float work is shared by the
+//!   eight rows: for one activation row, eight product vectors reduced across lanes; for tiles of two or more,
+//!   each block's eight rows transposed into lanes once and met by every activation row;
 //! - in both, affine types multiply their unsigned codes directly and add m·Σx̂; so do the symmetric types stored
 //!   with an offset (Q4_0, Q5_0: c = q + 8 or 16, and m = -offset·d; Q6_K: c = q + 32, its -32·scale·Σx taken
 //!   off each span's integer sum); Q8_0 goes through the sign trick (|w| times x with w's sign), two more
-//!   instructions per 32 weights and row;
+//!   instructions per 32 weights and row, or, transposed, in as w + 128 with 128·Σx taken off;
 //! - float kernels (`quantized`, `dense`): codes widened to four 8-lane float32 vectors, FMAs against float32
 //!   activations (the reference path for differential tests).
 //!
@@ -371,7 +372,8 @@ unsafe fn int_rows<F: SuperBlock, D: IntDot, const R: usize>(
             q8.codes.as_ptr().add(t0 * a.k),
             q8.scales.as_ptr().add(t0 * spans),
             q8.sums.as_ptr().add(t0 * gs),
-            q8.lane_sums.as_ptr().add(t0 * 8 * spans),
+            // Only types with an offset read lane sums (which spans of 32 have none of).
+            q8.lane_sums.as_ptr().wrapping_add(t0 * 8 * spans),
         )
     };
     for (bi, b) in row.chunks_exact(F::BYTES).enumerate() {
@@ -387,7 +389,8 @@ unsafe fn int_rows<F: SuperBlock, D: IntDot, const R: usize>(
                 // inside the codes: `matmul` checked row.len() == k / BLOCK * BYTES.
                 let mut x = unsafe { codes.add((bi * groups + g) * GROUP) };
                 for sum in isum.iter_mut() {
-                    // SAFETY: x is group gi of a row below t0 + R; the caller runs with D's features.
+                    // SAFETY: x is group bi · groups + g of a row below t0 + R; the caller runs with D's
+                    // features.
                     *sum = unsafe { D::scaled(*sum, w, load32(x.cast()), mv) };
                     x = x.wrapping_add(a.k);
                 }
@@ -431,7 +434,7 @@ unsafe fn int_rows<F: SuperBlock, D: IntDot, const R: usize>(
 ///
 /// A row kernel spends most of a 32-element block's instructions on one row's float work (convert, scale,
 /// FMA, offset) and its FMA chain. Here a block's eight weight rows meet each activation row, their integer
-/// sums are reduced together into one vector (lane j: weight row j), and the float work is one convert, one
+/// sums end in one vector (lane j: weight row j; `int_group_tile`), and the float work is one convert, one
 /// multiply and one FMA per block for all eight rows. An output's arithmetic is its lane's alone, the same for
 /// every count and tile size.
 #[inline(always)]
@@ -501,9 +504,10 @@ impl Prefetch {
 }
 
 /// y[0..R] (lane j: weight row j) for activation rows t0..t0 + R; returns R. Tiles of two or more rows transpose
-/// each block's codes into lanes where D's sums hold F's codes (`int_group_lanes_tile`); the others reduce each row's
-/// products across lanes (`int_group_reduced_tile`), which one row alone does at less cost. Both give every row's block sum as the same exact integer
-/// and do the same float steps after it, so the choice never changes a bit.
+/// each block's codes into lanes where D's sums hold F's codes (`int_group_lanes_tile`); the others reduce each
+/// row's products across lanes (`int_group_reduced_tile`), which one row alone does at less cost. Both give every
+/// row's block sum as the same exact integer and do the same float steps after it, so the choice never changes a
+/// bit.
 ///
 /// # Safety
 /// Each of `ptrs` must point at an encoded row of `a.k / 32` blocks of `F`; t0 + R <= a.t.
@@ -528,7 +532,8 @@ unsafe fn int_group_tile<F: SimdFormat, D: IntDot, const R: usize>(
 /// operand is one 4-byte word broadcast, and its row sums build up in their own lanes, with nothing reduced
 /// across lanes. The transposition (24 shuffles a block) is shared by the tile's rows; from two rows on it costs
 /// less than reducing eight vectors per row (SmolLM2's products in file layout, VNNI, 2 threads: 1.03x at T = 2,
-/// 1.47x at T = 8, 1.87x at T = 16; 0.92-0.99x at T = 1). Signed codes (Q8_0) go in as w + 128 and 128·Σx comes off each sum.
+/// 1.47x at T = 8, 1.87x at T = 16; forced on for one row as well, 0.92-0.99x at T = 1, hence R >= 2). Signed
+/// codes (Q8_0) go in as w + 128 and 128·Σx comes off each sum.
 ///
 /// # Safety
 /// As `int_group_tile`; D's running sums hold a block's products (F::MAX_CODE <= D::LANES_MAX_CODE).
@@ -621,10 +626,11 @@ unsafe fn int_group_lanes_tile<F: SimdFormat, D: IntDot, const R: usize>(
 /// the result holds word i of every row (lane j: row j).
 #[target_feature(enable = "avx2,fma,f16c")]
 fn lanes8(w: [__m256i; GROUP_ROWS]) -> [__m256i; GROUP_ROWS] {
-    // Within each 128-bit half: pairs of rows by words, then quads of rows by pairs of words.
-    let lo32 = [0, 2, 4, 6].map(|j| _mm256_unpacklo_epi32(w[j], w[j + 1])); // words 0, 1 (4, 5) of rows j, j + 1
-    let hi32 = [0, 2, 4, 6].map(|j| _mm256_unpackhi_epi32(w[j], w[j + 1])); // words 2, 3 (6, 7)
-                                                                            // quad[q][h]: word h (and h + 4 in the high half) of rows 4q..4q + 4.
+    // Within each 128-bit half: pairs of rows by words, then quads of rows by pairs of words. lo32[p]: words 0, 1
+    // (and 4, 5) of rows 2p, 2p + 1; hi32[p]: words 2, 3 (6, 7).
+    let lo32 = [0, 2, 4, 6].map(|j| _mm256_unpacklo_epi32(w[j], w[j + 1]));
+    let hi32 = [0, 2, 4, 6].map(|j| _mm256_unpackhi_epi32(w[j], w[j + 1]));
+    // quad[q][h]: word h (and h + 4 in the high half) of rows 4q..4q + 4.
     let quad = [0, 2].map(|p| {
         [
             _mm256_unpacklo_epi64(lo32[p], lo32[p + 1]),

@@ -14,8 +14,8 @@ use super::rows::{Activations, Kernel, RowKernel, GROUP_ROWS, MAX_T};
 use super::team::Team;
 
 /// Least work per task, in multiply-adds (weights x activation rows): ~10 us of integer kernel on one core. With
-/// the caller joining a spinning team (`team`), splitting is cheap: SmolLM2's T = 1 kernel pass on 2 threads took
-/// 7.2 ms at 2^14 and 2^15, 7.4 at 2^16, 8.8 at 2^18 (2026-11-24, AVX2 EPYC; rayon's pool had needed 2^20).
+/// the caller joining a spinning team (`team`), splitting is cheap (rayon's pool had needed 2^20); the size is
+/// chosen with TASKS_PER_THREAD.
 const MIN_TASK_WORK: usize = 1 << 16;
 /// Tasks per thread, so that uneven thread speeds even out: a multi-row pass's products end with one thread
 /// idle for up to a task. With 8 (and tasks of 2^16), resident SmolLM2 passes of 8 tokens ran 1.06-1.07x faster

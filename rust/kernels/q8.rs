@@ -18,12 +18,13 @@ pub struct Q8Rows {
     pub scales: Vec<f32>,
     /// [t, k / GROUP] Σx̂ = scale · Σcodes of each 32 elements (what affine weights' offsets multiply).
     pub sums: Vec<f32>,
-    /// [t, k / GROUP] Σcodes of each 32 elements: what the AVX2 group kernels take off a signed type's products
-    /// when they multiply its codes offset by 128.
+    /// [t, k / GROUP] Σcodes of each 32 elements (spans of 32 only, else empty): what the AVX2 group kernels take
+    /// off a signed type's products when they multiply its codes offset by 128.
     #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
     pub code_sums: Vec<i32>,
-    /// [t, k / (span / 8)] Σcodes of each eighth of a span: per span, the integer Σx the ternary kernels take
-    /// off their codes' sums, as one vector of 8 lanes (read by the AVX2 kernels only).
+    /// [t, k / (span / 8)] Σcodes of each eighth of a span (spans longer than 32 only, else empty): per span, the
+    /// integer Σx the K-quant and ternary kernels take off their codes' sums, as one vector of 8 lanes (read by
+    /// the AVX2 kernels only).
     #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
     pub lane_sums: Vec<i32>,
     span: usize,
@@ -54,7 +55,8 @@ impl Q8Rows {
     /// quantized on the calling thread before the kernel threads start, so this is on the critical path: with
     /// AVX2 the whole loop (codes, scales, sums) is compiled for it and vectorizes, the same bits as without.
     fn quantize(x: &[f32], k: usize, span: usize, f16_scales: bool) -> Q8Rows {
-        debug_assert!(k % span == 0 && x.len() % k == 0);
+        // Whole spans of whole groups: the AVX2 encoder reads 32 elements at a time.
+        assert!(span % GROUP == 0 && k % span == 0 && x.len() % k == 0);
         #[cfg(target_arch = "x86_64")]
         if is_x86_feature_detected!("avx2") {
             // SAFETY: the CPU has AVX2.
@@ -103,7 +105,7 @@ fn quantize_with(
     let mut codes = vec![0i8; x.len()];
     let mut scales = vec![0f32; x.len() / span];
     let mut sums = vec![0f32; x.len() / GROUP];
-    let mut code_sums = vec![0i32; x.len() / GROUP];
+    let mut code_sums = vec![0i32; if span == GROUP { x.len() / GROUP } else { 0 }];
     // Only the kernels of longer spans read Σcodes per eighth of a span.
     let mut lane_sums = vec![
         0i32;
@@ -119,10 +121,12 @@ fn quantize_with(
         let d = if f16_scales { round_to_f16(d) } else { d };
         scales[si] = d;
         let at = si * (span / GROUP);
-        let groups = sums[at..].iter_mut().zip(&mut code_sums[at..]);
-        for ((sum, int_sum), g) in groups.zip(q.chunks_exact(GROUP)) {
-            *int_sum = code_sum(g);
-            *sum = d * *int_sum as f32;
+        for (gi, g) in q.chunks_exact(GROUP).enumerate() {
+            let int_sum = code_sum(g);
+            sums[at + gi] = d * int_sum as f32;
+            if let Some(c) = code_sums.get_mut(at + gi) {
+                *c = int_sum;
+            }
         }
         if !lane_sums.is_empty() {
             let eighths = lane_sums[si * 8..][..8]
@@ -365,8 +369,8 @@ mod tests {
         }
     }
 
-    /// Every span's sums land at its own rows' and groups' places: Σx̂ per 32 codes, Σcodes per eighth of a
-    /// longer span (none for spans of 32).
+    /// Every span's sums land at its own rows' and groups' places: Σx̂ per 32 codes, Σcodes per 32 codes for
+    /// spans of 32, per eighth of a longer span otherwise.
     #[test]
     fn sums_follow_the_codes() {
         let (t, k) = (3, 512);
@@ -387,9 +391,12 @@ mod tests {
                     "span {span}, group {gi}"
                 );
             }
+            let want: Vec<i32> = q8.codes.chunks_exact(GROUP).map(code_sum).collect();
             if span == GROUP {
                 assert!(q8.lane_sums.is_empty());
+                assert_eq!(q8.code_sums, want);
             } else {
+                assert!(q8.code_sums.is_empty());
                 let want: Vec<i32> = q8.codes.chunks_exact(span / 8).map(code_sum).collect();
                 assert_eq!(q8.lane_sums, want, "span {span}");
             }

@@ -33,13 +33,14 @@ struct Job {
 unsafe impl Send for Job {}
 
 struct Shared {
-    /// (generation << 32) | next task index of the current job.
+    /// (generation << 32) | next task index of the current job. Generations are u32 and wrap: one job in 2^32
+    /// shares its number with the current one only after 2^32 jobs, long after the last claim of that job.
     claim: AtomicU64,
     /// Tasks of the current job that have finished (or panicked).
     done: AtomicUsize,
     panicked: AtomicBool,
     /// The current job and its generation; sleepers wait on `wake` for the generation to change.
-    job: Mutex<(u64, Option<Job>)>,
+    job: Mutex<(u32, Option<Job>)>,
     wake: Condvar,
     /// Workers waiting on `wake` (changed under `job`'s lock): a job published while none sleeps needs no
     /// wake-up call (a futex system call per product, most of them while the workers still spin).
@@ -49,11 +50,11 @@ struct Shared {
 
 impl Shared {
     /// Claims and runs tasks of job `generation` until none are left.
-    fn work(&self, generation: u64, job: Job) {
+    fn work(&self, generation: u32, job: Job) {
         loop {
             let cur = self.claim.load(Ordering::Acquire);
             let index = (cur & 0xFFFF_FFFF) as usize;
-            if cur >> 32 != generation || index >= job.tasks {
+            if (cur >> 32) as u32 != generation || index >= job.tasks {
                 return;
             }
             if self
@@ -78,7 +79,7 @@ impl Shared {
 pub struct Team {
     shared: Arc<Shared>,
     workers: Vec<JoinHandle<()>>,
-    generation: Mutex<u64>,
+    generation: Mutex<u32>,
 }
 
 impl Team {
@@ -118,7 +119,7 @@ impl Team {
             return true;
         }
         let mut generation = self.generation.lock().unwrap_or_else(|e| e.into_inner());
-        *generation += 1;
+        *generation = generation.wrapping_add(1);
         // SAFETY: the lifetime is erased for the workers; this function does not return before every claimed
         // task of this generation has finished (`done == tasks`), and later claims fail on the generation.
         let run: *const (dyn Fn(usize) + Sync + 'static) = unsafe { std::mem::transmute(f) };
@@ -129,7 +130,8 @@ impl Team {
         let sleeping = {
             let mut slot = s.job.lock().unwrap_or_else(|e| e.into_inner());
             *slot = (*generation, Some(job));
-            s.claim.store(*generation << 32, Ordering::Release);
+            s.claim
+                .store(u64::from(*generation) << 32, Ordering::Release);
             s.sleepers.load(Ordering::Relaxed) > 0
         };
         if sleeping {
@@ -164,11 +166,11 @@ impl Drop for Team {
 }
 
 fn worker(s: &Shared) {
-    let mut seen = 0u64;
+    let mut seen = 0u32;
     loop {
         // Spin for the next job, then sleep until one is published.
         let start = Instant::now();
-        while s.claim.load(Ordering::Acquire) >> 32 == seen && start.elapsed() < SPIN {
+        while (s.claim.load(Ordering::Acquire) >> 32) as u32 == seen && start.elapsed() < SPIN {
             if s.shutdown.load(Ordering::Acquire) {
                 return;
             }
@@ -220,6 +222,22 @@ mod tests {
         std::panic::set_hook(quiet);
         assert!(!ok);
         assert!(team.run(4, &|_| {}));
+    }
+
+    /// Job numbers wrap around u32 (the claim word keeps 32 bits of them): jobs on either side of the wrap run
+    /// every task once.
+    #[test]
+    fn job_numbers_wrap() {
+        let team = Team::new(2).unwrap();
+        *team.generation.lock().unwrap() = u32::MAX - 3;
+        for _ in 0..8 {
+            let count = AtomicUsize::new(0);
+            assert!(team.run(9, &|_| {
+                count.fetch_add(1, Ordering::Relaxed);
+            }));
+            assert_eq!(count.load(Ordering::Relaxed), 9);
+        }
+        assert!(*team.generation.lock().unwrap() < 8);
     }
 
     #[test]

@@ -14,10 +14,10 @@ Drafters:
   * `DraftModel`: a small model with the target's vocabulary, run greedily (or sampling, with temperature) for k
     steps on its own KV cache, which keeps what the target accepted;
   * `self_draft.SelfDraft`: the target's own first layers and a calibrated exit head (self-speculation).
-A lookup match is taken alone (it costs nothing) where lookup has paid better than the model's drafting, and until
-lookup's acceptance is measured, where it is `PREFERRED_LOOKUP` tokens or more; otherwise the model drafts, and the
-lookup match joins the tree. How deep to draft and which extra leaves to add follow the measured cost of a pass and the sources' measured
-acceptance (`DraftLength`, `grow`).
+A lookup match is taken alone (it costs nothing) where lookup has paid better than the model's drafting, and, until
+lookup's acceptance is measured (or with a fixed draft length), where it is `PREFERRED_LOOKUP` tokens or more;
+otherwise the model drafts, and the lookup match joins the tree. How deep to draft and which extra leaves to add
+follow the measured cost of a pass and the sources' measured acceptance (`DraftLength`, `grow`).
 
 Exactness. Greedy: every position is decided by the target's own sampler on the target's own logits, and a verify
 pass's node i is bit for bit the logits a one-token decode step gives at its position after its ancestors (the CPU
