@@ -306,12 +306,15 @@ class _CountingModel:
         return Draft([7] * k, self.name)
 
 
-def _lookup_or_model(records: dict[str, tuple[int, int]], history: list[int]) -> tuple[list[str], int]:
+def _lookup_or_model(records: dict[str, tuple[int, int]], history: list[int],
+                     lookup_passes: int = 6) -> tuple[list[str], int]:
     """(The sources of the tree drafted after `history`, the model's calls) by lookup beside a model drafting at 20 ms
-    a token, passes at 30 ms + 5 ms a row, after six passes with verdicts `records` (source: (drafted, accepted))."""
+    a token, passes at 30 ms + 5 ms a row, after six passes with verdicts `records` (source: (drafted, accepted)),
+    lookup's only in the first `lookup_passes`."""
     length = DraftLength()
-    for _ in range(6):
-        length.observe(1, 0.035, records, ("model", 4, 0.08))
+    for i in range(6):
+        verdicts = {s: r for s, r in records.items() if s != "lookup" or i < lookup_passes}
+        length.observe(1, 0.035, verdicts, ("model", 4, 0.08))
         length.observe(9, 0.075, {}, None)
     model = _CountingModel()
     tree, _ = Drafters(PromptLookup(), model, length).propose(history, 8, 8, Sampler(SamplingParams()))
@@ -321,12 +324,17 @@ def _lookup_or_model(records: dict[str, tuple[int, int]], history: list[int]) ->
 def test_a_short_lookup_match_is_taken_alone_where_lookup_pays_better_than_the_model():
     """A lookup match of a 2-gram (shorter than PREFERRED_LOOKUP). Where lookup's chains have been accepted and the
     model's not, the match alone promises more tokens per second: it is drafted alone and the model is not run. Where
-    the records are the other way round, the model drafts and the match joins its tree."""
+    the records are the other way round, the model drafts, and the match joins its tree where its measured rate
+    pays for the rows."""
     history = [1, 2, 3, 9, 9, 1, 2]
     sources, calls = _lookup_or_model({"lookup": (4, 4), "model": (4, 0)}, history)
     assert sources and set(sources) == {"lookup"} and calls == 0
     sources, calls = _lookup_or_model({"lookup": (4, 0), "model": (4, 4)}, history)
     assert calls == 1 and sources[0] == "model"
+    # One lookup token verified, and wrong: its chains take no rows beside the model's (priced by the measured rate,
+    # 0, not by the prior's, ~1/3).
+    sources, calls = _lookup_or_model({"lookup": (1, 0), "model": (4, 4)}, history, lookup_passes=1)
+    assert calls == 1 and sources[0] == "model" and "lookup" not in sources
 
 
 def test_a_long_lookup_match_is_taken_alone_until_lookup_is_measured_to_lose():
