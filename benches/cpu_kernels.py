@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from gguf import GGMLQuantizationType as T
 
 from ntio import _core
-from ntio.kernels import cpu_kernels, quant
+from ntio.kernels import cpu_kernels, ops, quant
 
 LAYERS = 30
 LAYER_SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]
@@ -65,17 +65,10 @@ def load(model: str) -> list[tuple[T, tuple[int, int], torch.Tensor, torch.Tenso
 
 
 def interleaved(mats: list) -> list[tuple[int, tuple[int, int], torch.Tensor]]:
-    """(kernel type id, shape, bytes) of each matrix as a resident layer keeps it for the interleaving kernel sets:
-    rows interleaved by eight where the type has that layout and the rows come in whole groups (a copy), else as
-    in the file."""
-    out = []
-    for qtype, shape, raw, _ in mats:
-        if int(qtype) in _core.INTERLEAVED_TYPES and shape[0] % 8 == 0:
-            raw = raw.clone()
-            out.append((_core.interleave(raw.numpy(), int(qtype), shape[0], shape[1]), shape, raw))
-        else:
-            out.append((int(qtype), shape, raw))
-    return out
+    """(kernel type id, shape, bytes) of each matrix as a resident layer keeps it for the interleaving kernel sets
+    (`ops.interleave_rows`, on a copy)."""
+    resident = [ops.interleave_rows(ops.EncodedMatrix(raw.clone(), qtype, shape)) for qtype, shape, raw, _ in mats]
+    return [(w.kernel_type, w.shape, w.raw) for w in resident]
 
 
 def main() -> None:

@@ -496,9 +496,9 @@ class Drafters:
         `measured`, by the rate measured once there is one. Lookup's chains joining a model's tree take the latter:
         at its prior's 1/2, slowly forgotten, a lookup chain that is never right (SmolLM2 on prose) kept taking
         rows, the trees grew from 7-10 rows to 12-17 and the model's chains shrank."""
-        a = self.length.accepted.rate(source)
-        if measured:
-            a = self.length.accepted.measured(source) if self.length.accepted.measured(source) is not None else a
+        a = self.length.accepted.measured(source) if measured else None
+        if a is None:
+            a = self.length.accepted.rate(source)
         return [a ** (j + 1) for j in range(n)]
 
 
