@@ -9,7 +9,8 @@ process: the single-client HTTP decode rate (from the first streamed token to th
 
     python benches/serve_load.py [--model NAME|PATH] [--tiers A] [--clients 1 2 4 8] [--requests 2] [--tokens 64]
                                  [--rounds 3] [--parallel 8] [--slot-context 512] [--threads 2]
-                                 [--engines ntio,ntio-lookup,ntio-draft,ntio-draft-chains,ntio-self,llama-server]
+                                 [--engines ntio,ntio-lookup,ntio-draft,ntio-draft-chains,ntio-self,ntio-self-lookup,
+                                            llama-server]
                                  [--draft NAME|PATH] [--self-draft CALIBRATION]
                                  [--prompts questions|rewrite]
                                  [--llama-server PATH] [--out FILE]
@@ -101,7 +102,8 @@ def _server_cmd(engine: str, model: str, port: int, args: argparse.Namespace) ->
     if engine.startswith("ntio"):
         speculation = {"ntio": [], "ntio-lookup": ["--lookup"], "ntio-draft": ["--draft", str(args.draft)],
                        "ntio-draft-chains": ["--draft", str(args.draft), "--branches", "0"],
-                       "ntio-self": ["--self-draft", str(args.self_draft)]}[engine]
+                       "ntio-self": ["--self-draft", str(args.self_draft)],
+                       "ntio-self-lookup": ["--self-draft", str(args.self_draft), "--lookup"]}[engine]
         return ([str(NTIO), "serve", "-m", model, "--port", str(port), "--parallel", str(args.parallel),
                  "--ctx-size", str(ctx), "--threads", str(args.threads), "--tiers", args.tiers,
                  "--max-queue", "64", "--model-id", "m", *speculation], "/health")
@@ -123,6 +125,8 @@ def _one(client: httpx.Client, url: str, question: str, tokens: int) -> tuple[in
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
             chunk = json.loads(line[6:])
+            if "error" in chunk:  # a failure after the 200: an answer that must not count
+                raise RuntimeError(chunk["error"]["message"])
             if chunk.get("usage"):
                 usage = chunk["usage"]["completion_tokens"]
             if chunk.get("choices") and chunk["choices"][0]["delta"].get("content"):
@@ -179,9 +183,10 @@ def main() -> None:
     ap.add_argument("--engines", default="ntio,llama-server",
                     help="of ntio, ntio-lookup (ntio serve --lookup), ntio-draft (--draft DRAFT: draft trees), "
                          "ntio-draft-chains (--draft DRAFT --branches 0: linear drafts), ntio-self (--self-draft "
-                         "CALIBRATION) and llama-server")
+                         "CALIBRATION), ntio-self-lookup (both) and llama-server")
     ap.add_argument("--draft", help="the draft model of engines ntio-draft and ntio-draft-chains (a name or path)")
-    ap.add_argument("--self-draft", help="the exit-head file (`ntio calibrate`) of engine ntio-self")
+    ap.add_argument("--self-draft",
+                    help="the exit-head file (`ntio calibrate`) of engines ntio-self and ntio-self-lookup")
     ap.add_argument("--prompts", choices=sorted(PROMPTS), default="questions")
     ap.add_argument("--llama-server", default=str(LLAMA_SERVER))
     ap.add_argument("--out", type=Path)
@@ -218,7 +223,7 @@ def main() -> None:
         summary["ntio_generate_decode_tok_s"] = statistics.median(row["ntio_generate_decode_tok_s"] for row in rounds)
         summary["http_1_client_vs_generate"] = statistics.median(
             row[f"ntio_{one}"]["request_decode_tok_s"] / row["ntio_generate_decode_tok_s"] for row in rounds)
-    for speculative in ("ntio-lookup", "ntio-draft", "ntio-draft-chains", "ntio-self"):
+    for speculative in ("ntio-lookup", "ntio-draft", "ntio-draft-chains", "ntio-self", "ntio-self-lookup"):
         if "ntio" in engines and speculative in engines:
             summary[f"{speculative.removeprefix('ntio-')}_vs_plain"] = {c: statistics.median(
                 row[f"{speculative}_{c}"]["aggregate_tok_s"] / row[f"ntio_{c}"]["aggregate_tok_s"] for row in rounds)

@@ -393,6 +393,69 @@ def test_a_self_draft_drafts_for_every_request_from_the_slots_own_caches(smollm2
     assert metrics.accepted_tokens >= 10, (metrics.drafted_tokens, metrics.accepted_tokens)
 
 
+def test_a_self_draft_priced_as_it_goes_answers_as_the_model_alone(smollm2_path, calibration_file):
+    """Self-speculation with its drafts priced (the server's default, not forced): the first draft needs no timing
+    of a catch-up (the slots' caches are the draft's, never behind; timing one on a scratch cache failed every
+    request of `ntio serve --self-draft`), and the greedy answers are the solo answers."""
+    from ntio.decoding.generation import SamplingParams
+
+    with ntio.load(smollm2_path, max_context=1024, self_draft=calibration_file, exit_layer=22) as m:
+        prompts = [m.encode_prompt(t, chat=True) for t in REPEAT[:2]]
+        solo = [m.generate(p, max_new_tokens=24, temperature=0.0, use_draft=False).token_ids for p in prompts]
+        events, _ = _scheduled(m, prompts, [SamplingParams()] * 2)
+    for got, ids in zip(events, solo):
+        _assert_solo(m, got, ids)
+
+
+def _sequence(history: list[int], acceptance):
+    """What `Scheduler._drafts` reads of an active sequence: a decoding request with room for its drafts."""
+    from types import SimpleNamespace
+
+    return SimpleNamespace(acceptance=acceptance, request=SimpleNamespace(max_tokens=100), generated=0,
+                           kv=SimpleNamespace(capacity=256), history=history,
+                           draft_kv=SimpleNamespace(reusable_prefix=lambda tokens, limit: limit))
+
+
+def test_a_lookup_match_is_taken_alone_only_while_it_pays(smollm2_path):
+    """The server's rule for a sequence with both a lookup match and a drafting model, as `generate`'s: before
+    lookup's acceptance is measured, a match of 3 tokens or more is taken alone and a shorter one is not; once it
+    is measured, a long match that is rarely right leaves the sequence to the model (lookup alone on code: 1.19
+    tokens a pass), and one that is nearly always right is taken alone even when the model's drafts are good."""
+    from ntio.decoding.speculative import Acceptance, PromptLookup
+    from ntio.serving.scheduler import Scheduler
+
+    with ntio.load(smollm2_path, max_context=1024, draft=smollm2_path) as m:
+        scheduler = Scheduler(m, parallel=1, max_queue=0, slot_context=256, lookup=PromptLookup())
+        for rows, seconds in ((1, 0.010), (8, 0.016)):  # resident: a row costs ~1 ms beside a 10 ms pass
+            for _ in range(3):
+                scheduler.pass_cost.observe(rows, seconds)
+        scheduler.draft_step_s = 0.004
+        record = Acceptance()
+        assert scheduler._lookup_alone(_sequence([], record), 3, [1, 2, 3], 8)
+        assert not scheduler._lookup_alone(_sequence([], record), 2, [1, 2, 3], 8)
+        record.counts = {"lookup": [1.0, 9.0], scheduler.draft_name: [8.0, 2.0]}
+        assert not scheduler._lookup_alone(_sequence([], record), 3, [1, 2, 3], 8)
+        record.counts["lookup"] = [19.0, 1.0]
+        assert scheduler._lookup_alone(_sequence([], record), 1, [1, 2, 3, 4, 5, 6], 8)
+
+
+def test_a_lookup_match_joins_the_models_tree_and_what_they_share_takes_no_row(smollm2_path):
+    """A short lookup match beside the drafting model's chain joins its tree: where it drafted what the model did,
+    it costs no row, so with 4 rows to spare after the model's 3-token chain, the lookup token that leaves the
+    chain still finds its row."""
+    from ntio.decoding.speculative import Acceptance, Draft, PromptLookup
+    from ntio.serving.scheduler import Scheduler
+
+    with ntio.load(smollm2_path, max_context=1024, draft=smollm2_path) as m:
+        scheduler = Scheduler(m, parallel=1, max_queue=0, slot_context=256, lookup=PromptLookup(), draft_tokens=3,
+                              fixed_draft=True)
+        scheduler._model_chains = lambda seqs, depths, cached: [
+            Draft([5, 6, 7][:d], scheduler.draft_name, None, [[] for _ in range(d)]) for d in depths]
+        # The last token, 3, follows 3 5 6 9 earlier: lookup drafts 5 6 9 (a 1-token match: the model drafts too).
+        (tree,) = scheduler._drafts([_sequence([3, 5, 6, 9, 4, 3], Acceptance())], spare=4)
+    assert tree.tokens == [3, 5, 6, 7, 9] and tree.parents == [-1, 0, 1, 2, 2], (tree.tokens, tree.parents)
+
+
 def test_decode_rows_beside_a_pass_full_of_prompt_rows_cost_their_compute(smollm2_path):
     """Timings as a streamed 1.5B model gives them: reads 0.3 s a pass, compute 0.1 s for 1 row and 2 s for 64. Two
     decoding sequences alone: their rows, with drafts of up to 2 tokens, cost the pass, which waits on its reads

@@ -164,7 +164,8 @@ class Scheduler:
         # starting from acceptance 1/2 and a priced step drafts 2 tokens, and learns slowly).
         self.draft_step_s = 0.0
         self.draft_row_s = 0.0  # seconds per prompt row in a draft catch-up pass (EMA; first timed by `_time_draft`)
-        self._draft_timed = False
+        # A self-draft drafts over the slots' own caches, which are never behind: it has no catch-up to price.
+        self._draft_timed = llm.draft is None
         self.answer_tokens: float | None = None  # tokens per finished answer (EMA); None before the first
         self._free = list(range(parallel))
         self._active: dict[int, _Sequence] = {}  # slot -> sequence
@@ -308,12 +309,13 @@ class Scheduler:
 
     def _drafts(self, decoding: list[_Sequence], spare: int) -> list[DraftTree]:
         """The tree each decoding sequence brings to the pass: its last token and what was drafted for it, within the
-        tokens it still wants, its context and `spare` rows in all. A sequence with a lookup match of
-        PREFERRED_LOOKUP tokens or more takes it; the others draft with the drafting model, if there is one (a chain
-        each, all to one depth, in batched passes: `_model_depth`), else with a shorter match. Then the offers
-        take rows likeliest first: lookup tokens (in chain order) and the drafting model's next choices as extra
-        leaves (its token at step j is right with chance a^j, and where it is not, a next choice r is with the
-        draft's q(r) / (1 - q(token)): chance a^j (1 - a) q(r) / (1 - q(token))). Each takes its row while its
+        tokens it still wants, its context and `spare` rows in all. A sequence whose lookup match pays better alone
+        takes it alone (`_lookup_alone`); the others draft with the drafting model, if there is one (a chain each,
+        all to one depth, in batched passes: `_model_depth`), and their lookup matches join their trees. Then the
+        offers take rows likeliest first: lookup tokens (in chain order; one already in the tree costs no row) and
+        the drafting model's next choices as extra leaves (its token at step j is right with chance a^j, and where
+        it is not, a next choice r is with the draft's q(r) / (1 - q(token)): chance a^j (1 - a) q(r) /
+        (1 - q(token))). Each takes its row while its
         chance c pays for it: c · (the pass's cost) >= (the cost of a row) · (the tokens the pass is expected to
         settle), the condition for a row to raise the pass's tokens per second for all its sequences, which all
         wait for it."""
@@ -325,7 +327,7 @@ class Scheduler:
                    if self.lookup is not None and most[i] > 0}
         matches = {i: found for i, found in matches.items() if found is not None}
         by_model = [i for i in range(len(decoding)) if self.draft is not None and most[i] > 0
-                    and (i not in matches or matches[i][0] < PREFERRED_LOOKUP)]
+                    and not (i in matches and self._lookup_alone(decoding[i], *matches[i], min(most[i], spare)))]
         expected, drafted = float(len(decoding)), 0
         chances = {i: decoding[i].acceptance.rate(self.draft_name) for i in by_model}
         # Per drafting sequence: the positions of its draft cache that its history still has.
@@ -349,12 +351,22 @@ class Scheduler:
                 expected, drafted = expected + sum(chance), drafted + len(draft.tokens)
                 offers += [(a ** j * (1 - a) * r, i, j, (nodes[j - 1] if j else 0, token))
                            for j, choices in enumerate(draft.alternatives) for token, r in choices]
+        # Lookup's chance per token: beside a model's chain, at lookup's rate as measured once there is one (at its
+        # prior's 1/2, slowly forgotten, a lookup chain that is never right would keep taking rows).
+        lookup_rate = {i: decoding[i].acceptance.measured(self.lookup.name) if len(trees[i]) > 1 else None
+                       for i in matches}
+        lookup_rate = {i: decoding[i].acceptance.rate(self.lookup.name) if a is None else a
+                       for i, a in lookup_rate.items()}
         for i, (_, tokens) in matches.items():
-            if len(trees[i]) == 1:
-                a = decoding[i].acceptance.rate(self.lookup.name)
-                offers += [(a ** (j + 1), i, j, None) for j in range(len(tokens))]
+            offers += [(lookup_rate[i] ** (j + 1), i, j, None) for j in range(len(tokens))]
         taken = dict.fromkeys(matches, 0)
+        along = dict.fromkeys(matches, 0)  # the tree node of a lookup chain's last token taken; None: off the tree
         for chance, i, j, leaf in sorted(offers, key=lambda o: (-o[0], o[2])):  # a chain's tokens in order
+            if leaf is None and j == taken[i] and along[i] is not None:
+                node = trees[i].child(along[i], matches[i][1][j])
+                if node is not None:  # the model drafted it too
+                    taken[i], along[i] = j + 1, node
+                    continue
             rows = len(decoding) + drafted
             cost = self._decode_cost(len(decoding), rows)
             if drafted >= spare or not self.fixed_draft and (
@@ -363,16 +375,29 @@ class Scheduler:
             if leaf is not None:
                 trees[i].add(*leaf, self.draft_name + "-alt", chance)
             elif j == taken[i]:
-                taken[i] += 1
+                taken[i], along[i] = j + 1, None
             else:
                 continue
             drafted += 1
             expected += chance
         for i, k in taken.items():
             if k:
-                a = decoding[i].acceptance.rate(self.lookup.name)
+                a = lookup_rate[i]
                 trees[i].add_chain(Draft(matches[i][1][:k], self.lookup.name), [a ** (j + 1) for j in range(k)])
         return trees
+
+    def _lookup_alone(self, seq: _Sequence, n: int, tokens: list[int], most: int) -> bool:
+        """Whether a sequence takes its lookup match (the last n tokens matched, then `tokens`) alone instead of
+        the drafting model's chain, at most `most` deep: as `Drafters._lookup_wins` decides for `generate`. Until
+        lookup's acceptance is measured (or with fixed drafts), a match of PREFERRED_LOOKUP tokens or more is taken
+        alone; then where its chain, free, promises as many tokens per second of a pass as the model's chain at its
+        cost per drafted token (each priced as if the sequence were alone in the pass)."""
+        a = seq.acceptance.measured(self.lookup.name)
+        if a is None or self.fixed_draft:
+            return n >= PREFERRED_LOOKUP
+        alone = max(self._pass_rate([(len(tokens), a)], 1, k, draft_step_s=0.0) for k in range(len(tokens) + 1))
+        model = [(most, seq.acceptance.rate(self.draft_name))]
+        return alone >= max(self._pass_rate(model, 1, k) for k in range(most + 1))
 
     def _catch_up_pays(self, decoding: list[_Sequence], by_model: list[int], cached: dict[int, int],
                        chances: dict[int, float], most: list[int], spare: int) -> list[int]:
@@ -402,13 +427,15 @@ class Scheduler:
         return deepest if self.fixed_draft else max(
             range(deepest + 1), key=lambda k: self._pass_rate(limits, n_decoding, k))
 
-    def _pass_rate(self, limits: list[tuple[int, float]], n_decoding: int, k: int) -> float:
+    def _pass_rate(self, limits: list[tuple[int, float]], n_decoding: int, k: int,
+                   draft_step_s: float | None = None) -> float:
         """A pass's expected tokens per second with K = k draft passes: (n_decoding + Σ_s Σ_{j<=K_s} a_s^j) /
         (the pass over n_decoding + Σ_s K_s rows + K · draft pass), where K_s = min(K, the sequence's limit) and
-        a_s its acceptance."""
+        a_s its acceptance; a draft pass takes draft_step_s (default: the drafting model's, as measured)."""
         tokens = n_decoding + sum(sum(a ** j for j in range(1, min(k, n) + 1)) for n, a in limits)
         rows = n_decoding + sum(min(k, n) for n, _ in limits)
-        return tokens / (self._decode_cost(n_decoding, rows) + k * self.draft_step_s)
+        step = self.draft_step_s if draft_step_s is None else draft_step_s
+        return tokens / (self._decode_cost(n_decoding, rows) + k * step)
 
     def _decode_cost(self, n_decoding: int, rows: int) -> float:
         """The seconds of a step's pass that its decode rows account for: `rows` rows, the n_decoding sequences'
@@ -428,13 +455,12 @@ class Scheduler:
         return self.pass_cost.cost(rows)
 
     def _time_draft(self) -> None:
-        """Prices the drafting model's catch-up rows before its first draft, on a cache of its own: a pass over
+        """Prices the draft model's catch-up rows before its first draft, on a cache of its own: a pass over
         DRAFT_TIMING_ROWS rows less a 1-row pass after it (both after a 1-row pass that warms it up). Unpriced, the
         first catch-up would look free, and a server's first drafts would catch every sequence up on its history at
         once (seconds that every sequence waits for)."""
-        drafter = self.llm.draft if self.llm.draft is not None else self.llm  # a self-draft runs the model's layers
-        kv = drafter.engine.kv
-        scratch = KVCache(drafter.config, DRAFT_TIMING_ROWS + 2, kv.k.dtype, kv.k.device)
+        kv = self.llm.draft.engine.kv
+        scratch = KVCache(self.llm.draft.config, DRAFT_TIMING_ROWS + 2, kv.k.dtype, kv.k.device)
         self.draft([Segment(torch.zeros(1, dtype=torch.int64), 0, scratch)])
         t0 = time.perf_counter()
         self.draft([Segment(torch.zeros(DRAFT_TIMING_ROWS, dtype=torch.int64), 0, scratch)])
