@@ -6,6 +6,12 @@ its default format), with the same thread count; decode and prefill tok/s come f
 llama.cpp's perf context via ../shared/tools/llamacpp_decode.py). Engines alternate within every round (the order
 rotates), and the result is one JSON object: per-round figures, medians, and median per-round ratios to llama.cpp.
 
+Each round also measures the roofline of resident decode: a step over resident weights reads every weight byte once
+(every layer, the final norm and the output head; of the token embedding only a row), so it takes at least those
+bytes / the rate the kernel threads read RAM (`ntio-bench memory`, measured in this process after the engines).
+`*_decode_vs_memory_bound` is each engine's decode rate over that bound: 1.0 is a step that does nothing but read
+its weights at the RAM's rate.
+
     python benches/decode_vs_llamacpp.py [--model NAME|PATH] [--rounds 3] [--tokens 64] [--threads 2]
                                          [--llamacpp PYTHON]   (the peer's venv, built by build-llamacpp.sh)
 """
@@ -21,7 +27,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+from ntio import _core
 from ntio.fetch import resolve_model
+from ntio.formats.model_file import open_model_file
 from ntio.plots import check_figure_path
 from figures import decode_vs_llamacpp as draw
 
@@ -42,6 +50,25 @@ c = m.generate(prompt, chat=chat, max_new_tokens=tokens)
 print(json.dumps({"decode_tok_s": c.decode_tok_s, "prefill_tok_s": c.prefill_tok_s,
                   "read_mb_per_token": m.stats.summary()["bytes_read_per_token"] / 1e6}))
 """
+
+
+# RAM read per pass of the roofline probe: far beyond the caches.
+MEMORY_PROBE_BYTES = 1 << 30
+
+
+def _step_bytes(path: str) -> int:
+    """The weight bytes a resident decode step reads: every layer's tensors, the final norm and the output head (the
+    token embedding where the head is tied to it)."""
+    tensors = open_model_file(path).tensors
+    head = "output.weight" if "output.weight" in tensors else "token_embd.weight"
+    return sum(t.nbytes for name, t in tensors.items()
+               if name.startswith("blk.") or name in (head, "output_norm.weight"))
+
+
+def _memory_gb_s(threads: int) -> float:
+    """The kernel threads' RAM read rate, the median of 5 passes (`ntio-bench memory`)."""
+    _core.set_kernel_threads(threads)
+    return MEMORY_PROBE_BYTES / statistics.median(_core.memory_read_seconds(MEMORY_PROBE_BYTES, 5)) / 1e9
 
 
 def _last_json(cmd: list[str], env: dict[str, str] | None = None) -> dict:
@@ -70,22 +97,28 @@ def main() -> None:
                                        env={**os.environ, "THREADS": str(args.threads)}),
     }
     names = list(runs)
+    step_bytes = _step_bytes(path)
     rounds = []
     for r in range(args.rounds):
         row = {}
         for name in names[r % len(names):] + names[: r % len(names)]:
             result = runs[name]()
             row.update({f"{name}_{k}": v for k, v in result.items() if isinstance(v, float)})
+        row["memory_gb_s"] = _memory_gb_s(args.threads)
+        row["memory_bound_decode_tok_s"] = row["memory_gb_s"] * 1e9 / step_bytes
         rounds.append(row)
         print(json.dumps({"round": r, **row}), file=sys.stderr)
     summary = {"model": os.path.basename(path), "machine": platform.processor() or platform.machine(),
-               "threads": args.threads, "tokens": args.tokens, "rounds": rounds}
+               "threads": args.threads, "tokens": args.tokens, "step_mb": step_bytes / 1e6, "rounds": rounds}
     for key in rounds[0]:
         summary[f"{key}_median"] = statistics.median(row[key] for row in rounds)
     for name in ("ntio_resident", "ntio_all_c"):
         for what in ("decode_tok_s", "prefill_tok_s"):
             ratios = [row[f"{name}_{what}"] / row[f"llamacpp_{what}"] for row in rounds]
             summary[f"{name}_{what}_vs_llamacpp"] = statistics.median(ratios)
+    for name in ("ntio_resident", "llamacpp"):
+        summary[f"{name}_decode_vs_memory_bound"] = statistics.median(
+            row[f"{name}_decode_tok_s"] / row["memory_bound_decode_tok_s"] for row in rounds)
     print(json.dumps(summary))
     if args.plot:
         draw(summary, args.plot)

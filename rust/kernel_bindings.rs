@@ -2,7 +2,7 @@
 //! Tensors cross as buffer-protocol objects (numpy views of torch tensors, made by `ntio.kernels.cpu_kernels`),
 //! checked for element type, layout, writability and overlap before any slice is formed.
 
-use pyo3::exceptions::{PyRuntimeError, PyValueError};
+use pyo3::exceptions::{PyMemoryError, PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
 
 use crate::buffer_bindings::Lent;
@@ -19,6 +19,7 @@ impl From<KernelError> for PyErr {
             KernelError::Threads { .. } | KernelError::Panicked => {
                 PyRuntimeError::new_err(err.to_string())
             }
+            KernelError::Memory { .. } => PyMemoryError::new_err(err.to_string()),
         }
     }
 }
@@ -586,10 +587,19 @@ fn kernel_threads() -> usize {
     kernels::threads()
 }
 
+/// Seconds each of `repeats` passes of the kernel threads took to read `nbytes` of RAM once: the rate that bounds
+/// a decode step, which reads every resident weight once (`ntio-bench memory`).
+#[pyfunction]
+#[pyo3(signature = (nbytes, repeats=5))]
+fn memory_read_seconds(py: Python<'_>, nbytes: usize, repeats: usize) -> PyResult<Vec<f64>> {
+    Ok(py.detach(|| kernels::memory_read_seconds(nbytes, repeats))?)
+}
+
 pub fn register(m: &Bound<PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(quantized_matmul, m)?)?;
     m.add_function(wrap_pyfunction!(set_kernel_threads, m)?)?;
     m.add_function(wrap_pyfunction!(kernel_threads, m)?)?;
+    m.add_function(wrap_pyfunction!(memory_read_seconds, m)?)?;
     m.add_function(wrap_pyfunction!(check_kernel_isa, m)?)?;
     m.add_function(wrap_pyfunction!(attend, m)?)?;
     m.add_function(wrap_pyfunction!(dequantize, m)?)?;

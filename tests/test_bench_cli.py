@@ -36,6 +36,25 @@ def test_read_reports_bandwidth_iops_and_latency(data_file, pattern):
     assert r["backend"] in ("io_uring", "pread", "buffered")
 
 
+def test_memory_reads_ram_on_the_threads_asked_for():
+    from ntio import _core
+
+    threads = _core.kernel_threads()
+    try:
+        r = run("memory", "--size", "64", "--repeats", "3", "--threads", "1")
+    finally:
+        _core.set_kernel_threads(threads)
+    assert r["bytes"] == 64 << 20 and r["threads"] == 1 and len(r["passes_gb_s"]) == 3
+    assert 0 < r["gb_s"] <= r["best_gb_s"] == max(r["passes_gb_s"])
+
+
+def test_memory_beyond_the_ram_is_one_line():
+    result = CliRunner().invoke(bench, ["memory", "--size", str(1 << 40)])
+    assert result.exit_code == 1
+    assert result.output.startswith(f"ntio-bench: error: --size {1 << 40} MiB is more than the ")
+    assert len(result.output.strip().splitlines()) == 1
+
+
 def test_buffered_read_is_not_cold(data_file):
     r = run("read", str(data_file), "--buffered")
     assert r["backend"] == "buffered" and r["cold"] is False and r["bytes"] == 4 << 20

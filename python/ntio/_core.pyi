@@ -176,6 +176,7 @@ def interleaved_kernels(isa: str = "best", int8: bool = True) -> bool:
 def set_kernel_threads(n: int) -> None:
     """Use `n` kernel threads (0: one per available CPU)."""
 def kernel_threads() -> int: ...
+def memory_read_seconds(nbytes: int, repeats: int = 5) -> list[float]: ...
 
 # -- the ntio store and the extent index (`rust/store_bindings.rs`) ------------------------------------------------
 

@@ -1,4 +1,5 @@
-"""`ntio-bench`: raw read bandwidth, per-layer load time and sparse-extent bandwidth through ntio's Rust reader.
+"""`ntio-bench`: raw read bandwidth, per-layer load time and sparse-extent bandwidth through ntio's Rust reader;
+the RAM read rate of the kernel threads (`memory`), which bounds a decode step over resident weights.
 
 Every read goes through `_core.timed_read`: the reader's own path (extent planning, io_uring or pread, O_DIRECT)
 with per-request latency taken in Rust, into a scratch buffer. Reads are cold because they are O_DIRECT (no page
@@ -16,6 +17,7 @@ import json
 import os
 import random
 import re
+import statistics
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -204,6 +206,31 @@ def _fio_size(text: str) -> int:
     if m is None:
         raise ValueError(f"bs {text!r}")
     return int(m[1]) * 1024 ** " kmg".index(m[2] or " ")
+
+
+@main.command()
+@click.option("--size", "size_mib", type=SIZE, default=1024, show_default=True,
+              help="MiB of RAM read per pass (far beyond the caches)")
+@click.option("--repeats", type=SIZE, default=5, show_default=True, help="Passes over it")
+@click.option("--threads", type=click.IntRange(min=0), default=0, show_default=True,
+              help="Kernel threads (0: one per CPU)")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object")
+def memory(size_mib, repeats, threads, as_json) -> None:
+    """How fast the kernel threads read RAM. A decode step over resident weights reads each weight byte once, so
+    it takes at least (the weights' bytes) / this rate: the roofline that `benches/decode_vs_llamacpp.py` reports
+    each engine against. `gb_s`: the median pass."""
+    from ntio.runtime.memory import ram_room
+
+    nbytes = size_mib << 20
+    room = ram_room()
+    if nbytes > room.available:
+        raise OptionError("size", f"{size_mib} MiB is more than the {room.available >> 20} MiB of RAM this process "
+                                  f"may use ({room.source})")
+    _core.set_kernel_threads(threads)
+    seconds = _core.memory_read_seconds(nbytes, repeats)
+    rates = [nbytes / s / 1e9 for s in seconds]
+    _emit({"command": "memory", "bytes": nbytes, "threads": _core.kernel_threads(), "gb_s": statistics.median(rates),
+           "best_gb_s": max(rates), "passes_gb_s": rates}, as_json)
 
 
 @main.command()

@@ -310,6 +310,8 @@ pub enum KernelError {
     Threads { threads: usize, reason: String },
     #[error("a kernel task panicked (a bug in ntio's kernels)")]
     Panicked,
+    #[error("could not allocate {bytes} bytes of RAM")]
+    Memory { bytes: usize },
 }
 
 fn mismatch(message: String) -> Result<(), KernelError> {

@@ -16,6 +16,7 @@
 //! - `attention`: RoPE, KV-cache writes and attention of a few new tokens (float32);
 //! - `block`: a whole pre-norm decoder block (the products and attention above) in one call, or a stack of them;
 //! - `team`: the kernel threads, which the calling thread joins;
+//! - `memory_rate`: how fast those threads read RAM (a decode step's roofline);
 //! - `matmul`: the entry point, argument checks, kernel selection and work split.
 //!
 //! Imports go one way: the row kernels (`dot`, `avx2`, `avx512`, `neon`) use `blocks` and `rows`; `matmul` uses
@@ -34,6 +35,7 @@ mod dot;
 mod exp;
 mod interleave;
 mod matmul;
+mod memory_rate;
 #[cfg(target_arch = "aarch64")]
 mod neon;
 mod q8;
@@ -48,4 +50,5 @@ pub use matmul::{
     interleaved_kernels, quantized_matmul, set_threads, threads, Activations8, Gate, Isa,
     KernelError, Matrix, Prologue, QType,
 };
+pub use memory_rate::memory_read_seconds;
 pub use rows::MAX_T;
