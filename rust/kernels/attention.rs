@@ -38,6 +38,15 @@ pub struct AttentionShape {
 /// 1.045x faster splitting from 2^13 than from 2^16 (Zen 4 VM, 2026-11-27, in-process A/B, 10 of 12 rounds).
 const MIN_PARALLEL_WORK: usize = 1 << 13;
 
+/// Cached positions per attention task. A task attends the query heads of one KV head (GQA's group, which share
+/// its keys and values: each is read once for all of them) over one chunk of positions, and the chunks' partial
+/// softmaxes are merged in order. Chunks start at fixed multiples of CHUNK, so a query's result depends on neither
+/// the rows nor the threads beside it. Per query head, as before, a SmolLM2 step at 2,900 cached positions read each
+/// KV head's 1.5 MB of keys and values (past the L2) once for each of its 3 query heads.
+const CHUNK: usize = 256;
+/// Attention tasks per kernel thread at least, where the cache is long enough for them (see `attend`).
+const TASKS_PER_THREAD: usize = 2;
+
 fn mismatch(message: String) -> Result<(), KernelError> {
     Err(KernelError::Mismatch(message))
 }
@@ -117,111 +126,174 @@ pub fn attend(
         }
     }
     let (qkv, cache_k, cache_v) = (&*qkv, &*cache_k, &*cache_v);
-    let out_ptr = OutPtr(out.as_mut_ptr());
-    let head_fn = |h: usize| {
-        let mut scores = vec![0f32; end];
-        let kv = h / (hq / hkv);
-        let keys = &cache_k[kv * capacity * hd..][..end * hd];
-        let values = &cache_v[kv * capacity * hd..][..end * hd];
-        let mut acc = vec![0f32; hd];
+    // Tasks: (KV head, chunk of positions, part of its group of query heads). Each writes, for every new row and
+    // each of its query heads, the chunk's partial softmax [acc (hd), peak, total]; they are merged below in chunk
+    // order. A group is split only where there are too few (KV head, chunk) pairs to keep every thread busy (a
+    // short cache): how heads are grouped changes no result, only how often a key is read.
+    let team = team()?;
+    let group = hq / hkv;
+    let chunks = end.div_ceil(CHUNK);
+    let splits = group.min((TASKS_PER_THREAD * team.threads()).div_ceil(hkv * chunks));
+    let part = hd + 2;
+    let mut partials = vec![0f32; hkv * chunks * t * group * part];
+    let at = |kv: usize, c: usize, ti: usize| ((kv * chunks + c) * t + ti) * group * part;
+    let parts_ptr = OutPtr(partials.as_mut_ptr());
+    let task = |i: usize| {
+        let (kv, c, split) = (i / (chunks * splits), i / splits % chunks, i % splits);
+        let heads = split * group / splits..(split + 1) * group / splits;
+        let first = c * CHUNK;
+        let n = CHUNK.min(end - first);
+        let keys = &cache_k[(kv * capacity + first) * hd..][..n * hd];
+        let values = &cache_v[(kv * capacity + first) * hd..][..n * hd];
+        let mut scores = vec![0f32; heads.len() * n];
         for ti in 0..t {
-            let q = &qkv[ti * width + h * hd..][..hd];
-            let allowed = |j: usize| mask.is_none_or(|m| m[ti * end + j] != 0);
-            let x = Query {
-                q,
+            let allowed = |j: usize| mask.is_none_or(|m| m[ti * end + first + j] != 0);
+            // SAFETY: the partials of (kv, c, ti) and these heads (inside the buffer's hkv * chunks * t * group *
+            // part) are this task's alone.
+            let out = unsafe {
+                std::slice::from_raw_parts_mut(
+                    parts_ptr.at(at(kv, c, ti) + heads.start * part),
+                    heads.len() * part,
+                )
+            };
+            let x = Chunk {
+                hd,
+                queries: &qkv[ti * width + (kv * group + heads.start) * hd..][..heads.len() * hd],
                 keys,
                 values,
                 scores: &mut scores,
-                acc: &mut acc,
+                out,
             };
-            one_query(x, allowed);
-            // SAFETY: row ti, head h of `out` (checked size t * hq * hd) belongs to this task alone.
-            let dst = unsafe { std::slice::from_raw_parts_mut(out_ptr.at((ti * hq + h) * hd), hd) };
-            dst.copy_from_slice(&acc);
+            chunk_query(x, allowed);
         }
     };
-    let team = team()?;
+    let tasks = hkv * chunks * splits;
     if t * hq * end * hd < MIN_PARALLEL_WORK || team.threads() == 1 {
-        (0..hq).for_each(head_fn);
-    } else if !team.run(hq, &head_fn) {
+        (0..tasks).for_each(task);
+    } else if !team.run(tasks, &task) {
         return Err(KernelError::Panicked);
+    }
+    for ti in 0..t {
+        for h in 0..hq {
+            let (kv, g) = (h / group, h % group);
+            let parts = (0..chunks).map(|c| &partials[at(kv, c, ti) + g * part..][..part]);
+            merge(parts, &mut out[(ti * hq + h) * hd..][..hd]);
+        }
     }
     Ok(())
 }
 
-/// One query over a head's cache: q [hd], the cached keys and values [L, hd]; `scores` [L] is scratch and `acc`
-/// [hd] receives the output.
-struct Query<'a> {
-    q: &'a [f32],
+/// One chunk of a KV head's cache [n positions] and the query heads of its group: queries [group, hd], the
+/// chunk's keys and values [n, hd]; `scores` [group, n] is scratch; `out` [group, hd + 2] receives each head's
+/// partial softmax (see `chunk_query`).
+struct Chunk<'a> {
+    hd: usize,
+    queries: &'a [f32],
     keys: &'a [f32],
     values: &'a [f32],
     scores: &'a mut [f32],
-    acc: &'a mut [f32],
+    out: &'a mut [f32],
 }
 
-/// acc = softmax(q · keys[j] / sqrt(hd) over allowed j) · values. With AVX2 + FMA compiled for them (the same
-/// steps, so the same bits: no operation is fused or reordered by the compiler).
-fn one_query(x: Query, allowed: impl Fn(usize) -> bool) {
+/// Each query head's partial softmax over the chunk's allowed positions j: [Σ_j p_j · values[j], peak, Σ_j p_j]
+/// with p_j = e^(q · keys[j] / sqrt(hd) - peak) and peak the largest such score (-inf, and zeros, where no
+/// position is allowed). Each key and value is read once for all the heads of the group. With AVX2 + FMA
+/// compiled for them (the same steps, so the same bits: no operation is fused or reordered by the compiler).
+fn chunk_query(x: Chunk, allowed: impl Fn(usize) -> bool) {
     #[cfg(target_arch = "x86_64")]
     if super::avx2::available() {
         // SAFETY: the CPU has AVX2 and FMA.
-        return unsafe { one_query_avx2(x, allowed) };
+        return unsafe { chunk_query_avx2(x, allowed) };
     }
-    query(x, allowed);
+    partial_softmax(x, allowed);
 }
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
-fn one_query_avx2(x: Query, allowed: impl Fn(usize) -> bool) {
-    query(x, allowed);
+fn chunk_query_avx2(x: Chunk, allowed: impl Fn(usize) -> bool) {
+    partial_softmax(x, allowed);
 }
 
 #[inline(always)]
-fn query(x: Query, allowed: impl Fn(usize) -> bool) {
-    let Query {
-        q,
+fn partial_softmax(x: Chunk, allowed: impl Fn(usize) -> bool) {
+    let Chunk {
+        hd,
+        queries,
         keys,
         values,
         scores,
-        acc,
+        out,
     } = x;
-    let hd = q.len();
+    let n = keys.len() / hd;
     let scale = 1.0 / (hd as f32).sqrt();
-    let mut peak = f32::NEG_INFINITY;
-    for (j, (score, k)) in scores.iter_mut().zip(keys.chunks_exact(hd)).enumerate() {
-        *score = if allowed(j) {
-            dot(q, k) * scale
-        } else {
-            f32::NEG_INFINITY
-        };
-        peak = peak.max(*score);
+    for (j, k) in keys.chunks_exact(hd).enumerate() {
+        let ok = allowed(j);
+        for (g, q) in queries.chunks_exact(hd).enumerate() {
+            scores[g * n + j] = if ok {
+                dot(q, k) * scale
+            } else {
+                f32::NEG_INFINITY
+            };
+        }
     }
-    acc.fill(0.0);
-    if peak == f32::NEG_INFINITY {
-        acc.fill(f32::NAN); // no position to attend to: what SDPA gives for an all-false mask row
-        return;
-    }
-    // The weights e^(score - peak) in one pass that vectorizes (`exp`), 0 exactly where masked (`exp` never gives
-    // 0: it clamps at e^-86).
-    for p in scores.iter_mut() {
-        *p = if *p == f32::NEG_INFINITY {
-            0.0
-        } else {
-            exp(*p - peak)
-        };
-    }
-    let mut total = 0f32;
-    for (&p, v) in scores.iter().zip(values.chunks_exact(hd)) {
-        if p == 0.0 {
+    for (s, o) in scores.chunks_exact_mut(n).zip(out.chunks_exact_mut(hd + 2)) {
+        let peak = s.iter().fold(f32::NEG_INFINITY, |m, &x| m.max(x));
+        o.fill(0.0);
+        o[hd] = peak;
+        if peak == f32::NEG_INFINITY {
+            s.fill(0.0); // nothing allowed: no weight
             continue;
         }
-        total += p;
-        for (a, x) in acc.iter_mut().zip(v) {
-            *a += p * x;
+        // The weights e^(score - peak) in one pass that vectorizes (`exp`), 0 exactly where masked (`exp` never
+        // gives 0: it clamps at e^-86).
+        for p in s.iter_mut() {
+            *p = if *p == f32::NEG_INFINITY {
+                0.0
+            } else {
+                exp(*p - peak)
+            };
         }
     }
-    for a in acc.iter_mut() {
-        *a /= total;
+    for (j, v) in values.chunks_exact(hd).enumerate() {
+        for (g, o) in out.chunks_exact_mut(hd + 2).enumerate() {
+            let p = scores[g * n + j];
+            if p == 0.0 {
+                continue;
+            }
+            o[hd + 1] += p;
+            for (a, x) in o[..hd].iter_mut().zip(v) {
+                *a += p * x;
+            }
+        }
+    }
+}
+
+/// A query head's attention output from its chunks' partial softmaxes [acc (hd), peak, total], in chunk order:
+/// Σ_c acc_c · e^(peak_c - peak) / Σ_c total_c · e^(peak_c - peak) over the chunks with an allowed position, the
+/// factor exactly 1 for the chunk holding the peak (so that one chunk gives acc / total, bit for bit). NaN where no
+/// position is allowed, as SDPA gives for an all-false mask row.
+fn merge<'a>(parts: impl Iterator<Item = &'a [f32]> + Clone, dst: &mut [f32]) {
+    let hd = dst.len();
+    let peak = parts.clone().fold(f32::NEG_INFINITY, |m, p| m.max(p[hd]));
+    if peak == f32::NEG_INFINITY {
+        dst.fill(f32::NAN);
+        return;
+    }
+    dst.fill(0.0);
+    let mut total = 0f32;
+    for p in parts.filter(|p| p[hd] != f32::NEG_INFINITY) {
+        let factor = if p[hd] == peak {
+            1.0
+        } else {
+            exp(p[hd] - peak)
+        };
+        total += p[hd + 1] * factor;
+        for (d, a) in dst.iter_mut().zip(&p[..hd]) {
+            *d += a * factor;
+        }
+    }
+    for d in dst.iter_mut() {
+        *d /= total;
     }
 }
 
@@ -273,63 +345,63 @@ mod tests {
         }
     }
 
-    /// `one_query` as this CPU runs it (compiled for AVX2 + FMA where it has them) against the portable build,
-    /// bit for bit: masked and unmasked positions, scores far below the peak, lengths not a multiple of 8.
+    /// `chunk_query` as this CPU runs it (compiled for AVX2 + FMA where it has them) against the portable build,
+    /// bit for bit: groups of 1-3 query heads, masked and unmasked positions, scores far below the peak, lengths
+    /// not a multiple of 8, a chunk with nothing allowed.
     #[test]
-    fn a_query_gives_the_portable_builds_bits() {
+    fn a_chunk_gives_the_portable_builds_bits() {
         let mut rnd = uniform(11);
-        for (hd, len) in [(64, 37), (128, 130), (8, 1)] {
-            let q: Vec<f32> = (0..hd).map(|_| 30.0 * rnd()).collect();
+        for (hd, len, group) in [(64, 37, 3), (128, 130, 2), (8, 1, 1)] {
+            let queries: Vec<f32> = (0..group * hd).map(|_| 30.0 * rnd()).collect();
             let keys: Vec<f32> = (0..len * hd).map(|_| rnd()).collect();
             let values: Vec<f32> = (0..len * hd).map(|_| rnd()).collect();
-            let allowed = |j: usize| j % 5 != 3;
-            let (mut scores, mut acc, mut portable) =
-                (vec![0f32; len], vec![0f32; hd], vec![0f32; hd]);
-            let (q, keys, values) = (&q[..], &keys[..], &values[..]);
-            let scores = &mut scores[..];
-            let x = Query {
-                q,
-                keys,
-                values,
-                scores,
-                acc: &mut acc,
-            };
-            one_query(x, allowed);
-            let x = Query {
-                q,
-                keys,
-                values,
-                scores,
-                acc: &mut portable,
-            };
-            query(x, allowed);
-            assert!(
-                acc.iter()
-                    .zip(&portable)
-                    .all(|(a, b)| a.to_bits() == b.to_bits()),
-                "hd {hd}, {len} positions"
-            );
-            assert!(acc.iter().all(|a| a.is_finite()));
+            for allowed in [|j: usize| j % 5 != 3, |_: usize| false] {
+                let mut scores = vec![0f32; group * len];
+                let (mut out, mut portable) =
+                    (vec![0f32; group * (hd + 2)], vec![1f32; group * (hd + 2)]);
+                for (out, portable) in [(&mut out, false), (&mut portable, true)] {
+                    let x = Chunk {
+                        hd,
+                        queries: &queries,
+                        keys: &keys,
+                        values: &values,
+                        scores: &mut scores,
+                        out,
+                    };
+                    if portable {
+                        partial_softmax(x, allowed);
+                    } else {
+                        chunk_query(x, allowed);
+                    }
+                }
+                assert!(
+                    out.iter()
+                        .zip(&portable)
+                        .all(|(a, b)| a.to_bits() == b.to_bits()),
+                    "hd {hd}, {len} positions, group {group}"
+                );
+                assert!(out.iter().all(|a| !a.is_nan()));
+            }
         }
     }
 
-    /// Attention written the plain way, in float64: rotate, then softmax over allowed positions.
-    #[test]
-    fn matches_a_float64_reference_with_gqa_partial_rope_and_a_mask() {
-        let s = AttentionShape {
-            n_heads: 4,
-            n_kv_heads: 2,
-            head_dim: 8,
-            rope_dim: 6,
-            rope: RopeKind::Neox,
-        };
-        let (t, start, capacity) = (3, 2, 8);
-        let width = (4 + 4) * 8;
-        let mut rnd = uniform(3);
+    /// Runs `attend` for t new rows at `start` (causal, with position 1 hidden from row 0) on random caches and
+    /// checks every output against attention written the plain way in float64 (rotate, then softmax over allowed
+    /// positions) and every written key against its rotation. Returns (out, the caches after the call).
+    fn check_against_float64(
+        s: AttentionShape,
+        t: usize,
+        start: usize,
+        capacity: usize,
+        seed: u64,
+    ) -> (Vec<f32>, Vec<f32>, Vec<f32>) {
+        let (hq, hkv, hd, half) = (s.n_heads, s.n_kv_heads, s.head_dim, s.rope_dim / 2);
+        let width = (hq + 2 * hkv) * hd;
+        let mut rnd = uniform(seed);
         let qkv: Vec<f32> = (0..t * width).map(|_| rnd()).collect();
-        let mut cache_k: Vec<f32> = (0..2 * capacity * 8).map(|_| rnd()).collect();
-        let mut cache_v: Vec<f32> = (0..2 * capacity * 8).map(|_| rnd()).collect();
-        let angles: Vec<f32> = (0..t * 3).map(|i| 0.3 * i as f32).collect();
+        let mut cache_k: Vec<f32> = (0..hkv * capacity * hd).map(|_| rnd()).collect();
+        let mut cache_v: Vec<f32> = (0..hkv * capacity * hd).map(|_| rnd()).collect();
+        let angles: Vec<f32> = (0..t * half).map(|i| 0.3 * i as f32).collect();
         let (cos, sin): (Vec<f32>, Vec<f32>) = angles.iter().map(|a| (a.cos(), a.sin())).unzip();
         let end = start + t;
         let mask: Vec<u8> = (0..t * end)
@@ -337,7 +409,7 @@ mod tests {
             .collect();
         let (ref_k, ref_v) = (cache_k.clone(), cache_v.clone());
         let mut rotated = qkv.clone();
-        let mut out = vec![0f32; t * 4 * 8];
+        let mut out = vec![0f32; t * hq * hd];
         attend(
             &mut rotated,
             &mut cache_k,
@@ -351,22 +423,22 @@ mod tests {
             s,
         )
         .unwrap();
-        // reference: rotate in float64 (neox pairs (i, i + 3) of the first 6 features)
+        // The rotation in float64 (neox pairs (i, i + R/2) of the first R features).
         let rot = |v: &[f32], ti: usize| -> Vec<f64> {
             let mut x: Vec<f64> = v.iter().map(|&f| f64::from(f)).collect();
-            for i in 0..3 {
-                let (c, sn) = (f64::from(cos[ti * 3 + i]), f64::from(sin[ti * 3 + i]));
-                let (a, b) = (x[i], x[i + 3]);
+            for i in 0..half {
+                let (c, sn) = (f64::from(cos[ti * half + i]), f64::from(sin[ti * half + i]));
+                let (a, b) = (x[i], x[i + half]);
                 x[i] = a * c - b * sn;
-                x[i + 3] = a * sn + b * c;
+                x[i + half] = a * sn + b * c;
             }
             x
         };
         let key = |h: usize, j: usize| -> Vec<f64> {
             if j >= start {
-                rot(&qkv[(j - start) * width + (4 + h) * 8..][..8], j - start)
+                rot(&qkv[(j - start) * width + (hq + h) * hd..][..hd], j - start)
             } else {
-                ref_k[(h * capacity + j) * 8..][..8]
+                ref_k[(h * capacity + j) * hd..][..hd]
                     .iter()
                     .map(|&f| f64::from(f))
                     .collect()
@@ -374,45 +446,120 @@ mod tests {
         };
         let value = |h: usize, j: usize| -> Vec<f64> {
             let src = if j >= start {
-                &qkv[(j - start) * width + (6 + h) * 8..]
+                &qkv[(j - start) * width + (hq + hkv + h) * hd..]
             } else {
-                &ref_v[(h * capacity + j) * 8..]
+                &ref_v[(h * capacity + j) * hd..]
             };
-            src[..8].iter().map(|&f| f64::from(f)).collect()
+            src[..hd].iter().map(|&f| f64::from(f)).collect()
         };
         for ti in 0..t {
-            for h in 0..4 {
-                let q = rot(&qkv[ti * width + h * 8..][..8], ti);
-                let kv = h / 2;
+            for h in 0..hq {
+                let q = rot(&qkv[ti * width + h * hd..][..hd], ti);
+                let kv = h / (hq / hkv);
                 let scores: Vec<f64> = (0..end)
                     .map(|j| {
                         if mask[ti * end + j] == 0 {
                             f64::NEG_INFINITY
                         } else {
-                            q.iter().zip(key(kv, j)).map(|(a, b)| a * b).sum::<f64>() / 8f64.sqrt()
+                            let dot: f64 = q.iter().zip(key(kv, j)).map(|(a, b)| a * b).sum();
+                            dot / (hd as f64).sqrt()
                         }
                     })
                     .collect();
                 let peak = scores.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
                 let p: Vec<f64> = scores.iter().map(|s| (s - peak).exp()).collect();
                 let total: f64 = p.iter().sum();
-                for d in 0..8 {
-                    let want: f64 = (0..end).map(|j| p[j] * value(kv, j)[d]).sum::<f64>() / total;
-                    let got = f64::from(out[(ti * 4 + h) * 8 + d]);
+                let values: Vec<Vec<f64>> = (0..end).map(|j| value(kv, j)).collect();
+                for d in 0..hd {
+                    let want: f64 = (0..end).map(|j| p[j] * values[j][d]).sum::<f64>() / total;
+                    let got = f64::from(out[(ti * hq + h) * hd + d]);
                     assert!(
                         (got - want).abs() < 1e-5,
                         "t {ti} head {h} d {d}: {got} vs {want}"
                     );
                 }
             }
-            for h in 0..2 {
+            for h in 0..hkv {
                 let pos = start + ti;
-                let k: Vec<f64> = cache_k[(h * capacity + pos) * 8..][..8]
+                let k: Vec<f64> = cache_k[(h * capacity + pos) * hd..][..hd]
                     .iter()
                     .map(|&f| f64::from(f))
                     .collect();
                 assert!(k.iter().zip(key(h, pos)).all(|(a, b)| (a - b).abs() < 1e-6));
             }
+        }
+        (out, cache_k, cache_v)
+    }
+
+    const SHAPE: AttentionShape = AttentionShape {
+        n_heads: 4,
+        n_kv_heads: 2,
+        head_dim: 8,
+        rope_dim: 6,
+        rope: RopeKind::Neox,
+    };
+
+    #[test]
+    fn matches_a_float64_reference_with_gqa_partial_rope_and_a_mask() {
+        check_against_float64(SHAPE, 3, 2, 8, 3);
+    }
+
+    /// Past one chunk of positions: the chunks' partial softmaxes merged (three query heads a KV head).
+    #[test]
+    fn matches_a_float64_reference_over_several_chunks() {
+        let s = AttentionShape {
+            n_heads: 6,
+            n_kv_heads: 2,
+            head_dim: 16,
+            rope_dim: 16,
+            rope: RopeKind::Neox,
+        };
+        check_against_float64(s, 3, 2 * CHUNK + 37, 3 * CHUNK, 5);
+    }
+
+    /// A row's output does not depend on the rows beside it: three rows at once past two chunks give, bit for bit,
+    /// what each gives alone at its position after the rows before it (as decode steps would).
+    #[test]
+    fn a_rows_output_is_the_same_alone_and_among_others() {
+        let (t, start, capacity) = (3, 2 * CHUNK - 2, 3 * CHUNK);
+        let (together, ..) = check_against_float64(SHAPE, t, start, capacity, 9);
+        let (hq, hkv, hd) = (SHAPE.n_heads, SHAPE.n_kv_heads, SHAPE.head_dim);
+        let width = (hq + 2 * hkv) * hd;
+        // The same inputs as check_against_float64 draws, fed one row at a time.
+        let mut rnd = uniform(9);
+        let qkv: Vec<f32> = (0..t * width).map(|_| rnd()).collect();
+        let mut cache_k: Vec<f32> = (0..hkv * capacity * hd).map(|_| rnd()).collect();
+        let mut cache_v: Vec<f32> = (0..hkv * capacity * hd).map(|_| rnd()).collect();
+        let angles: Vec<f32> = (0..t * 3).map(|i| 0.3 * i as f32).collect();
+        let (cos, sin): (Vec<f32>, Vec<f32>) = angles.iter().map(|a| (a.cos(), a.sin())).unzip();
+        for ti in 0..t {
+            let end = start + ti + 1;
+            let mask: Vec<u8> = (0..end)
+                .map(|j| u8::from(ti * (start + t) + j != 1))
+                .collect();
+            let mut row = qkv[ti * width..][..width].to_vec();
+            let mut alone = vec![0f32; hq * hd];
+            attend(
+                &mut row,
+                &mut cache_k,
+                &mut cache_v,
+                capacity,
+                start + ti,
+                &cos[ti * 3..][..3],
+                &sin[ti * 3..][..3],
+                Some(&mask),
+                &mut alone,
+                SHAPE,
+            )
+            .unwrap();
+            let among = &together[ti * hq * hd..][..hq * hd];
+            assert!(
+                alone
+                    .iter()
+                    .zip(among)
+                    .all(|(a, b)| a.to_bits() == b.to_bits()),
+                "row {ti}"
+            );
         }
     }
 
