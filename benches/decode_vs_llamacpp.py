@@ -2,8 +2,8 @@
 
 Each engine runs in a fresh process: load, then one greedy chat completion of `--tokens` tokens on the same prompt
 (for ntio as plain text where the model has no chat template, as the synthetic ones: llama-cpp-python then applies
-its default format), with the same thread count; decode and prefill tok/s come from each engine's own counters (ntio's Completion,
-llama.cpp's perf context via ../shared/tools/llamacpp_decode.py). Engines alternate within every round (the order
+its default format), with the same thread count; decode and prefill tok/s come from each engine's own counters
+(ntio's Completion, llama.cpp's perf context via ../shared/tools/llamacpp_decode.py). Engines alternate within every round (the order
 rotates), and the result is one JSON object: per-round figures, medians, and median per-round ratios to llama.cpp.
 
 Each round also measures the roofline of resident decode: a step over resident weights reads every weight byte once
@@ -13,7 +13,12 @@ bytes / the rate the kernel threads read RAM (`ntio-bench memory`, measured in t
 its weights at the RAM's rate.
 
     python benches/decode_vs_llamacpp.py [--model NAME|PATH] [--rounds 3] [--tokens 64] [--threads 2]
+                                         [--summarize FILE --ctx-size 4096]   (a long context)
                                          [--llamacpp PYTHON]   (the peer's venv, built by build-llamacpp.sh)
+
+`--summarize FILE` asks each engine to summarize FILE's text instead of the short question: decode then attends
+over the whole text (tests/data/apache-2.0.txt is ~2,500 tokens). There the KV cache adds its own bytes to a step,
+stored differently by each engine (ntio float32, llama.cpp float16), beyond the weights' memory bound below.
 """
 
 from __future__ import annotations
@@ -42,9 +47,10 @@ import json, sys
 import ntio
 from ntio.formats.model_file import open_model_file
 from ntio.kernels import cpu_kernels
-path, tiers, tokens, threads, prompt = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), sys.argv[5]
+path, tiers, prompt = sys.argv[1], sys.argv[2], sys.argv[5]
+tokens, threads, ctx = int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[6])
 cpu_kernels.set_threads(threads)
-m = ntio.load(path, max_context=1024, tiers=tiers, threads=threads)
+m = ntio.load(path, max_context=ctx, tiers=tiers, threads=threads)
 chat = "tokenizer.chat_template" in open_model_file(path).metadata  # synthetic models have none: plain text
 c = m.generate(prompt, chat=chat, max_new_tokens=tokens)
 print(json.dumps({"decode_tok_s": c.decode_tok_s, "prefill_tok_s": c.prefill_tok_s,
@@ -82,19 +88,21 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--summarize", type=Path, help="ask for a summary of this file's text (a long context)")
+    ap.add_argument("--ctx-size", type=int, default=1024, help="both engines' context")
     ap.add_argument("--llamacpp", default=str(PEER_PYTHON), help="python of the llama-cpp-python venv")
     ap.add_argument("--plot", type=Path, help="draw the result into this PNG (benches/figures.py)")
     args = ap.parse_args()
     if args.plot:
         check_figure_path(args.plot)
     path = str(resolve_model(args.model))
+    prompt = PROMPT if args.summarize is None else f"Summarize this text:\n\n{args.summarize.read_text()}"
+    ntio_args = [str(args.tokens), str(args.threads), prompt, str(args.ctx_size)]
     runs = {
-        "ntio_resident": lambda: _last_json([sys.executable, "-c", _NTIO, path, "A", str(args.tokens),
-                                             str(args.threads), PROMPT]),
-        "ntio_all_c": lambda: _last_json([sys.executable, "-c", _NTIO, path, "C", str(args.tokens),
-                                          str(args.threads), PROMPT]),
-        "llamacpp": lambda: _last_json([args.llamacpp, str(PEER_SCRIPT), path, str(args.tokens), PROMPT],
-                                       env={**os.environ, "THREADS": str(args.threads)}),
+        "ntio_resident": lambda: _last_json([sys.executable, "-c", _NTIO, path, "A", *ntio_args]),
+        "ntio_all_c": lambda: _last_json([sys.executable, "-c", _NTIO, path, "C", *ntio_args]),
+        "llamacpp": lambda: _last_json([args.llamacpp, str(PEER_SCRIPT), path, str(args.tokens), prompt],
+                                       env={**os.environ, "THREADS": str(args.threads), "NCTX": str(args.ctx_size)}),
     }
     names = list(runs)
     step_bytes = _step_bytes(path)
@@ -109,7 +117,9 @@ def main() -> None:
         rounds.append(row)
         print(json.dumps({"round": r, **row}), file=sys.stderr)
     summary = {"model": os.path.basename(path), "machine": platform.processor() or platform.machine(),
-               "threads": args.threads, "tokens": args.tokens, "step_mb": step_bytes / 1e6, "rounds": rounds}
+               "threads": args.threads, "tokens": args.tokens, "prompt": "question" if args.summarize is None else
+               f"summarize {args.summarize.name}", "ctx_size": args.ctx_size, "step_mb": step_bytes / 1e6,
+               "rounds": rounds}
     for key in rounds[0]:
         summary[f"{key}_median"] = statistics.median(row[key] for row in rounds)
     for name in ("ntio_resident", "ntio_all_c"):
