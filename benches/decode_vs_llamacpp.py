@@ -3,8 +3,9 @@
 Each engine runs in a fresh process: load, then one greedy chat completion of `--tokens` tokens on the same prompt
 (for ntio as plain text where the model has no chat template, as the synthetic ones: llama-cpp-python then applies
 its default format), with the same thread count; decode and prefill tok/s come from each engine's own counters
-(ntio's Completion, llama.cpp's perf context via ../shared/tools/llamacpp_decode.py). Engines alternate within every round (the order
-rotates), and the result is one JSON object: per-round figures, medians, and median per-round ratios to llama.cpp.
+(ntio's Completion, llama.cpp's perf context via ../shared/tools/llamacpp_decode.py). Engines alternate within every
+round (the order rotates), and the result is one JSON object: per-round figures, medians, and median per-round
+ratios to llama.cpp.
 
 Each round also measures the roofline of resident decode: a step over resident weights reads every weight byte once
 (every layer, the final norm and the output head; of the token embedding only a row), so it takes at least those

@@ -237,3 +237,8 @@ def test_fetch_verifies_and_reuses_cache(smollm2_path):
     proc = ntio("fetch", env={"NTIO_CACHE_DIR": str(smollm2_path.parent.parent)})
     assert proc.returncode == 0
     assert proc.stdout.strip() == str(smollm2_path)
+
+
+def test_serve_refuses_an_api_key_that_cannot_travel_in_a_header(smollm2_path):
+    proc = ntio("serve", "-m", str(smollm2_path), "--api-key", "clé secrète")
+    assert_user_error(proc, "--api-key", "printable ASCII")

@@ -402,9 +402,10 @@ def test_a_self_draft_priced_as_it_goes_answers_as_the_model_alone(smollm2_path,
     with ntio.load(smollm2_path, max_context=1024, self_draft=calibration_file, exit_layer=22) as m:
         prompts = [m.encode_prompt(t, chat=True) for t in REPEAT[:2]]
         solo = [m.generate(p, max_new_tokens=24, temperature=0.0, use_draft=False).token_ids for p in prompts]
-        events, _ = _scheduled(m, prompts, [SamplingParams()] * 2)
+        events, metrics = _scheduled(m, prompts, [SamplingParams()] * 2)
     for got, ids in zip(events, solo):
         _assert_solo(m, got, ids)
+    assert metrics.drafted_tokens > 0
 
 
 def _sequence(history: list[int], acceptance):

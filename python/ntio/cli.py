@@ -337,6 +337,9 @@ def serve(host, port, parallel, max_queue, api_key, model_id, lookup, draft, sel
     from ntio.fetch import DEFAULT_NAME
     from ntio.serving.scheduler import Scheduler
 
+    if api_key is not None and not (api_key.isascii() and api_key.isprintable() and api_key.strip() == api_key):
+        raise OptionError("api_key", "must be printable ASCII without surrounding spaces (it travels in an HTTP "
+                                     "header)")
     name = model_id or Path(opts["model"] or DEFAULT_NAME).name
     m = _load(**_split(opts), draft=draft, self_draft=self_draft, exit_layer=exit_layer)
     slot_context = m.engine.kv.capacity // parallel

@@ -133,7 +133,12 @@ pub fn attend(
     let team = team()?;
     let group = hq / hkv;
     let chunks = end.div_ceil(CHUNK);
-    let splits = group.min((TASKS_PER_THREAD * team.threads()).div_ceil(hkv * chunks));
+    let parallel = t * hq * end * hd >= MIN_PARALLEL_WORK && team.threads() > 1;
+    let splits = if parallel {
+        group.min((TASKS_PER_THREAD * team.threads()).div_ceil(hkv * chunks))
+    } else {
+        1
+    };
     let part = hd + 2;
     let mut partials = vec![0f32; hkv * chunks * t * group * part];
     let at = |kv: usize, c: usize, ti: usize| ((kv * chunks + c) * t + ti) * group * part;
@@ -168,7 +173,7 @@ pub fn attend(
         }
     };
     let tasks = hkv * chunks * splits;
-    if t * hq * end * hd < MIN_PARALLEL_WORK || team.threads() == 1 {
+    if !parallel {
         (0..tasks).for_each(task);
     } else if !team.run(tasks, &task) {
         return Err(KernelError::Panicked);
@@ -297,8 +302,8 @@ fn merge<'a>(parts: impl Iterator<Item = &'a [f32]> + Clone, dst: &mut [f32]) {
     }
 }
 
-/// Σ a·b in 8 independent partial sums (so the compiler keeps them in vector lanes); inlined into `query`, so
-/// that it is compiled with its target features.
+/// Σ a·b in 8 independent partial sums (so the compiler keeps them in vector lanes); inlined into
+/// `partial_softmax`, so that it is compiled with its target features.
 #[inline(always)]
 fn dot(a: &[f32], b: &[f32]) -> f32 {
     let mut lanes = [0f32; 8];
@@ -385,6 +390,34 @@ mod tests {
         }
     }
 
+    /// Random new rows [t, (Hq + 2 Hkv) hd], caches [Hkv, capacity, hd] and rotations [t, R/2].
+    struct Inputs {
+        qkv: Vec<f32>,
+        cache_k: Vec<f32>,
+        cache_v: Vec<f32>,
+        cos: Vec<f32>,
+        sin: Vec<f32>,
+    }
+
+    impl Inputs {
+        fn draw(s: AttentionShape, t: usize, capacity: usize, seed: u64) -> Inputs {
+            let (hkv, hd) = (s.n_kv_heads, s.head_dim);
+            let mut rnd = uniform(seed);
+            let qkv = (0..t * (s.n_heads + 2 * hkv) * hd).map(|_| rnd()).collect();
+            let cache_k = (0..hkv * capacity * hd).map(|_| rnd()).collect();
+            let cache_v = (0..hkv * capacity * hd).map(|_| rnd()).collect();
+            let angles: Vec<f32> = (0..t * s.rope_dim / 2).map(|i| 0.3 * i as f32).collect();
+            let (cos, sin) = angles.iter().map(|a| (a.cos(), a.sin())).unzip();
+            Inputs {
+                qkv,
+                cache_k,
+                cache_v,
+                cos,
+                sin,
+            }
+        }
+    }
+
     /// Runs `attend` for t new rows at `start` (causal, with position 1 hidden from row 0) on random caches and
     /// checks every output against attention written the plain way in float64 (rotate, then softmax over allowed
     /// positions) and every written key against its rotation. Returns (out, the caches after the call).
@@ -397,12 +430,13 @@ mod tests {
     ) -> (Vec<f32>, Vec<f32>, Vec<f32>) {
         let (hq, hkv, hd, half) = (s.n_heads, s.n_kv_heads, s.head_dim, s.rope_dim / 2);
         let width = (hq + 2 * hkv) * hd;
-        let mut rnd = uniform(seed);
-        let qkv: Vec<f32> = (0..t * width).map(|_| rnd()).collect();
-        let mut cache_k: Vec<f32> = (0..hkv * capacity * hd).map(|_| rnd()).collect();
-        let mut cache_v: Vec<f32> = (0..hkv * capacity * hd).map(|_| rnd()).collect();
-        let angles: Vec<f32> = (0..t * half).map(|i| 0.3 * i as f32).collect();
-        let (cos, sin): (Vec<f32>, Vec<f32>) = angles.iter().map(|a| (a.cos(), a.sin())).unzip();
+        let Inputs {
+            qkv,
+            mut cache_k,
+            mut cache_v,
+            cos,
+            sin,
+        } = Inputs::draw(s, t, capacity, seed);
         let end = start + t;
         let mask: Vec<u8> = (0..t * end)
             .map(|i| u8::from(i % end <= start + i / end && i != 1))
@@ -523,15 +557,21 @@ mod tests {
     fn a_rows_output_is_the_same_alone_and_among_others() {
         let (t, start, capacity) = (3, 2 * CHUNK - 2, 3 * CHUNK);
         let (together, ..) = check_against_float64(SHAPE, t, start, capacity, 9);
-        let (hq, hkv, hd) = (SHAPE.n_heads, SHAPE.n_kv_heads, SHAPE.head_dim);
+        let (hq, hkv, hd, half) = (
+            SHAPE.n_heads,
+            SHAPE.n_kv_heads,
+            SHAPE.head_dim,
+            SHAPE.rope_dim / 2,
+        );
         let width = (hq + 2 * hkv) * hd;
-        // The same inputs as check_against_float64 draws, fed one row at a time.
-        let mut rnd = uniform(9);
-        let qkv: Vec<f32> = (0..t * width).map(|_| rnd()).collect();
-        let mut cache_k: Vec<f32> = (0..hkv * capacity * hd).map(|_| rnd()).collect();
-        let mut cache_v: Vec<f32> = (0..hkv * capacity * hd).map(|_| rnd()).collect();
-        let angles: Vec<f32> = (0..t * 3).map(|i| 0.3 * i as f32).collect();
-        let (cos, sin): (Vec<f32>, Vec<f32>) = angles.iter().map(|a| (a.cos(), a.sin())).unzip();
+        // The same inputs, fed one row at a time.
+        let Inputs {
+            qkv,
+            mut cache_k,
+            mut cache_v,
+            cos,
+            sin,
+        } = Inputs::draw(SHAPE, t, capacity, 9);
         for ti in 0..t {
             let end = start + ti + 1;
             let mask: Vec<u8> = (0..end)
@@ -545,8 +585,8 @@ mod tests {
                 &mut cache_v,
                 capacity,
                 start + ti,
-                &cos[ti * 3..][..3],
-                &sin[ti * 3..][..3],
+                &cos[ti * half..][..half],
+                &sin[ti * half..][..half],
                 Some(&mask),
                 &mut alone,
                 SHAPE,
@@ -561,6 +601,32 @@ mod tests {
                 "row {ti}"
             );
         }
+    }
+
+    /// How the tasks fall to threads changes nothing: one thread and three give the same bits, over a cache of
+    /// several chunks and a short one (where a group's heads are split across tasks).
+    #[test]
+    fn results_do_not_depend_on_the_thread_count() {
+        let s = AttentionShape {
+            n_heads: 12,
+            n_kv_heads: 4,
+            head_dim: 32,
+            rope_dim: 32,
+            rope: RopeKind::Neox,
+        };
+        let runs = |threads: usize| {
+            super::super::matmul::set_threads(threads).unwrap();
+            [(2 * CHUNK + 5, 4), (3, 2)]
+                .map(|(start, t)| check_against_float64(s, t, start, 3 * CHUNK, 13).0)
+        };
+        let one = runs(1);
+        let three = runs(3);
+        super::super::matmul::set_threads(0).unwrap();
+        assert!(one
+            .iter()
+            .flatten()
+            .zip(three.iter().flatten())
+            .all(|(a, b)| a.to_bits() == b.to_bits()));
     }
 
     #[test]

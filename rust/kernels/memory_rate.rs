@@ -15,16 +15,19 @@ use super::matmul::{team, KernelError};
 const TASK_BYTES: usize = 1 << 20;
 
 /// Seconds each of `repeats` passes took to read a buffer of `nbytes` (rounded up to whole tasks) once, on the
-/// kernel threads; the buffer is written first, so that no pass pays page faults. A buffer that cannot be
-/// allocated is an error, not an abort.
+/// kernel threads; the buffer is written first, so that no pass pays page faults. An allocation the allocator
+/// refuses is an error, not an abort; under Linux's overcommit a size beyond the RAM may still be granted and then
+/// killed while it is written, so callers check the size against the room first (`ntio-bench memory` does).
 pub fn memory_read_seconds(nbytes: usize, repeats: usize) -> Result<Vec<f64>, KernelError> {
     let words_per_task = TASK_BYTES / 8;
     let tasks = nbytes.div_ceil(TASK_BYTES).max(1);
-    let words = tasks * words_per_task;
+    let words = tasks.saturating_mul(words_per_task);
     let mut buffer: Vec<u64> = Vec::new();
     buffer
         .try_reserve_exact(words)
-        .map_err(|_| KernelError::Memory { bytes: words * 8 })?;
+        .map_err(|_| KernelError::Memory {
+            bytes: words.saturating_mul(8),
+        })?;
     buffer.extend((0..words).map(|i| i as u64));
     let team = team()?;
     let mut seconds = Vec::with_capacity(repeats);
@@ -54,7 +57,7 @@ mod tests {
     use super::*;
 
     #[test]
-    fn times_every_pass_over_whole_tasks() {
+    fn times_each_pass() {
         let seconds = memory_read_seconds(3 * TASK_BYTES + 1, 3).unwrap();
         assert_eq!(seconds.len(), 3);
         assert!(seconds.iter().all(|&s| s > 0.0));

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hmac
 import json
 import threading
 from collections.abc import AsyncIterator
@@ -113,12 +114,12 @@ class _BearerKey:
     computes on."""
 
     def __init__(self, app, key: str) -> None:
-        self.app, self.expected = app, f"Bearer {key}".encode()
+        self.app, self.expected = app, f"Bearer {key}".encode("ascii")  # `ntio serve` takes ASCII keys only
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] == "http" and scope["path"].startswith("/v1/"):
             given = next((value for name, value in scope["headers"] if name == b"authorization"), b"")
-            if given != self.expected:
+            if not hmac.compare_digest(given, self.expected):  # in constant time
                 e = APIError(401, "a valid API key is required (Authorization: Bearer KEY)",
                              kind="authentication_error", code="invalid_api_key")
                 await _error(e)(scope, receive, send)

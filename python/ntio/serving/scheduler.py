@@ -315,10 +315,9 @@ class Scheduler:
         offers take rows likeliest first: lookup tokens (in chain order; one already in the tree costs no row) and
         the drafting model's next choices as extra leaves (its token at step j is right with chance a^j, and where
         it is not, a next choice r is with the draft's q(r) / (1 - q(token)): chance a^j (1 - a) q(r) /
-        (1 - q(token))). Each takes its row while its
-        chance c pays for it: c · (the pass's cost) >= (the cost of a row) · (the tokens the pass is expected to
-        settle), the condition for a row to raise the pass's tokens per second for all its sequences, which all
-        wait for it."""
+        (1 - q(token))). Each takes its row while its chance c pays for it: c · (the pass's cost) >= (the cost of a
+        row) · (the tokens the pass is expected to settle), the condition for a row to raise the pass's tokens per
+        second for all its sequences, which all wait for it."""
         trees = [DraftTree(seq.history[-1]) for seq in decoding]
         most = [0 if seq.acceptance is None else
                 min(self.draft_tokens, MAX_DRAFT, seq.request.max_tokens - seq.generated - 1,
@@ -359,31 +358,28 @@ class Scheduler:
                        for i, a in lookup_rate.items()}
         for i, (_, tokens) in matches.items():
             offers += [(lookup_rate[i] ** (j + 1), i, j, None) for j in range(len(tokens))]
-        taken = dict.fromkeys(matches, 0)
-        along = dict.fromkeys(matches, 0)  # the tree node of a lookup chain's last token taken; None: off the tree
+        # Each lookup chain's nodes: its tokens join the tree as they are taken, a token the tree already holds (the
+        # model drafted it too) at no row's cost.
+        chain: dict[int, list[int]] = {i: [] for i in matches}
         for chance, i, j, leaf in sorted(offers, key=lambda o: (-o[0], o[2])):  # a chain's tokens in order
-            if leaf is None and j == taken[i] and along[i] is not None:
-                node = trees[i].child(along[i], matches[i][1][j])
-                if node is not None:  # the model drafted it too
-                    taken[i], along[i] = j + 1, node
-                    continue
-            rows = len(decoding) + drafted
-            cost = self._decode_cost(len(decoding), rows)
-            if drafted >= spare or not self.fixed_draft and (
-                    chance * cost < (self._decode_cost(len(decoding), rows + 1) - cost) * expected):
-                break  # later offers are no likelier, and each row taken raises the bar
-            if leaf is not None:
-                trees[i].add(*leaf, self.draft_name + "-alt", chance)
-            elif j == taken[i]:
-                taken[i], along[i] = j + 1, None
-            else:
-                continue
-            drafted += 1
-            expected += chance
-        for i, k in taken.items():
-            if k:
-                a = lookup_rate[i]
-                trees[i].add_chain(Draft(matches[i][1][:k], self.lookup.name), [a ** (j + 1) for j in range(k)])
+            if leaf is None and j != len(chain[i]):
+                continue  # a token of a lookup chain whose earlier token was not taken
+            parent, token = leaf if leaf is not None else (chain[i][-1] if chain[i] else 0, matches[i][1][j])
+            if trees[i].child(parent, token) is None:
+                rows = len(decoding) + drafted
+                cost = self._decode_cost(len(decoding), rows)
+                if drafted >= spare or not self.fixed_draft and (
+                        chance * cost < (self._decode_cost(len(decoding), rows + 1) - cost) * expected):
+                    break  # later offers are no likelier, and each row taken raises the bar
+                drafted += 1
+                expected += chance
+            node = trees[i].add(parent, token, self.draft_name + "-alt" if leaf is not None else self.lookup.name,
+                                chance)
+            if leaf is None:
+                chain[i].append(node)
+        for i, nodes in chain.items():
+            if nodes:
+                trees[i].chains[self.lookup.name] = nodes
         return trees
 
     def _lookup_alone(self, seq: _Sequence, n: int, tokens: list[int], most: int) -> bool:
@@ -395,7 +391,8 @@ class Scheduler:
         a = seq.acceptance.measured(self.lookup.name)
         if a is None or self.fixed_draft:
             return n >= PREFERRED_LOOKUP
-        alone = max(self._pass_rate([(len(tokens), a)], 1, k, draft_step_s=0.0) for k in range(len(tokens) + 1))
+        n_alone = min(len(tokens), most)
+        alone = max(self._pass_rate([(n_alone, a)], 1, k, draft_step_s=0.0) for k in range(n_alone + 1))
         model = [(most, seq.acceptance.rate(self.draft_name))]
         return alone >= max(self._pass_rate(model, 1, k) for k in range(most + 1))
 
