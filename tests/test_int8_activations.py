@@ -62,11 +62,11 @@ def test_decode_logits_stay_near_transformers(int8, hf_smollm2):
 def test_perplexity_within_half_percent_of_transformers(int8, hf_smollm2):
     """Scored in passes of 32 tokens, so every product runs the 8-bit kernels (longer passes dequantize)."""
     text, ctx = PPL_TEXT.read_text()[:6000], 512  # ~1,300 tokens: two full windows and part of a third
-    chunk, int8.engine.prefill_chunk = int8.engine.prefill_chunk, 32
+    int8.engine.prefill_chunk = 32
     try:
         ours = int8.perplexity(text, ctx=ctx)
     finally:
-        int8.engine.prefill_chunk = chunk
+        int8.engine.prefill_chunk = ntio.runtime.engine.PREFILL_CHUNK
     ref, count = hf_perplexity(hf_smollm2, int8.tokenizer.encode(text), ctx)
     assert ours.n_tokens == count
     assert abs(ours.perplexity - ref) / ref <= 0.005

@@ -21,7 +21,7 @@ import torch
 
 from ntio.models.config import ModelConfig
 from ntio.runtime.budget import DEFAULT_CONTEXT, MemoryPlan, plan_memory, resident_plan
-from ntio.runtime.engine import Engine, prefill_chunk_for
+from ntio.runtime.engine import Engine
 from ntio.runtime.kv_cache import KVCache
 from ntio.errors import ContextOverflowError, NtioError, OptionError
 from ntio.fetch import resolve_model
@@ -137,8 +137,7 @@ class LLM:
         self.memory = plan_memory(layout, cuda=cuda, kv_dtype=KV_DTYPES[kv_dtype],
                                   max_context=max_context, tiers=tiers, gpu_memory_budget=gpu_memory_budget,
                                   ram_budget=ram_budget, group_size=layer_group_size, prefetch_depth=prefetch_depth,
-                                  sync=sync, reserved=reserved, spread=self_draft is None,
-                                  prefill_chunk=prefill_chunk_for(layout.matrix_types(), kernels, cuda))
+                                  sync=sync, reserved=reserved, spread=self_draft is None)
         if self.memory.notice:
             _log.warning(self.memory.notice)
         self.plan, capacity, depth = self.memory.plan, self.memory.capacity, self.memory.prefetch_depth

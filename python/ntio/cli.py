@@ -612,9 +612,7 @@ def plan(model, ctx_size, ram_budget, gpu_memory_budget, tiers, device, kv_dtype
     from ntio.formats.model_file import open_model_file
     from ntio.models.config import ModelConfig
     from ntio.models.weights import WeightLayout
-    from ntio.kernels.cpu_kernels import KernelChoice
     from ntio.runtime.budget import plan_memory
-    from ntio.runtime.engine import prefill_chunk_for
     from ntio.runtime.tiers import format_size
 
     g = open_model_file(resolve_model(model))
@@ -622,12 +620,10 @@ def plan(model, ctx_size, ram_budget, gpu_memory_budget, tiers, device, kv_dtype
     cuda = device.startswith("cuda")
     beside = None if draft is None else draft_plan(resolve_model(draft), cuda=cuda, kv_dtype=KV_DTYPES[kv_dtype],
                                                    capacity=ctx_size or min(cfg.context_length, DEFAULT_CONTEXT))
-    layout = WeightLayout(g, cfg)
-    memory = plan_memory(layout, cuda=cuda, kv_dtype=KV_DTYPES[kv_dtype], max_context=ctx_size,
+    memory = plan_memory(WeightLayout(g, cfg), cuda=cuda, kv_dtype=KV_DTYPES[kv_dtype], max_context=ctx_size,
                          tiers=tiers, gpu_memory_budget=gpu_memory_budget, ram_budget=ram_budget,
                          group_size=layer_group_size, prefetch_depth=prefetch_depth,
-                         reserved=0 if beside is None else beside.report()["total"],
-                         prefill_chunk=prefill_chunk_for(layout.matrix_types(), KernelChoice.from_env(), cuda))
+                         reserved=0 if beside is None else beside.report()["total"])
     report = {"model": str(g.path), **memory.report(), "notice": memory.notice}
     if beside is not None:
         report["draft"] = {"model": str(resolve_model(draft)), **beside.report()}

@@ -230,10 +230,9 @@ class MemoryPlan:
 def plan_memory(layout: WeightLayout, *, cuda: bool, kv_dtype: torch.dtype, max_context: int | None = None,
                 tiers: str = "auto", gpu_memory_budget: str | int | None = None, ram_budget: str | int | None = None,
                 group_size: int = 1, prefetch_depth: int | None = None, sync: bool = False, reserved: int = 0,
-                spread: bool = True, prefill_chunk: int = PREFILL_CHUNK) -> MemoryPlan:
+                spread: bool = True) -> MemoryPlan:
     """Budgets (less `reserved` bytes of the compute device's: a draft model's), KV capacity, read-ahead and tier
-    plan for a model, in that order (`spread`: as for `tiers.plan_tiers`). `prefill_chunk`: the most tokens a pass
-    takes where the budget allows (`engine.prefill_chunk_for`).
+    plan for a model, in that order (`spread`: as for `tiers.plan_tiers`).
 
     When the leanest plan does not fit an automatic plan's budget, the prefill chunk is halved (down to
     MIN_PREFILL_CHUNK); then, on CPU, a measured RAM budget grows up to `RamRoom.tight_budget` (this process's own
@@ -258,7 +257,7 @@ def plan_memory(layout: WeightLayout, *, cuda: bool, kv_dtype: torch.dtype, max_
     else:
         depth = prefetch_depth
 
-    capacity, chunk = max_context or min(cfg.context_length, DEFAULT_CONTEXT), prefill_chunk
+    capacity, chunk = max_context or min(cfg.context_length, DEFAULT_CONTEXT), PREFILL_CHUNK
 
     def needs_at(capacity: int) -> MemoryNeeds:
         return memory_needs(layout, capacity, kv_dtype, group_size, depth + 1, chunk, cuda=cuda)

@@ -28,24 +28,11 @@ from ntio.runtime.timeline import Timeline
 
 # Longer inputs run as several forward passes of at most this many tokens, which bounds activation memory (an 8B
 # model's take ~190 KB per token). A tight memory budget lowers it, down to MIN_PREFILL_CHUNK (ntio.runtime.budget):
-# a chunk is one pass over every streamed weight, so smaller chunks make long prompts read more. Where the CPU
-# kernels multiply every matrix, passes take ops.KERNEL_ROWS tokens instead (`prefill_chunk_for`).
+# a chunk is one pass over every streamed weight, so smaller chunks make long prompts read more.
 PREFILL_CHUNK, MIN_PREFILL_CHUNK = 512, 64
 # Scoring (`Engine.nll`) makes logits for this many bytes of positions at a time, never [T, V] at once: a 512-token
 # window of a 128k vocabulary would take 262 MB.
 LOGITS_BYTES = 16 << 20
-
-
-def prefill_chunk_for(matrix_types: set, kernels: cpu_kernels.KernelChoice, cuda: bool) -> int:
-    """The most tokens a prefill pass takes: ops.KERNEL_ROWS where the CPU kernels with 8-bit activations multiply
-    every matrix (the layers' `matrix_types`), PREFILL_CHUNK otherwise. Passes of 64 rows through the kernels
-    prefilled faster than 512-token passes over dequantized weights (Zen 4 VM, 2026-11-27, one process, alternating:
-    SmolLM2 Q4_1 535 against 469 tok/s over 1,024 tokens, Qwen2.5-Coder-1.5B Q4_K_M 63.3 against 39.3 over 512),
-    and they give a prompt's positions the arithmetic of decode steps. Streamed layers are read once per pass, 8
-    times as often: on 2 vCPUs the compute still outlasts the reads."""
-    if cuda or not kernels.int8 or not matrix_types <= cpu_kernels.KERNEL_TYPES:
-        return PREFILL_CHUNK
-    return ops.KERNEL_ROWS
 
 
 class LayerSource(Protocol):
