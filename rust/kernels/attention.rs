@@ -565,28 +565,22 @@ mod tests {
         );
         let width = (hq + 2 * hkv) * hd;
         // The same inputs, fed one row at a time.
-        let Inputs {
-            qkv,
-            mut cache_k,
-            mut cache_v,
-            cos,
-            sin,
-        } = Inputs::draw(SHAPE, t, capacity, 9);
+        let mut x = Inputs::draw(SHAPE, t, capacity, 9);
         for ti in 0..t {
             let end = start + ti + 1;
             let mask: Vec<u8> = (0..end)
                 .map(|j| u8::from(ti * (start + t) + j != 1))
                 .collect();
-            let mut row = qkv[ti * width..][..width].to_vec();
+            let mut row = x.qkv[ti * width..][..width].to_vec();
             let mut alone = vec![0f32; hq * hd];
             attend(
                 &mut row,
-                &mut cache_k,
-                &mut cache_v,
+                &mut x.cache_k,
+                &mut x.cache_v,
                 capacity,
                 start + ti,
-                &cos[ti * half..][..half],
-                &sin[ti * half..][..half],
+                &x.cos[ti * half..][..half],
+                &x.sin[ti * half..][..half],
                 Some(&mask),
                 &mut alone,
                 SHAPE,
