@@ -194,8 +194,12 @@ def test_slot_lifetime(data_file, backend):
         slot.release()
     except _core.SlotBusyError as err:
         assert "in flight" in str(err)
-        with pytest.raises(_core.SlotBusyError):
+        try:
             reader.read([(0, 1, 0)], slot)
+        except _core.SlotBusyError:
+            pass
+        else:  # the read ended between the two calls (a page-cache read is quick): a new read is then legitimate
+            assert handle.poll()
     else:  # the read ended before release() ran; a release is then legitimate
         assert handle.poll()
     handle.wait()
