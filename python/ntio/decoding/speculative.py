@@ -175,6 +175,12 @@ class Acceptance:
         accepted, rejected = self.counts.get(source, [0.0, 0.0])
         return accepted / (accepted + rejected) if accepted + rejected > 0 else None
 
+    def measured_or_prior(self, source: str) -> float:
+        """The rate as measured once there is one, else with its prior: what a chain joining another source's tree
+        is priced at (at the prior's 1/2, slowly forgotten, a chain that is never right would keep taking rows)."""
+        a = self.measured(source)
+        return self.rate(source) if a is None else a
+
     def observe(self, verdicts: dict[str, tuple[int, int]]) -> None:
         """One pass's verdicts[source] = (tokens of its chain in the tree, how many of them were accepted)."""
         for counts in self.counts.values():
@@ -496,9 +502,8 @@ class Drafters:
         `measured`, by the rate measured once there is one. Lookup's chains joining a model's tree take the latter:
         at its prior's 1/2, slowly forgotten, a lookup chain that is never right (SmolLM2 on prose) kept taking
         rows, the trees grew from 7-10 rows to 12-17 and the model's chains shrank."""
-        a = self.length.accepted.measured(source) if measured else None
-        if a is None:
-            a = self.length.accepted.rate(source)
+        accepted = self.length.accepted
+        a = accepted.measured_or_prior(source) if measured else accepted.rate(source)
         return [a ** (j + 1) for j in range(n)]
 
 

@@ -350,14 +350,11 @@ class Scheduler:
                 expected, drafted = expected + sum(chance), drafted + len(draft.tokens)
                 offers += [(a ** j * (1 - a) * r, i, j, (nodes[j - 1] if j else 0, token))
                            for j, choices in enumerate(draft.alternatives) for token, r in choices]
-        # Lookup's chance per token: beside a model's chain, at lookup's rate as measured once there is one (at its
-        # prior's 1/2, slowly forgotten, a lookup chain that is never right would keep taking rows).
-        lookup_rate = {i: decoding[i].acceptance.measured(self.lookup.name) if len(trees[i]) > 1 else None
-                       for i in matches}
-        lookup_rate = {i: decoding[i].acceptance.rate(self.lookup.name) if a is None else a
-                       for i, a in lookup_rate.items()}
         for i, (_, tokens) in matches.items():
-            offers += [(lookup_rate[i] ** (j + 1), i, j, None) for j in range(len(tokens))]
+            # Lookup's chance per token: beside a model's chain, at its rate as measured once there is one.
+            record = decoding[i].acceptance
+            a = record.measured_or_prior(self.lookup.name) if len(trees[i]) > 1 else record.rate(self.lookup.name)
+            offers += [(a ** (j + 1), i, j, None) for j in range(len(tokens))]
         # Each lookup chain's nodes: its tokens join the tree as they are taken, a token the tree already holds (the
         # model drafted it too) at no row's cost.
         chain: dict[int, list[int]] = {i: [] for i in matches}
