@@ -92,15 +92,16 @@ def test_greedy_tokens_match_transformers_up_to_a_near_tie(model, files):
 
 
 def test_perplexity_matches_transformers(model, files):
-    """Windows of 512 tokens: prefill products dequantize the ternary blocks (the torch path) instead of the
-    kernels; both scale layouts give transformers' perplexity to 1e-4."""
+    """Windows of 512 tokens. With float32 activations the prefill products dequantize the ternary blocks (the
+    torch path), and both scale layouts give transformers' perplexity to 1e-4; with 8-bit ones (the default) the
+    kernels take every row, within the 0.5% the 8-bit path promises."""
     text, ctx = PPL_TEXT.read_text()[:3000], 512
-    for apart in (False, True):
-        with ntio.load(files[(T.TQ1_0, apart)], max_context=ctx) as ours:
+    for apart, activations, tolerance in ((False, "float32", 1e-4), (True, "float32", 1e-4), (False, "int8", 5e-3)):
+        with ntio.load(files[(T.TQ1_0, apart)], max_context=ctx, cpu_activations=activations) as ours:
             got = ours.perplexity(text, ctx=ctx)
             want, count = hf_perplexity(model, ours.tokenizer.encode(text), ctx)
         assert got.n_tokens == count
-        assert abs(got.perplexity - want) / want <= 1e-4
+        assert abs(got.perplexity - want) / want <= tolerance, (apart, activations, got.perplexity, want)
 
 
 # ------------------------------------------------------------------------------------------------- llama.cpp

@@ -20,7 +20,8 @@ PROMPT = "The three primary colors are"
 
 
 def _steps(m, ids, n=3):
-    """Logits of a prefill (T = len(ids) > the CPU kernels' rows: the dequantize-into-scratch path) then n decodes."""
+    """Logits of a prefill (T = len(ids) > the CPU kernels' rows with float32 activations: the
+    dequantize-into-scratch path) then n decodes."""
     out = [m.engine.forward(torch.tensor(ids), 0, all_logits=True)]
     for i in range(n):
         out.append(m.engine.forward(torch.tensor([3 + i]), len(ids) + i))
@@ -31,11 +32,12 @@ def _steps(m, ids, n=3):
 def test_interleaved_engines_equal_each_alone(smollm2_path, tmp_path):
     synth = write_synthetic_gguf(tmp_path / "s.gguf", SynthSpec(n_layers=2, d_model=256, d_ff=512, n_heads=4,
                                                                 n_kv_heads=2, seed=3))
-    # more tokens than the CPU kernels take: both models' prefill runs through their scratch buffers
-    ids = list(range(40, 40 + ops.KERNEL_ROWS + 16))
-    alone = [_steps(ntio.load(p, max_context=128), ids) for p in (smollm2_path, synth)]
-    a = ntio.load(smollm2_path, max_context=128, tiers="C")
-    b = a.companion(synth, max_context=128)
+    # more tokens than the CPU kernels take with float32 activations: both models' prefill runs through their
+    # scratch buffers
+    ids, floats = list(range(40, 40 + ops.KERNEL_ROWS + 16)), {"cpu_activations": "float32"}
+    alone = [_steps(ntio.load(p, max_context=128, **floats), ids) for p in (smollm2_path, synth)]
+    a = ntio.load(smollm2_path, max_context=128, tiers="C", **floats)
+    b = a.companion(synth, max_context=128, **floats)
     a_out = [a.engine.forward(torch.tensor(ids), 0, all_logits=True)]
     b_out = [b.engine.forward(torch.tensor(ids), 0, all_logits=True)]
     for i in range(3):

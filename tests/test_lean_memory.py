@@ -26,6 +26,7 @@ from ntio import _core
 from ntio.errors import ModelFormatError, OptionError
 from ntio.formats.store import StoreFile, convert
 from ntio.formats.model_file import open_model_file
+from ntio.kernels.cpu_kernels import KernelChoice
 from ntio.models.config import ModelConfig
 from ntio.models.weights import WeightLayout
 from ntio.kernels import ops
@@ -177,15 +178,20 @@ def test_default_context_is_4096_and_shrinks_to_fit_with_a_notice(smollm2_path, 
 
 
 def test_plan_command_text_and_json(smollm2_path):
-    out = run_cli("plan", str(smollm2_path), "--ctx-size", "512", "--ram-budget", "150MB", "--json")
+    out = run_cli("plan", str(smollm2_path), "--ctx-size", "512", "--ram-budget", "120MB", "--json")
     assert out.returncode == 0, out.stderr
     report = json.loads(out.stdout)
-    assert report["context"] == 512 and report["ram_budget"] == 150_000_000 and report["budget_source"] == "ram_budget"
-    assert report["total"] <= 150_000_000 and report["minimum"] <= report["total"]
+    assert report["context"] == 512 and report["ram_budget"] == 120_000_000 and report["budget_source"] == "ram_budget"
+    assert report["total"] <= 120_000_000 and report["minimum"] <= report["total"]
     assert report["total"] == sum(report["parts"].values())
     n_layers = sum(report["layers_per_tier"].values())
     assert n_layers == 30 and report["layers_per_tier"]["C"] > 0 and report["bytes_read_per_token"] > 0
-    text = run_cli("plan", str(smollm2_path), "--ctx-size", "512", "--ram-budget", "150MB")
+    # float32 activations would dequantize 512-token passes into a scratch this budget cannot hold: the plan halves
+    # the passes down to the kernels' rows, where nothing is dequantized
+    floats = json.loads(run_cli("plan", str(smollm2_path), "--ctx-size", "512", "--ram-budget", "120MB",
+                                "--cpu-activations", "float32", "--json").stdout)
+    assert report["prefill_chunk"] == 512 and floats["prefill_chunk"] == ops.KERNEL_ROWS
+    text = run_cli("plan", str(smollm2_path), "--ctx-size", "512", "--ram-budget", "120MB")
     assert text.returncode == 0 and "minimum, every layer streamed" in text.stdout and "kv cache" in text.stdout
     small = run_cli("plan", str(smollm2_path), "--ctx-size", "512", "--ram-budget", "20MB")
     assert_user_error(small, "--ram-budget 19.07 MiB is too small: streaming this model needs at least")
@@ -212,18 +218,24 @@ def _layout(path):
     return WeightLayout(g, ModelConfig.from_gguf(g))
 
 
-def test_a_cpu_forward_of_kernel_rows_dequantizes_nothing_so_its_plan_holds_no_scratch(smollm2_path):
+def test_a_cpu_forward_through_the_kernels_dequantizes_nothing_so_its_plan_holds_no_scratch(smollm2_path):
+    """8-bit activations take any number of rows through the kernels; float32 ones up to KERNEL_ROWS."""
     layout = _layout(smollm2_path)
-    needs = {(chunk, cuda): memory_needs(layout, 512, torch.float32, 1, 2, chunk, cuda=cuda)
-             for chunk in (ops.KERNEL_ROWS, 2 * ops.KERNEL_ROWS) for cuda in (False, True)}
-    rows = ops.KERNEL_ROWS
-    assert needs[rows, True].activations - needs[rows, False].activations == ops.SCRATCH_BYTES
-    assert needs[2 * rows, True].activations == needs[2 * rows, False].activations  # longer chunks dequantize
-    # The claim itself: a 64-token prompt and decode steps leave the engine's scratch untouched.
-    m = ntio.load(smollm2_path, max_context=256, tiers="C")
-    m.generate(list(range(100, 100 + rows)), max_new_tokens=3)
-    assert m.engine.scratch.nbytes == 0
-    m.close()
+    rows, choices = ops.KERNEL_ROWS, {"int8": KernelChoice(), "float32": KernelChoice(int8=False)}
+    needs = {(chunk, cuda, name): memory_needs(layout, 512, torch.float32, 1, 2, chunk, cuda=cuda, kernels=choice)
+             for chunk in (rows, 2 * rows) for cuda in (False, True) for name, choice in choices.items()}
+    for name in choices:
+        assert needs[rows, True, name].activations - needs[rows, False, name].activations == ops.SCRATCH_BYTES
+    assert needs[2 * rows, True, "int8"].activations - needs[2 * rows, False, "int8"].activations == ops.SCRATCH_BYTES
+    # longer float32 chunks dequantize
+    assert needs[2 * rows, True, "float32"].activations == needs[2 * rows, False, "float32"].activations
+    # The claim itself: such prompts and decode steps leave the engine's scratch untouched, and a longer prompt with
+    # float32 activations uses it.
+    for activations, prompt, scratch_used in (("int8", 2 * rows + 5, False), ("float32", rows, False),
+                                              ("float32", rows + 1, True)):
+        with ntio.load(smollm2_path, max_context=256, tiers="C", cpu_activations=activations) as m:
+            m.generate(list(range(100, 100 + prompt)), max_new_tokens=3)
+            assert (m.engine.scratch.nbytes > 0) == scratch_used, (activations, prompt)
 
 
 def _room(default_budget: int, own_file_pages: int) -> RamRoom:

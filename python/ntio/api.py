@@ -132,12 +132,12 @@ class LLM:
         # come out of the target's budget.
         self.draft_memory = None if draft is None else draft_plan(
             resolve_model(draft), cuda=cuda, kv_dtype=KV_DTYPES[kv_dtype],
-            capacity=max_context or min(self.config.context_length, DEFAULT_CONTEXT))
+            capacity=max_context or min(self.config.context_length, DEFAULT_CONTEXT), kernels=kernels)
         reserved = 0 if self.draft_memory is None else self.draft_memory.report()["total"]
         self.memory = plan_memory(layout, cuda=cuda, kv_dtype=KV_DTYPES[kv_dtype],
                                   max_context=max_context, tiers=tiers, gpu_memory_budget=gpu_memory_budget,
                                   ram_budget=ram_budget, group_size=layer_group_size, prefetch_depth=prefetch_depth,
-                                  sync=sync, reserved=reserved, spread=self_draft is None)
+                                  sync=sync, reserved=reserved, spread=self_draft is None, kernels=kernels)
         if self.memory.notice:
             _log.warning(self.memory.notice)
         self.plan, capacity, depth = self.memory.plan, self.memory.capacity, self.memory.prefetch_depth
@@ -395,10 +395,13 @@ class StopStrings:
         return out
 
 
-def draft_plan(path: Path, *, cuda: bool, kv_dtype: torch.dtype, capacity: int) -> MemoryPlan:
-    """A draft model's memory beside its target: wholly resident, with a KV cache of the target's `capacity`."""
+def draft_plan(path: Path, *, cuda: bool, kv_dtype: torch.dtype, capacity: int,
+               kernels: KernelChoice) -> MemoryPlan:
+    """A draft model's memory beside its target: wholly resident, with a KV cache of the target's `capacity`, running
+    the target's CPU `kernels`."""
     g = open_model_file(path)
-    return resident_plan(WeightLayout(g, ModelConfig.from_gguf(g)), cuda=cuda, kv_dtype=kv_dtype, capacity=capacity)
+    return resident_plan(WeightLayout(g, ModelConfig.from_gguf(g)), cuda=cuda, kv_dtype=kv_dtype, capacity=capacity,
+                         kernels=kernels)
 
 
 def load(model: str | os.PathLike[str] | None = None, **options) -> LLM:

@@ -71,6 +71,10 @@ _MODEL_OPTIONS = ("model", "ctx_size", "kv_dtype", "threads", "device", "tiers",
 def _plan_options(f):
     """Options that decide where a model's parts live and what memory they take: every command that loads a model
     and `plan` take them."""
+    f = click.option("--cpu-activations", type=click.Choice(["int8", "float32"]), default="int8", show_default=True,
+                     help="What quantized weights meet in the CPU kernels: 8-bit activations and integer products "
+                          "(as llama.cpp), or float32 (the reference path, which dequantizes for long prompts); env "
+                          "NTIO_CPU_KERNELS=best|avx512|avx2|neon|scalar forces a kernel set")(f)
     f = click.option("--prefetch-depth", type=click.IntRange(min=1),
                      help="Streamed groups read ahead while the current one computes (default: enough for ~24 MiB "
                           "in flight, 2 to 16)")(f)
@@ -94,10 +98,6 @@ def _plan_options(f):
 
 def _model_options(f):
     """Options shared by every command that loads a model; the command passes them on with `_load(**opts)`."""
-    f = click.option("--cpu-activations", type=click.Choice(["int8", "float32"]), default="int8", show_default=True,
-                     help="What quantized weights meet in the CPU kernels: 8-bit activations and integer products "
-                          "(as llama.cpp), or float32 (the reference path); env NTIO_CPU_KERNELS=best|avx512|avx2|"
-                          "neon|scalar forces a kernel set")(f)
     f = click.option("--verify/--no-verify", default=True, show_default=True,
                      help="Check every tensor of an ntio store against its checksum whenever it is read")(f)
     f = click.option("--io-backend", type=click.Choice(["io_uring", "pread", "buffered"]),
@@ -603,13 +603,14 @@ def info(model, as_json) -> None:
 @click.option("--draft", metavar="PATH|NAME", help="A draft model beside MODEL: planned first, wholly resident")
 @click.option("--json", "as_json", is_flag=True)
 def plan(model, ctx_size, ram_budget, gpu_memory_budget, tiers, device, kv_dtype, layer_group_size, prefetch_depth,
-         draft, as_json) -> None:
+         cpu_activations, draft, as_json) -> None:
     """Where MODEL's parts would live within the memory budgets, what each costs, the minimum, and the bytes read per
     token; nothing is loaded."""
     from ntio.api import KV_DTYPES, draft_plan
     from ntio.runtime.budget import DEFAULT_CONTEXT
     from ntio.fetch import resolve_model
     from ntio.formats.model_file import open_model_file
+    from ntio.kernels.cpu_kernels import KernelChoice
     from ntio.models.config import ModelConfig
     from ntio.models.weights import WeightLayout
     from ntio.runtime.budget import plan_memory
@@ -618,12 +619,14 @@ def plan(model, ctx_size, ram_budget, gpu_memory_budget, tiers, device, kv_dtype
     g = open_model_file(resolve_model(model))
     cfg = ModelConfig.from_gguf(g)
     cuda = device.startswith("cuda")
+    kernels = KernelChoice.from_env(cpu_activations)
     beside = None if draft is None else draft_plan(resolve_model(draft), cuda=cuda, kv_dtype=KV_DTYPES[kv_dtype],
-                                                   capacity=ctx_size or min(cfg.context_length, DEFAULT_CONTEXT))
+                                                   capacity=ctx_size or min(cfg.context_length, DEFAULT_CONTEXT),
+                                                   kernels=kernels)
     memory = plan_memory(WeightLayout(g, cfg), cuda=cuda, kv_dtype=KV_DTYPES[kv_dtype], max_context=ctx_size,
                          tiers=tiers, gpu_memory_budget=gpu_memory_budget, ram_budget=ram_budget,
                          group_size=layer_group_size, prefetch_depth=prefetch_depth,
-                         reserved=0 if beside is None else beside.report()["total"])
+                         reserved=0 if beside is None else beside.report()["total"], kernels=kernels)
     report = {"model": str(g.path), **memory.report(), "notice": memory.notice}
     if beside is not None:
         report["draft"] = {"model": str(resolve_model(draft)), **beside.report()}

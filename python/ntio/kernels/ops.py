@@ -2,11 +2,12 @@
 
 Weights stay in their GGUF encoding (`EncodedMatrix`) wherever they live — resident, pinned, or just read into a
 staging slot — and each product picks how to run:
-  * CPU, T <= KERNEL_ROWS, a type the Rust kernels decode: products straight from the encoded blocks (decode is
-    memory-bound: ~4.5-8.5 bits per weight read instead of 32), with the running engine's `KernelChoice`
-    (`using_kernels`): by default 8-bit activations and integer sums, as llama.cpp;
-  * otherwise (long prefill chunks, CUDA, other types): dequantize into a reusable float32 scratch buffer, then
-    `F.linear`.
+  * CPU, a type the Rust kernels decode: products straight from the encoded blocks (decode is memory-bound:
+    ~4.5-8.5 bits per weight read instead of 32), with the running engine's `KernelChoice` (`using_kernels`): by
+    default 8-bit activations and integer sums, as llama.cpp, for any number of rows; float32 activations for
+    T <= KERNEL_ROWS;
+  * otherwise (long prefill chunks with float32 activations, CUDA, other types): dequantize into a reusable
+    float32 scratch buffer, then `F.linear`.
 With float32 activations both agree to ~1e-6 relative and with transformers' float32 to 1e-4; with 8-bit ones the
 CPU kernels' products move by ~0.3-1% relative (ntio.kernels.cpu_kernels states the numerics).
 """
@@ -16,7 +17,7 @@ from __future__ import annotations
 import contextvars
 import dataclasses
 import functools
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Protocol
@@ -235,15 +236,31 @@ def step_threads(device: torch.device, n_tokens: int, attention_work: int, threa
         torch.set_num_threads(before)
 
 
-# Rows up to which the CPU kernels beat dequantizing for a dense matmul (prefill of a 512-token prompt, measured
-# 2026-11-24 on the project's VM, tok/s kernels vs dequantize: SmolLM2 64 rows 302 vs 334, 128: 223 vs 446, 512:
-# 287 vs 585; Qwen2.5-Coder-1.5B 64 rows 34.6 vs 25.5, 128: 36.0 vs 35.3).
+# Rows up to which the CPU kernels with float32 activations beat dequantizing for a dense matmul (prefill of a
+# 512-token prompt, measured 2026-11-24 on the project's VM, tok/s kernels vs dequantize: SmolLM2 64 rows 302 vs 334,
+# 128: 223 vs 446, 512: 287 vs 585; Qwen2.5-Coder-1.5B 64 rows 34.6 vs 25.5, 128: 36.0 vs 35.3). With 8-bit
+# activations the kernels take any number of rows: 512-token prefill passes ran 1.5x (SmolLM2 Q4_1) and 1.65x
+# (Qwen2.5-Coder-1.5B Q4_K_M) faster than dequantizing (Zen 4 VM, 2026-11-27, one process, alternating). Also the
+# most tokens the attention kernel and the one-call decoder stack take (`uses_cpu_attention`).
 KERNEL_ROWS = 64
 
 
+def _kernels_take(rows: int, qtypes: Iterable[gguf.GGMLQuantizationType], choice: cpu_kernels.KernelChoice) -> bool:
+    """Whether the CPU kernels multiply `rows` activation rows with matrices of `qtypes` under `choice`: every type
+    one they decode, and at most KERNEL_ROWS rows unless the activations are 8-bit."""
+    return all(q in cpu_kernels.KERNEL_TYPES for q in qtypes) and (rows <= KERNEL_ROWS or choice.int8)
+
+
 def uses_cpu_kernel(x: torch.Tensor, ws: list[EncodedMatrix]) -> bool:
-    return (x.device.type == "cpu" and x.shape[0] <= KERNEL_ROWS
-            and all(w.qtype in cpu_kernels.KERNEL_TYPES for w in ws))
+    """Whether x @ wsᵀ runs on the CPU kernels (with the running engine's choice), not dequantized."""
+    return x.device.type == "cpu" and _kernels_take(x.shape[0], (w.qtype for w in ws), _kernels.get())
+
+
+def dequantizes(rows: int, qtypes: Iterable[gguf.GGMLQuantizationType], choice: cpu_kernels.KernelChoice, *,
+                cuda: bool) -> bool:
+    """Whether passes of `rows` tokens dequantize matrices of `qtypes` (into a `Scratch` of up to SCRATCH_BYTES):
+    always on CUDA; on CPU where `uses_cpu_kernel` would say no."""
+    return cuda or not _kernels_take(rows, qtypes, choice)
 
 
 def _kernel_product(x: torch.Tensor, ws: list[EncodedMatrix], norm: torch.Tensor | None = None, eps: float = 0.0,

@@ -64,6 +64,11 @@ class WeightLayout:
         """The output head's tensor: `output`, or the token embedding when they are tied."""
         return self.output if self.output is not None else self.token_embd
 
+    def matrix_types(self) -> set:
+        """The encodings of the products' matrices: the blocks' 2-D tensors and the output head."""
+        return {info.qtype for block in self.blocks for info in block.values() if len(info.shape) == 2} | {
+            self.head.qtype}
+
     def block_nbytes(self, layer: int) -> int:
         return sum(info.nbytes for info in self.blocks[layer].values())
 

@@ -3,7 +3,8 @@
 Budgets cover what ntio allocates for the model: the norms, the output head (resident, or streamed in row chunks
 like a layer), the token embedding (resident, or its rows read on demand), the KV cache, activations (bounded:
 prefill runs in chunks of `engine.PREFILL_CHUNK` tokens or fewer, dequantized products in row chunks of
-`ops.SCRATCH_BYTES`, on CPU only for chunks of more than `ops.KERNEL_ROWS` tokens, logits for the one position
+`ops.SCRATCH_BYTES`, on CPU only where `ops.dequantizes` (float32 activations and chunks of more than
+`ops.KERNEL_ROWS` tokens), logits for the one position
 generation samples or `engine.LOGITS_BYTES` of scored positions at a time), the staging slots when anything streams,
 and the tier A/B layers. The Python interpreter and its libraries,
 the parsed metadata and the tokenizer are already allocated when the default budget is measured
@@ -19,6 +20,7 @@ import torch
 
 from ntio import _core
 from ntio.kernels import ops
+from ntio.kernels.cpu_kernels import KernelChoice
 from ntio.models.config import ModelConfig
 from ntio.runtime.engine import LOGITS_BYTES, MIN_PREFILL_CHUNK, PREFILL_CHUNK
 from ntio.errors import OptionError
@@ -68,16 +70,21 @@ def _aligned(n: int) -> int:
 
 def memory_needs(
     layout: WeightLayout, capacity: int, kv_dtype: torch.dtype, group_size: int, staging_slots: int,
-    prefill_chunk: int = PREFILL_CHUNK, *, cuda: bool,
+    prefill_chunk: int = PREFILL_CHUNK, *, cuda: bool, kernels: KernelChoice = KernelChoice(),
 ) -> MemoryNeeds:
     cfg: ModelConfig = layout.cfg
     token_embd = 0 if layout.output is None else layout.token_embd.nbytes
     kv = 2 * cfg.n_layers * cfg.n_kv_heads * capacity * cfg.head_dim * torch.empty(0, dtype=kv_dtype).element_size()
     tokens = min(capacity, prefill_chunk)
-    per_token = 3 * cfg.d_model + cfg.q_width + 2 * cfg.kv_width + 2 * cfg.d_ff
+    # Floats a pass holds per token at its peak: the residual stream, the layer's input and its normed copy (the
+    # kernels' prologue), attention's q/k/v, rotated q/k and outputs; in the FFN gate|up [2F], the gated copy [F] and
+    # its 8-bit codes [F/4]. Measured: a 480-token pass of SmolLM2 grew the RSS by ~38 KB a token beside its KV cache
+    # (this formula: 36 KB).
+    per_token = 4 * cfg.d_model + 2 * cfg.q_width + 3 * cfg.kv_width + 13 * cfg.d_ff // 4
     logits = max(4 * cfg.vocab_size, LOGITS_BYTES)
-    # On CPU a forward of up to KERNEL_ROWS tokens multiplies on the encoded weights: nothing is dequantized.
-    scratch = ops.SCRATCH_BYTES if cuda or tokens > ops.KERNEL_ROWS else 0
+    # On CPU the kernels multiply on the encoded weights (with float32 activations, passes of up to KERNEL_ROWS
+    # tokens): nothing is dequantized.
+    scratch = ops.SCRATCH_BYTES if ops.dequantizes(tokens, layout.matrix_types(), kernels, cuda=cuda) else 0
     activations = scratch + 4 * tokens * per_token + logits
     layers = [layout.block_nbytes(i) + len(layout.blocks[i]) * _ALIGN for i in range(cfg.n_layers)]
     norms = layout.output_norm.n_elements * 4
@@ -230,9 +237,10 @@ class MemoryPlan:
 def plan_memory(layout: WeightLayout, *, cuda: bool, kv_dtype: torch.dtype, max_context: int | None = None,
                 tiers: str = "auto", gpu_memory_budget: str | int | None = None, ram_budget: str | int | None = None,
                 group_size: int = 1, prefetch_depth: int | None = None, sync: bool = False, reserved: int = 0,
-                spread: bool = True) -> MemoryPlan:
+                spread: bool = True, kernels: KernelChoice = KernelChoice()) -> MemoryPlan:
     """Budgets (less `reserved` bytes of the compute device's: a draft model's), KV capacity, read-ahead and tier
-    plan for a model, in that order (`spread`: as for `tiers.plan_tiers`).
+    plan for a model, in that order (`spread`: as for `tiers.plan_tiers`; `kernels`: the CPU kernels the engine
+    runs, which decide whether passes need a dequantization scratch).
 
     When the leanest plan does not fit an automatic plan's budget, the prefill chunk is halved (down to
     MIN_PREFILL_CHUNK); then, on CPU, a measured RAM budget grows up to `RamRoom.tight_budget` (this process's own
@@ -253,14 +261,15 @@ def plan_memory(layout: WeightLayout, *, cuda: bool, kv_dtype: torch.dtype, max_
     if sync:
         depth = 0
     elif prefetch_depth is None:
-        depth = auto_prefetch_depth(memory_needs(layout, 1, kv_dtype, group_size, 1, cuda=cuda).largest_group())
+        depth = auto_prefetch_depth(memory_needs(layout, 1, kv_dtype, group_size, 1, cuda=cuda,
+                                                 kernels=kernels).largest_group())
     else:
         depth = prefetch_depth
 
     capacity, chunk = max_context or min(cfg.context_length, DEFAULT_CONTEXT), PREFILL_CHUNK
 
     def needs_at(capacity: int) -> MemoryNeeds:
-        return memory_needs(layout, capacity, kv_dtype, group_size, depth + 1, chunk, cuda=cuda)
+        return memory_needs(layout, capacity, kv_dtype, group_size, depth + 1, chunk, cuda=cuda, kernels=kernels)
 
     while tiers == "auto" and chunk > MIN_PREFILL_CHUNK and minimum(needs_at(capacity)) > budget.device:
         chunk //= 2
@@ -284,12 +293,13 @@ def plan_memory(layout: WeightLayout, *, cuda: bool, kv_dtype: torch.dtype, max_
     return MemoryPlan(needs, budget, plan, capacity, chunk, depth, "; ".join(notices) or None)
 
 
-def resident_plan(layout: WeightLayout, *, cuda: bool, kv_dtype: torch.dtype, capacity: int) -> MemoryPlan:
+def resident_plan(layout: WeightLayout, *, cuda: bool, kv_dtype: torch.dtype, capacity: int,
+                  kernels: KernelChoice = KernelChoice()) -> MemoryPlan:
     """A model planned wholly resident with a KV cache of `capacity` (at most its context), whatever the budgets: what
     a draft model takes beside its target (`report()["total"]` is reserved out of the target's budget)."""
     unbounded = 1 << 62
     return plan_memory(layout, cuda=cuda, kv_dtype=kv_dtype, max_context=min(capacity, layout.cfg.context_length),
-                       tiers="A", gpu_memory_budget=unbounded, ram_budget=unbounded)
+                       tiers="A", gpu_memory_budget=unbounded, ram_budget=unbounded, kernels=kernels)
 
 
 def less_reserved(budget: Budgets, reserved: int, cuda: bool) -> Budgets:
