@@ -51,8 +51,9 @@ if TYPE_CHECKING:
 # A lookup match this long is used alone even when a draft model is there, until lookup's acceptance is measured:
 # copying is that likely to go on.
 PREFERRED_LOOKUP = 3
-# A verify pass is at most this many tokens: beyond it the CPU kernels hand over to dequantized prefill products,
-# whose rounding differs from a decode step's (greedy exactness needs the same bits).
+# A verify pass is at most this many tokens: beyond it attention leaves the CPU kernel for torch's SDPA (and float32
+# products for dequantized weights), whose rounding differs from a decode step's (greedy exactness needs the same
+# bits).
 MAX_DRAFT = KERNEL_ROWS - 1
 
 

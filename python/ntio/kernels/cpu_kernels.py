@@ -3,8 +3,9 @@
 For a few activation rows (decode, speculative verification: T <= 32) the product is memory-bound, so reading the
 encoded blocks (~4.5-8.5 bits per weight) instead of dequantized float32 weights is several times faster, and each
 weight block is decoded once per call for all T rows. Longer inputs go through in blocks of MAX_ROWS rows while each
-weight row stays in L1 cache (ntio.kernels.ops uses them up to 64 rows; longer prefill dequantizes for a dense
-matmul, which is faster there).
+weight row stays in L1 cache, the blocks in tiles that stay in L2 (ntio.kernels.ops uses them for any number of rows
+with 8-bit activations, up to 64 with float32 ones; longer float32 passes dequantize for a dense matmul, which is
+faster there).
 
 Numerics. By default (`int8=True`) the activations of quantized types are quantized to 8 bits: per 32 elements
 exactly as llama.cpp's Q8_0 (d = max|x|/127 as float16, q = round(x/d)) for the 32-element types, per 128 elements
