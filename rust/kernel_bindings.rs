@@ -575,6 +575,12 @@ fn check_kernel_isa(name: &str) -> PyResult<()> {
     checked_isa(name).map(|_| ())
 }
 
+/// Whether kernel set `name`'s 8-bit kernels are vector code on this CPU, not the scalar fallback.
+#[pyfunction]
+fn vectorized_kernels(name: &str) -> PyResult<bool> {
+    Ok(checked_isa(name)?.vectorized())
+}
+
 /// Use `n` kernel threads (0: one per available CPU).
 #[pyfunction]
 fn set_kernel_threads(n: usize) -> PyResult<()> {
@@ -597,6 +603,7 @@ fn memory_read_seconds(py: Python<'_>, nbytes: usize, repeats: usize) -> PyResul
 
 pub fn register(m: &Bound<PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(quantized_matmul, m)?)?;
+    m.add_function(wrap_pyfunction!(vectorized_kernels, m)?)?;
     m.add_function(wrap_pyfunction!(set_kernel_threads, m)?)?;
     m.add_function(wrap_pyfunction!(kernel_threads, m)?)?;
     m.add_function(wrap_pyfunction!(memory_read_seconds, m)?)?;

@@ -218,24 +218,30 @@ def _layout(path):
     return WeightLayout(g, ModelConfig.from_gguf(g))
 
 
-def test_a_cpu_forward_through_the_kernels_dequantizes_nothing_so_its_plan_holds_no_scratch(smollm2_path):
-    """8-bit activations take any number of rows through the kernels; float32 ones up to KERNEL_ROWS."""
+def test_a_cpu_forward_through_the_kernels_dequantizes_nothing_so_its_plan_holds_no_scratch(smollm2_path,
+                                                                                            monkeypatch):
+    """8-bit activations take any number of rows through the vector kernels; float32 ones, and the scalar fallback's
+    8-bit ones, up to KERNEL_ROWS."""
     layout = _layout(smollm2_path)
-    rows, choices = ops.KERNEL_ROWS, {"int8": KernelChoice(), "float32": KernelChoice(int8=False)}
+    rows = ops.KERNEL_ROWS
+    choices = {"int8": KernelChoice(), "float32": KernelChoice(int8=False), "scalar": KernelChoice(isa="scalar")}
     needs = {(chunk, cuda, name): memory_needs(layout, 512, torch.float32, 1, 2, chunk, cuda=cuda, kernels=choice)
              for chunk in (rows, 2 * rows) for cuda in (False, True) for name, choice in choices.items()}
     for name in choices:
         assert needs[rows, True, name].activations - needs[rows, False, name].activations == ops.SCRATCH_BYTES
     assert needs[2 * rows, True, "int8"].activations - needs[2 * rows, False, "int8"].activations == ops.SCRATCH_BYTES
-    # longer float32 chunks dequantize
-    assert needs[2 * rows, True, "float32"].activations == needs[2 * rows, False, "float32"].activations
-    # The claim itself: such prompts and decode steps leave the engine's scratch untouched, and a longer prompt with
-    # float32 activations uses it.
-    for activations, prompt, scratch_used in (("int8", 2 * rows + 5, False), ("float32", rows, False),
-                                              ("float32", rows + 1, True)):
+    for name in ("float32", "scalar"):  # longer chunks dequantize
+        assert needs[2 * rows, True, name].activations == needs[2 * rows, False, name].activations
+    # The claim itself: such prompts and decode steps leave the engine's scratch untouched, and longer prompts with
+    # float32 activations or scalar kernels use it.
+    for isa, activations, prompt, scratch_used in (("best", "int8", 2 * rows + 5, False),
+                                                   ("best", "float32", rows, False),
+                                                   ("best", "float32", rows + 1, True),
+                                                   ("scalar", "int8", rows + 1, True)):
+        monkeypatch.setenv("NTIO_CPU_KERNELS", isa)
         with ntio.load(smollm2_path, max_context=256, tiers="C", cpu_activations=activations) as m:
             m.generate(list(range(100, 100 + prompt)), max_new_tokens=3)
-            assert (m.engine.scratch.nbytes > 0) == scratch_used, (activations, prompt)
+            assert (m.engine.scratch.nbytes > 0) == scratch_used, (isa, activations, prompt)
 
 
 def _room(default_budget: int, own_file_pages: int) -> RamRoom:

@@ -170,6 +170,9 @@ def interleave(raw: Buffer, qtype: int, n: int, k: int, *, inverse: bool = False
     layout (rows in groups of 8, word w of row r at byte 4 (8w + r) of each block of the group) and returns that
     layout's id (for `quantized_matmul`); with `inverse`, qtype is the layout's id and the rows go back (the plain id is returned). A type
     without the layout, n not a multiple of 8, k not whole blocks or a wrong size is a ValueError."""
+def vectorized_kernels(name: str) -> bool:
+    """Whether kernel set `name`'s 8-bit kernels are vector code on this CPU (AVX2, AVX-512, NEON), not the scalar
+    fallback; a ValueError as `check_kernel_isa`."""
 def interleaved_kernels(isa: str = "best", int8: bool = True) -> bool:
     """Whether interleaved rows have kernels of their own under that kernel set (else each group is restored to rows
     at every product, slower than plain rows)."""

@@ -29,6 +29,7 @@ same results bit for bit (`avx2` forces the AVX2 products).
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -72,6 +73,12 @@ class KernelChoice:
         except ValueError as e:
             raise OptionError(ISA_ENV, f"= {isa!r}: {e}") from None
         return cls(isa, activations == "int8")
+
+    @functools.cached_property
+    def takes_long_passes(self) -> bool:
+        """Whether products of more than ops.KERNEL_ROWS rows run on these kernels rather than dequantizing: with
+        8-bit activations and vector kernels (the scalar fallback is ~12x slower there than a float32 GEMM)."""
+        return self.int8 and _core.vectorized_kernels(self.isa)
 
     @property
     def interleaves_rows(self) -> bool:
