@@ -232,6 +232,10 @@ def test_a_cpu_forward_through_the_kernels_dequantizes_nothing_so_its_plan_holds
     assert needs[2 * rows, True, "int8"].activations - needs[2 * rows, False, "int8"].activations == ops.SCRATCH_BYTES
     for name in ("float32", "scalar"):  # longer chunks dequantize
         assert needs[2 * rows, True, name].activations == needs[2 * rows, False, name].activations
+    # and so do dense weights' (float32 activations in row kernels, which a GEMM beats)
+    dense = gguf.GGMLQuantizationType.F16
+    assert ops.dequantizes(2 * rows, [dense], choices["int8"], cuda=False)
+    assert not ops.dequantizes(rows, [dense], choices["int8"], cuda=False)
     # The claim itself: such prompts and decode steps leave the engine's scratch untouched, and longer prompts with
     # float32 activations or scalar kernels use it.
     for isa, activations, prompt, scratch_used in (("best", "int8", 2 * rows + 5, False),

@@ -45,6 +45,9 @@ from ntio.errors import OptionError
 T = gguf.GGMLQuantizationType
 
 KERNEL_TYPES: frozenset[gguf.GGMLQuantizationType] = frozenset(T(i) for i in _core.KERNEL_TYPES)
+# The types whose products meet 8-bit activations (dense weights always take float32 ones, in row kernels that a
+# float32 GEMM beats for long passes).
+QUANTIZED_KERNEL_TYPES = KERNEL_TYPES - {T.F32, T.F16, T.BF16}
 # ntio's own ids of rows interleaved by eight (`_core.interleave`), beyond ggml's.
 _INTERLEAVED_IDS = frozenset(_core.INTERLEAVED_TYPES.values())
 MAX_ROWS: int = _core.KERNEL_MAX_T  # activation rows the kernels take at once (longer inputs run in such blocks)
@@ -76,8 +79,9 @@ class KernelChoice:
 
     @functools.cached_property
     def takes_long_passes(self) -> bool:
-        """Whether products of more than ops.KERNEL_ROWS rows run on these kernels rather than dequantizing: with
-        8-bit activations and vector kernels (the scalar fallback is ~12x slower there than a float32 GEMM)."""
+        """Whether products of more than ops.KERNEL_ROWS rows with quantized matrices (QUANTIZED_KERNEL_TYPES) run on
+        these kernels rather than dequantizing: with 8-bit activations and vector kernels (the scalar fallback is
+        ~12x slower there than a float32 GEMM)."""
         return self.int8 and _core.vectorized_kernels(self.isa)
 
     @property

@@ -6,8 +6,8 @@ staging slot — and each product picks how to run:
     ~4.5-8.5 bits per weight read instead of 32), with the running engine's `KernelChoice` (`using_kernels`): by
     default 8-bit activations and integer sums, as llama.cpp, for any number of rows where the kernels are vector
     code; float32 activations (and the scalar fallback) for T <= KERNEL_ROWS;
-  * otherwise (long prefill chunks with float32 activations or scalar kernels, CUDA, other types): dequantize into a
-    reusable float32 scratch buffer, then `F.linear`.
+  * otherwise (long prefill chunks with float32 activations, scalar kernels or dense weights, CUDA, other types):
+    dequantize into a reusable float32 scratch buffer, then `F.linear`.
 With float32 activations both agree to ~1e-6 relative and with transformers' float32 to 1e-4; with 8-bit ones the
 CPU kernels' products move by ~0.3-1% relative (ntio.kernels.cpu_kernels states the numerics).
 """
@@ -246,9 +246,11 @@ KERNEL_ROWS = 64
 
 
 def _kernels_take(rows: int, qtypes: Iterable[gguf.GGMLQuantizationType], choice: cpu_kernels.KernelChoice) -> bool:
-    """Whether the CPU kernels multiply `rows` activation rows with matrices of `qtypes` under `choice`: every type
-    one they decode, and at most KERNEL_ROWS rows unless `choice.takes_long_passes`."""
-    return all(q in cpu_kernels.KERNEL_TYPES for q in qtypes) and (rows <= KERNEL_ROWS or choice.takes_long_passes)
+    """Whether the CPU kernels multiply `rows` activation rows with matrices of `qtypes` under `choice`: up to
+    KERNEL_ROWS rows, every type one they decode; more, every type quantized and `choice.takes_long_passes`."""
+    if rows <= KERNEL_ROWS:
+        return all(q in cpu_kernels.KERNEL_TYPES for q in qtypes)
+    return choice.takes_long_passes and all(q in cpu_kernels.QUANTIZED_KERNEL_TYPES for q in qtypes)
 
 
 def uses_cpu_kernel(x: torch.Tensor, ws: list[EncodedMatrix]) -> bool:

@@ -3,8 +3,8 @@
 Budgets cover what ntio allocates for the model: the norms, the output head (resident, or streamed in row chunks
 like a layer), the token embedding (resident, or its rows read on demand), the KV cache, activations (bounded:
 prefill runs in chunks of `engine.PREFILL_CHUNK` tokens or fewer, dequantized products in row chunks of
-`ops.SCRATCH_BYTES`, on CPU only where `ops.dequantizes` (float32 activations and chunks of more than
-`ops.KERNEL_ROWS` tokens), logits for the one position
+`ops.SCRATCH_BYTES`, on CPU only where `ops.dequantizes` (types the kernels lack; chunks of more than
+`ops.KERNEL_ROWS` tokens with float32 activations, scalar kernels or dense weights), logits for the one position
 generation samples or `engine.LOGITS_BYTES` of scored positions at a time), the staging slots when anything streams,
 and the tier A/B layers. The Python interpreter and its libraries,
 the parsed metadata and the tokenizer are already allocated when the default budget is measured
