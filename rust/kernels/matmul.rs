@@ -531,14 +531,9 @@ pub fn quantized_matmul(
             Some(entry)
         })
         .collect();
-    // Tiles of whole blocks, ACTIVATION_TILE_BYTES or one block: (index of the first block, the blocks).
+    // Blocks per tile: as many as fill ACTIVATION_TILE_BYTES, at least one.
     let activation_row_bytes = if int { k } else { 4 * k };
     let tile_blocks = (ACTIVATION_TILE_BYTES / (MAX_T * activation_row_bytes)).max(1);
-    let tiles: Vec<(usize, &[Activations])> = blocks
-        .chunks(tile_blocks)
-        .enumerate()
-        .map(|(i, tile)| (i * tile_blocks, tile))
-        .collect();
     let out_ptr = OutPtr(out.as_mut_ptr());
     // Output columns of the rows of one tile (blocks first_block.. of the call).
     let tile_columns = |first_block: usize,
@@ -608,8 +603,8 @@ pub fn quantized_matmul(
     };
     // Output columns [start, stop) of the whole call, tile by tile, matrix by matrix.
     let columns_fn = |columns: std::ops::Range<usize>| {
-        for &(first_block, tile) in &tiles {
-            tile_columns(first_block, tile, columns.clone());
+        for (i, tile) in blocks.chunks(tile_blocks).enumerate() {
+            tile_columns(i * tile_blocks, tile, columns.clone());
         }
     };
     let team = team()?;
