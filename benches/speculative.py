@@ -31,6 +31,8 @@ PROMPTS = {
     ],
     "prose": [
         "Explain in a short paragraph why the sky is blue.",
+        "Describe a quiet morning in a small fishing village.",
+        "Explain in a short paragraph how a lighthouse guides ships.",
     ],
     "rewrite": [
         "Rewrite this function with type hints and a docstring, keeping its body:\n\ndef mean(values):\n    total = 0\n"

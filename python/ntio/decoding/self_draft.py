@@ -3,9 +3,11 @@
 The exit head of layer E maps the residual stream after layer E, h_E [D], to an estimate of the stream after the
 last layer, h_L ≈ h_E·W + b (then the model's own final norm and output head make logits). W and b are fitted by
 ridge regression on a calibration text: W = I + Δ with Δ shrunk towards 0 (the prior "the remaining layers change
-nothing"), one fit per calibrated layer. `ntio calibrate` writes a calibration file; a drafter built on it runs the
-first E layers per drafted token from resident weights (the target's own when those layers are resident, else a
-copy read once: E layers of RAM) and writes their K/V into the target's cache, which the verify pass then rewrites.
+nothing"), one fit per calibrated layer, then distilled (`distill_heads`): trained from there to give the model's
+own next-token distribution, which is what a draft is judged by. `ntio calibrate` writes a calibration file; a
+drafter built on it runs the first E layers per drafted token from resident weights (the target's own when those
+layers are resident, else a copy read once: E layers of RAM) and writes their K/V into the target's cache, which the
+verify pass then rewrites.
 
 Calibration file (torch.save of plain tensors and numbers; loaded with weights_only=True): format, version, the
 model's fingerprint (architecture, sizes, vocabulary and output norm: a file calibrated for another model is
@@ -17,7 +19,7 @@ from __future__ import annotations
 import hashlib
 import math
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -27,6 +29,7 @@ from ntio.decoding.generation import Sampler
 from ntio.decoding.speculative import Draft, sample_chain
 from ntio.errors import ModelFormatError, NtioError, OptionError
 from ntio.files import replacing
+from ntio.kernels import ops
 from ntio.models.layers import LayerWeights
 from ntio.runtime.engine import Engine, Segment
 
@@ -118,6 +121,54 @@ class ExitHeadFit:
             solution = torch.linalg.solve(g, self.cross[e])  # [D + 1, D]: Δ then b
             heads[e] = ((torch.eye(d, dtype=torch.float64) + solution[:d]).float(), solution[d].float())
         return heads
+
+
+# Distillation (`distill_heads`): Adam's step size and the tokens of one step. One pass over SmolLM2's own answers
+# (11k tokens) raised its layer-27 head's top-1 agreement with the model on held-out prose from 0.67 to 0.72; more
+# passes added nothing.
+DISTILL_LR = 1e-4
+DISTILL_BATCH = 256
+
+
+def distill_heads(engine: Engine, heads: dict[int, tuple[torch.Tensor, torch.Tensor]], seen: dict[int, torch.Tensor],
+                  final: torch.Tensor, epochs: int, on_step: Callable[[], None] | None = None
+                  ) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+    """The heads (layer E -> (W, b), from the ridge fit) trained further, each by Adam from where it is, to minimise
+    the cross-entropy of its next-token distribution (the final norm and the output head after it) against the
+    model's own, over the fit tokens in `epochs` shuffled passes. The ridge fit weighs every direction of h_L alike;
+    a draft is judged by the tokens it gives. seen: layer E -> h_E [N, D] of the fit tokens; final: their h_L [N, D].
+    on_step: called after each step (DISTILL_BATCH tokens of one head)."""
+    with torch.inference_mode(False), torch.enable_grad():  # the engine's tensors are inference tensors: copies
+        output = ops.dequantized(engine.globals.output).T.contiguous()  # [D, V]
+        norm, eps = engine.globals.output_norm.float().clone(), engine.cfg.rms_eps
+        final = final.float().clone()
+        order = torch.Generator().manual_seed(0)
+
+        def logits(h: torch.Tensor) -> torch.Tensor:
+            return ops.rms_norm(h, norm, eps) @ output
+
+        distilled = {}
+        for e, (w0, b0) in heads.items():
+            h = seen[e].float().clone()
+            w, b = w0.clone().requires_grad_(), b0.clone().requires_grad_()
+            adam = torch.optim.Adam([w, b], lr=DISTILL_LR)
+            for _ in range(epochs):
+                for rows in torch.randperm(h.shape[0], generator=order).split(DISTILL_BATCH):
+                    with torch.no_grad():
+                        target = torch.softmax(logits(final[rows]), dim=-1)
+                    loss = -(target * torch.log_softmax(logits(h[rows] @ w + b), dim=-1)).sum(-1).mean()
+                    adam.zero_grad()
+                    loss.backward()
+                    adam.step()
+                    if on_step is not None:
+                        on_step()
+            distilled[e] = (w.detach(), b.detach())
+    return distilled
+
+
+def distill_steps(n_tokens: int, n_heads: int, epochs: int) -> int:
+    """The steps `distill_heads` takes (for a progress bar)."""
+    return n_heads * epochs * math.ceil(n_tokens / DISTILL_BATCH)
 
 
 def check_exit_layers(layers: Sequence[int], n_layers: int) -> None:

@@ -196,6 +196,13 @@ def _dequantized_rows(w: EncodedMatrix, start: int, stop: int) -> torch.Tensor:
     return quant.dequantize(raw, w.qtype, (stop - start, k), out=buf.view(stop - start, k))
 
 
+def dequantized(w: EncodedMatrix) -> torch.Tensor:
+    """The whole of w as a new float32 tensor [N, K] (its scale applied): for work outside the forward pass."""
+    raw = _plain_rows(w.raw, w.qtype, w.shape[0]) if w.interleaved else w.raw
+    dense = quant.dequantize(raw, w.qtype, w.shape)
+    return dense * w.scale if w.scale != 1.0 else dense
+
+
 def _plain_rows(raw: torch.Tensor, qtype: gguf.GGMLQuantizationType, n: int) -> torch.Tensor:
     """The plain rows of n interleaved ones (`_core.interleave`'s layout: in a group's block, word w of row r at
     byte 4 (8w + r)), as a new tensor: one strided copy, on torch's threads."""

@@ -1,9 +1,9 @@
 """What `ntio calibrate` measures for adaptive depth (issue 14), and a user's budget turned into a setting.
 
 One pass over a calibration text, split in two: the first 60% fit, the last 40% (HELD_OUT) is held out.
-  * Fit: the exit heads of the probe layers (ntio.decoding.self_draft: h_L ≈ h_E·W + b) and the skip predictor
-    (ntio.policies.layer_skip), whose labels are the post-compute ones: layer l could have been skipped for a token
-    when cos(h_in, h_out) > SKIP_LABEL_COS.
+  * Fit: the exit heads of the probe layers (ntio.decoding.self_draft: h_L ≈ h_E·W + b, then distilled) and the
+    skip predictor (ntio.policies.layer_skip), whose labels are the post-compute ones: layer l could have been
+    skipped for a token when cos(h_in, h_out) > SKIP_LABEL_COS.
   * Held out: per token and probe layer, two signals of the exit head's next-token distribution (full head):
     its entropy (EMAD's) and log KL(final layer's || exit head's), how far the exit is from what the whole model
     says. Their first half fits the cheap proxies that decide at run time: a linear read of each signal from the
@@ -29,7 +29,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ntio.decoding.self_draft import Calibration, ExitHeadFit, check_exit_layers, fingerprint
+from ntio.decoding.self_draft import (Calibration, ExitHeadFit, check_exit_layers, distill_heads, distill_steps,
+                                     fingerprint)
 from ntio.errors import ModelFormatError, NtioError, OptionError
 from ntio.policies.base import LoadPolicy, Observation
 
@@ -159,10 +160,11 @@ def min_calibration_tokens(ctx: int) -> int:
 
 def calibrate_depth(llm, text: str, probes: Sequence[int], n_tokens: int = 16384, ctx: int = 512,
                     skip_after: int | None = None, on_progress: Callable[[int, int], None] | None = None,
-                    source: str = "the calibration text") -> Calibration:
+                    source: str = "the calibration text", distill_epochs: int = 1) -> Calibration:
     """Exit heads for `probes` and the adaptive-depth profile, from up to n_tokens tokens of `text` in windows of
     ctx tokens (see the module's doc). skip_after: the layer the skip predictor reads (default: a quarter deep);
-    source: what names the text in errors (its file)."""
+    source: what names the text in errors (its file); distill_epochs: passes of `distill_heads` over the fit tokens
+    after the ridge fit (0: the ridge fit alone)."""
     from ntio.policies.layer_skip import SkipPredictor
 
     cfg, engine = llm.config, llm.engine
@@ -191,6 +193,10 @@ def calibrate_depth(llm, text: str, probes: Sequence[int], n_tokens: int = 16384
     later = range(skip_after + 1, cfg.n_layers)
     heads_fit = ExitHeadFit(probes, cfg.d_model)
     fit_x, fit_y, held = [], [], []
+    fit_seen: dict[int, list[torch.Tensor]] = {p: [] for p in probes}  # the fit tokens' h_E and h_L, to distill
+    fit_final: list[torch.Tensor] = []
+    n_fit_tokens = sum(b - a for a, b in windows if a < n_fit)
+    total = len(windows) + 1 + (distill_steps(n_fit_tokens, len(probes), distill_epochs) if distill_epochs else 0)
     policy, llm.loader.policy = llm.loader.policy, recorder
 
     def labels() -> torch.Tensor:
@@ -201,22 +207,37 @@ def calibrate_depth(llm, text: str, probes: Sequence[int], n_tokens: int = 16384
             engine.forward(torch.tensor(ids[a:b], dtype=torch.int64, device=llm.device), 0)
             if a < n_fit:
                 heads_fit.add(recorder.seen, recorder.seen[cfg.n_layers - 1])
+                if distill_epochs:
+                    for p in probes:
+                        fit_seen[p].append(recorder.seen[p].cpu())
+                    fit_final.append(recorder.seen[cfg.n_layers - 1].cpu())
                 fit_x.append(recorder.seen[skip_after].cpu())
                 fit_y.append(labels())
             else:
                 held.append(({p: recorder.seen[p].cpu() for p in probes}, recorder.seen[skip_after].cpu(),
                              labels(), torch.arange(b - a), recorder.seen[cfg.n_layers - 1].cpu()))
             if on_progress is not None:
-                on_progress(n, len(windows) + 1)
+                on_progress(n, total)
     finally:
         llm.loader.policy = policy
         engine.kv.crop(0)
     heads = heads_fit.heads()
+    if distill_epochs:
+        done = len(windows)
+
+        def stepped() -> None:
+            nonlocal done
+            done += 1
+            if on_progress is not None:
+                on_progress(done, total)
+
+        heads = distill_heads(engine, heads, {p: torch.cat(v) for p, v in fit_seen.items()}, torch.cat(fit_final),
+                              distill_epochs, on_step=stepped)
     predictor = SkipPredictor.fit(torch.cat(fit_x), torch.cat(fit_y).float())
     exits = [{p: seen[p] @ heads[p][0] + heads[p][1] for p in probes} for seen, *_ in held]  # estimates of h_L
     values = [exit_signals(engine, x, final) for x, (*_, final) in zip(exits, held)]  # per window: signal -> [T, P]
     if on_progress is not None:
-        on_progress(len(windows) + 1, len(windows) + 1)
+        on_progress(total, total)
     half = len(held) // 2  # windows (at least 2): the first fit the proxies, the others are the profile's samples
     features = [{p: proxy_features(engine.final_norm(x[p])) for p in probes} for x in exits]  # [T, D + 1] each
     weights = {s: torch.stack([fit_proxy(torch.cat([f[p] for f in features[:half]]),
