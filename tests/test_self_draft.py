@@ -15,7 +15,7 @@ import ntio
 from ntio.cli import main
 from ntio.decoding.self_draft import Calibration, SelfDraft, fingerprint
 from ntio.errors import ModelFormatError, OptionError
-from ntio.policies.depth_profile import calibrate_depth
+from ntio.policies.depth_profile import LayerRecorder, calibrate_depth
 from ntio.text.answers import PROMPTS as BUILT_IN, model_answers
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -101,50 +101,61 @@ def test_cli_calibrates_and_drafts(smollm2_path, tmp_path):
 
 
 @pytest.fixture(scope="module")
-def own_answers(smollm2_path) -> str:
-    """4,096 tokens of SmolLM2's greedy answers to ntio's built-in calibration prompts (none of them one of PROMPTS):
-    the text `ntio calibrate` fits on by default."""
+def own_answers(smollm2_path) -> tuple[str, str]:
+    """SmolLM2's greedy answers: 4,096 tokens of them to ntio's built-in calibration prompts (the text `ntio
+    calibrate` fits on by default), and to PROMPTS, which the fits do not see (~410 tokens)."""
     m = ntio.load(smollm2_path)
     try:
-        return model_answers(m, BUILT_IN, 256, 4096)
+        return model_answers(m, BUILT_IN, 256, 4096), model_answers(m, PROMPTS, 128, 10**6)
     finally:
         m.close()
 
 
-def test_heads_fitted_on_the_models_own_answers_draft_more_than_heads_fitted_on_sources(smollm2_path, own_answers,
-                                                                                          calibration_file, tmp_path):
-    """Heads fitted on what the model writes draft it better than heads fitted on this repository's sources
-    (`calibration_file`, as many tokens). Measured at layer 26, 4 drafted, greedy: 3.63 against 3.14 tokens a pass
-    (the prose prompt: 2.21 against 1.82)."""
+def test_heads_fitted_on_the_models_own_answers_follow_it_closer_than_heads_fitted_on_sources(
+        smollm2_path, own_answers, calibration_file, tmp_path):
+    """Ridge heads fitted on what the model writes against heads fitted on this repository's sources
+    (`calibration_file`, as many tokens), on the model's answers to PROMPTS. Measured at layers 22 / 26: the exit's
+    next token is the model's 0.498 / 0.751 of the time against 0.393 / 0.659; KL(model's || exit's) 2.38 / 0.61
+    against 2.94 / 0.85."""
+    fitted, held_out = own_answers
     m = ntio.load(smollm2_path)
-    calibrate_depth(m, own_answers, [22, 26], n_tokens=4096).save(tmp_path / "answers.exit")
+    calibrate_depth(m, fitted, [22, 26], n_tokens=4096).save(tmp_path / "answers.exit")
     m.close()
-    own = _tokens_per_pass(smollm2_path, tmp_path / "answers.exit", 26)
-    assert own > _tokens_per_pass(smollm2_path, calibration_file, 26) + 0.2
+    for layer in (22, 26):
+        own, sources = (_exit_against_model(smollm2_path, c, layer, held_out)
+                        for c in (tmp_path / "answers.exit", calibration_file))
+        assert own[0] > sources[0] + 0.05 and own[1] < 0.9 * sources[1], (layer, own, sources)
 
 
-def test_distilled_heads_draft_more_than_their_ridge_fit(smollm2_path, own_answers, tmp_path):
-    """Distillation trains each head from its ridge fit towards the model's own next-token distribution. Measured on
-    the model's answers, tokens a pass at layers 22 and 26: ridge 2.06 and 3.63, after 2 epochs 2.22 and 3.77."""
+def test_distilled_heads_follow_the_model_closer_than_their_ridge_fit(smollm2_path, own_answers, tmp_path):
+    """One epoch of distillation (`ntio calibrate`'s default) after the ridge fit, on the model's answers; measured
+    on its answers to PROMPTS, layers 22 + 26: KL(model's || exit's) 2.38 + 0.61 -> 2.22 + 0.58 (0.94x), the exit's
+    next token the model's 0.498 / 0.751 -> 0.520 / 0.761 of the time."""
+    fitted, held_out = own_answers
     m = ntio.load(smollm2_path)
-    for epochs in (0, 2):
-        calibrate_depth(m, own_answers, [22, 26], n_tokens=4096, distill_epochs=epochs).save(tmp_path / f"{epochs}.e")
+    for epochs in (0, 1):
+        calibrate_depth(m, fitted, [22, 26], n_tokens=4096, distill_epochs=epochs).save(tmp_path / f"{epochs}.exit")
     m.close()
-    ridge, distilled = (sum(_tokens_per_pass(smollm2_path, tmp_path / f"{e}.e", layer) for layer in (22, 26))
-                        for e in (0, 2))
-    assert distilled > ridge + 0.1, (distilled, ridge)
+    ridge, distilled = (sum(_exit_against_model(smollm2_path, tmp_path / f"{e}.exit", layer, held_out)[1]
+                            for layer in (22, 26)) for e in (0, 1))
+    assert distilled < 0.97 * ridge, (distilled, ridge)
 
 
-def _tokens_per_pass(model: Path, calibration: Path, layer: int) -> float:
-    """Mean tokens per verify pass over PROMPTS (greedy, 32 tokens, drafts 4 deep) with the head of `layer`."""
+def _exit_against_model(model: Path, calibration: Path, layer: int, text: str) -> tuple[float, float]:
+    """How closely the exit head of `layer` follows the model on `text` (one forward pass): the share of positions
+    where its most likely next token is the model's, and the mean KL(model's || exit's) next-token distributions."""
     m = ntio.load(model, self_draft=calibration, exit_layer=layer)
-    rates = []
-    for prompt in PROMPTS:
-        m.engine.kv.crop(0)
-        c = m.generate(m.encode_prompt(prompt, chat=True), 32, adaptive_draft=False, draft_tokens=4)
-        rates.append(c.speculation["tokens_per_pass"])
+    last = m.config.n_layers - 1
+    recorder = LayerRecorder([layer, last])
+    m.loader.policy = recorder
+    m.engine.forward(torch.tensor(m.tokenizer.encode(text)), 0)
+    exit_logits = m.engine.head_logits(recorder.seen[layer] @ m.self_draft.w + m.self_draft.b)
+    model_logits = m.engine.head_logits(recorder.seen[last])
     m.close()
-    return sum(rates) / len(rates)
+    agree = float((exit_logits.argmax(-1) == model_logits.argmax(-1)).float().mean())
+    p = model_logits.log_softmax(-1)
+    kl = float((p.exp() * (p - exit_logits.log_softmax(-1))).sum(-1).mean())
+    return agree, kl
 
 
 def test_cli_calibrates_on_the_models_answers_to_given_prompts(smollm2_path, tmp_path):
@@ -161,10 +172,14 @@ def test_cli_calibrates_on_the_models_answers_to_given_prompts(smollm2_path, tmp
     assert sorted(cal.heads) == [24] and cal.n_tokens == 1024  # answers until the budget is reached, cut there
     empty = tmp_path / "empty.txt"
     empty.write_text("\n  \n")
-    for extra, named in [(["--prompts", str(empty)], str(empty)), (["--prompts", str(prompts), "--corpus",
-                                                                     str(prompts)], "--prompts")]:
+    long = tmp_path / "long.txt"
+    long.write_text("Say hi.\n" + "Summarize this: " + "the cat sat on the mat. " * 80 + "\n")
+    for extra, named in [(["--prompts", str(empty)], str(empty)),
+                         (["--prompts", str(prompts), "--corpus", str(prompts)], "--prompts"),
+                         (["--corpus", str(prompts), "--answer-tokens", "64"], "--answer-tokens"),
+                         (["--prompts", str(long), "--answer-tokens", "16"], f"{long}, line 2")]:
         result = runner.invoke(main, [*base, *extra])
-        assert result.exit_code != 0 and named in result.output and "\n" not in result.output.strip(), result.output
+        assert result.exit_code == 1 and named in result.output and "\n" not in result.output.strip(), result.output
 
 
 def _fingerprint_of(path: Path) -> str:

@@ -20,6 +20,7 @@ import click
 
 from ntio._core import __version__
 from ntio.errors import NtioError, OptionError
+from ntio.text.answers import DEFAULT_ANSWER_TOKENS
 
 MODEL_HELP = ("GGUF model, ntio store or Hugging Face checkpoint directory, or a model name from `ntio fetch --list` (fetched on first use); default: "
               "smollm2-135m, SmolLM2-135M-Instruct Q4_1")
@@ -133,6 +134,13 @@ def _load(model, ctx_size, kv_dtype, threads, device, tiers, gpu_memory_budget, 
                     prefetch_depth=prefetch_depth, sync=sync, io_backend=io_backend, threads=threads, verify=verify,
                     cpu_activations=cpu_activations, **speculation,
                     on_progress=lambda what, done, total: bar.update(task, completed=done, total=total))
+
+
+def _read_utf8(path: Path) -> str:
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise NtioError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
 
 
 def _split(opts: dict) -> dict:
@@ -400,8 +408,8 @@ def chat(system, max_new_tokens, temperature, top_k, top_p, repetition_penalty, 
 @click.option("--prompts", type=click.Path(exists=True, dir_okay=False, path_type=Path),
               help="Chat prompts, one a line, that the model answers to make the calibration text (default: ntio's "
                    "own varied set)")
-@click.option("--answer-tokens", type=click.IntRange(min=1), default=256, show_default=True,
-              help="The longest answer to each prompt")
+@click.option("--answer-tokens", type=click.IntRange(min=1),
+              help=f"The longest answer to each prompt (default {DEFAULT_ANSWER_TOKENS})")
 @click.option("-o", "--output", required=True, type=click.Path(dir_okay=False, path_type=Path),
               help="Exit-head file to write")
 @click.option("--layers", help="Comma-separated layers to calibrate (default: every fourth, from a quarter deep)")
@@ -412,32 +420,37 @@ def chat(system, max_new_tokens, temperature, top_k, top_p, repetition_penalty, 
 @click.option("--ctx", type=click.IntRange(min=16), default=512, show_default=True, help="Window length in tokens")
 @click.option("--distill-epochs", type=click.IntRange(min=0), default=1, show_default=True,
               help="Passes that train each exit head, after its ridge fit, to give the model's own next-token "
-                   "distribution (0: the ridge fit alone)")
+                   "distribution; they hold the output head in float32 (0: the ridge fit alone)")
 def calibrate(corpus, prompts, answer_tokens, output, layers, skip_after, tokens, ctx, distill_epochs, **opts) -> None:
     """Fit exit heads (for `generate --self-draft FILE`: per layer, an affine map from its hidden state to the last
-    layer's, by ridge regression on the calibration text) and measure the adaptive-depth profile (for `--adaptive
+    layer's, by ridge regression on the calibration text, then distilled towards the model's own next-token
+    distribution) and measure the adaptive-depth profile (for `--adaptive
     FILE`: entropy targets and proxies of early exit, the layer-skip predictor) on the text's last 40%. The text is
     CORPUS, or else the model's own greedy answers to PROMPTS (default: a built-in set), which is what a self-draft
     must predict: on SmolLM2 such heads draft more tokens a pass on prose than heads fitted on ntio's sources."""
     from rich.console import Console
     from rich.progress import Progress
 
-    from ntio.policies.depth_profile import DepthProfile, calibrate_depth
+    from ntio.policies.depth_profile import DepthProfile, calibrate_depth, check_calibration
     from ntio.policies.layer_skip import SkipSetting
-    from ntio.text.answers import PROMPTS, model_answers
+    from ntio.text.answers import PROMPT_ROOM, PROMPTS, model_answers
 
-    if corpus is not None and prompts is not None:
-        raise OptionError("prompts", "takes the place of --corpus: give one of them")
-    source = corpus or prompts
-    try:
-        text = source.read_text(encoding="utf-8") if source is not None else None
-    except UnicodeDecodeError as e:
-        raise NtioError(f"{source}: not UTF-8 text ({e.reason} at byte {e.start})") from None
-    questions = PROMPTS if text is None else text.splitlines()
-    if prompts is not None and not any(q.strip() for q in questions):
-        raise NtioError(f"{prompts}: no prompts in it (one a line)")
+    if corpus is not None and (prompts is not None or answer_tokens is not None):
+        raise OptionError("prompts" if prompts is not None else "answer_tokens",
+                          "makes the model answer prompts, which --corpus replaces: give one of them")
+    text = questions = None
+    if corpus is not None:
+        text = _read_utf8(corpus)
+    elif prompts is not None:
+        questions = _read_utf8(prompts).splitlines()
+        if not any(q.strip() for q in questions):
+            raise NtioError(f"{prompts}: no prompts in it (one a line)")
+    else:
+        questions = PROMPTS
+    answer_tokens = answer_tokens or DEFAULT_ANSWER_TOKENS
     opts = _split(opts)
-    opts["ctx_size"] = opts["ctx_size"] or ctx
+    # The context holds the calibration windows and, when the model answers prompts, a prompt and its answer.
+    opts["ctx_size"] = opts["ctx_size"] or (ctx if text is not None else max(ctx, PROMPT_ROOM + answer_tokens))
     m = _load(**opts)
     n_layers = m.config.n_layers
     try:
@@ -445,11 +458,13 @@ def calibrate(corpus, prompts, answer_tokens, output, layers, skip_after, tokens
                   else list(range(n_layers // 4 - 1, n_layers - 1, 4)) or [n_layers - 2])
     except ValueError:
         raise OptionError("layers", f"must be comma-separated layer numbers, got {layers!r}") from None
+    check_calibration(m, tokens, ctx)  # before minutes of answers
     with Progress(console=Console(stderr=True), transient=True, disable=not sys.stderr.isatty()) as bar:
-        if corpus is None:
+        if text is None:
             task = bar.add_task("the model answers the calibration prompts", total=None)
             text = model_answers(m, questions, answer_tokens, tokens,
-                                 on_progress=lambda done, total: bar.update(task, completed=done, total=total))
+                                 on_progress=lambda done, total: bar.update(task, completed=done, total=total),
+                                 source=f"{prompts}, line" if prompts is not None else "built-in prompt")
             bar.remove_task(task)
         task = bar.add_task("calibrating exit heads and adaptive depth", total=None)
         named = str(corpus) if corpus else f"the model's answers to {prompts or 'the built-in prompts'}"
@@ -480,10 +495,7 @@ def calibrate(corpus, prompts, answer_tokens, output, layers, skip_after, tokens
 @click.option("--json", "as_json", is_flag=True)
 def perplexity(text_file, ctx, sparse_ffn, keep, as_json, **opts) -> None:
     """Perplexity of FILE: non-overlapping windows of --ctx tokens, each token scored but a window's first."""
-    try:
-        text = text_file.read_text(encoding="utf-8")
-    except UnicodeDecodeError as e:
-        raise NtioError(f"{text_file}: not UTF-8 text ({e.reason} at byte {e.start})") from None
+    text = _read_utf8(text_file)
     from ntio.policies.sparse_ffn import NeuronSelection, SparseFFNPolicy
 
     if keep is not None and sparse_ffn is None:

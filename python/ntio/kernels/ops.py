@@ -197,9 +197,11 @@ def _dequantized_rows(w: EncodedMatrix, start: int, stop: int) -> torch.Tensor:
 
 
 def dequantized(w: EncodedMatrix) -> torch.Tensor:
-    """The whole of w as a new float32 tensor [N, K] (its scale applied): for work outside the forward pass."""
-    raw = _plain_rows(w.raw, w.qtype, w.shape[0]) if w.interleaved else w.raw
-    dense = quant.dequantize(raw, w.qtype, w.shape)
+    """The whole of w as a new float32 tensor [N, K] (its scale applied), for work outside the forward pass: the
+    output head's, which is never interleaved."""
+    if w.interleaved:
+        raise ValueError("an interleaved matrix is not dequantized whole")
+    dense = quant.dequantize(w.raw, w.qtype, w.shape)
     return dense * w.scale if w.scale != 1.0 else dense
 
 

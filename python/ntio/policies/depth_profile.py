@@ -29,8 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ntio.decoding.self_draft import (Calibration, ExitHeadFit, check_exit_layers, distill_heads, distill_steps,
-                                     fingerprint)
+from ntio.decoding.self_draft import Calibration, ExitHeadFit, check_exit_layers, distill_heads, fingerprint
 from ntio.errors import ModelFormatError, NtioError, OptionError
 from ntio.policies.base import LoadPolicy, Observation
 
@@ -158,9 +157,22 @@ def min_calibration_tokens(ctx: int) -> int:
     return n
 
 
+def check_calibration(llm, n_tokens: int, ctx: int) -> int:
+    """Whether `llm` can calibrate on n_tokens tokens in windows of ctx (an error if not, before any work); returns
+    the window length, at most the context."""
+    if llm.engine.globals.output is None:
+        raise NtioError("calibration needs the output head resident (raise --ram-budget)")
+    ctx = min(ctx, llm.engine.kv.capacity)
+    minimum = min_calibration_tokens(ctx)
+    if n_tokens < minimum:
+        raise OptionError("tokens", f"must be at least {minimum} to calibrate in windows of {ctx} (the held-out "
+                                    f"{HELD_OUT:.0%} spans two windows), got {n_tokens}")
+    return ctx
+
+
 def calibrate_depth(llm, text: str, probes: Sequence[int], n_tokens: int = 16384, ctx: int = 512,
                     skip_after: int | None = None, on_progress: Callable[[int, int], None] | None = None,
-                    source: str = "the calibration text", distill_epochs: int = 1) -> Calibration:
+                    source: str = "the calibration text", distill_epochs: int = 0) -> Calibration:
     """Exit heads for `probes` and the adaptive-depth profile, from up to n_tokens tokens of `text` in windows of
     ctx tokens (see the module's doc). skip_after: the layer the skip predictor reads (default: a quarter deep);
     source: what names the text in errors (its file); distill_epochs: passes of `distill_heads` over the fit tokens
@@ -173,13 +185,8 @@ def calibrate_depth(llm, text: str, probes: Sequence[int], n_tokens: int = 16384
     skip_after = cfg.n_layers // 4 - 1 if skip_after is None else skip_after
     if not 0 <= skip_after < cfg.n_layers - 1:
         raise OptionError("skip_after", f"must be a layer in 0..{cfg.n_layers - 2}, got {skip_after}")
-    if engine.globals.output is None:
-        raise NtioError("calibration needs the output head resident (raise --ram-budget)")
-    ctx = min(ctx, engine.kv.capacity)
+    ctx = check_calibration(llm, n_tokens, ctx)
     minimum = min_calibration_tokens(ctx)
-    if n_tokens < minimum:
-        raise OptionError("tokens", f"must be at least {minimum} to calibrate in windows of {ctx} (the held-out "
-                                    f"{HELD_OUT:.0%} spans two windows), got {n_tokens}")
     ids = llm.tokenizer.encode(text)
     if len(ids) < minimum:
         raise NtioError(f"{source} has {len(ids)} tokens; calibrating in windows of {ctx} needs at least {minimum} "
@@ -195,8 +202,6 @@ def calibrate_depth(llm, text: str, probes: Sequence[int], n_tokens: int = 16384
     fit_x, fit_y, held = [], [], []
     fit_seen: dict[int, list[torch.Tensor]] = {p: [] for p in probes}  # the fit tokens' h_E and h_L, to distill
     fit_final: list[torch.Tensor] = []
-    n_fit_tokens = sum(b - a for a, b in windows if a < n_fit)
-    total = len(windows) + 1 + (distill_steps(n_fit_tokens, len(probes), distill_epochs) if distill_epochs else 0)
     policy, llm.loader.policy = llm.loader.policy, recorder
 
     def labels() -> torch.Tensor:
@@ -217,22 +222,22 @@ def calibrate_depth(llm, text: str, probes: Sequence[int], n_tokens: int = 16384
                 held.append(({p: recorder.seen[p].cpu() for p in probes}, recorder.seen[skip_after].cpu(),
                              labels(), torch.arange(b - a), recorder.seen[cfg.n_layers - 1].cpu()))
             if on_progress is not None:
-                on_progress(n, total)
+                on_progress(n, len(windows) + 1)
     finally:
         llm.loader.policy = policy
         engine.kv.crop(0)
     heads = heads_fit.heads()
+    total = len(windows) + 1  # progress: the windows, the heads' distillation, the profile
+
+    def distilling(done: int, steps: int) -> None:
+        nonlocal total
+        total = len(windows) + steps + 1
+        if on_progress is not None:
+            on_progress(len(windows) + done, total)
+
     if distill_epochs:
-        done = len(windows)
-
-        def stepped() -> None:
-            nonlocal done
-            done += 1
-            if on_progress is not None:
-                on_progress(done, total)
-
         heads = distill_heads(engine, heads, {p: torch.cat(v) for p, v in fit_seen.items()}, torch.cat(fit_final),
-                              distill_epochs, on_step=stepped)
+                              distill_epochs, on_progress=distilling)
     predictor = SkipPredictor.fit(torch.cat(fit_x), torch.cat(fit_y).float())
     exits = [{p: seen[p] @ heads[p][0] + heads[p][1] for p in probes} for seen, *_ in held]  # estimates of h_L
     values = [exit_signals(engine, x, final) for x, (*_, final) in zip(exits, held)]  # per window: signal -> [T, P]

@@ -17,6 +17,9 @@ from collections.abc import Callable, Sequence
 
 from ntio.errors import NtioError
 
+DEFAULT_ANSWER_TOKENS = 256  # the longest answer to a prompt
+PROMPT_ROOM = 256  # context positions kept for a chat-templated prompt beside its answer
+
 _TOPICS = [
     "rivers", "volcanoes", "the moon's phases", "photosynthesis", "how a bicycle works", "why bread rises",
     "the water cycle", "how vaccines work", "tides", "rainbows", "the seasons", "how bees make honey",
@@ -53,29 +56,39 @@ _TASKS = [
     "Write a haiku about the first snow.",
     "Tell a short story about a lost umbrella.",
 ]
-_ASKED = [form.format(topic) for i, topic in enumerate(_TOPICS) for form in _FORMS[i % 4: i % 4 + 2]]
-# Interleaved, one task after every ~three questions, so that a text cut short at a token budget holds both kinds.
+# Each topic in two of the forms, taken in turn (64 questions).
+_ASKED = [_FORMS[(i + j) % len(_FORMS)].format(topic) for i, topic in enumerate(_TOPICS) for j in (0, 1)]
+# The 24 tasks spread among the questions (one after every two or three), so that a text cut short at a token budget
+# holds both kinds.
 PROMPTS = [p for i, task in enumerate(_TASKS) for p in (*_ASKED[i * len(_ASKED) // len(_TASKS):
                                                                 (i + 1) * len(_ASKED) // len(_TASKS)], task)]
 
 
 def model_answers(llm, prompts: Sequence[str], max_tokens: int, enough: int,
-                  on_progress: Callable[[int, int], None] | None = None) -> str:
+                  on_progress: Callable[[int, int], None] | None = None, source: str = "prompt") -> str:
     """Each prompt followed by the model's greedy answer (through its chat template where it has one; a model
-    without one continues the prompt), separated by blank lines, until the text holds `enough` tokens or the prompts
-    run out. max_tokens: the longest answer."""
-    prompts = [p.strip() for p in prompts if p.strip()]
-    if not prompts:
-        raise NtioError("no prompts to answer (the prompts file holds no non-empty line)")
-    chat = llm.tokenizer.chat_template is not None
+    without one continues the prompt), separated by blank lines, until the text holds about `enough` tokens (each
+    part counted alone) or the prompts run out. Empty prompts are skipped. max_tokens: the longest answer, less
+    where the context would overflow; a prompt that leaves no room is an error naming it (`source`, then its
+    1-based index among `prompts`: "FILE, line 3")."""
+    chat = bool(llm.tokenizer.chat_template)
+    capacity = llm.engine.kv.capacity
+    numbered = [(i, p.strip()) for i, p in enumerate(prompts, 1) if p.strip()]
+    if not numbered:
+        raise NtioError("no prompts to answer (every one is empty)")
     parts: list[str] = []
     tokens = 0
-    for i, prompt in enumerate(prompts, 1):
-        answer = llm.generate(prompt, max_tokens, chat=chat)
+    for done, (line, prompt) in enumerate(numbered, 1):
+        ids = llm.encode_prompt(prompt, chat=chat)
+        room = min(max_tokens, capacity - len(ids) - 1)
+        if room < 1:
+            raise NtioError(f"{source} {line}: the prompt has {len(ids)} tokens, and the context holds {capacity} "
+                            f"(raise --ctx-size)")
+        answer = llm.generate(ids, room)
         parts.append(f"{prompt}\n\n{answer.text.strip()}\n\n")
-        tokens += len(llm.tokenizer.encode(parts[-1]))
+        tokens += len(llm.tokenizer.encode(parts[-1], add_bos=False))
         if on_progress is not None:
-            on_progress(i, len(prompts))
+            on_progress(done, len(numbered))
         if tokens >= enough:
             break
     return "".join(parts)
