@@ -2,9 +2,9 @@
 
 An exit head drafts the tokens the model itself would write next, so it is best fitted on text of that kind: the
 model's greedy answers to chat prompts. SmolLM2's layer-27 head, self-speculating with prompt lookup on the
-speculative bench's prompts (streamed, 64 tokens; benches/RESULTS.md): fitted on ntio's sources and docs, 3.0 / 1.80
-/ 5.42 tokens a verify pass on code / prose / rewriting; on its own answers to the prompts below, 3.76 / 2.33 / 5.30,
-and 4.20 / 2.57 / 5.55 once distilled (ntio.decoding.self_draft.distill_heads).
+speculative bench's prompts (streamed, 64 tokens; benches/RESULTS.md): fitted on ntio's sources and docs, 3.00 /
+1.80 / 5.42 tokens a verify pass on code / prose / rewriting; on its own answers to the prompts below, distilled
+(ntio.decoding.self_draft.distill_heads), 4.22 / 2.62 / 5.55.
 
 `PROMPTS` is a varied set (explanations, descriptions, advice, code, editing) that `ntio calibrate` uses when it is
 given neither a corpus nor prompts. None of them is a prompt of the benches or the tests, which measure on text the
