@@ -424,10 +424,10 @@ def chat(system, max_new_tokens, temperature, top_k, top_p, repetition_penalty, 
 def calibrate(corpus, prompts, answer_tokens, output, layers, skip_after, tokens, ctx, distill_epochs, **opts) -> None:
     """Fit exit heads (for `generate --self-draft FILE`: per layer, an affine map from its hidden state to the last
     layer's, by ridge regression on the calibration text, then distilled towards the model's own next-token
-    distribution) and measure the adaptive-depth profile (for `--adaptive
-    FILE`: entropy targets and proxies of early exit, the layer-skip predictor) on the text's last 40%. The text is
-    CORPUS, or else the model's own greedy answers to PROMPTS (default: a built-in set), which is what a self-draft
-    must predict: on SmolLM2 such heads draft more tokens a pass on prose than heads fitted on ntio's sources."""
+    distribution) and measure the adaptive-depth profile (for `--adaptive FILE`: entropy targets and proxies of early
+    exit, the layer-skip predictor) on the text's last 40%. The text is CORPUS, or else the model's own greedy answers
+    to PROMPTS (default: a built-in set), which is what a self-draft must predict: on SmolLM2 such heads draft more
+    tokens a pass on prose than heads fitted on ntio's sources."""
     from rich.console import Console
     from rich.progress import Progress
 
