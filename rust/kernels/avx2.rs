@@ -326,8 +326,8 @@ unsafe fn quantized_tile<F: SimdFormat, const R: usize>(
 unsafe fn int_row<F: SuperBlock, D: IntDot>(a: &Activations, row: &[u8], y: &mut [f32; MAX_T]) {
     // The groups of an activation span (`Format::SPAN`: 128 elements of a K-quant block) add their integer
     // sums (scaled by integer sub-scales inside `madd`) before any float work: one float scale per span.
-    // Tiles of 8, 4, 2 or 1 activation rows share each group's decoded codes; the weight row is re-read from L1
-    // cache for each tile. The tiles' contract is this function's.
+    // Tiles of up to 8 activation rows (`in_tiles`) share each group's decoded codes; the weight row is re-read
+    // from L1 cache for each tile. The tiles' contract is this function's.
     in_tiles!(a.t, y, |t0, out| int_rows::<F, D>(a, row, t0, out));
 }
 
@@ -337,7 +337,7 @@ int_entries!(int_row_avx2, int_row_vnni => int_row<F: SuperBlock>(
     y: &mut [f32; MAX_T]
 ));
 
-/// y[0..R] for activation rows t0..t0 + R (R = 1, 2, 4 or 8), one vector accumulator per row; returns R.
+/// y[0..R] for activation rows t0..t0 + R (R = 1 to 8), one vector accumulator per row; returns R.
 ///
 /// A row's arithmetic is the same for every R (each row has its own accumulators, summed in the same order):
 /// its result does not depend on how many rows share the pass, so a speculative verify pass over T tokens gives
@@ -430,7 +430,7 @@ unsafe fn int_rows<F: SuperBlock, D: IntDot, const R: usize>(
     R
 }
 
-/// The group kernel (`GroupKernel`) of a legacy format: tiles of 8, 4, 2 or 1 activation rows, as `int_row`.
+/// The group kernel (`GroupKernel`) of a legacy format: tiles of up to 8 activation rows, as `int_row`.
 ///
 /// A row kernel spends most of a 32-element block's instructions on one row's float work (convert, scale,
 /// FMA, offset) and its FMA chain. Here a block's eight weight rows meet each activation row, their integer
@@ -571,15 +571,16 @@ unsafe fn int_group_lanes_tile<F: SimdFormat, D: IntDot, const R: usize>(
         } else {
             m
         };
-        let w: [__m256i; GROUP_ROWS] = std::array::from_fn(|j| {
+        let mut w = [_mm256_setzero_si256(); GROUP_ROWS];
+        for (j, w) in w.iter_mut().enumerate() {
             // SAFETY: as above.
-            let w = unsafe { F::group_codes(ptrs[j].add(off)) };
-            if unsigned {
-                w
+            let codes = unsafe { F::group_codes(ptrs[j].add(off)) };
+            *w = if unsigned {
+                codes
             } else {
-                _mm256_xor_si256(w, _mm256_set1_epi8(i8::MIN))
-            }
-        });
+                _mm256_xor_si256(codes, _mm256_set1_epi8(i8::MIN))
+            };
+        }
         let lanes = lanes8(w);
         let mut int_sums = [_mm256_setzero_si256(); R];
         for (i, &wl) in lanes.iter().enumerate() {
@@ -678,14 +679,25 @@ unsafe fn int_group_reduced_tile<F: SimdFormat, D: IntDot, const R: usize>(
         } else {
             m
         };
-        let w: [__m256i; GROUP_ROWS] =
-            std::array::from_fn(|j| unsafe { F::group_codes(ptrs[j].add(off)) });
-        let wu = w.map(|w| if unsigned { w } else { _mm256_sign_epi8(w, w) });
+        let (mut w, mut wu) = (
+            [_mm256_setzero_si256(); GROUP_ROWS],
+            [_mm256_setzero_si256(); GROUP_ROWS],
+        );
+        for j in 0..GROUP_ROWS {
+            // SAFETY: as above.
+            w[j] = unsafe { F::group_codes(ptrs[j].add(off)) };
+            wu[j] = if unsigned {
+                w[j]
+            } else {
+                _mm256_sign_epi8(w[j], w[j])
+            };
+        }
         for r in 0..R {
             let row = (t0 + r) * gs + bi;
             // SAFETY: `matmul` quantized t * k codes and t0 + r < t.
             let x = unsafe { _mm256_loadu_si256(q8.codes.as_ptr().add(row * GROUP).cast()) };
-            let dots: [__m256i; GROUP_ROWS] = std::array::from_fn(|j| {
+            let mut dots = [_mm256_setzero_si256(); GROUP_ROWS];
+            for j in 0..GROUP_ROWS {
                 // The products take unsigned by signed bytes: symmetric codes go in as |w|, their sign onto x.
                 let x = if unsigned {
                     x
@@ -693,8 +705,8 @@ unsafe fn int_group_reduced_tile<F: SimdFormat, D: IntDot, const R: usize>(
                     _mm256_sign_epi8(x, w[j])
                 };
                 // SAFETY: the caller runs with D's features.
-                unsafe { D::widen(D::add_products(_mm256_setzero_si256(), wu[j], x)) }
-            });
+                dots[j] = unsafe { D::widen(D::add_products(_mm256_setzero_si256(), wu[j], x)) };
+            }
             let sums = _mm256_cvtepi32_ps(reduce8(dots));
             let scale = _mm256_mul_ps(d, _mm256_set1_ps(q8.scales[row]));
             acc[r] = _mm256_fmadd_ps(sums, scale, acc[r]);
@@ -1215,7 +1227,7 @@ impl<F: Ternary> SimdFormat for F {
 
 #[inline(always)]
 unsafe fn ternary_row<F: Ternary, D: IntDot>(a: &Activations, row: &[u8], y: &mut [f32; MAX_T]) {
-    // Tiles of 8, 4, 2 or 1 activation rows share each group's decoded codes, as in `int_row`. The tiles'
+    // Tiles of up to 8 activation rows (`in_tiles`) share each group's decoded codes, as in `int_row`. The tiles'
     // contract is this function's.
     in_tiles!(a.t, y, |t0, out| ternary_rows::<F, D>(a, row, t0, out));
 }

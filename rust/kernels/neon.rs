@@ -82,8 +82,8 @@ unsafe fn int_row_sdot<F: NeonFormat>(a: &Activations, row: &[u8], y: &mut [f32;
     unsafe { int_row::<F, Sdot>(a, row, y) }
 }
 
-/// Tiles of 8, 4, 2 or 1 activation rows share each group's decoded codes; the weight row (a few hundred bytes)
-/// is re-read from L1 cache for each tile.
+/// Tiles of up to 8 activation rows (`in_tiles`) share each group's decoded codes; the weight row (a few hundred
+/// bytes) is re-read from L1 cache for each tile.
 #[inline(always)]
 unsafe fn int_row<F: NeonFormat, M: Multiply>(a: &Activations, row: &[u8], y: &mut [f32; MAX_T]) {
     // The tiles' contract is this function's.

@@ -65,21 +65,30 @@ impl Activations<'_> {
     }
 }
 
-/// Runs a tile kernel over activation rows 0..`rows` in tiles of 8, 4, 2 or 1 rows, largest first:
+/// Runs a tile kernel over activation rows 0..`rows` in tiles of 8 rows, then one tile of the 1 to 7 rows left:
 /// `in_tiles!(rows, y, |t0, out| tile::<F, ...>(args...))` calls `tile::<F, ..., R>(args...)` with `t0` the
 /// tile's first row and `out` = `&mut y[t0..]`; the tile returns R. Every tile kernel computes each row with its own
 /// accumulators, so a row's result does not depend on the tile it falls in.
+///
+/// One tile for the rest, not tiles of 4, 2 and 1: every tile decodes the weight row again, so 7 rows as 4 + 2 + 1
+/// decoded it three times. Measured (`benches/cpu_kernels.py`, Xeon Cascade Lake, 2 threads, 8-bit activations,
+/// kernel pass ms at T = 3 / 4 / 7 / 8): Qwen2.5-Coder-1.5B (K-quant row kernels) 175 / 147 / 273 / 317, a 3-row
+/// pass dearer than 4; SmolLM2 (Q4_1 group kernels) 13.7 / 13.5 / 20.7 / 17.7, a 7-row pass dearer than 8.
 macro_rules! in_tiles {
     ($rows:expr, $y:expr, |$t0:ident, $out:ident| $tile:ident::<$($f:ty),+>($($arg:expr),* $(,)?)) => {{
         let mut $t0 = 0;
         while $t0 < $rows {
             let $out = &mut $y[$t0..];
-            // SAFETY: (all four) the tile's contract is the calling kernel's (given at the call), with
+            // SAFETY: (all eight) the tile's contract is the calling kernel's (given at the call), with
             // t0 + R <= rows.
             $t0 += match $rows - $t0 {
                 8.. => unsafe { $tile::<$($f),+, 8>($($arg),*) },
-                4..=7 => unsafe { $tile::<$($f),+, 4>($($arg),*) },
-                2..=3 => unsafe { $tile::<$($f),+, 2>($($arg),*) },
+                7 => unsafe { $tile::<$($f),+, 7>($($arg),*) },
+                6 => unsafe { $tile::<$($f),+, 6>($($arg),*) },
+                5 => unsafe { $tile::<$($f),+, 5>($($arg),*) },
+                4 => unsafe { $tile::<$($f),+, 4>($($arg),*) },
+                3 => unsafe { $tile::<$($f),+, 3>($($arg),*) },
+                2 => unsafe { $tile::<$($f),+, 2>($($arg),*) },
                 _ => unsafe { $tile::<$($f),+, 1>($($arg),*) },
             };
         }

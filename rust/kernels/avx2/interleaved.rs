@@ -59,8 +59,8 @@ unsafe fn rows_vnni(
     unsafe { rows::<Vnni>(a, group, row_bytes, y) }
 }
 
-/// One interleaved group of eight rows (`group`: 8 · row_bytes bytes, row_bytes = k / 32 · 20), in tiles of 8,
-/// 4, 2 or 1 activation rows; y[t][r] for row r.
+/// One interleaved group of eight rows (`group`: 8 · row_bytes bytes, row_bytes = k / 32 · 20), in tiles of up to 8
+/// activation rows (`in_tiles`); y[t][r] for row r.
 ///
 /// # Safety
 /// `group` must be one whole group; the caller runs with D's features.
