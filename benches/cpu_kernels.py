@@ -14,18 +14,26 @@ verification pass of T tokens costs against one decode step). `--isa best avx2` 
 kernel set named (`int8_avx2_ms`, and its time over the first set's, `int8_avx2_vs_int8`), alternating with the rest.
 `--layout resident` (the default) gives each pass the matrices as a resident layer holds them: Q4_1 rows interleaved
 by eight (`ops.interleave_rows`) where the pass's kernel set takes that layout (`_core.interleaved_kernels`), the
-file's rows elsewhere; `--layout file`: the file's rows everywhere, as streamed layers are read. Prints JSON.
+file's rows elsewhere; `--layout file`: the file's rows everywhere, as streamed layers are read. `--against FILE`
+adds the 8-bit pass of another build of the Rust core (its extension file, e.g. a copy of the previous commit's
+`python/ntio/_core.abi3.so`), loaded beside this one in the same process (`int8_against_ms`; this build's time over
+it, `int8_vs_against`): two builds side by side without a process's noise between them. Its outputs must equal this
+build's. Prints JSON.
 
     python benches/cpu_kernels.py [--model NAME|PATH] [--threads 2] [--repeats 7] [--rows 1 8 16] [--isa best avx2]
-                                  [--layout resident|file]
+                                  [--layout resident|file] [--against OTHER_CORE.so]
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.machinery
+import importlib.util
 import json
 import statistics
 import time
+from pathlib import Path
+from types import ModuleType
 
 import numpy as np
 import torch
@@ -71,6 +79,14 @@ def interleaved(mats: list) -> list[tuple[int, tuple[int, int], torch.Tensor]]:
     return [(w.kernel_type, w.shape, w.raw) for w in resident]
 
 
+def other_build(path: Path) -> ModuleType:
+    """Another build of ntio._core from its extension file, beside this one: its own code and kernel threads."""
+    loader = importlib.machinery.ExtensionFileLoader("ntio._core", str(path))
+    module = importlib.util.module_from_spec(importlib.util.spec_from_loader("ntio._core", loader))
+    loader.exec_module(module)
+    return module
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--threads", type=int, default=2)
@@ -81,24 +97,36 @@ def main() -> None:
                     help="kernel sets of the 8-bit passes (best, avx512, avx2, neon, scalar); the first is `int8`")
     ap.add_argument("--layout", choices=["resident", "file"], default="resident",
                     help="resident: Q4_1 rows interleaved by eight where the kernel set takes it; file: as read")
+    ap.add_argument("--against", type=Path,
+                    help="another build's _core extension file: its 8-bit pass beside this one's")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     cpu_kernels.set_threads(args.threads)
+    this = _core
+    against = other_build(args.against) if args.against else None
+    if against is not None:
+        against.set_kernel_threads(args.threads)
     mats = load(args.model) if args.model else build()
     layouts = {False: [(q, shape, raw) for q, shape, raw, _ in mats],
                True: interleaved(mats) if args.layout == "resident" else None}
     evict = torch.zeros(128 << 20, dtype=torch.uint8)  # written before each pass: last-level caches hold <= 32 MB
     result = {"model": args.model or "synthetic SmolLM2-shaped Q4_1", "threads": args.threads, "isa": args.isa,
-              "repeats": args.repeats, "layout": args.layout, "matrices": len(mats),
+              "repeats": args.repeats, "layout": args.layout, "against": args.against and str(args.against),
+              "matrices": len(mats),
               "encoded_mb": round(sum(m[2].numel() for m in mats) / 1e6, 1), "rows": {}}
     for t in args.rows:
         xs = {k: torch.randn(t, k) for k in {s[1] for _, s, _, _ in mats}}
         outs = [torch.empty(t, s[0]) for _, s, _, _ in mats]  # kernel outputs (F.linear allocates its own)
+        against_outs = [torch.empty_like(out) for out in outs]
 
-        def kernel_pass(int8: bool, isa: str = args.isa[0]) -> None:
-            resident = layouts[True] is not None and _core.interleaved_kernels(isa, int8)
-            for (qtype, shape, raw), out in zip(layouts[resident], outs):
-                cpu_kernels.quantized_linear(xs[shape[1]], raw, qtype, shape, out, isa=isa, int8=int8)
+        def kernel_pass(int8: bool, isa: str = args.isa[0], core: ModuleType = this) -> None:
+            resident = layouts[True] is not None and core.interleaved_kernels(isa, int8)
+            cpu_kernels._core = core  # the module whose kernels quantized_linear calls
+            try:
+                for (qtype, shape, raw), out in zip(layouts[resident], against_outs if core is against else outs):
+                    cpu_kernels.quantized_linear(xs[shape[1]], raw, qtype, shape, out, isa=isa, int8=int8)
+            finally:
+                cpu_kernels._core = this
 
         def dense_pass() -> None:
             for _, shape, _, w in mats:
@@ -107,6 +135,8 @@ def main() -> None:
         passes = {"int8": lambda: kernel_pass(True), "float32_activations": lambda: kernel_pass(False)}
         for isa in args.isa[1:]:
             passes[f"int8_{isa}"] = lambda isa=isa: kernel_pass(True, isa)
+        if against is not None:
+            passes["int8_against"] = lambda: kernel_pass(True, core=against)
         if mats[0][3] is not None:
             passes["dense_fp32"] = dense_pass
         times: dict[str, list[float]] = {name: [] for name in passes}
@@ -123,6 +153,12 @@ def main() -> None:
         for isa in args.isa[1:]:
             row = result["rows"][str(t)]
             row[f"int8_{isa}_vs_int8"] = round(row[f"int8_{isa}_ms"] / row["int8_ms"], 3)
+        if against is not None:
+            kernel_pass(True)  # the last timed pass of each build computed the same inputs
+            if not all(torch.equal(a, b) for a, b in zip(outs, against_outs)):
+                raise SystemExit(f"{args.against}: its outputs differ from this build's at T = {t}")
+            row = result["rows"][str(t)]
+            row["int8_vs_against"] = round(row["int8_ms"] / row["int8_against_ms"], 3)
     one = result["rows"].get("1")
     if one:
         for t, row in result["rows"].items():

@@ -83,6 +83,16 @@ def test_companion_of_the_same_vocabulary_shares_the_tokenizer(smollm2_path):
     assert b.generate(PROMPT, max_new_tokens=8).token_ids == a.generate(PROMPT, max_new_tokens=8).token_ids
 
 
+def test_companion_computes_as_its_model_unless_told(smollm2_path):
+    a = ntio.load(smollm2_path, max_context=64, cpu_activations="float32", kv_dtype="float16")
+    inherited = a.companion("smollm2-135m", max_context=32)
+    told = a.companion("smollm2-135m", max_context=32, cpu_activations="int8")
+    assert not inherited.engine.kernels.int8 and told.engine.kernels.int8
+    assert inherited.engine.kv.k.dtype == told.engine.kv.k.dtype == torch.float16
+    for m in (a, inherited, told):
+        m.close()
+
+
 @pytest.mark.qwen
 def test_qwen_draft_beside_its_target_shares_the_tokenizer(qwen15_path, qwen05_path):
     target = ntio.load(qwen15_path, max_context=128)

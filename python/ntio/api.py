@@ -117,6 +117,9 @@ class LLM:
         exit_layer: int | None = None,
     ) -> None:
         kernels = KernelChoice.from_env(cpu_activations)
+        # What a companion (`companion`) runs with unless told otherwise: where and how this model computes.
+        self._companion_options = dict(device=device, kv_dtype=kv_dtype, threads=threads, io_backend=io_backend,
+                                       verify=verify, cpu_activations=cpu_activations)
         if kv_dtype not in KV_DTYPES:
             raise OptionError("kv_dtype", f"must be one of {', '.join(KV_DTYPES)}, got {kv_dtype!r}")
         self.path = Path(path)
@@ -158,9 +161,7 @@ class LLM:
         self._draft_length = DraftLength()  # what passes cost and drafts earn, learnt across generations
         if draft is not None:
             slice_ = {"gpu_memory_budget" if cuda else "ram_budget": reserved}
-            self.draft = self.companion(draft, device=device, kv_dtype=kv_dtype, max_context=capacity, threads=threads,
-                                        io_backend=io_backend, verify=verify, cpu_activations=cpu_activations,
-                                        tiers="A", **slice_)
+            self.draft = self.companion(draft, max_context=capacity, tiers="A", **slice_)
             if self.draft.tokenizer is not self.tokenizer:
                 self.draft.close()
                 raise NtioError(f"draft model {self.draft.path} has a different vocabulary from {self.path}: its "
@@ -172,9 +173,10 @@ class LLM:
         It shares this model's tokenizer (and so its chat template) when the two files have the same vocabulary,
         and has its own engine: KV cache, scratch buffers, threads, loader and policy. Its memory is its own slice:
         `ram_budget` / `gpu_memory_budget` as given, else what is still available once this model is loaded.
-        Options as for `ntio.load`.
+        Options as for `ntio.load`; device, kv_dtype, threads, io_backend, verify and cpu_activations default to
+        this model's.
         """
-        return LLM(resolve_model(model), tokenizer=self.tokenizer, **options)
+        return LLM(resolve_model(model), tokenizer=self.tokenizer, **{**self._companion_options, **options})
 
     def _load_self_draft(self, path: str | os.PathLike[str], exit_layer: int | None) -> SelfDraft:
         calibration = Calibration.load(path, fingerprint(self.engine, self.tokenizer.vocabulary), self.config.d_model)
