@@ -15,10 +15,11 @@ kernel set named (`int8_avx2_ms`, and its time over the first set's, `int8_avx2_
 `--layout resident` (the default) gives each pass the matrices as a resident layer holds them: Q4_1 rows interleaved
 by eight (`ops.interleave_rows`) where the pass's kernel set takes that layout (`_core.interleaved_kernels`), the
 file's rows elsewhere; `--layout file`: the file's rows everywhere, as streamed layers are read. `--against FILE`
-adds the 8-bit pass of another build of the Rust core (its extension file, e.g. a copy of the previous commit's
-`python/ntio/_core.abi3.so`), loaded beside this one in the same process (`int8_against_ms`; this build's time over
-it, `int8_vs_against`): two builds side by side without a process's noise between them. Its outputs must equal this
-build's. Prints JSON.
+adds the 8-bit pass (first `--isa`) of another build of the Rust core: its extension file, a copy of another
+commit's `python/ntio/_core.abi3.so` with the same Python interface (kernel type ids, `quantized_matmul`), loaded
+beside this one in the same process (`int8_against_ms`; this build's time over it, `int8_vs_against`): two builds
+side by side without a process's noise between them. Both must take the same layout and give equal outputs. Prints
+JSON.
 
     python benches/cpu_kernels.py [--model NAME|PATH] [--threads 2] [--repeats 7] [--rows 1 8 16] [--isa best avx2]
                                   [--layout resident|file] [--against OTHER_CORE.so]
@@ -105,6 +106,10 @@ def main() -> None:
     this = _core
     against = other_build(args.against) if args.against else None
     if against is not None:
+        if against is this or args.against.resolve() == Path(this.__file__).resolve():
+            raise SystemExit(f"--against {args.against}: that is this build")
+        if against.interleaved_kernels(args.isa[0], True) != this.interleaved_kernels(args.isa[0], True):
+            raise SystemExit(f"--against {args.against}: its kernels take another layout of resident rows")
         against.set_kernel_threads(args.threads)
     mats = load(args.model) if args.model else build()
     layouts = {False: [(q, shape, raw) for q, shape, raw, _ in mats],
@@ -154,7 +159,9 @@ def main() -> None:
             row = result["rows"][str(t)]
             row[f"int8_{isa}_vs_int8"] = round(row[f"int8_{isa}_ms"] / row["int8_ms"], 3)
         if against is not None:
-            kernel_pass(True)  # the last timed pass of each build computed the same inputs
+            # `outs` last held another pass (float32 activations, another --isa): this build's 8-bit pass again, on
+            # the inputs the other build's last pass took.
+            kernel_pass(True)
             if not all(torch.equal(a, b) for a, b in zip(outs, against_outs)):
                 raise SystemExit(f"{args.against}: its outputs differ from this build's at T = {t}")
             row = result["rows"][str(t)]

@@ -347,8 +347,8 @@ mod tests {
         }
     }
 
-    /// Both multiplies give `dot::int_row`'s results bit for bit, for t = 1..=11 activation rows (tiles of 8,
-    /// 4, 2 and 1).
+    /// Both multiplies give `dot::int_row`'s results bit for bit, for t = 1..=11 activation rows (one tile of
+    /// each size 1..=8, then 8 and 1..=3).
     fn rows_match<F: NeonFormat>() {
         let k = 512;
         let row = bytes(k / F::BLOCK * F::BYTES, 3);

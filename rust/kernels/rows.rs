@@ -71,9 +71,10 @@ impl Activations<'_> {
 /// accumulators, so a row's result does not depend on the tile it falls in.
 ///
 /// One tile for the rest, not tiles of 4, 2 and 1: every tile decodes the weight row again, so 7 rows as 4 + 2 + 1
-/// decoded it three times. Measured (`benches/cpu_kernels.py`, Xeon Cascade Lake, 2 threads, 8-bit activations,
-/// kernel pass ms at T = 3 / 4 / 7 / 8): Qwen2.5-Coder-1.5B (K-quant row kernels) 175 / 147 / 273 / 317, a 3-row
-/// pass dearer than 4; SmolLM2 (Q4_1 group kernels) 13.7 / 13.5 / 20.7 / 17.7, a 7-row pass dearer than 8.
+/// decoded it three times. Measured with those tiles (`benches/cpu_kernels.py`, Xeon Cascade Lake, 2 threads, 8-bit
+/// activations, kernel pass ms at T = 3 / 4 / 7 / 8; `benches/cpu_kernels_*_tiles_8421.json`): Qwen2.5-Coder-1.5B
+/// (K-quant row kernels) 175 / 147 / 273 / 317, a 3-row pass dearer than 4; SmolLM2 (Q4_1 group kernels) 13.7 /
+/// 13.5 / 20.7 / 17.7, a 7-row pass dearer than 8.
 macro_rules! in_tiles {
     ($rows:expr, $y:expr, |$t0:ident, $out:ident| $tile:ident::<$($f:ty),+>($($arg:expr),* $(,)?)) => {{
         let mut $t0 = 0;
