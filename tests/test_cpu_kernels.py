@@ -135,9 +135,9 @@ def test_every_batch_size_on_an_odd_row_count(qtype: T) -> None:
 @pytest.mark.parametrize("qtype", [T.Q4_1, T.Q8_0, T.Q4_K, T.Q6_K], ids=lambda q: q.name)
 def test_a_pass_over_t_rows_gives_each_row_what_a_pass_over_it_alone_gives(qtype: T) -> None:
     """Every tiling (tiles of 8 rows, then one of the 1-7 left) computes each row's exact integer sums; only float32
-    summation order
-    differs. (In a model this is not enough for equal logits: a 1e-7 difference in an activation can move one of
-    its 8-bit codes, so a speculative verification pass and single steps differ at the 8-bit noise level.)"""
+    summation order differs. (In a model this is not enough for equal logits: a 1e-7 difference in an activation can
+    move one of its 8-bit codes, so a speculative verification pass and single steps differ at the 8-bit noise
+    level.)"""
     rng = np.random.default_rng([int(qtype), 5])
     shape = shapes(qtype)[0]
     raw = torch.from_numpy(quant.random_quantized(qtype, shape, rng).reshape(-1))

@@ -328,15 +328,6 @@ unsafe fn int_row<F: SuperBlock, D: IntDot>(a: &Activations, row: &[u8], y: &mut
     // sums (scaled by integer sub-scales inside `madd`) before any float work: one float scale per span.
     // Tiles of up to 8 activation rows (`in_tiles`) share each group's decoded codes; the weight row is re-read
     // from L1 cache for each tile. The tiles' contract is this function's.
-    // One activation row (a decode step) goes first, outside the tile loop: with the loop alone, Qwen2.5-Coder-1.5B's
-    // T = 1 pass ran 3% slower (31 alternating passes) once the loop had a tile for every remainder (8 tile sizes
-    // where there were 4: this function's code doubled); with this branch it ran no slower than before (0.97-0.98,
-    // within the VM's noise; `cpu_kernels.py --against`, Cascade Lake).
-    if a.t == 1 {
-        // SAFETY: the tiles' contract with t0 = 0, R = 1 <= t.
-        unsafe { int_rows::<F, D, 1>(a, row, 0, y) };
-        return;
-    }
     in_tiles!(a.t, y, |t0, out| int_rows::<F, D>(a, row, t0, out));
 }
 

@@ -75,9 +75,20 @@ impl Activations<'_> {
 /// activations, kernel pass ms at T = 3 / 4 / 7 / 8; `benches/cpu_kernels_*_tiles_8421.json`): Qwen2.5-Coder-1.5B
 /// (K-quant row kernels) 175 / 147 / 273 / 317, a 3-row pass dearer than 4; SmolLM2 (Q4_1 group kernels) 13.7 /
 /// 13.5 / 20.7 / 17.7, a 7-row pass dearer than 8.
+///
+/// One row (a decode step) goes straight to its tile, outside the loop: with the loop alone, Qwen2.5-Coder-1.5B's
+/// T = 1 pass ran 3% slower (31 alternating passes) once the loop had a tile for every remainder (the K-quant row
+/// kernel's code doubled); with this branch no slower than before (0.97-0.98, within the VM's noise;
+/// `cpu_kernels.py --against`, Cascade Lake).
 macro_rules! in_tiles {
     ($rows:expr, $y:expr, |$t0:ident, $out:ident| $tile:ident::<$($f:ty),+>($($arg:expr),* $(,)?)) => {{
         let mut $t0 = 0;
+        if $rows == 1 {
+            let $out = &mut $y[..];
+            // SAFETY: the tile's contract is the calling kernel's (given at the call), with t0 + 1 <= rows.
+            unsafe { $tile::<$($f),+, 1>($($arg),*) };
+            $t0 = 1;
+        }
         while $t0 < $rows {
             let $out = &mut $y[$t0..];
             // SAFETY: (all eight) the tile's contract is the calling kernel's (given at the call), with
