@@ -62,3 +62,26 @@ def test_reclaimable_page_cache_counts_as_room(tmp_path, monkeypatch):
     assert room.unreclaimable == (1400 - 900) << 20 and room.own_file_pages == memory.LIBRARY_WORKING_SET
     assert room.available == (1500 - 500) * 2**20 - memory.LIBRARY_WORKING_SET  # 240 MiB resident, 128 MiB kept
     assert room.default_budget == room.available - (64 << 20)  # 5% of 872 MiB is less than the 64 MiB floor
+
+
+def test_a_limit_on_a_parent_cgroup_binds_the_process(tmp_path, monkeypatch):
+    # cgroup v2: the process sits in /slice/job, which has no limit of its own; /slice has one, and its usage counts
+    # a sibling's memory as well. The root has no limit files at all.
+    for group, limit, usage, anon, files in (("slice", f"{1000 << 20}", 700 << 20, 600 << 20, 100 << 20),
+                                             ("slice/job", "max", 300 << 20, 200 << 20, 100 << 20)):
+        (tmp_path / "unified" / group).mkdir(parents=True)
+        (tmp_path / "unified" / group / "memory.max").write_text(f"{limit}\n")
+        (tmp_path / "unified" / group / "memory.current").write_text(f"{usage}\n")
+        (tmp_path / "unified" / group / "memory.stat").write_text(
+            f"anon {anon}\nfile {files}\nactive_file {files // 4}\ninactive_file {files - files // 4}\n")
+    (tmp_path / "cgroup").write_text("0::/slice/job\n")
+    (tmp_path / "meminfo").write_text(f"MemTotal: {32 << 20} kB\nMemAvailable: {16 << 20} kB\n")
+    (tmp_path / "smaps_rollup").write_text("Pss_File: 0 kB\n")
+    real_path = memory.Path
+    fake = {"/proc/self/cgroup": "cgroup", "/sys/fs/cgroup": "unified", "/proc/meminfo": "meminfo",
+            "/proc/self/smaps_rollup": "smaps_rollup"}
+    monkeypatch.setattr(memory, "Path", lambda p, *rest: real_path(
+        tmp_path / fake[str(p)] if str(p) in fake else p, *rest))
+    room = memory.ram_room()
+    assert room.source == "cgroup v2 /slice" and room.limit == 1000 << 20
+    assert room.unreclaimable == 600 << 20 and room.available == 400 << 20

@@ -32,6 +32,9 @@ MODEL_ARG = click.Path()
 # OptionError names a library parameter; each has a CLI flag of the same name (`top_p` -> `--top-p`) but these
 # (an environment variable keeps its name).
 _FLAGS = {"max_context": "--ctx-size", "NTIO_CPU_KERNELS": "NTIO_CPU_KERNELS"}
+# Library parameters that an error's text may advise changing, as the CLI spells them.
+_ADVISED = {"max_context": "--ctx-size", "gpu_memory_budget": "--gpu-memory-budget", "ram_budget": "--ram-budget",
+            "kv_dtype": "--kv-dtype", "sync=True": "--sync"}
 
 
 def _user_message(e: NtioError) -> str:
@@ -39,8 +42,10 @@ def _user_message(e: NtioError) -> str:
     if not isinstance(e, OptionError):
         return str(e)
     flag = _FLAGS.get(e.option, f"--{e.option.replace('_', '-')}")
-    message = f"{flag} {e.problem}".replace("max_context", _FLAGS["max_context"])
-    return message.replace("gpu_memory_budget", "--gpu-memory-budget").replace("ram_budget", "--ram-budget")
+    message = f"{flag} {e.problem}"
+    for name, spelled in _ADVISED.items():
+        message = message.replace(name, spelled)
+    return message
 
 
 def _show_notices() -> None:
@@ -76,6 +81,7 @@ def _plan_options(f):
                      help="What quantized weights meet in the CPU kernels: 8-bit activations and integer products "
                           "(as llama.cpp), or float32 (the reference path, which dequantizes for long prompts); env "
                           "NTIO_CPU_KERNELS=best|avx512|avx2|neon|scalar forces a kernel set")(f)
+    f = click.option("--sync", is_flag=True, help="Read streamed layers when needed instead of prefetching them (one staging slot)")(f)
     f = click.option("--prefetch-depth", type=click.IntRange(min=1),
                      help="Streamed groups read ahead while the current one computes (default: enough for ~24 MiB "
                           "in flight, 2 to 16)")(f)
@@ -103,7 +109,6 @@ def _model_options(f):
                      help="Check every tensor of an ntio store against its checksum whenever it is read")(f)
     f = click.option("--io-backend", type=click.Choice(["io_uring", "pread", "buffered"]),
                      help="Force the disk reader's backend (default: probe; env NTIO_IO_BACKEND)")(f)
-    f = click.option("--sync", is_flag=True, help="Read streamed layers when needed instead of prefetching them")(f)
     f = _plan_options(f)
     f = click.option("--threads", type=click.IntRange(min=1), help="CPU threads for compute (default: all)")(f)
     f = click.option("-m", "--model", type=MODEL_ARG, metavar="PATH|NAME", help=MODEL_HELP)(f)
@@ -639,7 +644,7 @@ def info(model, as_json) -> None:
 @click.option("--draft", metavar="PATH|NAME", help="A draft model beside MODEL: planned first, wholly resident")
 @click.option("--json", "as_json", is_flag=True)
 def plan(model, ctx_size, ram_budget, gpu_memory_budget, tiers, device, kv_dtype, layer_group_size, prefetch_depth,
-         cpu_activations, draft, as_json) -> None:
+         sync, cpu_activations, draft, as_json) -> None:
     """Where MODEL's parts would live within the memory budgets, what each costs, the minimum, and the bytes read per
     token; nothing is loaded."""
     from ntio.api import KV_DTYPES, draft_plan
@@ -661,7 +666,7 @@ def plan(model, ctx_size, ram_budget, gpu_memory_budget, tiers, device, kv_dtype
                                                    kernels=kernels)
     memory = plan_memory(WeightLayout(g, cfg), cuda=cuda, kv_dtype=KV_DTYPES[kv_dtype], max_context=ctx_size,
                          tiers=tiers, gpu_memory_budget=gpu_memory_budget, ram_budget=ram_budget,
-                         group_size=layer_group_size, prefetch_depth=prefetch_depth,
+                         group_size=layer_group_size, prefetch_depth=prefetch_depth, sync=sync,
                          reserved=0 if beside is None else beside.report()["total"], kernels=kernels)
     report = {"model": str(g.path), **memory.report(), "notice": memory.notice}
     if beside is not None:

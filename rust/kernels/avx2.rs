@@ -136,6 +136,9 @@ impl IntDot for Vnni {
 /// features of their own and are `#[inline(always)]`, so each is compiled inside its entry point, with that
 /// entry's features: `IntDot`'s instructions inline into the loops. (A body with AVX2's features, merely
 /// `#[inline]`, was at times left out of line by LLVM, and its VNNI products then became calls.)
+/// A helper the bodies call that has no target features of its own (a trait's default method, or a closure)
+/// must be `#[inline(always)]` too, or a loop: left out of line it runs its intrinsics without AVX2 (closures
+/// in the group tiles once made the Q8_0 head 2.3-3.7× slower, benches/RESULTS.md, seventeenth session).
 macro_rules! int_entries {
     ($avx2:ident, $vnni:ident => $body:ident<F: $bound:path>($($arg:ident: $ty:ty),*)) => {
         #[target_feature(enable = "avx2,fma,f16c")]
@@ -173,6 +176,7 @@ pub trait SimdFormat: Format {
 
     /// The 32 codes the group kernel multiplies, of the block at `b` (`Self::BYTES` readable bytes): c = q +
     /// OFFSET when OFFSET > 0, else `code_bytes`.
+    #[inline(always)]
     unsafe fn group_codes(b: *const u8) -> __m256i {
         // SAFETY: the caller's contract is `code_bytes`'s.
         unsafe { Self::code_bytes(b, 0) }
@@ -191,6 +195,7 @@ pub trait SuperBlock: SimdFormat {
     unsafe fn int_scales(b: *const u8) -> Self::IntScales;
     /// The unsigned codes of group `g` of the block at `b` (`Self::BYTES` readable bytes): `code_bytes`, plus
     /// OFFSET for a symmetric type.
+    #[inline(always)]
     unsafe fn unsigned_codes(b: *const u8, g: usize) -> __m256i {
         // SAFETY: the caller's contract is `code_bytes`'s.
         unsafe { Self::code_bytes(b, g) }
@@ -198,6 +203,7 @@ pub trait SuperBlock: SimdFormat {
     /// For a type with an OFFSET: i32 lane j = -OFFSET · the scale of sub-block j of span `sp` (16 elements, an
     /// eighth of the span, as `Q8Rows::lane_sums`), in its low 16 bits with the high 16 zero, so that `madd`
     /// against the span's lane sums Σx gives -OFFSET·scale·Σx. Unused when OFFSET is 0.
+    #[inline(always)]
     unsafe fn offset_multipliers(_s: &Self::IntScales, _sp: usize) -> __m256i {
         _mm256_setzero_si256()
     }
@@ -1149,6 +1155,7 @@ impl SuperBlock for blocks::Q6K {
         _mm256_or_si256(bits32(ql, 4 * (t / 2), 0x0F), high)
     }
 
+    #[inline(always)]
     unsafe fn offset_multipliers(s: &Q6Scales, sp: usize) -> __m256i {
         s.offsets[sp]
     }
@@ -1172,6 +1179,7 @@ impl SuperBlock for blocks::Q6K {
     }
 
     /// Q6_K is symmetric: no offsets.
+    #[inline(always)]
     unsafe fn group_ms(_s: &Q6Scales) -> __m256 {
         _mm256_setzero_ps()
     }

@@ -1,7 +1,7 @@
 """How much RAM this process can still use, measured rather than guessed.
 
-The room is the machine's MemAvailable or, inside a memory cgroup (v1 or v2), the cgroup's limit minus what the
-kernel cannot reclaim there (anonymous memory, kernel memory, shmem: the usage minus the file pages on its LRU
+The room is the machine's MemAvailable or, inside memory cgroups (v1 or v2; this process's own and its ancestors,
+which may hold the limit), each limited cgroup's limit minus what the kernel cannot reclaim there (anonymous memory, kernel memory, shmem: the usage minus the file pages on its LRU
 lists), whichever is smaller; then minus the file-backed pages this process keeps resident (its libraries' code),
 which count as reclaimable but some of which it needs, up to LIBRARY_WORKING_SET. Page cache is room, not use:
 `import torch` alone charges ~1.35 GB to a cgroup, ~1 GB of it inactive file pages (../shared/DESIGN.md), and
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 
 # The default RAM budget leaves this share of the room (at least HEADROOM_MIN bytes) to the allocator's slack, the
 # interpreter's growth and the page cache of the files being read.
@@ -67,28 +67,33 @@ def _mem_available() -> int:
 
 
 def _cgroup_limits() -> list[tuple[str, int, int, int]]:
-    """(source, limit, usage, file pages on the LRU lists) of each memory cgroup of this process that has a limit."""
+    """(source, limit, usage, file pages on the LRU lists) of each memory cgroup that has a limit and holds this
+    process: its own and every ancestor's (a limit set on a parent, as a systemd slice or a container runtime does,
+    binds this process too, and the parent's usage counts its siblings' memory)."""
     found = []
     for line in Path("/proc/self/cgroup").read_text().splitlines():
         _, controllers, group = line.split(":", 2)
         if controllers == "":  # v2 unified hierarchy
-            version, base = "v2", Path("/sys/fs/cgroup") / group.lstrip("/")
+            version, root = "v2", Path("/sys/fs/cgroup")
             limit_file, usage_file, file_keys = "memory.max", "memory.current", ("active_file", "inactive_file")
         elif "memory" in controllers.split(","):
-            version, base = "v1", Path("/sys/fs/cgroup/memory") / group.lstrip("/")
+            version, root = "v1", Path("/sys/fs/cgroup/memory")
             limit_file, usage_file = "memory.limit_in_bytes", "memory.usage_in_bytes"
             file_keys = ("total_active_file", "total_inactive_file")
         else:
             continue
-        try:
-            limit = (base / limit_file).read_text().strip()
-            if limit == "max" or int(limit) >= 1 << 60:  # v1 writes "no limit" as a huge number
-                continue
-            stat = _memory_stat(base)
-            found.append((f"cgroup {version} {group}", int(limit), int((base / usage_file).read_text()),
-                          sum(stat.get(key, 0) for key in file_keys)))
-        except (OSError, ValueError):
-            pass  # no memory controller mounted for this hierarchy
+        own = PurePosixPath(group)
+        for cgroup in (own, *own.parents):
+            base = root / str(cgroup).lstrip("/")
+            try:
+                limit = (base / limit_file).read_text().strip()
+                if limit == "max" or int(limit) >= 1 << 60:  # v1 writes "no limit" as a huge number
+                    continue
+                stat = _memory_stat(base)
+                found.append((f"cgroup {version} {cgroup}", int(limit), int((base / usage_file).read_text()),
+                              sum(stat.get(key, 0) for key in file_keys)))
+            except (OSError, ValueError):
+                pass  # no memory controller mounted for this hierarchy, or a root without limit files
     return found
 
 

@@ -162,7 +162,7 @@ def plan_tiers(
                 option,
                 f"{format_size(budget)} is too small: streaming this model needs at least "
                 f"{format_size(budget - free)} (norms, KV cache, activations and staging slots; a smaller "
-                f"max_context shrinks the KV cache)",
+                f"max_context or kv_dtype float16 shrinks the KV cache, sync=True reads into one staging slot)",
             )
     head = "C"
     if cuda and head_bytes <= device_free:
