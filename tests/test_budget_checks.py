@@ -36,6 +36,19 @@ def test_context_beyond_the_model_is_refused_naming_the_flag(smollm2_path, tmp_p
     assert_user_error(out, "--ctx 100000 is outside 1..8192")
 
 
+def _fake_system(tmp_path, monkeypatch, cgroup_line: str, hierarchies: dict[str, str], smaps_rollup: str) -> None:
+    """ntio.runtime.memory reads files under tmp_path instead of /proc and /sys: this process's cgroup line,
+    `hierarchies` (a /sys/fs/cgroup mount -> a folder of tmp_path), a MemAvailable of 16 GiB and `smaps_rollup`."""
+    (tmp_path / "cgroup").write_text(cgroup_line + "\n")
+    (tmp_path / "meminfo").write_text(f"MemTotal: {32 << 20} kB\nMemAvailable: {16 << 20} kB\n")
+    (tmp_path / "smaps_rollup").write_text(smaps_rollup)
+    fake = {"/proc/self/cgroup": "cgroup", "/proc/meminfo": "meminfo", "/proc/self/smaps_rollup": "smaps_rollup",
+            **hierarchies}
+    real_path = memory.Path
+    monkeypatch.setattr(memory, "Path", lambda p, *rest: real_path(
+        tmp_path / fake[str(p)] if str(p) in fake else p, *rest))
+
+
 def test_reclaimable_page_cache_counts_as_room(tmp_path, monkeypatch):
     # A v1 memory cgroup whose usage is mostly file pages (as after `import torch`): only anonymous and kernel
     # memory (usage minus the file LRU lists) and this process's own resident file pages (up to a bound) are taken
@@ -46,17 +59,8 @@ def test_reclaimable_page_cache_counts_as_room(tmp_path, monkeypatch):
     (group / "memory.usage_in_bytes").write_text(f"{1400 << 20}\n")
     (group / "memory.stat").write_text(
         f"cache {900 << 20}\nrss {500 << 20}\ntotal_inactive_file {800 << 20}\ntotal_active_file {100 << 20}\n")
-    (tmp_path / "cgroup").write_text("4:memory:/job\n")
-    (tmp_path / "meminfo").write_text(f"MemTotal: {32 << 20} kB\nMemAvailable: {16 << 20} kB\n")
-    (tmp_path / "smaps_rollup").write_text("Rss: 548180 kB\nPss_Anon: 305452 kB\nPss_File: 245760 kB\n")
-    real_path = memory.Path
-    fake = {"/proc/self/cgroup": "cgroup", "/sys/fs/cgroup/memory": "memory", "/proc/meminfo": "meminfo",
-            "/proc/self/smaps_rollup": "smaps_rollup"}
-
-    def fake_path(p, *rest):
-        return real_path(tmp_path / fake[str(p)] if str(p) in fake else p, *rest)
-
-    monkeypatch.setattr(memory, "Path", fake_path)
+    _fake_system(tmp_path, monkeypatch, "4:memory:/job", {"/sys/fs/cgroup/memory": "memory"},
+                 "Rss: 548180 kB\nPss_Anon: 305452 kB\nPss_File: 245760 kB\n")
     room = memory.ram_room()
     assert room.source == "cgroup v1 /job" and room.limit == 1500 << 20
     assert room.unreclaimable == (1400 - 900) << 20 and room.own_file_pages == memory.LIBRARY_WORKING_SET
@@ -74,14 +78,7 @@ def test_a_limit_on_a_parent_cgroup_binds_the_process(tmp_path, monkeypatch):
         (tmp_path / "unified" / group / "memory.current").write_text(f"{usage}\n")
         (tmp_path / "unified" / group / "memory.stat").write_text(
             f"anon {anon}\nfile {files}\nactive_file {files // 4}\ninactive_file {files - files // 4}\n")
-    (tmp_path / "cgroup").write_text("0::/slice/job\n")
-    (tmp_path / "meminfo").write_text(f"MemTotal: {32 << 20} kB\nMemAvailable: {16 << 20} kB\n")
-    (tmp_path / "smaps_rollup").write_text("Pss_File: 0 kB\n")
-    real_path = memory.Path
-    fake = {"/proc/self/cgroup": "cgroup", "/sys/fs/cgroup": "unified", "/proc/meminfo": "meminfo",
-            "/proc/self/smaps_rollup": "smaps_rollup"}
-    monkeypatch.setattr(memory, "Path", lambda p, *rest: real_path(
-        tmp_path / fake[str(p)] if str(p) in fake else p, *rest))
+    _fake_system(tmp_path, monkeypatch, "0::/slice/job", {"/sys/fs/cgroup": "unified"}, "Pss_File: 0 kB\n")
     room = memory.ram_room()
     assert room.source == "cgroup v2 /slice" and room.limit == 1000 << 20
     assert room.unreclaimable == 600 << 20 and room.available == 400 << 20
