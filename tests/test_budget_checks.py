@@ -82,3 +82,7 @@ def test_a_limit_on_a_parent_cgroup_binds_the_process(tmp_path, monkeypatch):
     room = memory.ram_room()
     assert room.source == "cgroup v2 /slice" and room.limit == 1000 << 20
     assert room.unreclaimable == 600 << 20 and room.available == 400 << 20
+    # A tighter limit of the process's own binds first.
+    (tmp_path / "unified" / "slice" / "job" / "memory.max").write_text(f"{350 << 20}\n")
+    room = memory.ram_room()
+    assert room.source == "cgroup v2 /slice/job" and room.available == 150 << 20

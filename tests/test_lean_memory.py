@@ -197,10 +197,17 @@ def test_plan_command_text_and_json(smollm2_path):
     text = run_cli("plan", str(smollm2_path), "--ctx-size", "512", "--ram-budget", "120MB")
     assert text.returncode == 0 and "minimum, every layer streamed" in text.stdout and "kv cache" in text.stdout
     small = run_cli("plan", str(smollm2_path), "--ctx-size", "512", "--ram-budget", "20MB")
-    # the minimum, and what to change as the CLI spells it
+    # the minimum, and what to change as the CLI spells it, less what the plan already does
     assert_user_error(small, "--ram-budget 19.07 MiB is too small: streaming this model needs at least",
                       "a smaller --ctx-size or --kv-dtype float16 shrinks the KV cache, --sync reads into one staging "
-                      "slot")
+                      "slot)")
+    lean = run_cli("plan", str(smollm2_path), "--ctx-size", "512", "--ram-budget", "20MB", "--kv-dtype", "float16",
+                   "--sync")
+    assert_user_error(lean, "slots; a smaller --ctx-size shrinks the KV cache)")
+    # --sync plans one staging slot: no read-ahead, a smaller minimum
+    synced = json.loads(run_cli("plan", str(smollm2_path), "--ctx-size", "512", "--ram-budget", "120MB", "--sync",
+                                "--json").stdout)
+    assert synced["prefetch_depth"] == 0 and synced["minimum"] < report["minimum"]
 
 
 def test_piece_hashes_match_the_file_bytes_in_one_pass(smollm2_store):

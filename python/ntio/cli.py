@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import signal
 import sys
 from collections import Counter
@@ -43,9 +44,8 @@ def _user_message(e: NtioError) -> str:
         return str(e)
     flag = _FLAGS.get(e.option, f"--{e.option.replace('_', '-')}")
     message = f"{flag} {e.problem}"
-    for name, spelled in _ADVISED.items():
-        message = message.replace(name, spelled)
-    return message
+    # whole words only: a path or a spec the message quotes may contain one of the names
+    return re.sub(rf"\b({'|'.join(map(re.escape, _ADVISED))})\b", lambda m: _ADVISED[m[1]], message)
 
 
 def _show_notices() -> None:
@@ -81,7 +81,8 @@ def _plan_options(f):
                      help="What quantized weights meet in the CPU kernels: 8-bit activations and integer products "
                           "(as llama.cpp), or float32 (the reference path, which dequantizes for long prompts); env "
                           "NTIO_CPU_KERNELS=best|avx512|avx2|neon|scalar forces a kernel set")(f)
-    f = click.option("--sync", is_flag=True, help="Read streamed layers when needed instead of prefetching them (one staging slot)")(f)
+    f = click.option("--sync", is_flag=True,
+                     help="Read streamed layers when needed instead of prefetching them (one staging slot)")(f)
     f = click.option("--prefetch-depth", type=click.IntRange(min=1),
                      help="Streamed groups read ahead while the current one computes (default: enough for ~24 MiB "
                           "in flight, 2 to 16)")(f)

@@ -136,9 +136,10 @@ impl IntDot for Vnni {
 /// features of their own and are `#[inline(always)]`, so each is compiled inside its entry point, with that
 /// entry's features: `IntDot`'s instructions inline into the loops. (A body with AVX2's features, merely
 /// `#[inline]`, was at times left out of line by LLVM, and its VNNI products then became calls.)
-/// A helper the bodies call that has no target features of its own (a trait's default method, or a closure)
-/// must be `#[inline(always)]` too, or a loop: left out of line it runs its intrinsics without AVX2 (closures
-/// in the group tiles once made the Q8_0 head 2.3-3.7× slower, benches/RESULTS.md, seventeenth session).
+/// A helper the bodies call that has no target features of its own, as a trait's default method, must be
+/// `#[inline(always)]` too: left out of line it runs its intrinsics without AVX2. A closure cannot take the
+/// attribute: write it as a loop (closures in the group tiles once made the Q8_0 head 2.3-3.7× slower,
+/// benches/RESULTS.md, seventeenth session).
 macro_rules! int_entries {
     ($avx2:ident, $vnni:ident => $body:ident<F: $bound:path>($($arg:ident: $ty:ty),*)) => {
         #[target_feature(enable = "avx2,fma,f16c")]

@@ -133,10 +133,10 @@ def fitted_context(needs_at: Callable[[int], MemoryNeeds], capacity: int, budget
     return low
 
 
-def make_plan(needs: MemoryNeeds, budget: Budgets, *, cuda: bool, tiers: str = "auto", spread: bool = True
-              ) -> TierPlan:
-    """The forced plan (--tiers A|B|C|spec), or the one `plan_tiers` computes from the budgets (`spread`: as
-    there). A forced plan places the layers as told; the output head, then the token embedding, stay resident where
+def make_plan(needs: MemoryNeeds, budget: Budgets, *, cuda: bool, tiers: str = "auto", spread: bool = True,
+              shrink: str = "a smaller max_context shrinks the KV cache") -> TierPlan:
+    """The forced plan (--tiers A|B|C|spec), or the one `plan_tiers` computes from the budgets (`spread`, `shrink`:
+    as there). A forced plan places the layers as told; the output head, then the token embedding, stay resident where
     they fit beside them."""
     forced = parse_tier_spec(tiers, len(needs.layers))
     reserved = needs.globals + needs.kv_cache + needs.activations
@@ -158,6 +158,7 @@ def make_plan(needs: MemoryNeeds, budget: Budgets, *, cuda: bool, tiers: str = "
         head_bytes=needs.head,
         embedding_bytes=needs.token_embd,
         spread=spread,
+        shrink=shrink,
     )
 
 
@@ -289,8 +290,14 @@ def plan_memory(layout: WeightLayout, *, cuda: bool, kv_dtype: torch.dtype, max_
                            f"size")
             capacity = fitted
     needs = needs_at(capacity)
-    plan = make_plan(needs, budget, cuda=cuda, tiers=tiers, spread=spread)
+    plan = make_plan(needs, budget, cuda=cuda, tiers=tiers, spread=spread, shrink=_shrink_advice(kv_dtype, sync))
     return MemoryPlan(needs, budget, plan, capacity, chunk, depth, "; ".join(notices) or None)
+
+
+def _shrink_advice(kv_dtype: torch.dtype, sync: bool) -> str:
+    """What a budget below the minimum may change, leaving out what the plan already does."""
+    kv = "a smaller max_context" + (" or kv_dtype float16" if kv_dtype == torch.float32 else "")
+    return f"{kv} shrinks the KV cache" + ("" if sync else ", sync=True reads into one staging slot")
 
 
 def resident_plan(layout: WeightLayout, *, cuda: bool, kv_dtype: torch.dtype, capacity: int,

@@ -1,9 +1,10 @@
 """How much RAM this process can still use, measured rather than guessed.
 
-The room is the machine's MemAvailable or, inside memory cgroups (v1 or v2; this process's own and its ancestors,
-which may hold the limit), each limited cgroup's limit minus what the kernel cannot reclaim there (anonymous memory, kernel memory, shmem: the usage minus the file pages on its LRU
-lists), whichever is smaller; then minus the file-backed pages this process keeps resident (its libraries' code),
-which count as reclaimable but some of which it needs, up to LIBRARY_WORKING_SET. Page cache is room, not use:
+The room is the machine's MemAvailable or, inside memory cgroups (v1 or v2: this process's own and its ancestors,
+which may hold the limit), each limited cgroup's limit minus what the kernel cannot reclaim there (anonymous
+memory, kernel memory, shmem: the usage minus the file pages on its LRU lists), whichever is smallest; then minus
+the file-backed pages this process keeps resident (its libraries' code), which count as reclaimable but some of
+which it needs, up to LIBRARY_WORKING_SET. Page cache is room, not use:
 `import torch` alone charges ~1.35 GB to a cgroup, ~1 GB of it inactive file pages (../shared/DESIGN.md), and
 counting those as used once left a 1.5 GB cap with a 129 MiB budget.
 """

@@ -135,6 +135,7 @@ def plan_tiers(
     head_bytes: int = 0,
     embedding_bytes: int = 0,
     spread: bool = True,
+    shrink: str = "a smaller max_context shrinks the KV cache",
 ) -> TierPlan:
     """Fill A, then B (CUDA only), then C: the output head first, then layers in order; on CPU, with `spread`, the
     resident layers are then spaced evenly among the streamed ones within the same memory (`spread_resident`;
@@ -144,7 +145,7 @@ def plan_tiers(
     staging_bytes: host (and on CUDA, device) memory for double-buffered streaming, needed only if a layer or the
     head is streamed; head_bytes: the output head (0: resident, inside reserved_*); embedding_bytes: an untied token
     embedding, which may stay on disk (0: tied, it is the head). On CPU the device is host memory: `device_budget`
-    is ignored and A draws on `ram_budget`.
+    is ignored and A draws on `ram_budget`. shrink: what the below-minimum error suggests changing.
     """
     if not cuda:
         device_budget = ram_budget
@@ -161,8 +162,7 @@ def plan_tiers(
             raise OptionError(
                 option,
                 f"{format_size(budget)} is too small: streaming this model needs at least "
-                f"{format_size(budget - free)} (norms, KV cache, activations and staging slots; a smaller "
-                f"max_context or kv_dtype float16 shrinks the KV cache, sync=True reads into one staging slot)",
+                f"{format_size(budget - free)} (norms, KV cache, activations and staging slots; {shrink})",
             )
     head = "C"
     if cuda and head_bytes <= device_free:
