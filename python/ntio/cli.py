@@ -31,21 +31,23 @@ MODEL_ARG = click.Path()
 
 
 # OptionError names a library parameter; each has a CLI flag of the same name (`top_p` -> `--top-p`) but these
-# (an environment variable keeps its name).
-_FLAGS = {"max_context": "--ctx-size", "NTIO_CPU_KERNELS": "NTIO_CPU_KERNELS"}
-# Library parameters that an error's text may advise changing, as the CLI spells them.
-_ADVISED = {"max_context": "--ctx-size", "gpu_memory_budget": "--gpu-memory-budget", "ram_budget": "--ram-budget",
-            "kv_dtype": "--kv-dtype", "sync=True": "--sync"}
+# (an environment variable keeps its name; a flag's "on" is its name alone).
+_FLAGS = {"max_context": "--ctx-size", "NTIO_CPU_KERNELS": "NTIO_CPU_KERNELS", "sync=True": "--sync"}
+# Library parameters that an error's text may advise changing.
+_ADVISED = ("max_context", "gpu_memory_budget", "ram_budget", "kv_dtype", "sync=True")
+
+
+def _flag(name: str) -> str:
+    return _FLAGS.get(name, f"--{name.replace('_', '-')}")
 
 
 def _user_message(e: NtioError) -> str:
     """The error's one line, with a library parameter named as the flag that set it."""
     if not isinstance(e, OptionError):
         return str(e)
-    flag = _FLAGS.get(e.option, f"--{e.option.replace('_', '-')}")
-    message = f"{flag} {e.problem}"
     # whole words only: a path or a spec the message quotes may contain one of the names
-    return re.sub(rf"\b({'|'.join(map(re.escape, _ADVISED))})\b", lambda m: _ADVISED[m[1]], message)
+    return re.sub(rf"\b({'|'.join(map(re.escape, _ADVISED))})\b", lambda m: _flag(m[1]),
+                  f"{_flag(e.option)} {e.problem}")
 
 
 def _show_notices() -> None:

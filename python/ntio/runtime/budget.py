@@ -133,8 +133,7 @@ def fitted_context(needs_at: Callable[[int], MemoryNeeds], capacity: int, budget
     return low
 
 
-def make_plan(needs: MemoryNeeds, budget: Budgets, *, cuda: bool, tiers: str = "auto", spread: bool = True,
-              shrink: str = "a smaller max_context shrinks the KV cache") -> TierPlan:
+def make_plan(needs: MemoryNeeds, budget: Budgets, *, cuda: bool, tiers: str, spread: bool, shrink: str) -> TierPlan:
     """The forced plan (--tiers A|B|C|spec), or the one `plan_tiers` computes from the budgets (`spread`, `shrink`:
     as there). A forced plan places the layers as told; the output head, then the token embedding, stay resident where
     they fit beside them."""
