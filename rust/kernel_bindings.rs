@@ -144,7 +144,7 @@ fn interleave(
         Some(layout) if inverse == given.interleaved_rows() => layout,
         _ => {
             return Err(PyValueError::new_err(format!(
-                "{given:?} has no {} layout (Q4_1 and Q4_1X8 have)",
+                "{given:?} has no {} layout (Q4_1, Q4_K and their interleaved layouts have)",
                 if inverse { "plain" } else { "interleaved" }
             )))
         }

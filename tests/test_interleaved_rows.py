@@ -1,8 +1,8 @@
-"""Resident Q4_1 matrices take an interleaved layout at load (`ops.interleave_rows`: rows in groups of 8, word by
-word) whose kernels give the plain rows' bits. Checked here against the same matrix in plain rows and against
+"""Resident Q4_1 and Q4_K matrices take an interleaved layout at load (`ops.interleave_rows`: rows in groups of 8,
+word by word) whose kernels give the plain rows' bits. Checked here against the same matrix in plain rows and against
 gguf-py's dequantizer: every path a matrix takes (the kernel product at every row count and kernel set, the dense
 product of a long prefill, row slices inside and across groups), the layout's own errors, and a model's resident
-layers against the same layers streamed (plain) from disk."""
+layers against the same layers streamed (plain) from disk (SmolLM2: Q4_1; Qwen2.5-Coder-1.5B: Q4_K)."""
 
 from __future__ import annotations
 
@@ -21,51 +21,57 @@ from ntio.kernels import cpu_kernels, ops, quant
 N, K = 48, 256
 
 
-def pair(seed: int = 0) -> tuple[ops.EncodedMatrix, ops.EncodedMatrix]:
-    """A random Q4_1 matrix [N, K] in plain rows and a copy interleaved in place."""
-    raw = torch.from_numpy(quant.random_quantized(T.Q4_1, (N, K), np.random.default_rng(seed)).reshape(-1).copy())
-    plain = ops.EncodedMatrix(raw, T.Q4_1, (N, K))
-    mixed = ops.interleave_rows(ops.EncodedMatrix(raw.clone(), T.Q4_1, (N, K)))
+LAYOUTS = [T.Q4_1, T.Q4_K]  # the types with an interleaved layout
+
+
+def pair(seed: int = 0, qtype: T = T.Q4_1) -> tuple[ops.EncodedMatrix, ops.EncodedMatrix]:
+    """A random matrix [N, K] of `qtype` in plain rows and a copy interleaved in place."""
+    raw = torch.from_numpy(quant.random_quantized(qtype, (N, K), np.random.default_rng(seed)).reshape(-1).copy())
+    plain = ops.EncodedMatrix(raw, qtype, (N, K))
+    mixed = ops.interleave_rows(ops.EncodedMatrix(raw.clone(), qtype, (N, K)))
     assert mixed.interleaved and not torch.equal(mixed.raw, plain.raw)
     return plain, mixed
 
 
+@pytest.mark.parametrize("qtype", LAYOUTS)
 @pytest.mark.parametrize("isa", ["best", "avx2", "scalar"])
 @pytest.mark.parametrize("int8", [True, False])
-def test_products_give_the_plain_rows_bits(isa: str, int8: bool) -> None:
+def test_products_give_the_plain_rows_bits(qtype: T, isa: str, int8: bool) -> None:
     """The layout's own kernels (AVX2's 8-bit ones), and elsewhere the plain kernels on each group restored."""
     try:
         _core.check_kernel_isa(isa)
     except ValueError:
         pytest.skip(f"this CPU has no {isa} kernels")
-    plain, mixed = pair()
+    plain, mixed = pair(0, qtype)
     for t in (1, 3, 8, 33, 64, 100):  # 100: the dense path (dequantize, then F.linear)
         x = torch.randn(t, K)
         with ops.using_kernels(cpu_kernels.KernelChoice(isa, int8)):
             assert torch.equal(ops.linear(x, plain), ops.linear(x, mixed)), (t, isa, int8)
         if t <= 64:  # the public entry point takes the layout's id too
             got = cpu_kernels.quantized_linear(x, mixed.raw, mixed.kernel_type, (N, K), isa=isa, int8=int8)
-            assert torch.equal(got, cpu_kernels.quantized_linear(x, plain.raw, T.Q4_1, (N, K), isa=isa, int8=int8))
+            assert torch.equal(got, cpu_kernels.quantized_linear(x, plain.raw, qtype, (N, K), isa=isa, int8=int8))
 
 
-def test_a_dense_product_restores_the_plain_rows() -> None:
+@pytest.mark.parametrize("qtype", LAYOUTS)
+def test_a_dense_product_restores_the_plain_rows(qtype: T) -> None:
     """Past the kernels' rows `ops.linear` dequantizes: interleaved rows are first restored to the file's rows (one
     strided copy), whose values are gguf-py's; the kernels' dequantizer takes plain rows only."""
-    plain, mixed = pair(1)
-    restored = ops._plain_rows(mixed.raw, T.Q4_1, N)
+    plain, mixed = pair(1, qtype)
+    restored = ops._plain_rows(mixed.raw, qtype, N)
     assert torch.equal(restored, plain.raw)
-    want = ref_dequantize(plain.raw.numpy().reshape(N, -1), T.Q4_1).astype(np.float32)
+    want = ref_dequantize(plain.raw.numpy().reshape(N, -1), qtype).astype(np.float32)
     got = ops._dequantized_rows(mixed, 0, N).numpy()
     assert np.array_equal(got.view(np.uint32), want.view(np.uint32))
     with pytest.raises(ValueError, match="rows interleaved for the products"):
         _core.dequantize(mixed.raw.numpy(), mixed.kernel_type, K, np.empty((N, K), np.float32))
 
 
+@pytest.mark.parametrize("qtype", LAYOUTS)
 @pytest.mark.parametrize(("start", "stop"), [(8, 24), (3, 21), (0, 5), (40, 48)])
-def test_row_ranges_give_the_plain_rows_products(start: int, stop: int) -> None:
+def test_row_ranges_give_the_plain_rows_products(qtype: T, start: int, stop: int) -> None:
     """A sparse FFN's neuron range (`ops.linear_rows`): interleaved rows are computed in the groups around it, and
     the range's outputs are the plain rows' bits. A slice itself takes whole groups only."""
-    plain, mixed = pair(2)
+    plain, mixed = pair(2, qtype)
     x = torch.randn(2, K)
     assert torch.equal(ops.linear_rows(x, plain, start, stop), ops.linear_rows(x, mixed, start, stop))
     if start % 8 or stop % 8:
@@ -95,12 +101,14 @@ def test_the_layout_refuses_what_it_cannot_hold() -> None:
 
 
 @pytest.mark.skipif(not _core.interleaved_kernels(), reason="the interleaved kernels need AVX2")
-def test_resident_layers_compute_what_streamed_ones_do(smollm2_path) -> None:
-    """SmolLM2 (Q4_1): its resident layers take the layout, its streamed ones keep plain rows; a prefill and decode
-    steps give the same logits, bit for bit."""
-    with ntio.load(smollm2_path, max_context=64, tiers="A") as resident, \
-            ntio.load(smollm2_path, max_context=64, tiers="C") as streamed:
-        w = resident.loader.resident_blocks()[3]
+@pytest.mark.parametrize("model", ["smollm2_path", "qwen15_path"])
+def test_resident_layers_compute_what_streamed_ones_do(model: str, request: pytest.FixtureRequest) -> None:
+    """SmolLM2 (Q4_1) and Qwen2.5-Coder-1.5B (Q4_K, and Q6_K in plain rows): resident layers take the layout,
+    streamed ones keep plain rows; a prefill and decode steps give the same logits, bit for bit."""
+    path = request.getfixturevalue(model)
+    with ntio.load(path, max_context=64, tiers="A") as resident, \
+            ntio.load(path, max_context=64, tiers="C") as streamed:
+        w = resident.loader.resident_blocks()[3]  # Qwen's block 3 is all Q4_K
         assert w.w_down.interleaved and all(m.interleaved for m in w.w_gate_up)
         ids = torch.tensor(resident.encode_prompt("Name three rivers in Europe.", chat=True))
 

@@ -2,7 +2,8 @@
 //! 32-byte vector, then met by every activation row of a tile:
 //! - integer row kernels (`int`, the K-quants): `maddubs` (u8 x i8 -> i16 pairs) and `madd` (-> i32, times the
 //!   integer sub-scales) against the activations' 8-bit codes, one float conversion and FMA per activation span
-//!   (128 elements) and row;
+//!   (128 elements) and row (Q4_K: each span reduced to exact integers first, `SuperBlock::SPAN_TOTALS`, the
+//!   numerics of its interleaved layout's kernel, `interleaved::q4_k_x8`);
 //! - integer group kernels (`int_group`, the legacy 32-element types): the same products for eight weight rows
 //!   at once, each row's integer sum in its own lane (lane j: row j) so that the float work is shared by the
 //!   eight rows: for one activation row, eight product vectors reduced across lanes; for tiles of two or more,
@@ -29,7 +30,7 @@ use super::blocks::{self, Dense, Format, GROUP, MAX_SUBS};
 use super::rows::{in_tiles, Activations, GroupKernel, Kernel, RowKernel, GROUP_ROWS, MAX_T};
 
 mod interleaved;
-pub use interleaved::q4_1_x8;
+pub use interleaved::{q4_1_x8, q4_k_x8};
 
 /// Whether this CPU runs the kernels of this module.
 pub fn available() -> bool {
@@ -208,6 +209,20 @@ pub trait SuperBlock: SimdFormat {
     unsafe fn offset_multipliers(_s: &Self::IntScales, _sp: usize) -> __m256i {
         _mm256_setzero_si256()
     }
+    /// Whether the row kernel reduces each span to exact integers before any float work: I = Σ sub-scale·q·x̂
+    /// and, for the offsets, M = Σ mn·Σx̂ (`min_multipliers` against `Q8Rows::code_sums`), then adds
+    /// float(I)·(d·dx) and float(M)·(-dmin·dx) to one float32 accumulator per row, span after span. That is
+    /// what the interleaved layout's kernel (`interleaved::q4_k_x8`) computes, lane by lane, so resident
+    /// (interleaved) and streamed (plain) rows give the same bits. Q4_K only: the interleaved kernel sums a span
+    /// in float32, exact because every partial sum is an integer below 2^24 (4 groups · 32 · 15 · 127 · 63).
+    const SPAN_TOTALS: bool = false;
+    /// For `SPAN_TOTALS`: i32 lane i = the offset multiplier mn of group i of span `sp` (4 groups), in its low
+    /// 16 bits with the high 16 zero, so that `madd` against the groups' Σcodes gives mn·Σx̂ exactly; and
+    /// -dmin.
+    #[inline(always)]
+    unsafe fn min_multipliers(_s: &Self::IntScales, _sp: usize) -> (__m128i, f32) {
+        (_mm_setzero_si128(), 0.0)
+    }
     /// i16 multipliers of group `g`'s 16 pair-sums in `madd`: its integer sub-scales.
     unsafe fn multipliers(s: &Self::IntScales, g: usize) -> __m256i;
     /// The float scale of the block's integer sum: weight = block_d · multiplier · q (+ m).
@@ -368,17 +383,19 @@ unsafe fn int_rows<F: SuperBlock, D: IntDot, const R: usize>(
     let q8 = a.q8_for(F::SPAN);
     let mut acc = [_mm256_setzero_ps(); R];
     let mut mvec = [_mm256_setzero_ps(); R]; // offsets·Σx̂
+    let mut totals = [0f32; R]; // SPAN_TOTALS' accumulators
     let span = F::SPAN;
     let (groups, per_block, per_span) = (F::BLOCK / GROUP, F::BLOCK / span, span / GROUP);
     let (spans, gs) = (a.k / span, a.k / GROUP);
-    // Activation row t0's codes, scales, group sums and lane sums; row t0 + r's are r rows further on. Each r
-    // steps one row from the last (a pointer per row was R registers, which spilled at R = 8).
+    // Activation row t0's codes, scales, group sums (float and integer) and lane sums; row t0 + r's are r rows
+    // further on. Each r steps one row from the last (a pointer per row was R registers, which spilled at R = 8).
     // SAFETY: `matmul` quantized t rows of k codes (spans scales, gs sums, 8 · spans lane sums each), t0 + R <= t.
-    let (codes, scales, sums, lane_sums) = unsafe {
+    let (codes, scales, sums, code_sums, lane_sums) = unsafe {
         (
             q8.codes.as_ptr().add(t0 * a.k),
             q8.scales.as_ptr().add(t0 * spans),
             q8.sums.as_ptr().add(t0 * gs),
+            q8.code_sums.as_ptr().add(t0 * gs),
             // Only types with an offset read lane sums (which spans of 32 have none of).
             q8.lane_sums.as_ptr().wrapping_add(t0 * 8 * spans),
         )
@@ -403,6 +420,31 @@ unsafe fn int_rows<F: SuperBlock, D: IntDot, const R: usize>(
                 }
             }
             let (d, si) = (F::block_d(&s), bi * per_block + sp);
+            if F::SPAN_TOTALS {
+                // SAFETY: `s` is this block's scales; sp < per_block.
+                let (mn, neg_dmin) = unsafe { F::min_multipliers(&s, sp) };
+                for (r, sum) in isum.into_iter().enumerate() {
+                    // SAFETY: the row's integer group sums hold the span's 4 groups; one scale per span and row.
+                    let (group_sums, dx) = unsafe {
+                        let at = r * gs + (bi * per_block + sp) * per_span;
+                        (
+                            _mm_loadu_si128(code_sums.add(at).cast()),
+                            *scales.add(r * spans + si),
+                        )
+                    };
+                    let i4 = _mm_add_epi32(
+                        _mm256_castsi256_si128(sum),
+                        _mm256_extracti128_si256(sum, 1),
+                    );
+                    let im = _mm_hadd_epi32(i4, _mm_madd_epi16(group_sums, mn));
+                    // Lanes 0 and 1: I and M (exact integers), as float32.
+                    let im = _mm_cvtepi32_ps(_mm_hadd_epi32(im, im));
+                    let (i, m) = (_mm_cvtss_f32(im), _mm_cvtss_f32(_mm_movehdup_ps(im)));
+                    totals[r] = i.mul_add(d * dx, totals[r]);
+                    totals[r] = m.mul_add(neg_dmin * dx, totals[r]);
+                }
+                continue;
+            }
             if F::OFFSET > 0 {
                 // SAFETY: `s` is this block's scales; sp < per_block.
                 let mv = unsafe { F::offset_multipliers(&s, sp) };
@@ -421,7 +463,7 @@ unsafe fn int_rows<F: SuperBlock, D: IntDot, const R: usize>(
                 acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), scale, acc[r]);
             }
         }
-        if F::AFFINE {
+        if F::AFFINE && !F::SPAN_TOTALS {
             // The K-quants' 8 offsets against the row's 8 group sums: one vector FMA per block and row.
             let m = F::group_ms(&s);
             for r in 0..R {
@@ -432,7 +474,11 @@ unsafe fn int_rows<F: SuperBlock, D: IntDot, const R: usize>(
         }
     }
     for r in 0..R {
-        y[r] = hsum(_mm256_add_ps(acc[r], mvec[r]));
+        y[r] = if F::SPAN_TOTALS {
+            totals[r]
+        } else {
+            hsum(_mm256_add_ps(acc[r], mvec[r]))
+        };
     }
     R
 }
@@ -484,12 +530,12 @@ const CACHE_LINE: usize = 64;
 /// How far ahead of the block it computes a row kernel prefetches the row's bytes. The hardware prefetchers
 /// alone left Q4_K and Q6_K products at 16-21 GB/s from memory; with this, 23-25 (2026-11-24, AVX2 EPYC, 2
 /// threads; 1024 and 4096 bytes did as well).
-const ROW_PREFETCH: usize = 2048;
+pub(super) const ROW_PREFETCH: usize = 2048;
 
 /// Prefetches the cache lines of the `bytes` bytes at `p`. A prefetch is a hint: it never faults or changes
 /// memory, whatever the address.
 #[target_feature(enable = "avx2,fma,f16c")]
-fn prefetch(p: *const u8, bytes: usize) {
+pub(super) fn prefetch(p: *const u8, bytes: usize) {
     for line in (0..bytes).step_by(CACHE_LINE) {
         _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(line).cast());
     }
@@ -974,11 +1020,13 @@ legacy_format!(blocks::Q5_1, max 31, |b| legacy(
     0
 ));
 
-/// Q4_K/Q5_K block scales: d, the 6-bit sub-scales sc[0..8] (multipliers) and m[g] = -(dmin·mn[g]).
+/// Q4_K/Q5_K block scales: d, dmin, the 6-bit sub-scales sc[0..8] (multipliers) and offset multipliers mn[0..8]
+/// (group g's offset is -dmin·mn[g]).
 pub struct KScales {
     d: f32,
+    dmin: f32,
     sc: [u8; 8],
-    m: [f32; 8],
+    mn: [u8; 8],
 }
 
 /// Q4_K/Q5_K scales (d, dmin at 0..4, twelve 6-bit-packed bytes at 4..16: see `blocks::k_scales`), unpacked by
@@ -1004,23 +1052,22 @@ unsafe fn k_scales(b: *const u8) -> KScales {
         s[1] & LOW6,
         ((s[2] >> 4) & LOW4) | ((s[1] >> 6) & LOW2) << 4,
     ];
-    let mut m = [0f32; 8];
-    // SAFETY: `mn` is 8 bytes; `m` holds 8 floats.
-    unsafe {
-        let mn = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(mn.as_ptr().cast())));
-        _mm256_storeu_ps(m.as_mut_ptr(), _mm256_mul_ps(mn, _mm256_set1_ps(-dmin)));
-    }
-    let [a, b] = sc.map(u32::to_le_bytes);
+    let bytes = |w: [u32; 2]| {
+        let [a, b] = w.map(u32::to_le_bytes);
+        [a[0], a[1], a[2], a[3], b[0], b[1], b[2], b[3]]
+    };
     KScales {
         d,
-        sc: [a[0], a[1], a[2], a[3], b[0], b[1], b[2], b[3]],
-        m,
+        dmin,
+        sc: bytes(sc),
+        mn: bytes(mn),
     }
 }
 
-/// Q4_K and Q5_K: codes from `$codes` (with the block at `$b` and the group at `$g`), scales from `k_scales`.
+/// Q4_K and Q5_K: codes from `$codes` (with the block at `$b` and the group at `$g`), scales from `k_scales`;
+/// `SuperBlock::SPAN_TOTALS` as given.
 macro_rules! k_format {
-    ($t:ty, |$b:ident, $g:ident| $codes:expr) => {
+    ($t:ty, span_totals $totals:literal, |$b:ident, $g:ident| $codes:expr) => {
         impl SimdFormat for $t {
             #[target_feature(enable = "avx2,fma,f16c")]
             unsafe fn code_bytes($b: *const u8, $g: usize) -> __m256i {
@@ -1035,6 +1082,14 @@ macro_rules! k_format {
 
         impl SuperBlock for $t {
             type IntScales = KScales;
+            const SPAN_TOTALS: bool = $totals;
+
+            #[inline(always)]
+            unsafe fn min_multipliers(s: &KScales, sp: usize) -> (__m128i, f32) {
+                // SAFETY: `mn` holds 8 bytes, the span's 4 from 4·sp (sp < 2).
+                let mn = unsafe { s.mn.as_ptr().add(4 * sp).cast::<i32>().read_unaligned() };
+                (_mm_cvtepu8_epi32(_mm_cvtsi32_si128(mn)), -s.dmin)
+            }
 
             #[target_feature(enable = "avx2,fma,f16c")]
             unsafe fn int_scales(b: *const u8) -> KScales {
@@ -1053,19 +1108,23 @@ macro_rules! k_format {
 
             #[target_feature(enable = "avx2,fma,f16c")]
             unsafe fn group_ms(s: &KScales) -> __m256 {
-                // SAFETY: `m` holds 8 floats.
-                unsafe { _mm256_loadu_ps(s.m.as_ptr()) }
+                // SAFETY: `mn` holds 8 bytes.
+                let mn = unsafe { _mm_loadl_epi64(s.mn.as_ptr().cast()) };
+                _mm256_mul_ps(
+                    _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(mn)),
+                    _mm256_set1_ps(-s.dmin),
+                )
             }
         }
     };
 }
 
-k_format!(blocks::Q4K, |b, g| bits32(
+k_format!(blocks::Q4K, span_totals true, |b, g| bits32(
     load32(b.add(16 + 32 * (g / 2))),
     4 * (g % 2),
     0x0F
 ));
-k_format!(blocks::Q5K, |b, g| {
+k_format!(blocks::Q5K, span_totals false, |b, g| {
     let (qs, qh) = (load32(b.add(48 + 32 * (g / 2))), load32(b.add(16)));
     let high = _mm256_slli_epi16(bits32(qh, g, 1), 4);
     _mm256_or_si256(bits32(qs, 4 * (g % 2), 0x0F), high)

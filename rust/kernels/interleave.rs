@@ -1,12 +1,12 @@
-//! Weight rows interleaved by eight, word by word: the layout of `QType::Q4_1X8`, which a resident Q4_1 matrix
-//! takes once at load so that its products read one linear stream, unpack eight rows' scales with one load and
-//! sum each row's products in its own vector lane, with no reduction across lanes.
+//! Weight rows interleaved by eight, word by word: the layout of `QType::Q4_1X8` and `QType::Q4KX8`, which a
+//! resident Q4_1 or Q4_K matrix takes once at load so that its products read one linear stream, unpack eight
+//! rows' scales at once and sum each row's products in its own vector lane, with no reduction across lanes.
 //!
 //! A matrix of n rows (n a multiple of 8), each of `blocks` blocks of `BYTES` bytes (a multiple of 4), is stored
 //! as n / 8 groups of eight rows; a group holds its rows' block 0, then block 1, and so on; and in a group's block,
 //! 32-bit word w of row r sits at byte 32·w + 4·r. So one 32-byte load gives the same word of the eight rows, lane
-//! r for row r (Q4_1: word 0 is d and m, words 1-4 the code bytes 0-15). Bytes and size are those of the plain
-//! encoding, only their order differs.
+//! r for row r (Q4_1: word 0 is d and m, words 1-4 the code bytes 0-15; Q4_K: `avx2::interleaved`). Bytes and
+//! size are those of the plain encoding, only their order differs.
 
 use super::rows::GROUP_ROWS;
 

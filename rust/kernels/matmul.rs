@@ -47,6 +47,8 @@ pub enum QType {
     /// ntio's own (beyond ggml's ids): Q4_1 rows interleaved by eight (`interleave`), which resident matrices take
     /// at load; n and the matrix's first output column within a call must be multiples of 8.
     Q4_1X8 = 256 + 3,
+    /// ntio's own: Q4_K rows interleaved by eight, as Q4_1X8.
+    Q4KX8 = 256 + 12,
 }
 
 impl QType {
@@ -70,19 +72,20 @@ impl QType {
     pub fn from_id(id: u32) -> Option<QType> {
         QType::ALL
             .into_iter()
-            .chain([QType::Q4_1X8])
+            .chain([QType::Q4_1X8, QType::Q4KX8])
             .find(|q| *q as u32 == id)
     }
 
     /// Whether the type's rows are stored interleaved (in groups of `GROUP_ROWS`).
     pub fn interleaved_rows(self) -> bool {
-        self == QType::Q4_1X8
+        matches!(self, QType::Q4_1X8 | QType::Q4KX8)
     }
 
     /// The interleaved layout of this type, if it has one: (its type, bytes per block of a row).
     pub fn interleaved(self) -> Option<(QType, usize)> {
         match self {
             QType::Q4_1 => Some((QType::Q4_1X8, blocks::Q4_1::BYTES)),
+            QType::Q4K => Some((QType::Q4KX8, blocks::Q4K::BYTES)),
             _ => None,
         }
     }
@@ -91,6 +94,7 @@ impl QType {
     pub fn plain(self) -> QType {
         match self {
             QType::Q4_1X8 => QType::Q4_1,
+            QType::Q4KX8 => QType::Q4K,
             other => other,
         }
     }
@@ -123,7 +127,7 @@ impl QType {
             QType::Q5_0 => q::<blocks::Q5_0>(),
             QType::Q5_1 => q::<blocks::Q5_1>(),
             QType::Q8_0 => q::<blocks::Q8_0>(),
-            QType::Q4K => q::<blocks::Q4K>(),
+            QType::Q4K | QType::Q4KX8 => q::<blocks::Q4K>(),
             QType::Q5K => q::<blocks::Q5K>(),
             QType::Q6K => q::<blocks::Q6K>(),
             QType::TQ1_0 => q::<blocks::TQ1_0>(),
@@ -134,7 +138,7 @@ impl QType {
     fn affine(self) -> bool {
         matches!(
             self,
-            QType::Q4_1 | QType::Q5_1 | QType::Q4K | QType::Q5K | QType::Q4_1X8
+            QType::Q4_1 | QType::Q5_1 | QType::Q4K | QType::Q5K | QType::Q4_1X8 | QType::Q4KX8
         )
     }
 
@@ -156,29 +160,36 @@ impl QType {
             QType::Q6K => quantized_kernel::<blocks::Q6K>(isa, int),
             QType::TQ1_0 => quantized_kernel::<blocks::TQ1_0>(isa, int),
             QType::TQ2_0 => quantized_kernel::<blocks::TQ2_0>(isa, int),
-            QType::Q4_1X8 => interleaved_q4_1_kernel(isa, activations),
+            QType::Q4_1X8 | QType::Q4KX8 => self.interleaved_kernel(isa, activations),
+        }
+    }
+
+    /// An interleaved layout's kernel: its AVX2 integer group kernel where it runs (VNNI's products where allowed
+    /// and present), else the plain type's row kernel on each group restored to rows. Either gives the plain
+    /// rows' bits.
+    fn interleaved_kernel(self, isa: Isa, activations: Activations8) -> Kernel {
+        #[cfg(target_arch = "x86_64")]
+        if activations == Activations8::Int8 && isa != Isa::Scalar && super::avx2::available() {
+            let vnni = matches!(isa, Isa::Best | Isa::Avx512) && super::avx2::vnni_available();
+            return Kernel::Group(if self == QType::Q4KX8 {
+                super::avx2::q4_k_x8(vnni)
+            } else {
+                super::avx2::q4_1_x8(vnni)
+            });
+        }
+        match self.plain().kernel(isa, activations) {
+            Kernel::Row(kernel) => Kernel::Interleaved(kernel),
+            _ => unreachable!(
+                "plain kernels are row kernels but for AVX2's integer ones, taken above"
+            ),
         }
     }
 }
 
-/// Whether interleaved rows have a kernel of their own under `isa` and `activations` (else each group is restored
+/// Whether interleaved rows have kernels of their own under `isa` and `activations` (else each group is restored
 /// to rows first, slower than plain rows): where they do, resident matrices pay to take the layout.
 pub fn interleaved_kernels(isa: Isa, activations: Activations8) -> bool {
-    matches!(interleaved_q4_1_kernel(isa, activations), Kernel::Group(_))
-}
-
-/// Interleaved Q4_1's kernel: its AVX2 integer group kernel where it runs (VNNI's products where allowed and
-/// present), else Q4_1's row kernel on each group restored to rows. Either gives the plain rows' bits.
-fn interleaved_q4_1_kernel(isa: Isa, activations: Activations8) -> Kernel {
-    #[cfg(target_arch = "x86_64")]
-    if activations == Activations8::Int8 && isa != Isa::Scalar && super::avx2::available() {
-        let vnni = matches!(isa, Isa::Best | Isa::Avx512) && super::avx2::vnni_available();
-        return Kernel::Group(super::avx2::q4_1_x8(vnni));
-    }
-    match QType::Q4_1.kernel(isa, activations) {
-        Kernel::Row(kernel) => Kernel::Interleaved(kernel),
-        _ => unreachable!("Q4_1's kernels are row kernels but for AVX2's integer one, taken above"),
-    }
+    matches!(QType::Q4_1X8.kernel(isa, activations), Kernel::Group(_))
 }
 
 /// A block format every kernel set decodes (on x86-64: the AVX2 and AVX-512 decoders too).
@@ -1021,17 +1032,31 @@ mod tests {
         }
     }
 
-    /// Q4_1 rows interleaved by eight give the plain rows' bits in every kernel set, on both activation paths and
-    /// for every row count, beside a plain matrix in the same call and with more than one task per matrix.
+    /// Q4_1 and Q4_K rows interleaved by eight give the plain rows' bits in every kernel set, on both activation
+    /// paths and for every row count, beside a plain matrix in the same call and with more than one task per
+    /// matrix.
     #[test]
     fn interleaved_rows_give_the_plain_rows_bits() {
         let (n, k) = (48, 768);
-        let (block, size) = QType::Q4_1.block();
-        let row_bytes = k / block * size;
-        let plain = bytes(n * row_bytes, 6);
-        let mut mixed = vec![0u8; plain.len()];
-        super::super::interleave::interleave(&plain, row_bytes, size, &mut mixed);
-        let other = bytes(5 * k / 32 * 18, 7); // five Q4_0 rows after the Q4_1 ones
+        for (qtype, seed) in [(QType::Q4_1, 6), (QType::Q4K, 16)] {
+            let (mixed_type, size) = qtype.interleaved().unwrap();
+            let row_bytes = k / qtype.block().0 * size;
+            let plain = bytes(n * row_bytes, seed);
+            let mut mixed = vec![0u8; plain.len()];
+            super::super::interleave::interleave(&plain, row_bytes, size, &mut mixed);
+            interleaved_products_agree(k, n, (&plain, qtype), (&mixed, mixed_type));
+        }
+    }
+
+    /// The products of `plain` and its interleaved layout `mixed` (n rows of k elements), each beside five Q4_0
+    /// rows, are equal bit for bit (see `interleaved_rows_give_the_plain_rows_bits`).
+    fn interleaved_products_agree(
+        k: usize,
+        n: usize,
+        plain: (&[u8], QType),
+        mixed: (&[u8], QType),
+    ) {
+        let other = bytes(5 * k / 32 * 18, 7); // five Q4_0 rows after the interleaved ones
         for act in [Activations8::Int8, Activations8::Float] {
             for isa in [Isa::Best, Isa::Avx512, Isa::Avx2, Isa::Neon, Isa::Scalar]
                 .into_iter()
@@ -1052,13 +1077,13 @@ mod tests {
                             .unwrap();
                         out
                     };
-                    let (want, got) =
-                        (product(&plain, QType::Q4_1), product(&mixed, QType::Q4_1X8));
+                    let (want, got) = (product(plain.0, plain.1), product(mixed.0, mixed.1));
                     assert!(
                         want.iter()
                             .zip(&got)
                             .all(|(a, b)| a.to_bits() == b.to_bits()),
-                        "{act:?} {isa:?} t={t}"
+                        "{:?} {act:?} {isa:?} t={t}",
+                        mixed.1
                     );
                 }
             }

@@ -18,8 +18,9 @@ pub struct Q8Rows {
     pub scales: Vec<f32>,
     /// [t, k / GROUP] Σx̂ = scale · Σcodes of each 32 elements (what affine weights' offsets multiply).
     pub sums: Vec<f32>,
-    /// [t, k / GROUP] Σcodes of each 32 elements (spans of 32 only, else empty): what the AVX2 group kernels take
-    /// off a signed type's products when they multiply its codes offset by 128.
+    /// [t, k / GROUP] Σcodes of each 32 elements: what the AVX2 group kernels take off a signed type's products
+    /// when they multiply its codes offset by 128, and what Q4_K's offsets multiply in its AVX2 kernels (exact
+    /// integers, so that plain and interleaved rows agree bit for bit: `SuperBlock::SPAN_TOTALS`).
     #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
     pub code_sums: Vec<i32>,
     /// [t, k / (span / 8)] Σcodes of each eighth of a span (spans longer than 32 only, else empty): per span, the
@@ -105,7 +106,7 @@ fn quantize_with(
     let mut codes = vec![0i8; x.len()];
     let mut scales = vec![0f32; x.len() / span];
     let mut sums = vec![0f32; x.len() / GROUP];
-    let mut code_sums = vec![0i32; if span == GROUP { x.len() / GROUP } else { 0 }];
+    let mut code_sums = vec![0i32; x.len() / GROUP];
     // Only the kernels of longer spans read Σcodes per eighth of a span.
     let mut lane_sums = vec![
         0i32;
@@ -124,9 +125,7 @@ fn quantize_with(
         for (gi, g) in q.chunks_exact(GROUP).enumerate() {
             let int_sum = code_sum(g);
             sums[at + gi] = d * int_sum as f32;
-            if let Some(c) = code_sums.get_mut(at + gi) {
-                *c = int_sum;
-            }
+            code_sums[at + gi] = int_sum;
         }
         if !lane_sums.is_empty() {
             let eighths = lane_sums[si * 8..][..8]
@@ -369,8 +368,8 @@ mod tests {
         }
     }
 
-    /// Every span's sums land at its own rows' and groups' places: Σx̂ per 32 codes, Σcodes per 32 codes for
-    /// spans of 32, per eighth of a longer span otherwise.
+    /// Every span's sums land at its own rows' and groups' places: Σx̂ and Σcodes per 32 codes, and for spans
+    /// longer than 32 Σcodes per eighth of a span.
     #[test]
     fn sums_follow_the_codes() {
         let (t, k) = (3, 512);
@@ -392,11 +391,10 @@ mod tests {
                 );
             }
             let want: Vec<i32> = q8.codes.chunks_exact(GROUP).map(code_sum).collect();
+            assert_eq!(q8.code_sums, want, "span {span}");
             if span == GROUP {
                 assert!(q8.lane_sums.is_empty());
-                assert_eq!(q8.code_sums, want);
             } else {
-                assert!(q8.code_sums.is_empty());
                 let want: Vec<i32> = q8.codes.chunks_exact(span / 8).map(code_sum).collect();
                 assert_eq!(q8.lane_sums, want, "span {span}");
             }

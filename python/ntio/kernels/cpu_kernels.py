@@ -16,10 +16,11 @@ benches/RESULTS.md), per 256 for the ternary types (as llama.cpp; `_core.KERNEL_
 activations (d * Σ q·x + m * Σ x in float32): `F.linear(x, dequantize(raw))` to ~1e-6, the reference path.
 Dense types (F32/F16/BF16) always take float32 activations.
 
-Layout. Resident Q4_1 matrices are interleaved at load, eight rows at a time word by word (`ops.interleave_rows`),
-where AVX2's 8-bit kernels run (`KernelChoice.interleaves_rows`): a group of eight rows is then one linear stream
-whose products sum each row in its own vector lane. They give the plain rows' bits, so streamed layers (plain rows,
-as read from the file) and resident ones compute the same.
+Layout. Resident Q4_1 and Q4_K matrices are interleaved at load, eight rows at a time word by word
+(`ops.interleave_rows`), where AVX2's 8-bit kernels run (`KernelChoice.interleaves_rows`): a group of eight rows is
+then one linear stream whose scales unpack once for the eight and whose products sum each row in its own vector
+lane. They give the plain rows' bits, so streamed layers (plain rows, as read from the file) and resident ones
+compute the same.
 
 Kernel sets: `best` (the widest this CPU runs), `avx512`, `avx2`, `neon` (aarch64), `scalar`; the environment variable
 NTIO_CPU_KERNELS forces one for an engine (`KernelChoice.from_env`), and a set the CPU lacks is refused. On x86 the

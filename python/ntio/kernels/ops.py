@@ -116,11 +116,12 @@ INTERLEAVE_ROWS = 8
 
 def interleave_rows(w: EncodedMatrix) -> EncodedMatrix:
     """w with its rows interleaved by eight in place (`_core.interleave`: one linear stream per 8 rows, whose
-    kernel sums each row in its own vector lane), where that pays: a type with the layout (Q4_1), whole groups of
-    rows, on the CPU; else w as it is. The products give the plain rows' bits (SmolLM2's Q4_1 products ran
-    1.37-1.68x faster from T = 1 to 32 rows, benches/RESULTS.md), so resident and streamed layers still agree. The
-    bytes are w's own (a resident layer's buffer): whatever else views them must take the new layout. Where w is
-    part of a row stack, the caller keeps its first row a multiple of INTERLEAVE_ROWS (`LayerWeights`)."""
+    kernel sums each row in its own vector lane), where that pays: a type with the layout (Q4_1, Q4_K), whole
+    groups of rows, on the CPU; else w as it is. The products give the plain rows' bits (SmolLM2's Q4_1 products ran
+    1.37-1.68x faster from T = 1 to 32 rows; Qwen2.5-Coder-1.5B's Q4_K ones 1.1x at T = 1 and 1.6x at T = 8,
+    benches/RESULTS.md), so resident and streamed layers still agree. The bytes are w's own (a resident layer's
+    buffer): whatever else views them must take the new layout. Where w is part of a row stack, the caller keeps its
+    first row a multiple of INTERLEAVE_ROWS (`LayerWeights`)."""
     if (w.interleaved or w.raw.device.type != "cpu" or int(w.qtype) not in _core.INTERLEAVED_TYPES
             or w.shape[0] % INTERLEAVE_ROWS):
         return w

@@ -1,21 +1,22 @@
-//! The AVX2 integer kernel of Q4_1 rows interleaved by eight (`interleave`, `QType::Q4_1X8`), for resident
-//! matrices: a group of eight weight rows is one linear stream, and every 32-byte load gives the same word of the
-//! eight rows (lane r: row r), so their scales unpack with one load and each row's products sum in its own lane,
-//! with nothing reduced across lanes.
+//! The AVX2 integer kernels of rows interleaved by eight (`interleave`: `QType::Q4_1X8`, `QType::Q4KX8`), for
+//! resident matrices: a group of eight weight rows is one linear stream, and every 32-byte load gives the same
+//! word of the eight rows (lane r: row r), so their scales unpack once for the eight and each row's products sum
+//! in its own lane, with nothing reduced across lanes.
 //!
-//! It gives the plain rows' group kernel (`int_group_rows` of `blocks::Q4_1`) its bits: per block and weight row
-//! that kernel reduces the products to one exact integer, Σ q·x̂ over the block's 32 codes, as this one does (in
-//! another order, which integers do not see); the float steps that follow are the same operations on the same
-//! values, lane by lane: acc += float(sum)·(d·dx), macc += m·Σx̂, and acc + macc at the end. A resident layer so
-//! computes what the same layer streamed from disk (plain rows) computes.
+//! Each gives the plain rows' kernel its bits. Per block (Q4_1) or span (Q4_K) and weight row, the plain kernel
+//! reduces the products to exact integers, as these do (in another order, which integers do not see); the float
+//! steps that follow are the same operations on the same values, lane by lane. A resident layer so computes what
+//! the same layer streamed from disk (plain rows) computes.
 
 use std::arch::x86_64::*;
 
 use super::super::blocks::{self, Format, GROUP};
 use super::super::rows::{in_tiles, Activations, GroupKernel, GROUP_ROWS, MAX_T};
-use super::{halves8, IntDot, Madd, Vnni};
+use super::{halves8, prefetch, IntDot, Madd, Vnni, ROW_PREFETCH};
 
-/// Q4_1.
+/// Q4_1: the plain rows' kernel is the group kernel `int_group_rows`, which reduces each block and weight row
+/// to one integer, Σ q·x̂ over its 32 codes; then acc += float(sum)·(d·dx), macc += m·Σx̂, and acc + macc at the
+/// end.
 type Q4_1 = blocks::Q4_1;
 /// Bytes of one block of a group's eight rows: word 0 (d and m) of each row, then words 1-4 (code bytes 0-15).
 const GROUP_BLOCK: usize = GROUP_ROWS * Q4_1::BYTES;
@@ -146,6 +147,226 @@ unsafe fn tile<D: IntDot, const R: usize>(
     for r in 0..R {
         // SAFETY: y[r] holds GROUP_ROWS floats.
         unsafe { _mm256_storeu_ps(y[r].as_mut_ptr(), _mm256_add_ps(acc[r], macc[r])) };
+    }
+    R
+}
+
+/// Q4_K: the plain rows' kernel is the row kernel `int_row` with `SuperBlock::SPAN_TOTALS`: per span of 128
+/// elements (4 groups) and weight row, I = Σ sc·Σ q·x̂ and M = Σ mn·Σ x̂ as exact integers, then acc +=
+/// float(I)·(d·dx) and acc += float(M)·(-dmin·dx). Here a group's Σ q·x̂ is an i32 lane and I is summed in
+/// float32 (convert, then an FMA by sc per group), exact as the plain kernel's integer: every partial sum is an
+/// integer below 2^24 (`SPAN_TOTALS`).
+type Q4K = blocks::Q4K;
+/// Bytes of one block of a group's eight rows: word 0 (d and dmin), words 1-3 (the 12 packed scale bytes), words
+/// 4-35 (code bytes 0-127: word 4 + 8h + c holds bytes 32h + 4c.. of each row, whose low nibbles are elements
+/// 4c..4c + 4 of group 2h and whose high nibbles are those of group 2h + 1).
+const K_GROUP_BLOCK: usize = GROUP_ROWS * Q4K::BYTES;
+/// Groups of 32 per span.
+const K_SPAN_GROUPS: usize = Q4K::SPAN / GROUP;
+
+/// The integer group kernel of interleaved Q4_K rows (8-bit activations), with VNNI products if `vnni`. Call
+/// only if `available()` (and `vnni_available()` for `vnni`).
+pub fn q4_k_x8(vnni: bool) -> GroupKernel {
+    // SAFETY (both): `matmul` selects these kernels only where the CPU has their features, and hands them one
+    // whole group (`k_rows`' contract).
+    if vnni {
+        |a, rows, row_bytes, y| unsafe { k_rows_vnni(a, rows, row_bytes, y) }
+    } else {
+        |a, rows, row_bytes, y| unsafe { k_rows_avx2(a, rows, row_bytes, y) }
+    }
+}
+
+/// `k_rows`'s AVX2 entry point.
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn k_rows_avx2(
+    a: &Activations,
+    group: &[u8],
+    row_bytes: usize,
+    y: &mut [[f32; GROUP_ROWS]; MAX_T],
+) {
+    // SAFETY: the caller's contract is `k_rows`', on a CPU with AVX2.
+    unsafe { k_rows::<Madd>(a, group, row_bytes, y) }
+}
+
+/// `k_rows`'s entry point with AVX-512 VNNI products.
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+unsafe fn k_rows_vnni(
+    a: &Activations,
+    group: &[u8],
+    row_bytes: usize,
+    y: &mut [[f32; GROUP_ROWS]; MAX_T],
+) {
+    // SAFETY: the caller's contract is `k_rows`', on a CPU with VNNI.
+    unsafe { k_rows::<Vnni>(a, group, row_bytes, y) }
+}
+
+/// One interleaved group of eight Q4_K rows (`group`: 8 · row_bytes bytes, row_bytes = k / 256 · 144), in tiles
+/// of up to 8 activation rows (`in_tiles`); y[t][r] for row r.
+///
+/// # Safety
+/// `group` must be one whole group; the caller runs with D's features.
+#[inline(always)]
+unsafe fn k_rows<D: IntDot>(
+    a: &Activations,
+    group: &[u8],
+    row_bytes: usize,
+    y: &mut [[f32; GROUP_ROWS]; MAX_T],
+) {
+    debug_assert!(
+        group.len() == GROUP_ROWS * row_bytes && row_bytes == a.k / Q4K::BLOCK * Q4K::BYTES
+    );
+    let base = group.as_ptr();
+    in_tiles!(a.t, y, |t0, out| k_tile::<D>(a, base, t0, out));
+}
+
+/// Word `w` of an interleaved block at `block`: the eight rows' word w, lane r for row r.
+///
+/// # Safety
+/// The block must have 32 · (w + 1) readable bytes; the caller runs with AVX2.
+#[inline(always)]
+unsafe fn word(block: *const u8, w: usize) -> __m256i {
+    // SAFETY: guaranteed by the caller.
+    unsafe { _mm256_loadu_si256(block.add(32 * w).cast()) }
+}
+
+/// Byte `i` (0..4) of every i32 lane of `v`, zero-extended.
+#[inline(always)]
+fn byte_lanes(v: __m256i, i: usize) -> __m256i {
+    // SAFETY (both intrinsics): the callers run with AVX2.
+    unsafe {
+        _mm256_and_si256(
+            _mm256_srl_epi32(v, _mm_cvtsi32_si128(8 * i as i32)),
+            _mm256_set1_epi32(0xFF),
+        )
+    }
+}
+
+/// y[0..R] (lane r: weight row r) for activation rows t0..t0 + R; returns R.
+///
+/// # Safety
+/// `base` must point at one whole group of `a.k / 256` blocks; t0 + R <= a.t; the caller runs with D's features.
+#[inline(always)]
+unsafe fn k_tile<D: IntDot, const R: usize>(
+    a: &Activations,
+    base: *const u8,
+    t0: usize,
+    y: &mut [[f32; GROUP_ROWS]],
+) -> usize {
+    const LOW6: i32 = 0x3F3F_3F3F;
+    const LOW4: i32 = 0x0F0F_0F0F;
+    const TOP2: i32 = 0x3030_3030; // bits 6-7 of each byte, shifted right by 2
+    let q8 = a.q8_for(Q4K::SPAN);
+    let (spans, gs) = (a.k / Q4K::SPAN, a.k / GROUP);
+    // Activation row t0 + r's codes, scales (one per span) and integer group sums start r rows on.
+    // SAFETY: `matmul` quantized t rows of k codes (spans scales, gs sums each), and t0 + R <= t.
+    let (codes, scales, code_sums) = unsafe {
+        (
+            q8.codes.as_ptr().add(t0 * a.k),
+            q8.scales.as_ptr().add(t0 * spans),
+            q8.code_sums.as_ptr().add(t0 * gs),
+        )
+    };
+    let low = _mm256_set1_epi8(0x0F);
+    // Each row's accumulator lives in y (touched twice a span), leaving the registers to the span's sums.
+    for out in y[..R].iter_mut() {
+        *out = [0.0; GROUP_ROWS];
+    }
+    for bi in 0..a.k / Q4K::BLOCK {
+        // SAFETY: block bi of the group is inside it (the caller's contract).
+        let block = unsafe { base.add(bi * K_GROUP_BLOCK) };
+        prefetch(block.wrapping_add(ROW_PREFETCH), K_GROUP_BLOCK);
+        // SAFETY (every `word`): words 0..36 of the block.
+        let (d, dmin) = halves8(unsafe { word(block, 0) });
+        let neg_dmin = _mm256_xor_ps(dmin, _mm256_set1_ps(-0.0));
+        // The 6-bit sub-scales and offset multipliers of groups 0-3 and 4-7, one byte each per lane (as
+        // `blocks::k_scales`, on all eight rows at once): for groups 4-7 bits 6-7 of the first bytes become
+        // bits 4-5.
+        let (s0, s1, s2) = unsafe { (word(block, 1), word(block, 2), word(block, 3)) };
+        let top2 = _mm256_set1_epi32(TOP2);
+        let sc = [
+            _mm256_and_si256(s0, _mm256_set1_epi32(LOW6)),
+            _mm256_or_si256(
+                _mm256_and_si256(s2, _mm256_set1_epi32(LOW4)),
+                _mm256_and_si256(_mm256_srli_epi32(s0, 2), top2),
+            ),
+        ];
+        let mn = [
+            _mm256_and_si256(s1, _mm256_set1_epi32(LOW6)),
+            _mm256_or_si256(
+                _mm256_and_si256(_mm256_srli_epi32(s2, 4), _mm256_set1_epi32(LOW4)),
+                _mm256_and_si256(_mm256_srli_epi32(s1, 2), top2),
+            ),
+        ];
+        for sp in 0..Q4K::BLOCK / Q4K::SPAN {
+            // Σ sc·Σ q·x̂ over the span's groups, per row: exact integers in float32.
+            let mut totals = [_mm256_setzero_ps(); R];
+            // Two groups at a time, g = 2h and 2h + 1: the low and high nibbles of code words 4 + 8h + c
+            // (c = 0..8), each word met by the R activation rows in turn: 2R independent running sums, which the
+            // CPU overlaps (a row's eight products depend on each other).
+            for h in sp * K_SPAN_GROUPS / 2..(sp + 1) * K_SPAN_GROUPS / 2 {
+                // With few rows, each row's eight products go into two chains (even and odd c), so that the
+                // latency of one chain of eight does not bound the group.
+                let chains = if R < 4 { 2 } else { 1 };
+                let mut sums = [[[_mm256_setzero_si256(); 2]; R]; 2];
+                for c in 0..8 {
+                    let v = unsafe { word(block, 4 + 8 * h + c) };
+                    let w = [
+                        _mm256_and_si256(v, low),
+                        _mm256_and_si256(_mm256_srli_epi16(v, 4), low),
+                    ];
+                    for r in 0..R {
+                        for (half, sums) in sums.iter_mut().enumerate() {
+                            // Elements 4c..4c + 4 of group 2h + half of activation row t0 + r, in every lane.
+                            // SAFETY: group bi · 8 + 2h + half of the row holds 32 codes.
+                            let x = unsafe {
+                                codes
+                                    .add((r * gs + bi * 8 + 2 * h + half) * GROUP + 4 * c)
+                                    .cast::<i32>()
+                                    .read_unaligned()
+                            };
+                            // SAFETY: the caller runs with D's features.
+                            let sum = &mut sums[r][c % chains];
+                            *sum = unsafe { D::add_products(*sum, w[half], _mm256_set1_epi32(x)) };
+                        }
+                    }
+                }
+                for (half, sums) in sums.into_iter().enumerate() {
+                    let g = 2 * h + half;
+                    let scale = _mm256_cvtepi32_ps(byte_lanes(sc[g / 4], g % 4));
+                    for ([even, odd], total) in sums.into_iter().zip(&mut totals) {
+                        // SAFETY: the caller runs with D's features.
+                        let sum = unsafe {
+                            if chains == 2 {
+                                _mm256_add_epi32(D::widen(even), D::widen(odd))
+                            } else {
+                                D::widen(even)
+                            }
+                        };
+                        *total = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), scale, *total);
+                    }
+                }
+            }
+            for (r, total) in totals.into_iter().enumerate() {
+                // SAFETY: one scale per span and row; the row's integer group sums hold the span's 4 groups.
+                let dx = _mm256_set1_ps(unsafe { *scales.add(r * spans + bi * 2 + sp) });
+                let out = y[r].as_mut_ptr();
+                // SAFETY: y[r] holds GROUP_ROWS floats.
+                let acc = unsafe { _mm256_loadu_ps(out) };
+                let acc = _mm256_fmadd_ps(total, _mm256_mul_ps(d, dx), acc);
+                let mut m = _mm256_setzero_si256();
+                for g in sp * K_SPAN_GROUPS..(sp + 1) * K_SPAN_GROUPS {
+                    // mn (low 16 bits, high 16 zero) against Σcodes (|Σ| < 2^15: its low 16 bits, signed).
+                    let sum = unsafe { *code_sums.add(r * gs + bi * 8 + g) };
+                    // SAFETY: the caller runs with D's features.
+                    m = unsafe {
+                        D::madd_into(m, _mm256_set1_epi32(sum), byte_lanes(mn[g / 4], g % 4))
+                    };
+                }
+                let acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(m), _mm256_mul_ps(neg_dmin, dx), acc);
+                // SAFETY: as above.
+                unsafe { _mm256_storeu_ps(out, acc) };
+            }
+        }
     }
     R
 }
