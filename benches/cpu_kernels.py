@@ -12,14 +12,14 @@ fused gate+up 3072x576, down 576x1536; then the Q8_0 49152x576 head). Passes
 alternate A B C A B C; medians are reported, with each T's cost relative to T = 1 (`vs_t1`: what a speculative
 verification pass of T tokens costs against one decode step). `--isa best avx2` adds the 8-bit pass of every further
 kernel set named (`int8_avx2_ms`, and its time over the first set's, `int8_avx2_vs_int8`), alternating with the rest.
-`--layout resident` (the default) gives each pass the matrices as a resident layer holds them: Q4_1 and Q4_K rows interleaved
-by eight (`ops.interleave_rows`) where the pass's kernel set takes that layout (`_core.interleaved_kernels`), the
-file's rows elsewhere; `--layout file`: the file's rows everywhere, as streamed layers are read. `--against FILE`
-adds the 8-bit pass (first `--isa`) of another build of the Rust core: its extension file, a copy of another
-commit's `python/ntio/_core.abi3.so` with the same Python interface (kernel type ids, `quantized_matmul`), loaded
-beside this one in the same process (`int8_against_ms`; this build's time over it, `int8_vs_against`): two builds
-side by side without a process's noise between them. Both must take the same layout and give equal outputs. Prints
-JSON.
+`--layout resident` (the default) gives each pass the matrices as a resident layer holds them: Q4_1 and Q4_K rows
+interleaved by eight (`ops.interleave_rows`) where the pass's kernel set takes that layout
+(`_core.interleaved_kernels`), the file's rows elsewhere; `--layout file`: the file's rows everywhere, as streamed
+layers are read. `--against FILE` adds the 8-bit pass (first `--isa`) of another build of the Rust core: its
+extension file, a copy of another commit's `python/ntio/_core.abi3.so` with the same Python interface (kernel type
+ids, `quantized_matmul`), loaded beside this one in the same process (`int8_against_ms`; this build's time over it,
+`int8_vs_against`): two builds side by side without a process's noise between them. Both must take the same layout
+and give equal outputs. Prints JSON.
 
     python benches/cpu_kernels.py [--model NAME|PATH] [--threads 2] [--repeats 7] [--rows 1 8 16] [--isa best avx2]
                                   [--layout resident|file] [--against OTHER_CORE.so]
@@ -97,7 +97,8 @@ def main() -> None:
     ap.add_argument("--isa", nargs="+", default=["best"],
                     help="kernel sets of the 8-bit passes (best, avx512, avx2, neon, scalar); the first is `int8`")
     ap.add_argument("--layout", choices=["resident", "file"], default="resident",
-                    help="resident: Q4_1 and Q4_K rows interleaved by eight where the kernel set takes it; file: as read")
+                    help="resident: Q4_1 and Q4_K rows interleaved by eight where the kernel set takes it; "
+                         "file: as read")
     ap.add_argument("--against", type=Path,
                     help="another build's _core extension file: its 8-bit pass beside this one's")
     args = ap.parse_args()

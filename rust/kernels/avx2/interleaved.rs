@@ -14,6 +14,36 @@ use super::super::blocks::{self, Format, GROUP};
 use super::super::rows::{in_tiles, Activations, GroupKernel, GROUP_ROWS, MAX_T};
 use super::{halves8, prefetch, IntDot, Madd, Vnni, ROW_PREFETCH};
 
+/// `pub fn $name(vnni: bool) -> GroupKernel`: the group kernel `$rows::<D>` (one whole interleaved group, in tiles
+/// of activation rows; generic, `#[inline(always)]`, no target features of its own) compiled inside two entry
+/// points, AVX2's (`Madd`) and AVX-512 VNNI's (`Vnni`), as `int_entries!` does for the plain rows' kernels.
+macro_rules! group_kernel {
+    ($(#[$doc:meta])* $name:ident => $rows:ident) => {
+        $(#[$doc])*
+        pub fn $name(vnni: bool) -> GroupKernel {
+            #[target_feature(enable = "avx2,fma,f16c")]
+            unsafe fn avx2(a: &Activations, group: &[u8], row_bytes: usize, y: &mut [[f32; GROUP_ROWS]; MAX_T]) {
+                // SAFETY: the caller's contract is the body's, on a CPU with AVX2.
+                unsafe { $rows::<Madd>(a, group, row_bytes, y) }
+            }
+
+            #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+            unsafe fn with_vnni(a: &Activations, group: &[u8], row_bytes: usize, y: &mut [[f32; GROUP_ROWS]; MAX_T]) {
+                // SAFETY: the caller's contract is the body's, on a CPU with VNNI.
+                unsafe { $rows::<Vnni>(a, group, row_bytes, y) }
+            }
+
+            // SAFETY (both): `matmul` selects these kernels only where the CPU has their features, and hands them
+            // one whole group (the body's contract).
+            if vnni {
+                |a, rows, row_bytes, y| unsafe { with_vnni(a, rows, row_bytes, y) }
+            } else {
+                |a, rows, row_bytes, y| unsafe { avx2(a, rows, row_bytes, y) }
+            }
+        }
+    };
+}
+
 /// Q4_1: the plain rows' kernel is the group kernel `int_group_rows`, which reduces each block and weight row
 /// to one integer, Σ q·x̂ over its 32 codes; then acc += float(sum)·(d·dx), macc += m·Σx̂, and acc + macc at the
 /// end.
@@ -24,41 +54,11 @@ const GROUP_BLOCK: usize = GROUP_ROWS * Q4_1::BYTES;
 /// block's elements 4c..4c + 4 and whose high nibbles are elements 16 + 4c..16 + 4c + 4.
 const CODE_WORDS: usize = 4;
 
-/// The integer group kernel of interleaved Q4_1 rows (8-bit activations), with VNNI products if `vnni`. Call
-/// only if `available()` (and `vnni_available()` for `vnni`).
-pub fn q4_1_x8(vnni: bool) -> GroupKernel {
-    // SAFETY (both): `matmul` selects these kernels only where the CPU has their features, and hands them one
-    // whole group (`rows`' contract).
-    if vnni {
-        |a, rows, row_bytes, y| unsafe { rows_vnni(a, rows, row_bytes, y) }
-    } else {
-        |a, rows, row_bytes, y| unsafe { rows_avx2(a, rows, row_bytes, y) }
-    }
-}
-
-/// `rows`'s AVX2 entry point.
-#[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn rows_avx2(
-    a: &Activations,
-    group: &[u8],
-    row_bytes: usize,
-    y: &mut [[f32; GROUP_ROWS]; MAX_T],
-) {
-    // SAFETY: the caller's contract is `rows`', on a CPU with AVX2.
-    unsafe { rows::<Madd>(a, group, row_bytes, y) }
-}
-
-/// `rows`'s entry point with AVX-512 VNNI products.
-#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
-unsafe fn rows_vnni(
-    a: &Activations,
-    group: &[u8],
-    row_bytes: usize,
-    y: &mut [[f32; GROUP_ROWS]; MAX_T],
-) {
-    // SAFETY: the caller's contract is `rows`', on a CPU with VNNI.
-    unsafe { rows::<Vnni>(a, group, row_bytes, y) }
-}
+group_kernel!(
+    /// The integer group kernel of interleaved Q4_1 rows (8-bit activations), with VNNI products if `vnni`. Call
+    /// only if `available()` (and `vnni_available()` for `vnni`).
+    q4_1_x8 => rows
+);
 
 /// One interleaved group of eight rows (`group`: 8 · row_bytes bytes, row_bytes = k / 32 · 20), in tiles of up to 8
 /// activation rows (`in_tiles`); y[t][r] for row r.
@@ -164,41 +164,11 @@ const K_GROUP_BLOCK: usize = GROUP_ROWS * Q4K::BYTES;
 /// Groups of 32 per span.
 const K_SPAN_GROUPS: usize = Q4K::SPAN / GROUP;
 
-/// The integer group kernel of interleaved Q4_K rows (8-bit activations), with VNNI products if `vnni`. Call
-/// only if `available()` (and `vnni_available()` for `vnni`).
-pub fn q4_k_x8(vnni: bool) -> GroupKernel {
-    // SAFETY (both): `matmul` selects these kernels only where the CPU has their features, and hands them one
-    // whole group (`k_rows`' contract).
-    if vnni {
-        |a, rows, row_bytes, y| unsafe { k_rows_vnni(a, rows, row_bytes, y) }
-    } else {
-        |a, rows, row_bytes, y| unsafe { k_rows_avx2(a, rows, row_bytes, y) }
-    }
-}
-
-/// `k_rows`'s AVX2 entry point.
-#[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn k_rows_avx2(
-    a: &Activations,
-    group: &[u8],
-    row_bytes: usize,
-    y: &mut [[f32; GROUP_ROWS]; MAX_T],
-) {
-    // SAFETY: the caller's contract is `k_rows`', on a CPU with AVX2.
-    unsafe { k_rows::<Madd>(a, group, row_bytes, y) }
-}
-
-/// `k_rows`'s entry point with AVX-512 VNNI products.
-#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
-unsafe fn k_rows_vnni(
-    a: &Activations,
-    group: &[u8],
-    row_bytes: usize,
-    y: &mut [[f32; GROUP_ROWS]; MAX_T],
-) {
-    // SAFETY: the caller's contract is `k_rows`', on a CPU with VNNI.
-    unsafe { k_rows::<Vnni>(a, group, row_bytes, y) }
-}
+group_kernel!(
+    /// The integer group kernel of interleaved Q4_K rows (8-bit activations), with VNNI products if `vnni`. Call
+    /// only if `available()` (and `vnni_available()` for `vnni`).
+    q4_k_x8 => k_rows
+);
 
 /// One interleaved group of eight Q4_K rows (`group`: 8 · row_bytes bytes, row_bytes = k / 256 · 144), in tiles
 /// of up to 8 activation rows (`in_tiles`); y[t][r] for row r.
