@@ -1065,9 +1065,9 @@ unsafe fn k_scales(b: *const u8) -> KScales {
 }
 
 /// Q4_K and Q5_K: codes from `$codes` (with the block at `$b` and the group at `$g`), scales from `k_scales`;
-/// `SuperBlock::SPAN_TOTALS` as given.
+/// `SuperBlock::SPAN_TOTALS` as given, the integer kernel from `$kernel(vnni)`.
 macro_rules! k_format {
-    ($t:ty, span_totals $totals:literal, |$b:ident, $g:ident| $codes:expr) => {
+    ($t:ty, span_totals $totals:literal, int_kernel $kernel:expr, |$b:ident, $g:ident| $codes:expr) => {
         impl SimdFormat for $t {
             #[target_feature(enable = "avx2,fma,f16c")]
             unsafe fn code_bytes($b: *const u8, $g: usize) -> __m256i {
@@ -1076,7 +1076,7 @@ macro_rules! k_format {
             }
 
             fn int_kernel(vnni: bool) -> Kernel {
-                Kernel::Row(int::<$t>(vnni))
+                $kernel(vnni)
             }
         }
 
@@ -1119,12 +1119,14 @@ macro_rules! k_format {
     };
 }
 
-k_format!(blocks::Q4K, span_totals true, |b, g| bits32(
+// Q4_K's plain rows: passes over several activation rows regroup each eight rows into the interleaved layout
+// (`interleaved::q4_k_plain`).
+k_format!(blocks::Q4K, span_totals true, int_kernel |vnni| Kernel::Group(interleaved::q4_k_plain(vnni)), |b, g| bits32(
     load32(b.add(16 + 32 * (g / 2))),
     4 * (g % 2),
     0x0F
 ));
-k_format!(blocks::Q5K, span_totals false, |b, g| {
+k_format!(blocks::Q5K, span_totals false, int_kernel |vnni| Kernel::Row(int::<blocks::Q5K>(vnni)), |b, g| {
     let (qs, qh) = (load32(b.add(48 + 32 * (g / 2))), load32(b.add(16)));
     let high = _mm256_slli_epi16(bits32(qh, g, 1), 4);
     _mm256_or_si256(bits32(qs, 4 * (g % 2), 0x0F), high)

@@ -170,6 +170,117 @@ group_kernel!(
     q4_k_x8 => k_rows
 );
 
+group_kernel!(
+    /// The integer group kernel of plain Q4_K rows (as read from the file; 8-bit activations), with VNNI products
+    /// if `vnni`: passes of at least REGROUP_ROWS activation rows interleave each whole group of eight weight rows
+    /// into scratch (`regroup`) and compute it as `q4_k_x8` does; shorter passes, and groups of fewer rows, run the
+    /// row kernel (`int_row`). Both give the same bits (`SuperBlock::SPAN_TOTALS`). Call only if `available()`
+    /// (and `vnni_available()` for `vnni`).
+    q4_k_plain => k_plain_rows
+);
+
+/// Activation rows from which a pass over plain Q4_K rows regroups them (`q4_k_plain`).
+const REGROUP_ROWS: usize = 2;
+
+thread_local! {
+    /// Each kernel thread's scratch for one regrouped group of rows (`k_plain_rows`).
+    static REGROUPED: std::cell::Cell<Vec<u8>> = const { std::cell::Cell::new(Vec::new()) };
+}
+
+/// `count` (1 to 8) plain Q4_K rows (`rows`: count · row_bytes bytes), in the layout's kernel (`k_rows`) or row
+/// by row (`int_row`); y[t][j] for row j.
+///
+/// # Safety
+/// The caller runs with D's features.
+#[inline(always)]
+unsafe fn k_plain_rows<D: IntDot>(
+    a: &Activations,
+    rows: &[u8],
+    row_bytes: usize,
+    y: &mut [[f32; GROUP_ROWS]; MAX_T],
+) {
+    let count = rows.len() / row_bytes;
+    if count == GROUP_ROWS && a.t >= REGROUP_ROWS {
+        let mut mixed = REGROUPED.take();
+        mixed.resize(rows.len(), 0);
+        // SAFETY: the caller runs with D's features, which include AVX2; `mixed` has the rows' size.
+        unsafe {
+            regroup(rows, row_bytes, &mut mixed);
+            k_rows::<D>(a, &mixed, row_bytes, y);
+        }
+        REGROUPED.set(mixed);
+        return;
+    }
+    let mut column = [0f32; MAX_T];
+    for (j, row) in rows.chunks_exact(row_bytes).enumerate() {
+        // SAFETY: the caller runs with D's features; `row` is one whole row (`matmul` checked the sizes).
+        unsafe { super::int_row::<Q4K, D>(a, row, &mut column) };
+        for (y, v) in y.iter_mut().zip(&column[..a.t]) {
+            y[j] = *v;
+        }
+    }
+}
+
+/// 16 bytes of row r (low half) and of row r + 4 (high half), from `at` (row r's bytes) and `at` + 4 · row_bytes.
+///
+/// # Safety
+/// Both 16-byte runs must be readable; the caller runs with AVX2.
+#[inline(always)]
+unsafe fn row_pair(at: *const u8, row_bytes: usize, r: usize) -> __m256i {
+    // SAFETY: guaranteed by the caller.
+    unsafe {
+        _mm256_set_m128i(
+            _mm_loadu_si128(at.add((r + 4) * row_bytes).cast()),
+            _mm_loadu_si128(at.add(r * row_bytes).cast()),
+        )
+    }
+}
+
+/// Eight plain rows (`rows`: 8 · row_bytes bytes, row_bytes a multiple of 16) into `out` (as many bytes) in the
+/// interleaved layout (`interleave`): word w of row r at byte 32w + 4r, whatever the block size (a group's block
+/// holds its rows' words in order). Four words of the eight rows at a time: a 4 x 4 transpose of 32-bit words in
+/// each 128-bit half (rows 0-3 in the low halves, 4-7 in the high ones).
+///
+/// # Safety
+/// The caller runs with AVX2; the sizes are as above.
+#[inline(always)]
+unsafe fn regroup(rows: &[u8], row_bytes: usize, out: &mut [u8]) {
+    debug_assert!(
+        row_bytes % 16 == 0 && rows.len() == GROUP_ROWS * row_bytes && out.len() == rows.len()
+    );
+    let (src, dst) = (rows.as_ptr(), out.as_mut_ptr());
+    for at in (0..row_bytes).step_by(16) {
+        if at % 64 == 0 {
+            // Eight streams, which the hardware prefetchers follow poorly (as `int_group_rows`' note says).
+            for r in 0..GROUP_ROWS {
+                prefetch(src.wrapping_add(r * row_bytes + at + ROW_PREFETCH), 64);
+            }
+        }
+        // SAFETY: bytes at..at + 16 of each of the eight rows, and 128 bytes from 8·at of `out`, are inside.
+        unsafe {
+            let rows = src.add(at);
+            let (p0, p1, p2, p3) = (
+                row_pair(rows, row_bytes, 0),
+                row_pair(rows, row_bytes, 1),
+                row_pair(rows, row_bytes, 2),
+                row_pair(rows, row_bytes, 3),
+            );
+            // Words 0-1 and 2-3 of rows (0, 1) and (2, 3), then each word of the four rows (in both halves).
+            let (t0, t1) = (_mm256_unpacklo_epi32(p0, p1), _mm256_unpackhi_epi32(p0, p1));
+            let (t2, t3) = (_mm256_unpacklo_epi32(p2, p3), _mm256_unpackhi_epi32(p2, p3));
+            let words = [
+                _mm256_unpacklo_epi64(t0, t2),
+                _mm256_unpackhi_epi64(t0, t2),
+                _mm256_unpacklo_epi64(t1, t3),
+                _mm256_unpackhi_epi64(t1, t3),
+            ];
+            for (w, v) in words.into_iter().enumerate() {
+                _mm256_storeu_si256(dst.add(8 * at + 32 * w).cast(), v);
+            }
+        }
+    }
+}
+
 /// One interleaved group of eight Q4_K rows (`group`: 8 · row_bytes bytes, row_bytes = k / 256 · 144), in tiles
 /// of up to 8 activation rows (`in_tiles`); y[t][r] for row r.
 ///
