@@ -179,7 +179,9 @@ group_kernel!(
     q4_k_plain => k_plain_rows
 );
 
-/// Activation rows from which a pass over plain Q4_K rows regroups them (`q4_k_plain`).
+/// Activation rows from which a pass over plain Q4_K rows regroups them (`q4_k_plain`). Measured on Qwen2.5-Coder-
+/// 1.5B's Q4_K matrices (Cascade Lake, 2 threads, against the row kernel): regrouped 0.8x at T = 1, about even at
+/// T = 2 and 3, 1.5-1.6x at T = 8 (benches/RESULTS.md, nineteenth session).
 const REGROUP_ROWS: usize = 2;
 
 thread_local! {
@@ -383,7 +385,9 @@ unsafe fn k_tile<D: IntDot, const R: usize>(
             let mut totals = [_mm256_setzero_ps(); R];
             // Two groups at a time, g = 2h and 2h + 1: the low and high nibbles of code words 4 + 8h + c
             // (c = 0..8), each word met by the R activation rows in turn: 2R independent running sums, which the
-            // CPU overlaps (a row's eight products depend on each other).
+            // CPU overlaps (a row's eight products depend on each other). One group at a time ran at 0.7x: LLVM
+            // sank the last row's chain of eight to the end of each group (benches/RESULTS.md, nineteenth
+            // session).
             for h in sp * K_SPAN_GROUPS / 2..(sp + 1) * K_SPAN_GROUPS / 2 {
                 // With few rows, each row's eight products go into two chains (even and odd c), so that the
                 // latency of one chain of eight does not bound the group.
