@@ -19,7 +19,7 @@ layers are read. `--against FILE` adds the 8-bit pass (first `--isa`) of another
 extension file, a copy of another commit's `python/ntio/_core.abi3.so` with the same Python interface (kernel type
 ids, `quantized_matmul`), loaded beside this one in the same process (`int8_against_ms`; this build's time over it,
 `int8_vs_against`): two builds side by side without a process's noise between them. Both must take the same layout
-and give equal outputs. Prints JSON.
+and give equal outputs (Q4_K's changed at ad3f836, when it took the interleaved layout). Prints JSON.
 
     python benches/cpu_kernels.py [--model NAME|PATH] [--threads 2] [--repeats 7] [--rows 1 8 16] [--isa best avx2]
                                   [--layout resident|file] [--against OTHER_CORE.so]
@@ -109,7 +109,8 @@ def main() -> None:
     if against is not None:
         if against is this or args.against.resolve() == Path(this.__file__).resolve():
             raise SystemExit(f"--against {args.against}: that is this build")
-        if against.interleaved_kernels(args.isa[0], True) != this.interleaved_kernels(args.isa[0], True):
+        if (against.interleaved_kernels(args.isa[0], True) != this.interleaved_kernels(args.isa[0], True)
+                or against.INTERLEAVED_TYPES != this.INTERLEAVED_TYPES):
             raise SystemExit(f"--against {args.against}: its kernels take another layout of resident rows")
         against.set_kernel_threads(args.threads)
     mats = load(args.model) if args.model else build()

@@ -124,10 +124,10 @@ fn quantized_matmul(
 
 /// Rewrites the n rows of `raw` (GGUF type `qtype`, rows of k elements; uint8, C-contiguous, writable) in place
 /// into the type's interleaved layout (`rust/kernels/interleave.rs`: rows in groups of 8, word by word; the same
-/// bytes, reordered) and returns that layout's type id, which `quantized_matmul` and `dequantize` take in place of
-/// `qtype`; with `inverse`, `qtype` is an interleaved layout's id, whose rows go back to plain, and the plain
-/// type's id is returned. A ValueError names what does not fit: a type without an interleaved layout, n not a
-/// multiple of 8, k not whole blocks, or the size.
+/// bytes, reordered) and returns that layout's type id, which `quantized_matmul` takes in place of `qtype`
+/// (`dequantize` refuses it: restore the plain rows first); with `inverse`, `qtype` is an interleaved layout's id,
+/// whose rows go back to plain, and the plain type's id is returned. A ValueError names what does not fit: a type
+/// without an interleaved layout, n not a multiple of 8, k not whole blocks, or the size.
 #[pyfunction]
 #[pyo3(signature = (raw, qtype, n, k, *, inverse = false))]
 fn interleave(

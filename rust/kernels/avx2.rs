@@ -3,7 +3,9 @@
 //! - integer row kernels (`int`, the K-quants): `maddubs` (u8 x i8 -> i16 pairs) and `madd` (-> i32, times the
 //!   integer sub-scales) against the activations' 8-bit codes, one float conversion and FMA per activation span
 //!   (128 elements) and row (Q4_K: each span reduced to exact integers first, `SuperBlock::SPAN_TOTALS`, the
-//!   numerics of its interleaved layout's kernel, `interleaved::q4_k_x8`);
+//!   numerics of its interleaved layout's kernel; passes of several rows regroup its rows into that layout,
+//!   `interleaved::q4_k_plain`);
+//! - `interleaved`: the kernels of rows interleaved by eight (resident Q4_1 and Q4_K matrices);
 //! - integer group kernels (`int_group`, the legacy 32-element types): the same products for eight weight rows
 //!   at once, each row's integer sum in its own lane (lane j: row j) so that the float work is shared by the
 //!   eight rows: for one activation row, eight product vectors reduced across lanes; for tiles of two or more,

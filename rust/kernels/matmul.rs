@@ -217,8 +217,9 @@ trait DenseRow: Dense {}
 impl<D: Dense> DenseRow for D {}
 
 /// The kernel of format `F`: AVX-512 for float activations where allowed and present, else AVX2 (integer: a
-/// group kernel for the legacy formats, the row kernel for the K-quants, their products AVX-512 VNNI's where
-/// allowed and present); on aarch64 NEON for 8-bit activations (`sdot` where the CPU has it); else scalar;
+/// group kernel for the legacy formats and for Q4_K (its rows regrouped into the interleaved layout for passes of
+/// several rows), the row kernel for the other K-quants, their products AVX-512 VNNI's where allowed and
+/// present); on aarch64 NEON for 8-bit activations (`sdot` where the CPU has it); else scalar;
 /// integer (8-bit activations) or float.
 fn quantized_kernel<F: Quantized>(isa: Isa, int: bool) -> Kernel {
     #[cfg(target_arch = "x86_64")]
@@ -1045,6 +1046,52 @@ mod tests {
             let mut mixed = vec![0u8; plain.len()];
             super::super::interleave::interleave(&plain, row_bytes, size, &mut mixed);
             interleaved_products_agree(k, n, (&plain, qtype), (&mixed, mixed_type));
+        }
+    }
+
+    /// Q4_K at the bounds its exact sums rely on (`SuperBlock::SPAN_TOTALS`, and `Madd`'s 16-bit pair-sums in the
+    /// interleaved kernel): every code 15, every sub-scale and offset multiplier 63, every activation code +127 or
+    /// -127. Plain rows (the row kernel for one activation row, regrouped beyond) and the interleaved layout agree
+    /// bit for bit, and both give Σ (d·63·15 - dmin·63)·x to float32 rounding.
+    #[test]
+    fn q4_k_at_its_bounds_sums_exactly() {
+        let (n, k) = (16, 512);
+        let mut block = [0xFFu8; 144];
+        block[..4].copy_from_slice(&[0x00, 0x3C, 0x00, 0x38]); // d = 1, dmin = 0.5 (float16)
+        let plain = block.repeat(n * k / 256);
+        let mut mixed = vec![0u8; plain.len()];
+        super::super::interleave::interleave(&plain, k / 256 * 144, 144, &mut mixed);
+        for sign in [1.0f32, -1.0] {
+            for t in [1, 2, 8, 33] {
+                let x = vec![sign; t * k]; // codes of ±127, one scale per span
+                for isa in [Isa::Best, Isa::Avx2].into_iter().filter(|i| i.available()) {
+                    let product = |w: &[u8], qtype: QType| {
+                        let mut out = vec![0f32; t * n];
+                        let m = [Matrix::new(w, qtype, n)];
+                        quantized_matmul(
+                            &x,
+                            t,
+                            k,
+                            Prologue::default(),
+                            &m,
+                            &mut out,
+                            isa,
+                            Activations8::Int8,
+                        )
+                        .unwrap();
+                        out
+                    };
+                    let (want, got) = (product(&plain, QType::Q4K), product(&mixed, QType::Q4KX8));
+                    let exact = sign * (63.0 * 15.0 - 0.5 * 63.0) * k as f32;
+                    for (a, b) in want.iter().zip(&got) {
+                        assert_eq!(a.to_bits(), b.to_bits(), "{isa:?} t={t} sign {sign}");
+                        assert!(
+                            (a - exact).abs() <= 1e-6 * exact.abs(),
+                            "{isa:?} t={t}: {a} vs {exact}"
+                        );
+                    }
+                }
+            }
         }
     }
 

@@ -5,7 +5,7 @@
 //! - `blocks`: block layouts, scale decoding and scalar code decoding per type;
 //! - `q8`: activation quantization;
 //! - `dequant`: encoded rows decoded to float32 (embedding lookups);
-//! - `interleave`: rows interleaved by eight, word by word (the layout resident Q4_1 matrices take);
+//! - `interleave`: rows interleaved by eight, word by word (the layout resident Q4_1 and Q4_K matrices take);
 //! - `rows`: what every row kernel shares (the activations of a call, the row-kernel signature, `MAX_T`);
 //! - `dot`: portable scalar row kernels (integer and float);
 //! - `avx2`: AVX2/FMA row kernels, integer and float (x86-64, selected at run time);

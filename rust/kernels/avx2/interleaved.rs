@@ -1,7 +1,8 @@
 //! The AVX2 integer kernels of rows interleaved by eight (`interleave`: `QType::Q4_1X8`, `QType::Q4KX8`), for
 //! resident matrices: a group of eight weight rows is one linear stream, and every 32-byte load gives the same
 //! word of the eight rows (lane r: row r), so their scales unpack once for the eight and each row's products sum
-//! in its own lane, with nothing reduced across lanes.
+//! in its own lane, with nothing reduced across lanes. Plain Q4_K rows (streamed layers) take the same kernel in
+//! passes of several activation rows, each eight regrouped into the layout on the fly (`q4_k_plain`).
 //!
 //! Each gives the plain rows' kernel its bits. Per block (Q4_1) or span (Q4_K) and weight row, the plain kernel
 //! reduces the products to exact integers, as these do (in another order, which integers do not see); the float
@@ -252,12 +253,12 @@ unsafe fn regroup(rows: &[u8], row_bytes: usize, out: &mut [u8]) {
     );
     let (src, dst) = (rows.as_ptr(), out.as_mut_ptr());
     for at in (0..row_bytes).step_by(16) {
-        if at % 64 == 0 {
-            // Eight streams, which the hardware prefetchers follow poorly (as `int_group_rows`' note says).
-            for r in 0..GROUP_ROWS {
-                prefetch(src.wrapping_add(r * row_bytes + at + ROW_PREFETCH), 64);
-            }
-        }
+        // The eight rows are eight streams, which the hardware prefetchers follow poorly (`int_group_rows`' note):
+        // the next group's bytes (the next eight rows, one run), as fast as this group's are read.
+        prefetch(
+            src.wrapping_add(GROUP_ROWS * (row_bytes + at)),
+            GROUP_ROWS * 16,
+        );
         // SAFETY: bytes at..at + 16 of each of the eight rows, and 128 bytes from 8·at of `out`, are inside.
         unsafe {
             let rows = src.add(at);
@@ -313,9 +314,12 @@ unsafe fn word(block: *const u8, w: usize) -> __m256i {
 }
 
 /// Byte `i` (0..4) of every i32 lane of `v`, zero-extended.
+///
+/// # Safety
+/// The caller runs with AVX2.
 #[inline(always)]
-fn byte_lanes(v: __m256i, i: usize) -> __m256i {
-    // SAFETY (both intrinsics): the callers run with AVX2.
+unsafe fn byte_lanes(v: __m256i, i: usize) -> __m256i {
+    // SAFETY (both intrinsics): guaranteed by the caller.
     unsafe {
         _mm256_and_si256(
             _mm256_srl_epi32(v, _mm_cvtsi32_si128(8 * i as i32)),
@@ -417,7 +421,8 @@ unsafe fn k_tile<D: IntDot, const R: usize>(
                 }
                 for (half, sums) in sums.into_iter().enumerate() {
                     let g = 2 * h + half;
-                    let scale = _mm256_cvtepi32_ps(byte_lanes(sc[g / 4], g % 4));
+                    // SAFETY: the caller runs with D's features, which include AVX2.
+                    let scale = _mm256_cvtepi32_ps(unsafe { byte_lanes(sc[g / 4], g % 4) });
                     for ([even, odd], total) in sums.into_iter().zip(&mut totals) {
                         // SAFETY: the caller runs with D's features.
                         let sum = unsafe {
@@ -442,7 +447,7 @@ unsafe fn k_tile<D: IntDot, const R: usize>(
                 for g in sp * K_SPAN_GROUPS..(sp + 1) * K_SPAN_GROUPS {
                     // mn (low 16 bits, high 16 zero) against Σcodes (|Σ| < 2^15: its low 16 bits, signed).
                     let sum = unsafe { *code_sums.add(r * gs + bi * 8 + g) };
-                    // SAFETY: the caller runs with D's features.
+                    // SAFETY: the caller runs with D's features (AVX2's among them).
                     m = unsafe {
                         D::madd_into(m, _mm256_set1_epi32(sum), byte_lanes(mn[g / 4], g % 4))
                     };
