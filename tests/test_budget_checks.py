@@ -86,3 +86,22 @@ def test_a_limit_on_a_parent_cgroup_binds_the_process(tmp_path, monkeypatch):
     (tmp_path / "unified" / "slice" / "job" / "memory.max").write_text(f"{350 << 20}\n")
     room = memory.ram_room()
     assert room.source == "cgroup v2 /slice/job" and room.available == 150 << 20
+
+
+def test_a_v1_parent_that_does_not_account_its_children_does_not_bind_them(tmp_path, monkeypatch):
+    # cgroup v1: the process sits in /slice/job (no limit); /slice has a 1000 MiB limit. With memory.use_hierarchy 0
+    # (kernels before 5.16) /slice charges none of /slice/job's memory and its limit does not bind it: the room is
+    # the machine's. With 1 the limit binds, as in v2.
+    for group, limit, usage in (("slice", 1000 << 20, 900 << 20), ("slice/job", 1 << 62, 300 << 20)):
+        (tmp_path / "memory" / group).mkdir(parents=True)
+        (tmp_path / "memory" / group / "memory.limit_in_bytes").write_text(f"{limit}\n")
+        (tmp_path / "memory" / group / "memory.usage_in_bytes").write_text(f"{usage}\n")
+        (tmp_path / "memory" / group / "memory.stat").write_text("total_inactive_file 0\ntotal_active_file 0\n")
+    _fake_system(tmp_path, monkeypatch, "4:memory:/slice/job", {"/sys/fs/cgroup/memory": "memory"},
+                 "Pss_File: 0 kB\n")
+    (tmp_path / "memory" / "slice" / "memory.use_hierarchy").write_text("0\n")
+    room = memory.ram_room()
+    assert room.source == "MemAvailable" and room.available == 16 << 30
+    (tmp_path / "memory" / "slice" / "memory.use_hierarchy").write_text("1\n")
+    room = memory.ram_room()
+    assert room.source == "cgroup v1 /slice" and room.available == 100 << 20

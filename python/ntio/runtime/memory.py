@@ -70,7 +70,8 @@ def _mem_available() -> int:
 def _cgroup_limits() -> list[tuple[str, int, int, int]]:
     """(source, limit, usage, file pages on the LRU lists) of each memory cgroup that has a limit and holds this
     process: its own and every ancestor's (a limit set on a parent, as a systemd slice or a container runtime does,
-    binds this process too, and the parent's usage counts its siblings' memory)."""
+    binds this process too, and the parent's usage counts its siblings' memory), up to a v1 ancestor that does not
+    account its children (`_v1_counts_children`)."""
     found = []
     for line in Path("/proc/self/cgroup").read_text().splitlines():
         _, controllers, group = line.split(":", 2)
@@ -86,6 +87,8 @@ def _cgroup_limits() -> list[tuple[str, int, int, int]]:
         own = PurePosixPath(group)
         for cgroup in (own, *own.parents):
             base = root / str(cgroup).lstrip("/")
+            if version == "v1" and cgroup != own and not _v1_counts_children(base):
+                break  # neither this ancestor's limit nor any above it sees this process's memory
             try:
                 limit = (base / limit_file).read_text().strip()
                 if limit == "max" or int(limit) >= 1 << 60:  # v1 writes "no limit" as a huge number
@@ -96,6 +99,16 @@ def _cgroup_limits() -> list[tuple[str, int, int, int]]:
             except (OSError, ValueError):
                 pass  # no memory controller mounted for this hierarchy, or a root without limit files
     return found
+
+
+def _v1_counts_children(cgroup: Path) -> bool:
+    """Whether a v1 memory cgroup charges its children's memory to itself (`memory.use_hierarchy` 1), so that its
+    limit binds them: with 0 (possible before Linux 5.16, which made hierarchy the only mode) a parent's limit and
+    usage leave its children out. Unreadable: as the newer kernels do."""
+    try:
+        return (cgroup / "memory.use_hierarchy").read_text().strip() != "0"
+    except OSError:
+        return True
 
 
 def _memory_stat(cgroup: Path) -> dict[str, int]:
