@@ -614,8 +614,8 @@ def speculative_ids(
         accepted = set(branch)
         # The pass's own figures from the loader (whose last record is this forward: the tree is one chunk).
         figures = engine.layers.stats.last()
-        drafters.length.observe(len(tree), t2 - t1, verdicts(tree, branch), drafted, figures.get("io_wait_s", 0.0),
-                                figures.get("io_busy_s", 0.0))
+        drafters.length.observe(len(tree), t2 - t1, verdicts(tree, branch), drafted, figures.io_wait_s,
+                                figures.io_busy_s)
         stats.draft_s += t1 - t0
         stats.verify_s += t2 - t1
         stats.passes += 1

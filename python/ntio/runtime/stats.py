@@ -7,7 +7,7 @@ overlap_ratio = 1 - (time the compute thread waited for reads) / (time any read 
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 
 
 @dataclass
@@ -56,8 +56,9 @@ class StreamStats:
             "bytes_read_per_layer": _per_layer_totals(fs),
         }
 
-    def last(self) -> dict:
-        return asdict(self.forwards[-1]) if self.forwards else {}
+    def last(self) -> ForwardStats:
+        """The last forward's figures (zeros before the first), as recorded: no copy per step."""
+        return self.forwards[-1] if self.forwards else ForwardStats()
 
 
 def _per_layer_totals(forwards: list[ForwardStats]) -> dict[int, int]:

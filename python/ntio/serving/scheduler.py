@@ -290,7 +290,7 @@ class Scheduler:
         self.llm.stats.reset()  # a server runs for days: keep the step's figures here, not a list of every step
         self.metrics.steps += 1
         n_rows = sum(s.tokens.shape[0] for s in segments)
-        self.pass_cost.observe(n_rows, elapsed, figures.get("io_wait_s", 0.0), figures.get("io_busy_s", 0.0))
+        self.pass_cost.observe(n_rows, elapsed, figures.io_wait_s, figures.io_busy_s)
         decoded = 0
         for (slot, seq, tree), out in zip(batch, logits):
             if tree is None:  # a prompt chunk: the last one's logits give the first token
@@ -305,7 +305,7 @@ class Scheduler:
         if decoding:
             self.metrics.decode_s += time.perf_counter() - started  # drafting included
             self.metrics.decoded_in_steps += decoded
-            self.metrics.decode_bytes_read += figures.get("bytes_read", 0)
+            self.metrics.decode_bytes_read += figures.bytes_read
 
     def _drafts(self, decoding: list[_Sequence], spare: int) -> list[DraftTree]:
         """The tree each decoding sequence brings to the pass: its last token and what was drafted for it, within the
