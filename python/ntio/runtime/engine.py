@@ -157,12 +157,16 @@ class Engine:
                             raise NtioError(f"the load policy skipped layer {layer}: batched passes run every layer")
                         h = self._batched_layer(h, layer, w, segments, tables)
                 wanted = [range(end - n if s.all_logits else end - 1, end) for s, n, end in zip(segments, rows, ends)]
-                logits = self._logits(h[[i for r in wanted for i in r]])  # [rows wanted, V]
+                picked = [i for r in wanted for i in r]
+                # Every row wanted (decode steps: one token per sequence): no gather.
+                logits = self._logits(h if len(picked) == ends[-1] else h[picked])  # [rows wanted, V]
             finally:
                 self.layers.end_forward()
         for s in segments:
             ids = s.tokens.tolist()
             s.kv.commit(s.start_pos, ids if s.parents is None else ids[:1])
+        if not any(s.all_logits for s in segments):
+            return list(logits.unbind())  # one row each: views, without split's sizes
         parts = logits.split([len(r) for r in wanted])
         return [part if s.all_logits else part[0] for s, part in zip(segments, parts)]
 
@@ -242,7 +246,8 @@ class Engine:
 
     def _batch_inputs(self, segments: Sequence[Segment]) -> tuple[torch.Tensor, list[tuple]]:
         """The segments' token embeddings [ΣT, D] and each one's (RoPE tables, mask) for `_batched_layer`."""
-        h = ops.embedding(torch.cat([s.tokens for s in segments]), self.globals.token_embd)
+        tokens = segments[0].tokens if len(segments) == 1 else torch.cat([s.tokens for s in segments])
+        h = ops.embedding(tokens, self.globals.token_embd)
         tables = []
         for s in segments:
             n = s.tokens.shape[0]
