@@ -15,4 +15,8 @@ wait "$rust_tests"
 PYO3_PYTHON="$PWD/.venv/bin/python" cargo test --release --quiet
 bash scripts/test_aarch64.sh --if-available
 bash scripts/wheel_smoke.sh
-.venv/bin/python -m pytest -q
+# One pytest worker per CPU, at most four (each holds its own models; a transformers oracle takes up to 6 GB), each
+# computing on one thread (tests/conftest.py); a module's tests stay in one worker, which builds its fixtures once.
+workers=$(nproc)
+(( workers > 4 )) && workers=4
+.venv/bin/python -m pytest -q -n "$workers" --dist loadfile

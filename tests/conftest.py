@@ -2,13 +2,26 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
+import torch
 
 from ntio.fetch import fetch_default_model, fetch_model
+from ntio.kernels import cpu_kernels
 
 ROOT = Path(__file__).resolve().parent.parent
+
+
+def pytest_configure(config):
+    """Under pytest-xdist (scripts/test.sh runs one worker per CPU), each worker computes on one thread: two workers of
+    two threads each on two CPUs would make every thread wait for a preempted sibling. The CLI commands the tests
+    run as subprocesses inherit OMP_NUM_THREADS (torch's threads); their kernels still use every CPU."""
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        os.environ["OMP_NUM_THREADS"] = "1"
+        torch.set_num_threads(1)
+        cpu_kernels.set_threads(1)
 
 
 @pytest.fixture(scope="session")

@@ -54,26 +54,30 @@ def test_interleaved_engines_equal_each_alone(smollm2_path, tmp_path):
 
 @torch.inference_mode()
 def test_engine_threads_are_its_own_and_restored(smollm2_path):
-    before = torch.get_num_threads()
-    if before < 2 or cpu_kernels.threads() < 2:
-        pytest.skip("needs a process with 2 or more threads to tell an engine's own count apart")
-    m = ntio.load(smollm2_path, max_context=256, threads=1)
-    ids = m.encode_prompt(PROMPT * 5)
-    kernel_before = cpu_kernels.threads()
-    seen = []
-    real = ops.normed_linear
-
-    def spy(*args):  # the output head's product, inside the step
-        seen.append((torch.get_num_threads(), cpu_kernels.threads()))
-        return real(*args)
-
-    ops.normed_linear = spy
+    """An engine of one thread in a process of two (set here: a pytest-xdist worker computes on one)."""
+    process = torch.get_num_threads()
+    torch.set_num_threads(2)
     try:
-        m.engine.forward(torch.tensor(ids), 0)
+        with cpu_kernels.using_threads(2):
+            m = ntio.load(smollm2_path, max_context=256, threads=1)
+            ids = m.encode_prompt(PROMPT * 5)
+            seen = []
+            real = ops.normed_linear
+
+            def spy(*args):  # the output head's product, inside the step
+                seen.append((torch.get_num_threads(), cpu_kernels.threads()))
+                return real(*args)
+
+            ops.normed_linear = spy
+            try:
+                m.engine.forward(torch.tensor(ids), 0)
+            finally:
+                ops.normed_linear = real
+            m.close()
+            assert set(seen) == {(1, 1)}
+            assert torch.get_num_threads() == 2 and cpu_kernels.threads() == 2
     finally:
-        ops.normed_linear = real
-    assert set(seen) == {(1, 1)}
-    assert torch.get_num_threads() == before and cpu_kernels.threads() == kernel_before
+        torch.set_num_threads(process)
 
 
 def test_companion_of_the_same_vocabulary_shares_the_tokenizer(smollm2_path):
