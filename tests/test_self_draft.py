@@ -14,7 +14,7 @@ from click.testing import CliRunner
 import ntio
 from ntio.cli import main
 from ntio.decoding.self_draft import Calibration, SelfDraft, fingerprint
-from ntio.errors import ModelFormatError, OptionError
+from ntio.errors import ModelFormatError, NtioError, OptionError
 from ntio.policies.depth_profile import LayerRecorder, calibrate_depth
 from ntio.text.answers import PROMPTS as BUILT_IN, model_answers
 
@@ -100,6 +100,24 @@ def test_cli_calibrates_and_drafts(smollm2_path, tmp_path):
     assert result.exit_code == 1 and "--layers" in result.output and "\n" not in result.output.strip()
 
 
+def test_answers_in_shared_passes_are_generates_in_the_prompts_order(smollm2_path):
+    """`model_answers` answers up to eight prompts at once in shared passes (the serving scheduler): the text is each
+    prompt and `generate`'s greedy answer to it, in order, and stops at the first answer that brings it to `enough`
+    tokens, however the answers finished."""
+    m = ntio.load(smollm2_path, max_context=4 * 288)  # four slots of 288 positions: 32 answer tokens each
+    prompts = [*PROMPTS, "Name three colours.", "", "What is two plus two?", "Say hello in French."]
+    solo = [f"{p}\n\n{m.generate(p, 32, chat=True).text.strip()}\n\n" for p in prompts if p]
+    seen = []
+    assert model_answers(m, prompts, 32, 10**6, on_progress=lambda *a: seen.append(a)) == "".join(solo)
+    assert seen == [(k, len(solo)) for k in range(1, len(solo) + 1)]
+    first_two = sum(len(m.tokenizer.encode(part, add_bos=False)) for part in solo[:2])
+    assert model_answers(m, prompts, 32, first_two) == "".join(solo[:2])
+    with pytest.raises(NtioError, match=r"^prompt 2: the prompt has \d+ tokens, and each of the 4 prompts answered at "
+                                        r"once has 288 positions of the context \(raise --ctx-size\)$"):
+        model_answers(m, ["Hi.", "word " * 300], 32, 10**6)
+    m.close()
+
+
 @pytest.fixture(scope="module")
 def own_answers(smollm2_path) -> tuple[str, str]:
     """SmolLM2's greedy answers: 4,096 tokens of them to ntio's built-in calibration prompts (the text `ntio
@@ -111,32 +129,38 @@ def own_answers(smollm2_path) -> tuple[str, str]:
         m.close()
 
 
+@pytest.fixture(scope="module")
+def answer_heads(smollm2_path, own_answers, tmp_path_factory) -> dict[int, Path]:
+    """Exit heads after layers 22 and 26 fitted on the model's 4,096 answer tokens: by ridge regression alone (0) and
+    then distilled for one epoch (1), `ntio calibrate`'s default."""
+    fitted, _ = own_answers
+    m = ntio.load(smollm2_path)
+    paths = {epochs: tmp_path_factory.mktemp("answers") / f"{epochs}.exit" for epochs in (0, 1)}
+    for epochs, path in paths.items():
+        calibrate_depth(m, fitted, [22, 26], n_tokens=4096, distill_epochs=epochs).save(path)
+    m.close()
+    return paths
+
+
 def test_heads_fitted_on_the_models_own_answers_follow_it_closer_than_heads_fitted_on_sources(
-        smollm2_path, own_answers, calibration_file, tmp_path):
+        smollm2_path, own_answers, answer_heads, calibration_file):
     """Ridge heads fitted on what the model writes against heads fitted on this repository's sources
     (`calibration_file`, as many tokens), on the model's answers to PROMPTS. Measured at layers 22 / 26: the exit's
     next token is the model's 0.498 / 0.751 of the time against 0.393 / 0.659; KL(model's || exit's) 2.38 / 0.61
     against 2.94 / 0.85."""
-    fitted, held_out = own_answers
-    m = ntio.load(smollm2_path)
-    calibrate_depth(m, fitted, [22, 26], n_tokens=4096).save(tmp_path / "answers.exit")
-    m.close()
+    _, held_out = own_answers
     for layer in (22, 26):
-        own, sources = (_exit_against_model(smollm2_path, c, layer, held_out)
-                        for c in (tmp_path / "answers.exit", calibration_file))
+        own, sources = (_exit_against_model(smollm2_path, heads, layer, held_out)
+                        for heads in (answer_heads[0], calibration_file))
         assert own[0] > sources[0] + 0.05 and own[1] < 0.9 * sources[1], (layer, own, sources)
 
 
-def test_distilled_heads_follow_the_model_closer_than_their_ridge_fit(smollm2_path, own_answers, tmp_path):
+def test_distilled_heads_follow_the_model_closer_than_their_ridge_fit(smollm2_path, own_answers, answer_heads):
     """One epoch of distillation (`ntio calibrate`'s default) after the ridge fit, on the model's answers; measured
     on its answers to PROMPTS, layers 22 + 26: KL(model's || exit's) 2.38 + 0.61 -> 2.22 + 0.58 (0.94x), the exit's
     next token the model's 0.498 / 0.751 -> 0.520 / 0.761 of the time."""
-    fitted, held_out = own_answers
-    m = ntio.load(smollm2_path)
-    for epochs in (0, 1):
-        calibrate_depth(m, fitted, [22, 26], n_tokens=4096, distill_epochs=epochs).save(tmp_path / f"{epochs}.exit")
-    m.close()
-    ridge, distilled = (sum(_exit_against_model(smollm2_path, tmp_path / f"{e}.exit", layer, held_out)[1]
+    _, held_out = own_answers
+    ridge, distilled = (sum(_exit_against_model(smollm2_path, answer_heads[e], layer, held_out)[1]
                             for layer in (22, 26)) for e in (0, 1))
     assert distilled < 0.97 * ridge, (distilled, ridge)
 

@@ -435,13 +435,14 @@ def calibrate(corpus, prompts, answer_tokens, output, layers, skip_after, tokens
     distribution) and measure the adaptive-depth profile (for `--adaptive FILE`: entropy targets and proxies of early
     exit, the layer-skip predictor) on the text's last 40%. The text is CORPUS, or else the model's own greedy answers
     to PROMPTS (default: a built-in set), which is what a self-draft must predict: on SmolLM2 such heads draft more
-    tokens a pass on prose than heads fitted on ntio's sources."""
+    tokens a pass on prose than heads fitted on ntio's sources. Eight prompts are answered at once, in shared passes
+    (a --ctx-size below eight prompts and answers answers fewer at once)."""
     from rich.console import Console
     from rich.progress import Progress
 
     from ntio.policies.depth_profile import DepthProfile, calibrate_depth, check_calibration
     from ntio.policies.layer_skip import SkipSetting
-    from ntio.text.answers import PROMPT_ROOM, PROMPTS, model_answers
+    from ntio.text.answers import ANSWER_SLOTS, PROMPT_ROOM, PROMPTS, model_answers
 
     if corpus is not None and (prompts is not None or answer_tokens is not None):
         raise OptionError("prompts" if prompts is not None else "answer_tokens",
@@ -457,8 +458,10 @@ def calibrate(corpus, prompts, answer_tokens, output, layers, skip_after, tokens
         questions = PROMPTS
     answer_tokens = answer_tokens or DEFAULT_ANSWER_TOKENS
     opts = _split(opts)
-    # The context holds the calibration windows and, when the model answers prompts, a prompt and its answer.
-    opts["ctx_size"] = opts["ctx_size"] or (ctx if text is not None else max(ctx, PROMPT_ROOM + answer_tokens))
+    # The context holds the calibration windows and, when the model answers prompts, ANSWER_SLOTS prompts and their
+    # answers at once (a smaller --ctx-size answers fewer at once).
+    opts["ctx_size"] = opts["ctx_size"] or (ctx if text is not None
+                                            else max(ctx, ANSWER_SLOTS * (PROMPT_ROOM + answer_tokens)))
     m = _load(**opts)
     n_layers = m.config.n_layers
     try:

@@ -13,12 +13,14 @@ heads were not fitted on.
 
 from __future__ import annotations
 
+import queue
 from collections.abc import Callable, Sequence
 
 from ntio.errors import NtioError
 
 DEFAULT_ANSWER_TOKENS = 256  # the longest answer to a prompt
 PROMPT_ROOM = 256  # context positions kept for a chat-templated prompt beside its answer
+ANSWER_SLOTS = 8  # prompts answered at once, sharing each pass over the weights
 
 _TOPICS = [
     "rivers", "volcanoes", "the moon's phases", "photosynthesis", "how a bicycle works", "why bread rises",
@@ -67,28 +69,73 @@ PROMPTS = [p for i, task in enumerate(_TASKS) for p in (*_ASKED[i * len(_ASKED) 
 def model_answers(llm, prompts: Sequence[str], max_tokens: int, enough: int,
                   on_progress: Callable[[int, int], None] | None = None, source: str = "prompt") -> str:
     """Each prompt followed by the model's greedy answer (through its chat template where it has one; a model
-    without one continues the prompt), separated by blank lines, until the text holds about `enough` tokens (each
-    part counted alone) or the prompts run out. Empty prompts are skipped. max_tokens: the longest answer, less
-    where the context would overflow; a prompt that leaves no room is an error naming it (`source`, then its
-    1-based index among `prompts`: "FILE, line 3")."""
+    without one continues the prompt), separated by blank lines, in the prompts' order, until the text holds about
+    `enough` tokens (each part counted alone) or the prompts run out. Empty prompts are skipped.
+
+    Up to ANSWER_SLOTS prompts are answered at once, in shared passes (`serving.Scheduler`): each answer is the one
+    `LLM.generate` gives (prompts of up to ops.KERNEL_ROWS tokens; see the scheduler), and a pass over the weights
+    serves them all. No more are asked than the text may still need. The context (`llm.engine.kv.capacity`) is split among them, a slot of at least PROMPT_ROOM +
+    max_tokens positions each. max_tokens: the longest answer, less where a slot would overflow; a prompt that
+    leaves no room is an error naming it (`source`, then its 1-based index among `prompts`: "FILE, line 3"),
+    raised before any answer."""
+    from ntio.decoding.generation import SamplingParams
+    from ntio.serving.scheduler import Request, Scheduler
+
     chat = bool(llm.tokenizer.chat_template)
     capacity = llm.engine.kv.capacity
-    numbered = [(i, p.strip()) for i, p in enumerate(prompts, 1) if p.strip()]
-    if not numbered:
-        raise NtioError("no prompts to answer (every one is empty)")
-    parts: list[str] = []
-    tokens = 0
-    for done, (line, prompt) in enumerate(numbered, 1):
+    parallel = max(1, min(ANSWER_SLOTS, capacity // (PROMPT_ROOM + max_tokens)))
+    slot_context = capacity // parallel
+    asked = []  # (prompt, its ids, its answer's longest length, its line)
+    for line, prompt in ((i, p.strip()) for i, p in enumerate(prompts, 1)):
+        if not prompt:
+            continue
         ids = llm.encode_prompt(prompt, chat=chat)
-        room = min(max_tokens, capacity - len(ids) - 1)
+        room = min(max_tokens, slot_context - len(ids) - 1)
         if room < 1:
-            raise NtioError(f"{source} {line}: the prompt has {len(ids)} tokens, and the context holds {capacity} "
-                            f"(raise --ctx-size)")
-        answer = llm.generate(ids, room)
-        parts.append(f"{prompt}\n\n{answer.text.strip()}\n\n")
-        tokens += len(llm.tokenizer.encode(parts[-1], add_bos=False))
-        if on_progress is not None:
-            on_progress(done, len(numbered))
-        if tokens >= enough:
-            break
-    return "".join(parts)
+            raise NtioError(f"{source} {line}: the prompt has {len(ids)} tokens, and each of the {parallel} prompts "
+                            f"answered at once has {slot_context} positions of the context (raise --ctx-size)")
+        asked.append((prompt, ids, room, line))
+    if not asked:
+        raise NtioError("no prompts to answer (every one is empty)")
+
+    events: queue.Queue = queue.Queue()  # (index, event...) from the engine thread
+    scheduler = Scheduler(llm, parallel, max_queue=parallel, slot_context=slot_context)
+    requests: list[Request] = []
+
+    def ask(index: int) -> None:
+        _, ids, room, _ = asked[index]
+        requests.append(Request(ids, room, SamplingParams(), (), lambda *event: events.put((index, *event))))
+        scheduler.submit(requests[-1])
+
+    scheduler.start()
+    try:
+        pieces: dict[int, list[str]] = {index: [] for index in range(len(asked))}  # each answer's text so far
+        parts: dict[int, str] = {}  # the finished answers' parts of the text, by prompt
+        sizes: dict[int, int] = {}  # and their tokens
+        joined = tokens = 0  # the parts that make the text, in order, and their tokens
+        while joined < len(asked) and tokens < enough:
+            # More prompts while the finished answers and those in flight, each as long as it may grow (its prompt and
+            # the longest answer), fall short of `enough`: at most the slots' worth, and as many waiting for one. (At
+            # the mean size so far, the short answers, which finish first, made it ask for answers never used.)
+            while (len(requests) < len(asked) and len(requests) - len(parts) < 2 * parallel
+                   and sum(sizes.values()) + sum(len(asked[i][1]) + asked[i][2] for i in range(len(requests))
+                                                 if i not in parts) < enough):
+                ask(len(requests))
+            index, kind, *rest = events.get()
+            if kind == "error":
+                raise NtioError(f"answering {source} {asked[index][3]}: {rest[0]}")
+            if kind == "text":
+                pieces[index].append(rest[0])
+                continue
+            parts[index] = f"{asked[index][0]}\n\n{''.join(pieces.pop(index)).strip()}\n\n"
+            sizes[index] = len(llm.tokenizer.encode(parts[index], add_bos=False))
+            while joined in parts and tokens < enough:  # the answers finished in order join the text
+                tokens += sizes[joined]
+                joined += 1
+                if on_progress is not None:
+                    on_progress(joined, len(asked))
+    finally:
+        for request in requests:  # answers no longer needed
+            request.cancelled.set()
+        scheduler.shutdown()
+    return "".join(parts[index] for index in range(joined))
