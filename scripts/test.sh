@@ -15,8 +15,12 @@ wait "$rust_tests"
 PYO3_PYTHON="$PWD/.venv/bin/python" cargo test --release --quiet
 bash scripts/test_aarch64.sh --if-available
 bash scripts/wheel_smoke.sh
-# One pytest worker per CPU, at most four (each holds its own models; a transformers oracle takes up to 6 GB), each
-# computing on one thread (tests/conftest.py); a module's tests stay in one worker, which builds its fixtures once.
+# One pytest worker per CPU, at most four and one per 6 GiB of RAM (each holds its own models; the Qwen 1.5B oracle
+# in transformers takes ~6 GB), each computing on one thread (tests/conftest.py); a module's tests stay in one worker,
+# which builds its fixtures once.
 workers=$(nproc)
+by_memory=$(( $(awk '/^MemTotal:/ {print $2}' /proc/meminfo) / (6 << 20) ))
+(( workers > by_memory )) && workers=$by_memory
 (( workers > 4 )) && workers=4
+(( workers < 1 )) && workers=1
 .venv/bin/python -m pytest -q -n "$workers" --dist loadfile
