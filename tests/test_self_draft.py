@@ -101,11 +101,12 @@ def test_cli_calibrates_and_drafts(smollm2_path, tmp_path):
 
 
 def test_answers_in_shared_passes_are_generates_in_the_prompts_order(smollm2_path):
-    """`model_answers` answers up to eight prompts at once in shared passes (the serving scheduler): the text is each
-    prompt and `generate`'s greedy answer to it, in order, and stops at the first answer that brings it to `enough`
-    tokens, however the answers finished."""
+    """`model_answers` answers up to eight prompts at once in shared passes (the serving scheduler; here four, with
+    as many waiting): the text is each prompt and `generate`'s greedy answer to it, in order, and stops at the first
+    answer that brings it to `enough` tokens, however the answers finished."""
     m = ntio.load(smollm2_path, max_context=4 * 288)  # four slots of 288 positions: 32 answer tokens each
-    prompts = [*PROMPTS, "Name three colours.", "", "What is two plus two?", "Say hello in French."]
+    prompts = [*PROMPTS, "Name three colours.", "", "What is two plus two?", "Say hello in French.",
+               "Give a synonym of happy.", "Count to five.", "What do bees make?", "Name a large ocean."]
     solo = [f"{p}\n\n{m.generate(p, 32, chat=True).text.strip()}\n\n" for p in prompts if p]
     seen = []
     assert model_answers(m, prompts, 32, 10**6, on_progress=lambda *a: seen.append(a)) == "".join(solo)

@@ -74,10 +74,10 @@ def model_answers(llm, prompts: Sequence[str], max_tokens: int, enough: int,
 
     Up to ANSWER_SLOTS prompts are answered at once, in shared passes (`serving.Scheduler`): each answer is the one
     `LLM.generate` gives (prompts of up to ops.KERNEL_ROWS tokens; see the scheduler), and a pass over the weights
-    serves them all. No more are asked than the text may still need. The context (`llm.engine.kv.capacity`) is split among them, a slot of at least PROMPT_ROOM +
-    max_tokens positions each. max_tokens: the longest answer, less where a slot would overflow; a prompt that
-    leaves no room is an error naming it (`source`, then its 1-based index among `prompts`: "FILE, line 3"),
-    raised before any answer."""
+    serves them all; no more are asked than the text may still need. The context (`llm.engine.kv.capacity`) is
+    split among them, a slot of at least PROMPT_ROOM + max_tokens positions each. max_tokens: the longest answer,
+    less where a slot would overflow; a prompt that leaves no room is an error naming it (`source`, then its 1-based
+    index among `prompts`: "FILE, line 3"), raised before any answer."""
     from ntio.decoding.generation import SamplingParams
     from ntio.serving.scheduler import Request, Scheduler
 
@@ -99,13 +99,16 @@ def model_answers(llm, prompts: Sequence[str], max_tokens: int, enough: int,
         raise NtioError("no prompts to answer (every one is empty)")
 
     events: queue.Queue = queue.Queue()  # (index, event...) from the engine thread
-    scheduler = Scheduler(llm, parallel, max_queue=parallel, slot_context=slot_context)
+    # A queue that holds every prompt: the loop below bounds what waits. (A bound of its own could refuse one just
+    # after an answer's "done", before the scheduler frees that answer's slot.)
+    scheduler = Scheduler(llm, parallel, max_queue=len(asked), slot_context=slot_context)
     requests: list[Request] = []
 
     def ask(index: int) -> None:
         _, ids, room, _ = asked[index]
         requests.append(Request(ids, room, SamplingParams(), (), lambda *event: events.put((index, *event))))
-        scheduler.submit(requests[-1])
+        if not scheduler.submit(requests[-1]):
+            raise RuntimeError("the scheduler refused a calibration prompt")  # its queue holds them all
 
     scheduler.start()
     try:
