@@ -109,3 +109,20 @@ def test_positions_a_layer_skipped_are_masked_out_of_its_attention(smollm2_path)
         kv.crop(2)
         assert bool(kv.skipped[3, :2].all()) and not bool(kv.skipped[:, 2:].any())  # marks go with their positions
     assert torch.equal(results[0], results[1])
+
+
+@torch.inference_mode()
+def test_a_partition_is_pieces_of_the_caches_memory_that_do_not_overlap(model):
+    """A server's slots: caches over the engine cache's own K/V memory, each contiguous, none overlapping another;
+    the engine's cache forgets what it held, and asking for more positions than it has is refused."""
+    kv = model.engine.kv
+    model.engine.forward(torch.tensor(model.encode_prompt(PROMPT)), 0)
+    pieces = kv.partition(3, 40)
+    assert kv.length == 0 and [p.capacity for p in pieces] == [40] * 3
+    for whole, part in ((kv.k, lambda p: p.k), (kv.v, lambda p: p.v)):
+        spans = sorted((part(p).data_ptr(), part(p).data_ptr() + part(p).nbytes) for p in pieces)
+        assert all(part(p).is_contiguous() for p in pieces)
+        assert whole.data_ptr() <= spans[0][0] and spans[-1][1] <= whole.data_ptr() + whole.nbytes
+        assert all(end <= start for (_, end), (start, _) in zip(spans, spans[1:]))
+    with pytest.raises(ValueError, match="do not fit"):
+        kv.partition(3, 43)

@@ -306,6 +306,29 @@ def _assert_solo(m, events: list, ids: list[int]) -> None:
     assert rest[1]["completion_tokens"] == len(ids)
 
 
+def test_the_slots_are_the_engines_cache_and_generate_after_them_recomputes(smollm2_path):
+    """The slots' K/V are views of the engine's own cache (the KV memory is allocated once, as the plan counts it),
+    and the engine's cache forgets what it held when they take it over: `generate` after the scheduler wrote over its
+    positions gives the answer it gave before, where a reused prefix would have read the slots' K/V."""
+    from ntio.decoding.generation import SamplingParams
+
+    with ntio.load(smollm2_path, max_context=512) as m:
+        prompt = m.encode_prompt("What is the capital of France?", chat=True)
+        before = m.generate(prompt, max_new_tokens=16, temperature=0.0).token_ids
+        kv = m.engine.kv
+
+        def shares_the_engines_cache(scheduler) -> None:
+            for i, slot in enumerate(scheduler.slots):  # the first and second half of the engine's K and V
+                assert slot.capacity == 256 and slot.k.is_contiguous() and slot.v.is_contiguous()
+                assert slot.k.data_ptr() == kv.k.data_ptr() + i * kv.k.nbytes // 2
+                assert slot.v.data_ptr() == kv.v.data_ptr() + i * kv.v.nbytes // 2
+
+        others = [m.encode_prompt(f"Repeat exactly: {t}", chat=True) for t in REPEAT[:2]]
+        events, _ = _scheduled(m, others, [SamplingParams()] * 2, prepare=shares_the_engines_cache)
+        assert all(got[-1][0] == "done" for got in events)
+        assert m.generate(prompt, max_new_tokens=16, temperature=0.0).token_ids == before
+
+
 def test_lookup_drafts_are_verified_in_the_shared_pass(smollm2_path):
     """The scheduler itself with prompt lookup, 3 requests at once, drafts forced (priced, a resident SmolLM2's rows
     cost about what the tokens they may settle save, so whether they are drafted turns on timing noise): answers

@@ -1,6 +1,8 @@
 """The KV cache, and what it holds: the token id at each position and, per layer, which positions it computed.
 
 k, v: [n_layers, Hkv, capacity, hd], preallocated with torch.empty (on CPU, pages are committed only when written).
+`partition(n, c)` lends that memory out as n caches of c positions (a server's slots), so that the KV memory the plan
+counted once is allocated once, also on a GPU, where an allocation is committed at once.
 `ids` are the tokens whose K/V the cache holds (positions 0 .. length-1); `crop(n)` forgets everything from
 position n on (speculative rollback), `keep_branch` keeps one branch of a verified token tree, and
 `reusable_prefix(ids)` says how many leading positions a new prompt can keep, by comparing token ids. A layer
@@ -18,17 +20,35 @@ from ntio.models.config import ModelConfig
 
 
 class KVCache:
-    def __init__(self, cfg: ModelConfig, capacity: int, dtype: torch.dtype, device: torch.device | str) -> None:
+    def __init__(self, cfg: ModelConfig, capacity: int, dtype: torch.dtype, device: torch.device | str,
+                 memory: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+        """memory: the K and V tensors [n_layers, Hkv, capacity, hd] to use (views of another cache's), instead of
+        new ones."""
         shape = (cfg.n_layers, cfg.n_kv_heads, capacity, cfg.head_dim)
-        self.k = torch.empty(shape, dtype=dtype, device=device)
-        self.v = torch.empty(shape, dtype=dtype, device=device)
-        self.capacity = capacity
+        if memory is None:
+            memory = torch.empty(shape, dtype=dtype, device=device), torch.empty(shape, dtype=dtype, device=device)
+        self.k, self.v = memory
+        self.cfg, self.capacity = cfg, capacity
         self.ids: list[int] = []
         # Positions each layer holds K/V (or a skip mark) for: equal to `length` after a complete forward, and
         # ahead of it for the first layers when a forward stopped part-way (an I/O error): those are not trusted.
         self.layer_length = [0] * cfg.n_layers
         self.skipped = torch.zeros((cfg.n_layers, capacity), dtype=torch.bool, device=device)
         self._n_skipped = [0] * cfg.n_layers  # skipped positions below layer_length, per layer (avoids a tensor op)
+
+    def partition(self, parts: int, capacity: int) -> list[KVCache]:
+        """`parts` caches of `capacity` positions each, whose K/V lie in this cache's memory: consecutive pieces of it,
+        each contiguous in its own shape (the attention kernels take a layer's [Hkv, capacity, hd] as one block), so
+        not this cache's positions. This cache forgets what it held; it must not run a forward while they are in use."""
+        if parts * capacity > self.capacity:
+            raise ValueError(f"{parts} caches of {capacity} positions do not fit in a cache of {self.capacity}")
+        self.crop(0)
+        shape = (self.cfg.n_layers, self.cfg.n_kv_heads, capacity, self.cfg.head_dim)
+        size = shape[0] * shape[1] * shape[2] * shape[3]
+        k, v = self.k.view(-1), self.v.view(-1)
+        return [KVCache(self.cfg, capacity, self.k.dtype, self.k.device,
+                        memory=(k[i * size : (i + 1) * size].view(shape), v[i * size : (i + 1) * size].view(shape)))
+                for i in range(parts)]
 
     @property
     def length(self) -> int:

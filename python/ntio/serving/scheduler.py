@@ -23,10 +23,10 @@ sequence waits for: it is paid only where the tokens the request is expected to 
 it back at the rate drafting saves. Greedy answers stay token for token those of plain decoding; sampled ones keep the
 model's distribution. A request sampled with a seed gets no drafts, so that its seed keeps giving the same draws.
 
-Sequences live in slots, each with its own KV cache of `slot_context` positions. A request joins between steps, in
-the free slot whose cached tokens share the longest prefix with its prompt (that prefix is not recomputed), and
-leaves when it finishes or its client goes away. Past `parallel` active and `max_queue` waiting requests,
-`submit` refuses.
+Sequences live in slots, each with its own KV cache of `slot_context` positions, a part of the engine's own cache
+(which the scheduler takes over). A request joins between steps, in the free slot whose cached tokens share the
+longest prefix with its prompt (that prefix is not recomputed), and leaves when it finishes or its client goes away.
+Past `parallel` active and `max_queue` waiting requests, `submit` refuses.
 
 A step's rows never exceed the CPU kernels' rows (`ops.KERNEL_ROWS`), where every row is computed as it is in a pass
 of its own: a greedy request gets the tokens `LLM.generate` gives it, for prompts that `generate` also prefills
@@ -145,8 +145,8 @@ class Scheduler:
         # record decays towards it within a few passes).
         self.acceptance = Acceptance()
         self._stop_strings = StopStrings
-        kv = self.engine.kv
-        self.slots = [KVCache(llm.config, slot_context, kv.k.dtype, kv.k.device) for _ in range(parallel)]
+        # The slots' K/V are the engine's own cache, cut in `parallel` (the memory the plan counted for it).
+        self.slots = self.engine.kv.partition(parallel, slot_context)
         # The drafting model's batched pass (segments -> each one's next-token logits), its source name and its cache
         # per slot: a draft model's engine over caches of its own, or a self-draft (the model's own first layers and
         # an exit head) over the slots' caches, which hold those layers' K/V of every history already.
@@ -154,9 +154,7 @@ class Scheduler:
         self.draft_name, self.draft_slots = DraftModel.name, []
         if llm.draft is not None:
             self.draft = llm.draft.engine.forward_batch
-            draft_kv = llm.draft.engine.kv
-            self.draft_slots = [KVCache(llm.draft.config, slot_context, draft_kv.k.dtype, draft_kv.k.device)
-                                for _ in range(parallel)]
+            self.draft_slots = llm.draft.engine.kv.partition(parallel, slot_context)
         elif llm.self_draft is not None:
             self.draft, self.draft_name, self.draft_slots = llm.self_draft.batch_logits, SelfDraft.name, self.slots
         # Seconds per batched draft pass (EMA): 0 until a draft of several tokens is timed, so that the first
