@@ -30,9 +30,9 @@ from ntio.kernels.cpu_kernels import KernelChoice
 from ntio.models.config import ModelConfig
 from ntio.models.weights import WeightLayout
 from ntio.kernels import ops
-from ntio.runtime.budget import memory_needs, minimum, plan_memory
+from ntio.runtime.budget import ROOMY_CONTEXT, memory_needs, minimum, plan_memory
 from ntio.runtime.engine import MIN_PREFILL_CHUNK
-from ntio.runtime.memory import HEADROOM_MIN, RamRoom
+from ntio.runtime.memory import HEADROOM_MIN, LIBRARY_FLOOR, LIBRARY_ROOM, RamRoom
 from ntio.runtime.tiers import format_size, parse_tier_spec
 from ntio.synth import SynthSpec, write_synthetic_gguf
 from tests.test_cli import assert_user_error, ntio as run_cli
@@ -285,6 +285,34 @@ def test_a_tight_default_budget_takes_library_pages_for_the_leanest_plan_with_a_
     # A budget the user gives is never grown.
     with pytest.raises(OptionError, match=r"ram_budget 9.54 MiB is too small"):
         plan(ram_budget=10_000_000)
+
+
+def test_a_tight_budget_leaves_the_libraries_more_where_the_context_can_shrink_instead(smollm2_path, monkeypatch):
+    """With no context asked for, a budget grows into the libraries' pages only down to LIBRARY_ROOM, and the context
+    shrinks to fit, down to ROOMY_CONTEXT; where less fits, or for a context asked for, down to LIBRARY_FLOOR (a
+    streamed decode whose KV cache had filled thrashed on the libraries' code there)."""
+    layout = _layout(smollm2_path)
+    plan = lambda **options: plan_memory(layout, cuda=False, kv_dtype=torch.float32, **options)
+    monkeypatch.setattr("ntio.runtime.budget.ram_room", lambda: _room(10_000_000, 500_000_000))
+    lean = {c: plan(max_context=c).report()["minimum"] for c in (ROOMY_CONTEXT // 2, 2 * ROOMY_CONTEXT,
+                                                                 4 * ROOMY_CONTEXT)}
+
+    def libraries_keeping_room_leave(budget: int) -> None:  # own library pages that, down to LIBRARY_ROOM, give that
+        own = budget + LIBRARY_ROOM - (10_000_000 + HEADROOM_MIN)
+        monkeypatch.setattr("ntio.runtime.budget.ram_room", lambda: _room(10_000_000, own))
+
+    libraries_keeping_room_leave(lean[2 * ROOMY_CONTEXT])
+    auto = plan()
+    assert (auto.capacity, auto.budget.ram) == (2 * ROOMY_CONTEXT, lean[2 * ROOMY_CONTEXT])
+    assert auto.notice.startswith("memory is tight") and f"the context is {2 * ROOMY_CONTEXT} tokens" in auto.notice
+    asked = plan(max_context=4 * ROOMY_CONTEXT)  # LIBRARY_ROOM - LIBRARY_FLOOR more, enough for it
+    assert lean[4 * ROOMY_CONTEXT] <= lean[2 * ROOMY_CONTEXT] + LIBRARY_ROOM - LIBRARY_FLOOR
+    assert (asked.capacity, asked.budget.ram) == (4 * ROOMY_CONTEXT, lean[4 * ROOMY_CONTEXT])
+    # Keeping LIBRARY_ROOM, only half of ROOMY_CONTEXT would fit: the libraries keep LIBRARY_FLOOR, for a longer one.
+    libraries_keeping_room_leave(lean[ROOMY_CONTEXT // 2])
+    floor = plan()
+    assert floor.budget.ram == lean[ROOMY_CONTEXT // 2] + LIBRARY_ROOM - LIBRARY_FLOOR
+    assert floor.capacity > ROOMY_CONTEXT
 
 
 # A process that loads a model, says so, waits for a line on stdin, then generates: the test lowers its cgroup's

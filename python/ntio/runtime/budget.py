@@ -24,7 +24,7 @@ from ntio.kernels.cpu_kernels import KernelChoice
 from ntio.models.config import ModelConfig
 from ntio.runtime.engine import LOGITS_BYTES, MIN_PREFILL_CHUNK, PREFILL_CHUNK
 from ntio.errors import OptionError
-from ntio.runtime.memory import ram_room
+from ntio.runtime.memory import LIBRARY_ROOM, ram_room
 from ntio.runtime.tiers import TierPlan, format_size, parse_size, parse_tier_spec, plan_tiers
 from ntio.models.weights import WeightLayout
 from ntio.runtime.loader import auto_prefetch_depth
@@ -34,6 +34,9 @@ _ALIGN = 4096
 # The KV cache's capacity when none is asked for: the model's context up to this many tokens (a 128k-context model's
 # full cache would take more than its weights), fewer when the budget cannot hold it.
 DEFAULT_CONTEXT = 4096
+# When a tight budget grows into the libraries' pages, the smallest context the plan chooses for itself (none asked
+# for) with them keeping LIBRARY_ROOM; where only a smaller one fits, they keep LIBRARY_FLOOR instead.
+ROOMY_CONTEXT = 512
 
 
 @dataclass(frozen=True)
@@ -97,6 +100,7 @@ class Budgets:
     ram: int
     ram_source: str  # "ram_budget" when given, else what bounded the measured room (ntio.runtime.memory)
     ram_tight: int = 0  # what a default RAM budget may grow to for the leanest plan (`RamRoom.tight_budget`)
+    ram_roomy: int = 0  # the same where the context may shrink instead: the libraries keep LIBRARY_ROOM
 
 
 def budgets(*, cuda: bool, gpu_memory_budget: str | int | None = None, ram_budget: str | int | None = None) -> Budgets:
@@ -104,12 +108,13 @@ def budgets(*, cuda: bool, gpu_memory_budget: str | int | None = None, ram_budge
     little headroom (`memory.RamRoom.default_budget`)."""
     if ram_budget is not None:
         ram, source = parse_size(ram_budget, "ram_budget"), "ram_budget"
-        tight = ram
+        tight = roomy = ram
     else:
         room = ram_room()
-        ram, source, tight = room.default_budget, room.source, room.tight_budget
+        ram, source = room.default_budget, room.source
+        tight, roomy = room.tight_budget(), room.tight_budget(LIBRARY_ROOM)
     if not cuda:
-        return Budgets(ram, ram, source, tight)
+        return Budgets(ram, ram, source, tight, roomy)
     if gpu_memory_budget is not None:
         return Budgets(parse_size(gpu_memory_budget, "gpu_memory_budget"), ram, source)
     return Budgets(int(0.9 * torch.cuda.mem_get_info()[0]), ram, source)
@@ -244,9 +249,10 @@ def plan_memory(layout: WeightLayout, *, cuda: bool, kv_dtype: torch.dtype, max_
 
     When the leanest plan does not fit an automatic plan's budget, the prefill chunk is halved (down to
     MIN_PREFILL_CHUNK); then, on CPU, a measured RAM budget grows up to `RamRoom.tight_budget` (this process's own
-    library pages given up, with a notice); then the context, unless `max_context` set it, shrinks (with a notice)
-    from the model's up to DEFAULT_CONTEXT. The read-ahead is `prefetch_depth`, or `loader.auto_prefetch_depth` of
-    the largest group."""
+    library pages given up, with a notice: down to LIBRARY_ROOM where a context of ROOMY_CONTEXT or more then fits,
+    unless `max_context` is given, else to LIBRARY_FLOOR); then the context, unless `max_context` set it, shrinks
+    (with a notice) from the model's up to DEFAULT_CONTEXT. The read-ahead is `prefetch_depth`, or
+    `loader.auto_prefetch_depth` of the largest group."""
     cfg = layout.cfg
     if max_context is not None and not 1 <= max_context <= cfg.context_length:
         raise OptionError("max_context",
@@ -276,11 +282,15 @@ def plan_memory(layout: WeightLayout, *, cuda: bool, kv_dtype: torch.dtype, max_
     notices = []
     lean = minimum(needs_at(capacity))
     if tiers == "auto" and not cuda and budget.ram < lean and budget.ram < budget.ram_tight:
-        grown = min(lean, budget.ram_tight)
+        # The libraries keep LIBRARY_ROOM where a context the plan chooses, of at least ROOMY_CONTEXT, fits beside it;
+        # only a context asked for, or one that would not fit, takes them down to LIBRARY_FLOOR.
+        roomy = (max_context is None
+                 and fitted_context(needs_at, capacity, budget.ram_roomy) >= min(capacity, ROOMY_CONTEXT))
+        grown = min(lean, budget.ram_roomy if roomy else budget.ram_tight)
         notices.append(f"memory is tight: the RAM budget is {format_size(grown)}, not the {format_size(budget.ram)} "
                        f"the measured room leaves, taken from the page cache of the interpreter's own libraries "
                        f"(decode slows if they are paged out); --ram-budget sets it")
-        budget = Budgets(grown, grown, budget.ram_source, budget.ram_tight)
+        budget = Budgets(grown, grown, budget.ram_source, budget.ram_tight, budget.ram_roomy)
     if max_context is None and tiers == "auto":
         fitted = fitted_context(needs_at, capacity, budget.device)
         if 0 < fitted < capacity:
@@ -317,4 +327,5 @@ def less_reserved(budget: Budgets, reserved: int, cuda: bool) -> Budgets:
                                   f"resident) and the target beside it")
     if cuda:
         return Budgets(budget.device - reserved, budget.ram, budget.ram_source)
-    return Budgets(budget.ram - reserved, budget.ram - reserved, budget.ram_source, max(0, budget.ram_tight - reserved))
+    return Budgets(budget.ram - reserved, budget.ram - reserved, budget.ram_source, max(0, budget.ram_tight - reserved),
+                   max(0, budget.ram_roomy - reserved))

@@ -24,8 +24,16 @@ HEADROOM_SHARE, HEADROOM_MIN = 0.05, 64 << 20
 LIBRARY_WORKING_SET = 128 << 20
 # When the default budget cannot hold even the leanest plan, it may take that much from this process's own library
 # pages (clean file pages: the kernel drops them and reads them again when they run, slower but never an OOM kill),
-# leaving them at least this much. Measured on Qwen2.5-Coder-1.5B streamed in 0.55-0.6 GB cgroups (2026-11-24):
-# ~25 MB left gave 1.8 tok/s where ~75 MB gave 3.6; none left thrashed at 0.5 tok/s.
+# leaving them at least LIBRARY_ROOM where the plan may shrink the context instead (none was asked for), and at least
+# LIBRARY_FLOOR for a context asked for. A decode step runs only ~6 MB of the libraries' code, but a page fault in a
+# library reads the disk's whole read-ahead window around it (read_ahead_kb; MADV_RANDOM does not stop that for code
+# on Linux 6.18), so the pages a step needs lie in windows that evict one another when the room left holds few.
+# Measured on Qwen2.5-Coder-1.5B streamed in 600-650 MiB cgroups, its KV cache filled, on a disk with 8 MiB of
+# read-ahead (2026-11-28), the cgroup's file pages during decode (~9 MiB below what the plan left them): 43-54 MiB
+# thrashed at 0.04-0.08 tok/s, 88 MiB decoded at 0.99, 96 MiB at 1.45 (~1.8 uncapped). An earlier VM (2026-11-24):
+# ~25 MB left gave 1.8 tok/s where ~75 MB gave 3.6. LIBRARY_FLOOR keeps the plans that fit at all with it (Qwen 1.5B
+# in 0.6 GB at a context of 512) and decodes near the disk's rate while their KV cache is mostly unwritten.
+LIBRARY_ROOM = 96 << 20
 LIBRARY_FLOOR = 48 << 20
 
 
@@ -41,11 +49,10 @@ class RamRoom:
     def default_budget(self) -> int:
         return max(0, self.available - max(HEADROOM_MIN, int(HEADROOM_SHARE * self.available)))
 
-    @property
-    def tight_budget(self) -> int:
+    def tight_budget(self, keep: int = LIBRARY_FLOOR) -> int:
         """The most a default budget may grow to when the leanest plan needs it: the room with this process's own
-        library pages given up down to LIBRARY_FLOOR (at least the default budget)."""
-        return max(self.default_budget, self.available + self.own_file_pages - LIBRARY_FLOOR)
+        library pages given up down to `keep` bytes (at least the default budget)."""
+        return max(self.default_budget, self.available + self.own_file_pages - keep)
 
 
 def ram_room() -> RamRoom:
