@@ -283,8 +283,10 @@ class LLM:
         if not prompt_ids:
             raise NtioError("the prompt is empty (no tokens)")
         if len(prompt_ids) >= self.engine.kv.capacity:
+            fitted = (", all the memory budget fits; max_context (--ctx-size) asks for a longer one, which may decode "
+                      "slower once it fills" if self.memory.context_fitted else "")
             raise ContextOverflowError(
-                f"the prompt has {len(prompt_ids)} tokens but the context holds {self.engine.kv.capacity} "
+                f"the prompt has {len(prompt_ids)} tokens but the context holds {self.engine.kv.capacity}{fitted} "
                 f"(model context_length {self.config.context_length})"
             )
         return TokenStream(self._generate(prompt_ids, max_new_tokens, Sampler(params, self.device), tuple(stop),

@@ -214,6 +214,7 @@ class MemoryPlan:
     prefill_chunk: int  # the most tokens one forward pass takes
     prefetch_depth: int  # streamed groups read ahead (0: each group read when needed)
     notice: str | None  # said once to the user: the default context was shrunk to fit
+    context_fitted: bool = False  # the context is the most the budget holds, short of the default one
 
     def report(self) -> dict:
         """What each part costs and where it lives (`ntio plan`, `--json`); bytes."""
@@ -291,16 +292,18 @@ def plan_memory(layout: WeightLayout, *, cuda: bool, kv_dtype: torch.dtype, max_
                        f"the measured room leaves, taken from the page cache of the interpreter's own libraries "
                        f"(decode slows if they are paged out); --ram-budget sets it")
         budget = Budgets(grown, grown, budget.ram_source, budget.ram_tight, budget.ram_roomy)
+    context_fitted = False
     if max_context is None and tiers == "auto":
         fitted = fitted_context(needs_at, capacity, budget.device)
         if 0 < fitted < capacity:
+            context_fitted = True
             notices.append(f"the context is {fitted} tokens, not {capacity}: a KV cache of {capacity} does not fit in "
                            f"the memory budget ({format_size(budget.device)}); max_context (--ctx-size) asks for a "
                            f"size")
             capacity = fitted
     needs = needs_at(capacity)
     plan = make_plan(needs, budget, cuda=cuda, tiers=tiers, spread=spread, shrink=_shrink_advice(kv_dtype, sync))
-    return MemoryPlan(needs, budget, plan, capacity, chunk, depth, "; ".join(notices) or None)
+    return MemoryPlan(needs, budget, plan, capacity, chunk, depth, "; ".join(notices) or None, context_fitted)
 
 
 def _shrink_advice(kv_dtype: torch.dtype, sync: bool) -> str:
