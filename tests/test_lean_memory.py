@@ -32,7 +32,8 @@ from ntio.models.weights import WeightLayout
 from ntio.kernels import ops
 from ntio.runtime.budget import ROOMY_CONTEXT, memory_needs, minimum, plan_memory
 from ntio.runtime.engine import MIN_PREFILL_CHUNK
-from ntio.runtime.memory import HEADROOM_MIN, LIBRARY_FLOOR, LIBRARY_ROOM, RamRoom
+from ntio.runtime.memory import (HEADROOM_MIN, LIBRARY_FLOOR, LIBRARY_ROOM, READ_AHEAD_WINDOWS, RamRoom,
+                                 libraries_read_ahead)
 from ntio.runtime.tiers import format_size, parse_tier_spec
 from ntio.synth import SynthSpec, write_synthetic_gguf
 from tests.test_cli import assert_user_error, ntio as run_cli
@@ -318,6 +319,26 @@ def test_a_tight_budget_leaves_the_libraries_more_where_the_context_can_shrink_i
     floor = plan()
     assert floor.budget.ram == lean[ROOMY_CONTEXT // 2] + LIBRARY_ROOM - LIBRARY_FLOOR
     assert floor.capacity > ROOMY_CONTEXT
+
+
+def test_the_libraries_room_follows_their_disks_read_ahead():
+    """A page fault in the libraries reads their disk's read-ahead window around it: they keep LIBRARY_FLOOR and
+    READ_AHEAD_WINDOWS windows above it, at most LIBRARY_ROOM, which also stands for a read-ahead not known."""
+    room = lambda read_ahead: RamRoom(10 << 20, "cgroup v1 /fake", 600 << 20, 400 << 20, 200 << 20, read_ahead)
+    assert room(128 << 10).library_room == LIBRARY_FLOOR + READ_AHEAD_WINDOWS * (128 << 10) < LIBRARY_ROOM
+    assert room(8 << 20).library_room == room(None).library_room == LIBRARY_ROOM
+    assert room(128 << 10).tight_budget(room(128 << 10).library_room) > room(8 << 20).tight_budget(LIBRARY_ROOM)
+
+
+def test_the_libraries_read_ahead_is_their_block_devices_as_lsblk_reads_it():
+    """The read-ahead found from torch's file through sysfs is the one util-linux reports for the block device its
+    file system is mounted from (skipped where that is no block device, as in an overlay)."""
+    where = subprocess.run(["findmnt", "-no", "SOURCE", "-T", torch.__file__], capture_output=True, text=True)
+    source = where.stdout.strip()
+    if where.returncode != 0 or not source.startswith("/dev/"):
+        pytest.skip(f"torch's file system is mounted from {source or 'nothing findmnt names'}, not a block device")
+    read_ahead_kb = subprocess.run(["lsblk", "-ndo", "RA", source], capture_output=True, text=True, check=True)
+    assert libraries_read_ahead() == int(read_ahead_kb.stdout) << 10
 
 
 # A process that loads a model, says so, waits for a line on stdin, then generates: the test lowers its cgroup's

@@ -24,7 +24,7 @@ from ntio.kernels.cpu_kernels import KernelChoice
 from ntio.models.config import ModelConfig
 from ntio.runtime.engine import LOGITS_BYTES, MIN_PREFILL_CHUNK, PREFILL_CHUNK
 from ntio.errors import OptionError
-from ntio.runtime.memory import LIBRARY_ROOM, ram_room
+from ntio.runtime.memory import ram_room
 from ntio.runtime.tiers import TierPlan, format_size, parse_size, parse_tier_spec, plan_tiers
 from ntio.models.weights import WeightLayout
 from ntio.runtime.loader import auto_prefetch_depth
@@ -35,7 +35,7 @@ _ALIGN = 4096
 # full cache would take more than its weights), fewer when the budget cannot hold it.
 DEFAULT_CONTEXT = 4096
 # When a tight budget grows into the libraries' pages, the smallest context the plan chooses for itself (none asked
-# for) with them keeping LIBRARY_ROOM; where only a smaller one fits, they keep LIBRARY_FLOOR instead.
+# for) with them keeping `RamRoom.library_room`; where only a smaller one fits, they keep LIBRARY_FLOOR instead.
 ROOMY_CONTEXT = 512
 
 
@@ -100,7 +100,7 @@ class Budgets:
     ram: int
     ram_source: str  # "ram_budget" when given, else what bounded the measured room (ntio.runtime.memory)
     ram_tight: int = 0  # what a default RAM budget may grow to for the leanest plan (`RamRoom.tight_budget`)
-    ram_roomy: int = 0  # the same where the context may shrink instead: the libraries keep LIBRARY_ROOM
+    ram_roomy: int = 0  # the same where the context may shrink instead (libraries keep `RamRoom.library_room`)
 
 
 def budgets(*, cuda: bool, gpu_memory_budget: str | int | None = None, ram_budget: str | int | None = None) -> Budgets:
@@ -112,7 +112,7 @@ def budgets(*, cuda: bool, gpu_memory_budget: str | int | None = None, ram_budge
     else:
         room = ram_room()
         ram, source = room.default_budget, room.source
-        tight, roomy = room.tight_budget(), room.tight_budget(LIBRARY_ROOM)
+        tight, roomy = room.tight_budget(), room.tight_budget(room.library_room)
     if not cuda:
         return Budgets(ram, ram, source, tight, roomy)
     if gpu_memory_budget is not None:
@@ -250,7 +250,7 @@ def plan_memory(layout: WeightLayout, *, cuda: bool, kv_dtype: torch.dtype, max_
 
     When the leanest plan does not fit an automatic plan's budget, the prefill chunk is halved (down to
     MIN_PREFILL_CHUNK); then, on CPU, a measured RAM budget grows up to `RamRoom.tight_budget` (this process's own
-    library pages given up, with a notice: down to LIBRARY_ROOM where a context of ROOMY_CONTEXT or more then fits,
+    library pages given up, with a notice: down to `library_room` where a context of ROOMY_CONTEXT or more fits,
     unless `max_context` is given, else to LIBRARY_FLOOR); then the context, unless `max_context` set it, shrinks
     (with a notice) from the model's up to DEFAULT_CONTEXT. The read-ahead is `prefetch_depth`, or
     `loader.auto_prefetch_depth` of the largest group."""
@@ -283,8 +283,8 @@ def plan_memory(layout: WeightLayout, *, cuda: bool, kv_dtype: torch.dtype, max_
     notices = []
     lean = minimum(needs_at(capacity))
     if tiers == "auto" and not cuda and budget.ram < lean and budget.ram < budget.ram_tight:
-        # The libraries keep LIBRARY_ROOM where a context the plan chooses, of at least ROOMY_CONTEXT, fits beside it;
-        # only a context asked for, or one that would not fit, takes them down to LIBRARY_FLOOR.
+        # The libraries keep `library_room` where a context the plan chooses, of at least ROOMY_CONTEXT, fits beside
+        # it; only a context asked for, or one that would not fit, takes them down to LIBRARY_FLOOR.
         roomy = (max_context is None
                  and fitted_context(needs_at, capacity, budget.ram_roomy) >= min(capacity, ROOMY_CONTEXT))
         grown = min(lean, budget.ram_roomy if roomy else budget.ram_tight)

@@ -11,6 +11,7 @@ counting those as used once left a 1.5 GB cap with a 129 MiB budget.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
@@ -24,8 +25,8 @@ HEADROOM_SHARE, HEADROOM_MIN = 0.05, 64 << 20
 LIBRARY_WORKING_SET = 128 << 20
 # When the default budget cannot hold even the leanest plan, it may take that much from this process's own library
 # pages (clean file pages: the kernel drops them and reads them again when they run, slower but never an OOM kill),
-# leaving them at least LIBRARY_ROOM where the plan may shrink the context instead (none was asked for), and at least
-# LIBRARY_FLOOR for a context asked for. A decode step runs only ~6 MB of the libraries' code, but a page fault in a
+# leaving them at least `RamRoom.library_room` where the plan may shrink the context instead (none was asked for), and
+# at least LIBRARY_FLOOR for a context asked for. A decode step runs only ~6 MB of the libraries' code, but a page fault in a
 # library reads the disk's whole read-ahead window around it (read_ahead_kb; MADV_RANDOM on the mappings did not help
 # on Linux 6.18), so the pages a step needs lie in windows that evict one another when the room left holds few.
 # Measured on Qwen2.5-Coder-1.5B streamed in 600-650 MiB cgroups, its KV cache filled, on a disk with 8 MiB of
@@ -33,8 +34,13 @@ LIBRARY_WORKING_SET = 128 << 20
 # thrashed at 0.04-0.08 tok/s, 88 MiB decoded at 0.99, 96 MiB at 1.45 (~1.8 uncapped). An earlier VM (2026-11-24):
 # ~25 MB left gave 1.8 tok/s where ~75 MB gave 3.6. LIBRARY_FLOOR keeps the plans that fit at all with it (Qwen 1.5B
 # in 0.6 GB at a context of 512) and decodes near the disk's rate while their KV cache is mostly unwritten.
+# That room is LIBRARY_FLOOR and READ_AHEAD_WINDOWS of the libraries' disk's read-ahead, at most LIBRARY_ROOM (also
+# where the read-ahead is unknown): the plan that decoded at 0.05 tok/s with 8 MiB of read-ahead decoded at 1.31
+# with 128 KiB (the same VM, read_ahead_kb set to 128; the cgroup's file pages 50 MiB, 49 of them mapped). Only
+# those two read-aheads were measured; between them the windows are a straight line.
 LIBRARY_ROOM = 96 << 20
 LIBRARY_FLOOR = 48 << 20
+READ_AHEAD_WINDOWS = 6
 
 
 @dataclass(frozen=True)
@@ -44,10 +50,19 @@ class RamRoom:
     limit: int | None  # the cgroup's limit (None when no cgroup limit applies)
     unreclaimable: int  # the cgroup's anonymous + kernel memory (0 without a cgroup limit)
     own_file_pages: int  # this process's resident file-backed pages (up to LIBRARY_WORKING_SET leave the room)
+    read_ahead: int | None = None  # bytes a page fault in the libraries reads (their disk's read-ahead); None: unknown
 
     @property
     def default_budget(self) -> int:
         return max(0, self.available - max(HEADROOM_MIN, int(HEADROOM_SHARE * self.available)))
+
+    @property
+    def library_room(self) -> int:
+        """What this process's library pages keep where a plan may shrink its context instead of taking them: at
+        least LIBRARY_FLOOR, and READ_AHEAD_WINDOWS of their disk's read-ahead above it, at most LIBRARY_ROOM."""
+        if self.read_ahead is None:
+            return LIBRARY_ROOM
+        return min(LIBRARY_ROOM, LIBRARY_FLOOR + READ_AHEAD_WINDOWS * self.read_ahead)
 
     def tight_budget(self, keep: int = LIBRARY_FLOOR) -> int:
         """The most a default budget may grow to when the leanest plan needs it: the room with this process's own
@@ -57,14 +72,34 @@ class RamRoom:
 
 def ram_room() -> RamRoom:
     """The RAM this process may still use, from /proc/meminfo and its memory cgroup (see the module's notes)."""
-    own = min(_own_file_pages(), LIBRARY_WORKING_SET)
-    best = RamRoom(max(0, _mem_available() - own), "MemAvailable", None, 0, own)
+    own, read_ahead = min(_own_file_pages(), LIBRARY_WORKING_SET), libraries_read_ahead()
+    best = RamRoom(max(0, _mem_available() - own), "MemAvailable", None, 0, own, read_ahead)
     for source, limit, usage, file_pages in _cgroup_limits():
         unreclaimable = max(0, usage - file_pages)
         room = max(0, limit - unreclaimable - own)
         if room < best.available:
-            best = RamRoom(room, source, limit, unreclaimable, own)
+            best = RamRoom(room, source, limit, unreclaimable, own, read_ahead)
     return best
+
+
+def libraries_read_ahead() -> int | None:
+    """The read-ahead (bytes) of the block device that holds torch's libraries, which a page fault in their code
+    reads around it: from sysfs, the device's own queue or, for a partition, its disk's. None where the file system
+    has no block device of its own (overlay, tmpfs) or torch is not installed."""
+    spec = importlib.util.find_spec("torch")
+    if spec is None or spec.origin is None:
+        return None
+    try:
+        dev = os.stat(spec.origin).st_dev
+        device = Path(f"/sys/dev/block/{os.major(dev)}:{os.minor(dev)}").resolve(strict=True)
+    except OSError:
+        return None
+    for queue in (device / "queue", device.parent / "queue"):
+        try:
+            return int((queue / "read_ahead_kb").read_text()) << 10
+        except (OSError, ValueError):
+            continue
+    return None
 
 
 def _mem_available() -> int:
