@@ -26,9 +26,9 @@ LIBRARY_WORKING_SET = 128 << 20
 # When the default budget cannot hold even the leanest plan, it may take that much from this process's own library
 # pages (clean file pages: the kernel drops them and reads them again when they run, slower but never an OOM kill),
 # leaving them at least `RamRoom.library_room` where the plan may shrink the context instead (none was asked for), and
-# at least LIBRARY_FLOOR for a context asked for. A decode step runs only ~6 MB of the libraries' code, but a page fault in a
-# library reads the disk's whole read-ahead window around it (read_ahead_kb; MADV_RANDOM on the mappings did not help
-# on Linux 6.18), so the pages a step needs lie in windows that evict one another when the room left holds few.
+# at least LIBRARY_FLOOR for a context asked for. A decode step runs only ~6 MB of the libraries' code, but a page
+# fault in a library reads the disk's whole read-ahead window around it (read_ahead_kb; MADV_RANDOM on the mappings did
+# not help on Linux 6.18), so the pages a step needs lie in windows that evict one another when the room holds few.
 # Measured on Qwen2.5-Coder-1.5B streamed in 600-650 MiB cgroups, its KV cache filled, on a disk with 8 MiB of
 # read-ahead (2026-11-28), the cgroup's file pages during decode (~9 MiB below what the plan left them): 43-54 MiB
 # thrashed at 0.04-0.08 tok/s, 88 MiB decoded at 0.99, 96 MiB at 1.45 (~1.8 uncapped). An earlier VM (2026-11-24):
