@@ -17,14 +17,15 @@
 //! - float kernels (`quantized`, `dense`): codes widened to four 8-lane float32 vectors, FMAs against float32
 //!   activations (the reference path for differential tests).
 //!
-//! The integer kernels take their byte products from an `IntDot`: AVX2's `maddubs` + `madd` (`Madd`), or, where
-//! the CPU has AVX-512 VNNI, its fused forms on the same 256-bit vectors (`Vnni`: `vpdpwssd` is `madd` plus the
-//! add, `vpdpbusd` the byte products summed straight into i32 lanes). The integer sums are the same (the codes
-//! never saturate `maddubs`: |w| <= 128, |x| <= 127), so are the float steps: both give the same bits.
+//! The integer kernels take their byte products from an `IntDot` (`Products` names the three): AVX2's `maddubs` +
+//! `madd` (`Madd`), or the fused forms of VNNI on the same 256-bit vectors (`vpdpwssd` is `madd` plus the add,
+//! `vpdpbusd` the byte products summed straight into i32 lanes), in AVX-512 VNNI's encoding (`Vnni`) or in AVX-VNNI's
+//! (`AvxVnni`: Intel's client cores from Alder Lake on, which lack AVX-512). The integer sums are the same (the
+//! codes never saturate `maddubs`: |w| <= 128, |x| <= 127), so are the float steps: all three give the same bits.
 //!
 //! Everything here is `unsafe` with `#[target_feature]` (the integer kernels' generic bodies take theirs from
 //! their entry points, `int_entries!`): `matmul` hands these kernels out only after `available()` (and
-//! `vnni_available()`) has confirmed the CPU features at run time.
+//! `Products::available`) has confirmed the CPU features at run time.
 
 use std::arch::x86_64::*;
 
@@ -41,9 +42,30 @@ pub fn available() -> bool {
         && is_x86_feature_detected!("f16c")
 }
 
-/// Whether this CPU has the AVX-512 VNNI products (on 256-bit vectors) of the `Vnni` integer kernels.
-pub fn vnni_available() -> bool {
-    available() && is_x86_feature_detected!("avx512vnni") && is_x86_feature_detected!("avx512vl")
+/// Which instructions give the integer kernels their byte products (each an `IntDot`); `matmul` picks one from the
+/// kernel set and the CPU.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Products {
+    /// AVX2's `maddubs` + `madd` (`Madd`).
+    Madd,
+    /// AVX-VNNI's VEX-encoded `vpdpbusd` and `vpdpwssd` (`AvxVnni`).
+    AvxVnni,
+    /// AVX-512 VNNI's, on 256-bit vectors (`Vnni`).
+    Avx512Vnni,
+}
+
+impl Products {
+    /// Whether this CPU runs the kernels with these products.
+    pub fn available(self) -> bool {
+        available()
+            && match self {
+                Products::Madd => true,
+                Products::AvxVnni => is_x86_feature_detected!("avxvnni"),
+                Products::Avx512Vnni => {
+                    is_x86_feature_detected!("avx512vnni") && is_x86_feature_detected!("avx512vl")
+                }
+            }
+    }
 }
 
 /// How the integer kernels multiply 8-bit codes: unsigned weight bytes `wu` by signed activation bytes `x`.
@@ -134,30 +156,99 @@ impl IntDot for Vnni {
     }
 }
 
-/// An integer kernel's two entry points: `$avx2`, the generic body `$body::<F, Madd>` compiled for AVX2, and
-/// `$vnni`, `$body::<F, Vnni>` compiled with AVX-512 VNNI as well. The bodies (and their tiles) carry no target
-/// features of their own and are `#[inline(always)]`, so each is compiled inside its entry point, with that
-/// entry's features: `IntDot`'s instructions inline into the loops. (A body with AVX2's features, merely
-/// `#[inline]`, was at times left out of line by LLVM, and its VNNI products then became calls.)
+/// AVX-VNNI: `Vnni`'s two instructions in their VEX encoding, for CPUs that have it without AVX-512. Only entry
+/// points compiled with its features (`int_entries!`) may use it.
+pub struct AvxVnni;
+
+impl IntDot for AvxVnni {
+    const LANES_MAX_CODE: u8 = u8::MAX;
+
+    #[target_feature(enable = "avx2,fma,f16c,avxvnni")]
+    #[inline]
+    unsafe fn madd_into(acc: __m256i, pairs: __m256i, mv: __m256i) -> __m256i {
+        // Inline assembly: the AVX-VNNI intrinsics are not stable Rust.
+        let mut acc = acc;
+        // SAFETY: one register-to-register instruction of this function's features; no memory, stack or flags.
+        unsafe {
+            std::arch::asm!(
+                "{{vex}} vpdpwssd {acc}, {pairs}, {mv}",
+                acc = inout(ymm_reg) acc,
+                pairs = in(ymm_reg) pairs,
+                mv = in(ymm_reg) mv,
+                options(pure, nomem, nostack, preserves_flags),
+            );
+        }
+        acc
+    }
+
+    #[target_feature(enable = "avx2,fma,f16c,avxvnni")]
+    #[inline]
+    unsafe fn add_products(sum: __m256i, wu: __m256i, x: __m256i) -> __m256i {
+        let mut sum = sum;
+        // SAFETY: as in `madd_into`.
+        unsafe {
+            std::arch::asm!(
+                "{{vex}} vpdpbusd {sum}, {wu}, {x}",
+                sum = inout(ymm_reg) sum,
+                wu = in(ymm_reg) wu,
+                x = in(ymm_reg) x,
+                options(pure, nomem, nostack, preserves_flags),
+            );
+        }
+        sum
+    }
+
+    #[target_feature(enable = "avx2,fma,f16c,avxvnni")]
+    #[inline]
+    unsafe fn widen(sum: __m256i) -> __m256i {
+        sum
+    }
+}
+
+/// `fn $select<G..>(products: Products) -> $kernel`: the integer kernel body `$body::<G.., D>` compiled inside one
+/// entry point per `Products` (D = `Madd`, `AvxVnni`, `Vnni`, each with its instructions' target features), and
+/// the entry of `products`. The bodies (and their tiles) carry no target features of their own and are
+/// `#[inline(always)]`, so each is compiled inside its entry point, with that entry's features: `IntDot`'s
+/// instructions inline into the loops. (A body with AVX2's features, merely `#[inline]`, was at times left out of
+/// line by LLVM, and its VNNI products then became calls.)
 /// A helper the bodies call that has no target features of its own, as a trait's default method, must be
 /// `#[inline(always)]` too: left out of line it runs its intrinsics without AVX2. A closure cannot take the
 /// attribute: write it as a loop (closures in the group tiles once made the Q8_0 head 2.3-3.7× slower,
 /// benches/RESULTS.md, seventeenth session).
 macro_rules! int_entries {
-    ($avx2:ident, $vnni:ident => $body:ident<F: $bound:path>($($arg:ident: $ty:ty),*)) => {
-        #[target_feature(enable = "avx2,fma,f16c")]
-        unsafe fn $avx2<F: $bound>($($arg: $ty),*) {
-            // SAFETY: the caller's contract is the body's, on a CPU with AVX2 (`available()`).
-            unsafe { $body::<F, Madd>($($arg),*) }
-        }
+    ($(#[$doc:meta])* $vis:vis $select:ident<$($g:ident: $bound:path),*> -> $kernel:ty
+        => $body:ident($($arg:ident: $ty:ty),*)) => {
+        $(#[$doc])*
+        $vis fn $select<$($g: $bound),*>(products: Products) -> $kernel {
+            #[target_feature(enable = "avx2,fma,f16c")]
+            unsafe fn madd<$($g: $bound),*>($($arg: $ty),*) {
+                // SAFETY: the caller's contract is the body's, on a CPU with AVX2.
+                unsafe { $body::<$($g,)* Madd>($($arg),*) }
+            }
 
-        #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
-        unsafe fn $vnni<F: $bound>($($arg: $ty),*) {
-            // SAFETY: the caller's contract is the body's, on a CPU with VNNI (`vnni_available()`).
-            unsafe { $body::<F, Vnni>($($arg),*) }
+            #[target_feature(enable = "avx2,fma,f16c,avxvnni")]
+            unsafe fn avx_vnni<$($g: $bound),*>($($arg: $ty),*) {
+                // SAFETY: the caller's contract is the body's, on a CPU with AVX-VNNI.
+                unsafe { $body::<$($g,)* AvxVnni>($($arg),*) }
+            }
+
+            #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+            unsafe fn avx512_vnni<$($g: $bound),*>($($arg: $ty),*) {
+                // SAFETY: the caller's contract is the body's, on a CPU with AVX-512 VNNI.
+                unsafe { $body::<$($g,)* Vnni>($($arg),*) }
+            }
+
+            // SAFETY (all three): `matmul` asks for products only where `Products::available` says the CPU has
+            // their features.
+            match products {
+                Products::Madd => |$($arg),*| unsafe { madd::<$($g),*>($($arg),*) },
+                Products::AvxVnni => |$($arg),*| unsafe { avx_vnni::<$($g),*>($($arg),*) },
+                Products::Avx512Vnni => |$($arg),*| unsafe { avx512_vnni::<$($g),*>($($arg),*) },
+            }
         }
     };
 }
+pub(crate) use int_entries;
 
 /// A block format whose group codes decode with AVX2.
 pub trait SimdFormat: Format {
@@ -166,9 +257,8 @@ pub trait SimdFormat: Format {
     unsafe fn code_bytes(b: *const u8, g: usize) -> __m256i;
 
     /// The integer kernel (8-bit activations) of this format: a group kernel for the legacy formats, the row
-    /// kernel for the K-quants; with VNNI products if `vnni`. Call only if `available()` (and
-    /// `vnni_available()` for `vnni`).
-    fn int_kernel(vnni: bool) -> Kernel;
+    /// kernel for the K-quants; with `products`. Call only if `products.available()`.
+    fn int_kernel(products: Products) -> Kernel;
 
     /// For a symmetric type stored as unsigned c = q + OFFSET (Q4_0: 8, Q5_0: 16, Q6_K: 32), OFFSET: the integer
     /// kernels multiply c as they do an affine type's codes, and take OFFSET·d·Σx̂ off (Q6_K: OFFSET·scale·Σx per
@@ -257,33 +347,6 @@ pub fn quantized<F: SimdFormat>() -> RowKernel {
     |a, row, y| unsafe { quantized_row::<F>(a, row, y) }
 }
 
-/// The integer row kernel for K-quant `F` (8-bit activations), with VNNI products if `vnni`. Call only if
-/// `available()` (and `vnni_available()` for `vnni`).
-fn int<F: SuperBlock>(vnni: bool) -> RowKernel {
-    // SAFETY (both): `matmul` selects these kernels only where the CPU has their features.
-    if vnni {
-        |a, row, y| unsafe { int_row_vnni::<F>(a, row, y) }
-    } else {
-        |a, row, y| unsafe { int_row_avx2::<F>(a, row, y) }
-    }
-}
-
-/// The integer group kernel for legacy block format `F` (blocks of 32, 8-bit activations): eight weight rows
-/// at once, with VNNI products if `vnni`. Call only if `available()` (and `vnni_available()` for `vnni`).
-fn int_group<F: SimdFormat>(vnni: bool) -> GroupKernel {
-    debug_assert_eq!(
-        F::BLOCK,
-        GROUP,
-        "group kernels take the 32-element legacy formats"
-    );
-    // SAFETY (both): `matmul` selects these kernels only where the CPU has their features.
-    if vnni {
-        |a, rows, row_bytes, y| unsafe { int_group_rows_vnni::<F>(a, rows, row_bytes, y) }
-    } else {
-        |a, rows, row_bytes, y| unsafe { int_group_rows_avx2::<F>(a, rows, row_bytes, y) }
-    }
-}
-
 /// The row kernel for dense type `D`. Call only if `available()`.
 pub fn dense<D: SimdDense>() -> RowKernel {
     // SAFETY: as in `quantized`.
@@ -355,11 +418,11 @@ unsafe fn int_row<F: SuperBlock, D: IntDot>(a: &Activations, row: &[u8], y: &mut
     in_tiles!(a.t, y, |t0, out| int_rows::<F, D>(a, row, t0, out));
 }
 
-int_entries!(int_row_avx2, int_row_vnni => int_row<F: SuperBlock>(
-    a: &Activations,
-    row: &[u8],
-    y: &mut [f32; MAX_T]
-));
+int_entries!(
+    /// The integer row kernel for K-quant `F` (8-bit activations), with `products`. Call only if
+    /// `products.available()`.
+    int<F: SuperBlock> -> RowKernel => int_row(a: &Activations, row: &[u8], y: &mut [f32; MAX_T])
+);
 
 /// y[0..R] for activation rows t0..t0 + R (R = 1 to 8), one vector accumulator per row; returns R.
 ///
@@ -499,6 +562,11 @@ unsafe fn int_group_rows<F: SimdFormat, D: IntDot>(
     row_bytes: usize,
     y: &mut [[f32; GROUP_ROWS]; MAX_T],
 ) {
+    debug_assert_eq!(
+        F::BLOCK,
+        GROUP,
+        "group kernels take the 32-element legacy formats"
+    );
     let count = rows.len() / row_bytes;
     debug_assert!((1..=GROUP_ROWS).contains(&count) && rows.len() == count * row_bytes);
     // Lanes past `count` recompute the last row; their outputs are never stored.
@@ -520,12 +588,16 @@ unsafe fn int_group_rows<F: SimdFormat, D: IntDot>(
     ));
 }
 
-int_entries!(int_group_rows_avx2, int_group_rows_vnni => int_group_rows<F: SimdFormat>(
-    a: &Activations,
-    rows: &[u8],
-    row_bytes: usize,
-    y: &mut [[f32; GROUP_ROWS]; MAX_T]
-));
+int_entries!(
+    /// The integer group kernel for legacy block format `F` (blocks of 32, 8-bit activations): eight weight rows
+    /// at once, with `products`. Call only if `products.available()`.
+    int_group<F: SimdFormat> -> GroupKernel => int_group_rows(
+        a: &Activations,
+        rows: &[u8],
+        row_bytes: usize,
+        y: &mut [[f32; GROUP_ROWS]; MAX_T]
+    )
+);
 
 const CACHE_LINE: usize = 64;
 
@@ -997,8 +1069,8 @@ macro_rules! legacy_format {
                 unsafe { $unsigned }
             }
 
-            fn int_kernel(vnni: bool) -> Kernel {
-                Kernel::Group(int_group::<$t>(vnni))
+            fn int_kernel(products: Products) -> Kernel {
+                Kernel::Group(int_group::<$t>(products))
             }
         }
     };
@@ -1067,7 +1139,7 @@ unsafe fn k_scales(b: *const u8) -> KScales {
 }
 
 /// Q4_K and Q5_K: codes from `$codes` (with the block at `$b` and the group at `$g`), scales from `k_scales`;
-/// `SuperBlock::SPAN_TOTALS` as given, the integer kernel from `$kernel(vnni)`.
+/// `SuperBlock::SPAN_TOTALS` as given, the integer kernel from `$kernel(products)`.
 macro_rules! k_format {
     ($t:ty, span_totals $totals:literal, int_kernel $kernel:expr, |$b:ident, $g:ident| $codes:expr) => {
         impl SimdFormat for $t {
@@ -1077,8 +1149,8 @@ macro_rules! k_format {
                 unsafe { $codes }
             }
 
-            fn int_kernel(vnni: bool) -> Kernel {
-                $kernel(vnni)
+            fn int_kernel(products: Products) -> Kernel {
+                $kernel(products)
             }
         }
 
@@ -1123,12 +1195,12 @@ macro_rules! k_format {
 
 // Q4_K's plain rows: passes over several activation rows regroup each eight rows into the interleaved layout
 // (`interleaved::q4_k_plain`).
-k_format!(blocks::Q4K, span_totals true, int_kernel |vnni| Kernel::Group(interleaved::q4_k_plain(vnni)), |b, g| bits32(
+k_format!(blocks::Q4K, span_totals true, int_kernel |products| Kernel::Group(interleaved::q4_k_plain(products)), |b, g| bits32(
     load32(b.add(16 + 32 * (g / 2))),
     4 * (g % 2),
     0x0F
 ));
-k_format!(blocks::Q5K, span_totals false, int_kernel |vnni| Kernel::Row(int::<blocks::Q5K>(vnni)), |b, g| {
+k_format!(blocks::Q5K, span_totals false, int_kernel |products| Kernel::Row(int::<blocks::Q5K>(products)), |b, g| {
     let (qs, qh) = (load32(b.add(48 + 32 * (g / 2))), load32(b.add(16)));
     let high = _mm256_slli_epi16(bits32(qh, g, 1), 4);
     _mm256_or_si256(bits32(qs, 4 * (g % 2), 0x0F), high)
@@ -1173,8 +1245,8 @@ impl SimdFormat for blocks::Q6K {
         _mm256_sub_epi8(c, _mm256_set1_epi8(Self::OFFSET as i8))
     }
 
-    fn int_kernel(vnni: bool) -> Kernel {
-        Kernel::Row(int::<blocks::Q6K>(vnni))
+    fn int_kernel(products: Products) -> Kernel {
+        Kernel::Row(int::<blocks::Q6K>(products))
     }
 }
 
@@ -1287,13 +1359,8 @@ impl<F: Ternary> SimdFormat for F {
         _mm256_sub_epi8(unsafe { F::unsigned_codes(b, g) }, _mm256_set1_epi8(1))
     }
 
-    fn int_kernel(vnni: bool) -> Kernel {
-        // SAFETY (both): `matmul` selects these kernels only where the CPU has their features.
-        Kernel::Row(if vnni {
-            |a, row, y| unsafe { ternary_row_vnni::<F>(a, row, y) }
-        } else {
-            |a, row, y| unsafe { ternary_row_avx2::<F>(a, row, y) }
-        })
+    fn int_kernel(products: Products) -> Kernel {
+        Kernel::Row(ternary::<F>(products))
     }
 }
 
@@ -1304,11 +1371,10 @@ unsafe fn ternary_row<F: Ternary, D: IntDot>(a: &Activations, row: &[u8], y: &mu
     in_tiles!(a.t, y, |t0, out| ternary_rows::<F, D>(a, row, t0, out));
 }
 
-int_entries!(ternary_row_avx2, ternary_row_vnni => ternary_row<F: Ternary>(
-    a: &Activations,
-    row: &[u8],
-    y: &mut [f32; MAX_T]
-));
+int_entries!(
+    /// The integer row kernel for ternary format `F`, with `products`. Call only if `products.available()`.
+    ternary<F: Ternary> -> RowKernel => ternary_row(a: &Activations, row: &[u8], y: &mut [f32; MAX_T])
+);
 
 /// y[0..R] for activation rows t0..t0 + R; returns R.
 ///

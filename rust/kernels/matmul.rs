@@ -165,16 +165,15 @@ impl QType {
     }
 
     /// An interleaved layout's kernel: its AVX2 integer group kernel where it runs (VNNI's products where allowed
-    /// and present), else the plain type's row kernel on each group restored to rows. Either gives the plain
-    /// rows' bits.
+    /// and present, `products`), else the plain type's row kernel on each group restored to rows. Either gives the
+    /// plain rows' bits.
     fn interleaved_kernel(self, isa: Isa, activations: Activations8) -> Kernel {
         #[cfg(target_arch = "x86_64")]
         if activations == Activations8::Int8 && isa != Isa::Scalar && super::avx2::available() {
-            let vnni = matches!(isa, Isa::Best | Isa::Avx512) && super::avx2::vnni_available();
             return Kernel::Group(if self == QType::Q4KX8 {
-                super::avx2::q4_k_x8(vnni)
+                super::avx2::q4_k_x8(products(isa))
             } else {
-                super::avx2::q4_1_x8(vnni)
+                super::avx2::q4_1_x8(products(isa))
             });
         }
         match self.plain().kernel(isa, activations) {
@@ -218,8 +217,8 @@ impl<D: Dense> DenseRow for D {}
 
 /// The kernel of format `F`: AVX-512 for float activations where allowed and present, else AVX2 (integer: a
 /// group kernel for the legacy formats and for Q4_K (its rows regrouped into the interleaved layout for passes of
-/// several rows), the row kernel for the other K-quants, their products AVX-512 VNNI's where allowed and
-/// present); on aarch64 NEON for 8-bit activations (`sdot` where the CPU has it); else scalar;
+/// several rows), the row kernel for the other K-quants, their products VNNI's where allowed and present,
+/// `products`); on aarch64 NEON for 8-bit activations (`sdot` where the CPU has it); else scalar;
 /// integer (8-bit activations) or float.
 fn quantized_kernel<F: Quantized>(isa: Isa, int: bool) -> Kernel {
     #[cfg(target_arch = "x86_64")]
@@ -229,8 +228,7 @@ fn quantized_kernel<F: Quantized>(isa: Isa, int: bool) -> Kernel {
         }
         if isa != Isa::Scalar && super::avx2::available() {
             return if int {
-                let vnni = matches!(isa, Isa::Best | Isa::Avx512) && super::avx2::vnni_available();
-                F::int_kernel(vnni)
+                F::int_kernel(products(isa))
             } else {
                 Kernel::Row(super::avx2::quantized::<F>())
             };
@@ -248,6 +246,18 @@ fn quantized_kernel<F: Quantized>(isa: Isa, int: bool) -> Kernel {
     })
 }
 
+/// The byte products of `isa`'s AVX2 integer kernels: AVX-512 VNNI's where the set allows them (`best`, `avx512`)
+/// and the CPU has them, else AVX-VNNI's where allowed (`best`, `avxvnni`) and present, else AVX2's.
+#[cfg(target_arch = "x86_64")]
+fn products(isa: Isa) -> super::avx2::Products {
+    use super::avx2::Products;
+    match isa {
+        Isa::Best | Isa::Avx512 if Products::Avx512Vnni.available() => Products::Avx512Vnni,
+        Isa::Best | Isa::AvxVnni if Products::AvxVnni.available() => Products::AvxVnni,
+        _ => Products::Madd,
+    }
+}
+
 /// The row kernel of dense type `D`: AVX2 unless scalar is asked for or the CPU lacks it.
 fn dense_kernel<D: DenseRow>(isa: Isa) -> RowKernel {
     #[cfg(target_arch = "x86_64")]
@@ -262,12 +272,15 @@ fn dense_kernel<D: DenseRow>(isa: Isa) -> RowKernel {
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Isa {
     /// The widest this CPU has: AVX-512 (float kernels of quantized types; VNNI products in the integer
-    /// kernels), AVX2 + FMA, NEON (aarch64: the integer kernels), else scalar.
+    /// kernels, AVX-512's or else AVX-VNNI's), AVX2 + FMA, NEON (aarch64: the integer kernels), else scalar.
     Best,
     /// AVX-512 F/BW/VL float kernels where written (quantized types), the AVX2 integer kernels with AVX-512
     /// VNNI products where the CPU has VNNI, AVX2 for the rest. Callers check `Isa::available` first
     /// (`ntio._core.kernel_isa_available`).
     Avx512,
+    /// The AVX2 kernels, the integer ones with AVX-VNNI's products (VEX-encoded: Intel client cores from Alder
+    /// Lake on, which lack AVX-512; refused on a CPU without AVX-VNNI), to test those on AVX-512 machines.
+    AvxVnni,
     /// AVX2 + FMA where the CPU has them, else scalar (to test the AVX2 kernels on AVX-512 machines).
     Avx2,
     /// NEON integer kernels, with `sdot` where the CPU has it (aarch64 only).
@@ -276,11 +289,12 @@ pub enum Isa {
 }
 
 impl Isa {
-    /// The set named `name` (`best`, `avx512`, `avx2`, `neon`, `scalar`), if there is one.
+    /// The set named `name` (`best`, `avx512`, `avxvnni`, `avx2`, `neon`, `scalar`), if there is one.
     pub fn from_name(name: &str) -> Option<Isa> {
         match name {
             "best" => Some(Isa::Best),
             "avx512" => Some(Isa::Avx512),
+            "avxvnni" => Some(Isa::AvxVnni),
             "avx2" => Some(Isa::Avx2),
             "neon" => Some(Isa::Neon),
             "scalar" => Some(Isa::Scalar),
@@ -313,6 +327,7 @@ impl Isa {
             match self {
                 Isa::Best | Isa::Scalar => true,
                 Isa::Avx512 => super::avx512::available() && super::avx2::available(),
+                Isa::AvxVnni => super::avx2::Products::AvxVnni.available(),
                 Isa::Avx2 => super::avx2::available(),
                 Isa::Neon => false,
             }
@@ -760,22 +775,24 @@ mod tests {
         }
     }
 
-    /// Where the CPU has AVX-512 VNNI, the integer kernels with its products give the AVX2 products' bits: the
-    /// integer sums are the same and so is every float step, for every type and tile size.
+    /// The integer kernels with VNNI's products, AVX-512's and AVX-VNNI's where the CPU has them, give the AVX2
+    /// products' bits: the integer sums are the same and so is every float step, for every type and tile size.
     #[test]
     fn vnni_products_give_the_avx2_kernels_bits() {
-        #[cfg(target_arch = "x86_64")]
-        if super::super::avx2::vnni_available() {
-            let (n, k) = (19, 768);
+        let (n, k) = (19, 768);
+        for isa in [Isa::Avx512, Isa::AvxVnni]
+            .into_iter()
+            .filter(|isa| isa.available())
+        {
             for qtype in QType::ALL {
                 for t in (1..=MAX_T).chain([MAX_T + 9]) {
-                    let vnni = run(qtype, t, n, k, Isa::Avx512, Activations8::Int8);
+                    let vnni = run(qtype, t, n, k, isa, Activations8::Int8);
                     let avx2 = run(qtype, t, n, k, Isa::Avx2, Activations8::Int8);
                     assert!(
                         vnni.iter()
                             .zip(&avx2)
                             .all(|(a, b)| a.to_bits() == b.to_bits()),
-                        "{qtype:?} t={t}"
+                        "{isa:?} {qtype:?} t={t}"
                     );
                 }
             }

@@ -13,37 +13,7 @@ use std::arch::x86_64::*;
 
 use super::super::blocks::{self, Format, GROUP};
 use super::super::rows::{in_tiles, Activations, GroupKernel, GROUP_ROWS, MAX_T};
-use super::{halves8, prefetch, IntDot, Madd, Vnni, ROW_PREFETCH};
-
-/// `pub fn $name(vnni: bool) -> GroupKernel`: the group kernel `$rows::<D>` (one whole interleaved group, in tiles
-/// of activation rows; generic, `#[inline(always)]`, no target features of its own) compiled inside two entry
-/// points, AVX2's (`Madd`) and AVX-512 VNNI's (`Vnni`), as `int_entries!` does for the plain rows' kernels.
-macro_rules! group_kernel {
-    ($(#[$doc:meta])* $name:ident => $rows:ident) => {
-        $(#[$doc])*
-        pub fn $name(vnni: bool) -> GroupKernel {
-            #[target_feature(enable = "avx2,fma,f16c")]
-            unsafe fn avx2(a: &Activations, group: &[u8], row_bytes: usize, y: &mut [[f32; GROUP_ROWS]; MAX_T]) {
-                // SAFETY: the caller's contract is the body's, on a CPU with AVX2.
-                unsafe { $rows::<Madd>(a, group, row_bytes, y) }
-            }
-
-            #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
-            unsafe fn with_vnni(a: &Activations, group: &[u8], row_bytes: usize, y: &mut [[f32; GROUP_ROWS]; MAX_T]) {
-                // SAFETY: the caller's contract is the body's, on a CPU with VNNI.
-                unsafe { $rows::<Vnni>(a, group, row_bytes, y) }
-            }
-
-            // SAFETY (both): `matmul` selects these kernels only where the CPU has their features, and hands them
-            // one whole group (the body's contract).
-            if vnni {
-                |a, rows, row_bytes, y| unsafe { with_vnni(a, rows, row_bytes, y) }
-            } else {
-                |a, rows, row_bytes, y| unsafe { avx2(a, rows, row_bytes, y) }
-            }
-        }
-    };
-}
+use super::{halves8, int_entries, prefetch, AvxVnni, IntDot, Madd, Products, Vnni, ROW_PREFETCH};
 
 /// Q4_1: the plain rows' kernel is the group kernel `int_group_rows`, which reduces each block and weight row
 /// to one integer, Σ q·x̂ over its 32 codes; then acc += float(sum)·(d·dx), macc += m·Σx̂, and acc + macc at the
@@ -55,10 +25,15 @@ const GROUP_BLOCK: usize = GROUP_ROWS * Q4_1::BYTES;
 /// block's elements 4c..4c + 4 and whose high nibbles are elements 16 + 4c..16 + 4c + 4.
 const CODE_WORDS: usize = 4;
 
-group_kernel!(
-    /// The integer group kernel of interleaved Q4_1 rows (8-bit activations), with VNNI products if `vnni`. Call
-    /// only if `available()` (and `vnni_available()` for `vnni`).
-    q4_1_x8 => rows
+int_entries!(
+    /// The integer group kernel of interleaved Q4_1 rows (8-bit activations), with `products`. Call only if
+    /// `products.available()`.
+    pub q4_1_x8<> -> GroupKernel => rows(
+        a: &Activations,
+        group: &[u8],
+        row_bytes: usize,
+        y: &mut [[f32; GROUP_ROWS]; MAX_T]
+    )
 );
 
 /// One interleaved group of eight rows (`group`: 8 · row_bytes bytes, row_bytes = k / 32 · 20), in tiles of up to 8
@@ -165,19 +140,29 @@ const K_GROUP_BLOCK: usize = GROUP_ROWS * Q4K::BYTES;
 /// Groups of 32 per span.
 const K_SPAN_GROUPS: usize = Q4K::SPAN / GROUP;
 
-group_kernel!(
-    /// The integer group kernel of interleaved Q4_K rows (8-bit activations), with VNNI products if `vnni`. Call
-    /// only if `available()` (and `vnni_available()` for `vnni`).
-    q4_k_x8 => k_rows
+int_entries!(
+    /// The integer group kernel of interleaved Q4_K rows (8-bit activations), with `products`. Call only if
+    /// `products.available()`.
+    pub q4_k_x8<> -> GroupKernel => k_rows(
+        a: &Activations,
+        group: &[u8],
+        row_bytes: usize,
+        y: &mut [[f32; GROUP_ROWS]; MAX_T]
+    )
 );
 
-group_kernel!(
-    /// The integer group kernel of plain Q4_K rows (as read from the file; 8-bit activations), with VNNI products
-    /// if `vnni`: passes of at least REGROUP_ROWS activation rows interleave each whole group of eight weight rows
-    /// into scratch (`regroup`) and compute it as `q4_k_x8` does; shorter passes, and groups of fewer rows, run the
-    /// row kernel (`int_row`). Both give the same bits (`SuperBlock::SPAN_TOTALS`). Call only if `available()`
-    /// (and `vnni_available()` for `vnni`).
-    q4_k_plain => k_plain_rows
+int_entries!(
+    /// The integer group kernel of plain Q4_K rows (as read from the file; 8-bit activations), with `products`:
+    /// passes of at least REGROUP_ROWS activation rows interleave each whole group of eight weight rows into
+    /// scratch (`regroup`) and compute it as `q4_k_x8` does; shorter passes, and groups of fewer rows, run the row
+    /// kernel (`int_row`). Both give the same bits (`SuperBlock::SPAN_TOTALS`). Call only if
+    /// `products.available()`.
+    pub q4_k_plain<> -> GroupKernel => k_plain_rows(
+        a: &Activations,
+        rows: &[u8],
+        row_bytes: usize,
+        y: &mut [[f32; GROUP_ROWS]; MAX_T]
+    )
 );
 
 /// Activation rows from which a pass over plain Q4_K rows regroups them (`q4_k_plain`). Measured on Qwen2.5-Coder-
