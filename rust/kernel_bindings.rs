@@ -558,7 +558,7 @@ fn kernel_type(qtype: u32) -> PyResult<QType> {
 fn checked_isa(name: &str) -> PyResult<Isa> {
     let isa = Isa::from_name(name).ok_or_else(|| {
         PyValueError::new_err(format!(
-            "unknown CPU kernel set '{name}' (choose best, avx512, avxvnni, avx2, neon or scalar)"
+            "unknown CPU kernel set '{name}' (choose best, amx, avx512, avxvnni, avx2, neon or scalar)"
         ))
     })?;
     if !isa.available() {
@@ -569,8 +569,8 @@ fn checked_isa(name: &str) -> PyResult<Isa> {
     Ok(isa)
 }
 
-/// Checks kernel set `name` (`best`, `avx512`, `avxvnni`, `avx2`, `neon`, `scalar`): a ValueError saying why it cannot
-/// run here.
+/// Checks kernel set `name` (`best`, `amx`, `avx512`, `avxvnni`, `avx2`, `neon`, `scalar`): a ValueError saying why
+/// it cannot run here.
 #[pyfunction]
 fn check_kernel_isa(name: &str) -> PyResult<()> {
     checked_isa(name).map(|_| ())

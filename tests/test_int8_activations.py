@@ -102,9 +102,9 @@ def test_forced_kernel_sets(smollm2_path):
     assert bad.returncode == 1 and bad.stdout == ""
     assert bad.stderr.strip().splitlines() == [
         "ntio: error: NTIO_CPU_KERNELS = 'sse9': unknown CPU kernel set 'sse9' "
-        "(choose best, avx512, avxvnni, avx2, neon or scalar)"]
-    # NEON on an x86 machine, AVX-512 or AVX-VNNI on a CPU without it: refused in one line.
-    for isa in ("avx512", "avxvnni", "neon"):
+        "(choose best, amx, avx512, avxvnni, avx2, neon or scalar)"]
+    # NEON on an x86 machine, AMX, AVX-512 or AVX-VNNI on a CPU without it: refused in one line.
+    for isa in ("amx", "avx512", "avxvnni", "neon"):
         try:
             _core.check_kernel_isa(isa)
         except ValueError:

@@ -133,9 +133,9 @@ def quantized_matmul(x: Buffer, t: int, k: int, matrices: list[Matrix], out: Buf
     `.numpy()`). Prologue, in this order: gate (`silu` or `relu2`: x rows are [gate | up] -> act(gate) * up), then
     norm (RMSNorm of each row with eps); either may be absent. BufferError (a ValueError) naming the argument for a
     wrong element type, layout, writability or overlap; ValueError for an unsupported type or gate, sizes that do
-    not match, or a kernel set this CPU lacks. isa: `best`, `avx512`, `avxvnni`, `avx2`, `neon` or `scalar`; int8:
-    activations of quantized types quantized to 8 bits (Q8_0 spans of 32; spans of 128 for the 256-element types)
-    with integer products, else float32.
+    not match, or a kernel set this CPU lacks. isa: `best`, `amx`, `avx512`, `avxvnni`, `avx2`, `neon` or `scalar`;
+    int8: activations of quantized types quantized to 8 bits (Q8_0 spans of 32; spans of 128 for the 256-element
+    types) with integer products, else float32.
     """
 def decoder_stack(h: Buffer, d: int, layers: list[Layer],
                   sequences: list[tuple[Buffer, Buffer, int, int, Buffer, Buffer, Buffer | None, int]], *,
@@ -152,8 +152,8 @@ def decoder_stack(h: Buffer, d: int, layers: list[Layer],
     runs once over all T rows, each row's arithmetic that of a call of its own. h and the caches share no memory
     with each other or any other buffer; refusals name the buffer."""
 def check_kernel_isa(name: str) -> None:
-    """ValueError unless kernel set `name` (`best`, `avx512`, `avxvnni`, `avx2`, `neon`, `scalar`) exists and this CPU
-    runs it."""
+    """ValueError unless kernel set `name` (`best`, `amx`, `avx512`, `avxvnni`, `avx2`, `neon`, `scalar`) exists and
+    this CPU runs it."""
 def attend(qkv: Buffer, cache_k: Buffer, cache_v: Buffer, capacity: int, start: int, cos: Buffer, sin: Buffer,
            mask: Buffer | None, out: Buffer, *, n_heads: int, n_kv_heads: int, head_dim: int, rope_dim: int,
            neox: bool) -> None:

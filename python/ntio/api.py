@@ -81,7 +81,7 @@ class LLM:
 
     cpu_activations (default "int8"): what quantized weights meet in the CPU kernels: activations quantized to 8
     bits per 32 elements and integer products, as llama.cpp (fast), or "float32" (the reference, ~1e-6 of
-    transformers' float32). NTIO_CPU_KERNELS (best, avx512, avxvnni, avx2, neon, scalar) forces a kernel set.
+    transformers' float32). NTIO_CPU_KERNELS (best, amx, avx512, avxvnni, avx2, neon, scalar) forces a kernel set.
 
     draft: a small model with this one's vocabulary (a path or a name, e.g. qwen2.5-coder-0.5b for
     qwen2.5-coder-1.5b), loaded beside it as a companion (`companion`: resident in what memory is left) and used

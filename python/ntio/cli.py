@@ -82,7 +82,7 @@ def _plan_options(f):
     f = click.option("--cpu-activations", type=click.Choice(["int8", "float32"]), default="int8", show_default=True,
                      help="What quantized weights meet in the CPU kernels: 8-bit activations and integer products "
                           "(as llama.cpp), or float32 (the reference path, which dequantizes for long prompts); env "
-                          "NTIO_CPU_KERNELS=best|avx512|avxvnni|avx2|neon|scalar forces a kernel set")(f)
+                          "NTIO_CPU_KERNELS=best|amx|avx512|avxvnni|avx2|neon|scalar forces a kernel set")(f)
     f = click.option("--sync", is_flag=True,
                      help="Read streamed layers when needed instead of prefetching them (one staging slot)")(f)
     f = click.option("--prefetch-depth", type=click.IntRange(min=1),

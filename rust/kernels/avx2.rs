@@ -5,7 +5,8 @@
 //!   (128 elements) and row (Q4_K: each span reduced to exact integers first, `SuperBlock::SPAN_TOTALS`, the
 //!   numerics of its interleaved layout's kernel; passes of several rows regroup its rows into that layout,
 //!   `interleaved::q4_k_plain`);
-//! - `interleaved`: the kernels of rows interleaved by eight (resident Q4_1 and Q4_K matrices);
+//! - `interleaved`: the kernels of rows interleaved by eight (resident Q4_1 and Q4_K matrices), Q4_K's with AMX
+//!   tiles (`amx`) in passes of many activation rows where the CPU has them;
 //! - integer group kernels (`int_group`, the legacy 32-element types): the same products for eight weight rows
 //!   at once, each row's integer sum in its own lane (lane j: row j) so that the float work is shared by the
 //!   eight rows: for one activation row, eight product vectors reduced across lanes; for tiles of two or more,
@@ -32,6 +33,7 @@ use std::arch::x86_64::*;
 use super::blocks::{self, Dense, Format, GROUP, MAX_SUBS};
 use super::rows::{in_tiles, Activations, GroupKernel, Kernel, RowKernel, GROUP_ROWS, MAX_T};
 
+mod amx;
 mod interleaved;
 pub use interleaved::{q4_1_x8, q4_k_x8};
 
@@ -52,6 +54,9 @@ pub enum Products {
     AvxVnni,
     /// AVX-512 VNNI's, on 256-bit vectors (`Vnni`).
     Avx512Vnni,
+    /// AMX tiles (`amx`) where a kernel has them (Q4_K's, in passes of several activation rows), else AVX-512
+    /// VNNI's.
+    Amx,
 }
 
 impl Products {
@@ -64,6 +69,7 @@ impl Products {
                 Products::Avx512Vnni => {
                     is_x86_feature_detected!("avx512vnni") && is_x86_feature_detected!("avx512vl")
                 }
+                Products::Amx => Products::Avx512Vnni.available() && amx::available(),
             }
     }
 }
@@ -239,11 +245,11 @@ macro_rules! int_entries {
             }
 
             // SAFETY (all three): `matmul` asks for products only where `Products::available` says the CPU has
-            // their features.
+            // their features (AMX's include AVX-512 VNNI's, which kernels without tiles take).
             match products {
                 Products::Madd => |$($arg),*| unsafe { madd::<$($g),*>($($arg),*) },
                 Products::AvxVnni => |$($arg),*| unsafe { avx_vnni::<$($g),*>($($arg),*) },
-                Products::Avx512Vnni => |$($arg),*| unsafe { avx512_vnni::<$($g),*>($($arg),*) },
+                Products::Avx512Vnni | Products::Amx => |$($arg),*| unsafe { avx512_vnni::<$($g),*>($($arg),*) },
             }
         }
     };
@@ -1195,12 +1201,12 @@ macro_rules! k_format {
 
 // Q4_K's plain rows: passes over several activation rows regroup each eight rows into the interleaved layout
 // (`interleaved::q4_k_plain`).
-k_format!(blocks::Q4K, span_totals true, int_kernel |products| Kernel::Group(interleaved::q4_k_plain(products)), |b, g| bits32(
+k_format!(blocks::Q4K, span_totals true, int_kernel |p| Kernel::Group(interleaved::q4_k_plain(p)), |b, g| bits32(
     load32(b.add(16 + 32 * (g / 2))),
     4 * (g % 2),
     0x0F
 ));
-k_format!(blocks::Q5K, span_totals false, int_kernel |products| Kernel::Row(int::<blocks::Q5K>(products)), |b, g| {
+k_format!(blocks::Q5K, span_totals false, int_kernel |p| Kernel::Row(int::<blocks::Q5K>(p)), |b, g| {
     let (qs, qh) = (load32(b.add(48 + 32 * (g / 2))), load32(b.add(16)));
     let high = _mm256_slli_epi16(bits32(qh, g, 1), 4);
     _mm256_or_si256(bits32(qs, 4 * (g % 2), 0x0F), high)

@@ -223,7 +223,7 @@ impl<D: Dense> DenseRow for D {}
 fn quantized_kernel<F: Quantized>(isa: Isa, int: bool) -> Kernel {
     #[cfg(target_arch = "x86_64")]
     {
-        if !int && matches!(isa, Isa::Best | Isa::Avx512) && super::avx512::available() {
+        if !int && matches!(isa, Isa::Best | Isa::Amx | Isa::Avx512) && super::avx512::available() {
             return Kernel::Row(super::avx512::quantized::<F>());
         }
         if isa != Isa::Scalar && super::avx2::available() {
@@ -246,12 +246,14 @@ fn quantized_kernel<F: Quantized>(isa: Isa, int: bool) -> Kernel {
     })
 }
 
-/// The byte products of `isa`'s AVX2 integer kernels: AVX-512 VNNI's where the set allows them (`best`, `avx512`)
-/// and the CPU has them, else AVX-VNNI's where allowed (`best`, `avxvnni`) and present, else AVX2's.
+/// The byte products of `isa`'s AVX2 integer kernels: AMX's where the set allows them (`best`, `amx`) and the CPU
+/// has them, else AVX-512 VNNI's where allowed (`best`, `avx512`) and present, else AVX-VNNI's where allowed
+/// (`best`, `avxvnni`) and present, else AVX2's.
 #[cfg(target_arch = "x86_64")]
 fn products(isa: Isa) -> super::avx2::Products {
     use super::avx2::Products;
     match isa {
+        Isa::Best | Isa::Amx if Products::Amx.available() => Products::Amx,
         Isa::Best | Isa::Avx512 if Products::Avx512Vnni.available() => Products::Avx512Vnni,
         Isa::Best | Isa::AvxVnni if Products::AvxVnni.available() => Products::AvxVnni,
         _ => Products::Madd,
@@ -271,9 +273,13 @@ fn dense_kernel<D: DenseRow>(isa: Isa) -> RowKernel {
 /// Which row kernels run.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Isa {
-    /// The widest this CPU has: AVX-512 (float kernels of quantized types; VNNI products in the integer
-    /// kernels, AVX-512's or else AVX-VNNI's), AVX2 + FMA, NEON (aarch64: the integer kernels), else scalar.
+    /// The widest this CPU has: AVX-512 (float kernels of quantized types; in the integer kernels AMX tiles
+    /// where written, VNNI products elsewhere, AVX-512's or else AVX-VNNI's), AVX2 + FMA, NEON (aarch64: the
+    /// integer kernels), else scalar.
     Best,
+    /// `Avx512` with AMX tiles in the integer kernels that have them (Q4_K's, in passes of several activation
+    /// rows); refused on a CPU without AMX, or where the OS does not grant this process the tile state.
+    Amx,
     /// AVX-512 F/BW/VL float kernels where written (quantized types), the AVX2 integer kernels with AVX-512
     /// VNNI products where the CPU has VNNI, AVX2 for the rest. Callers check `Isa::available` first
     /// (`ntio._core.kernel_isa_available`).
@@ -289,10 +295,11 @@ pub enum Isa {
 }
 
 impl Isa {
-    /// The set named `name` (`best`, `avx512`, `avxvnni`, `avx2`, `neon`, `scalar`), if there is one.
+    /// The set named `name` (`best`, `amx`, `avx512`, `avxvnni`, `avx2`, `neon`, `scalar`), if there is one.
     pub fn from_name(name: &str) -> Option<Isa> {
         match name {
             "best" => Some(Isa::Best),
+            "amx" => Some(Isa::Amx),
             "avx512" => Some(Isa::Avx512),
             "avxvnni" => Some(Isa::AvxVnni),
             "avx2" => Some(Isa::Avx2),
@@ -327,6 +334,7 @@ impl Isa {
             match self {
                 Isa::Best | Isa::Scalar => true,
                 Isa::Avx512 => super::avx512::available() && super::avx2::available(),
+                Isa::Amx => super::avx512::available() && super::avx2::Products::Amx.available(),
                 Isa::AvxVnni => super::avx2::Products::AvxVnni.available(),
                 Isa::Avx2 => super::avx2::available(),
                 Isa::Neon => false,
@@ -775,12 +783,12 @@ mod tests {
         }
     }
 
-    /// The integer kernels with VNNI's products, AVX-512's and AVX-VNNI's where the CPU has them, give the AVX2
-    /// products' bits: the integer sums are the same and so is every float step, for every type and tile size.
+    /// The integer kernels with AMX's and VNNI's products (AVX-512's, AVX-VNNI's) where the CPU has them give the
+    /// AVX2 products' bits: the integer sums are the same and so is every float step, for every type and tile size.
     #[test]
     fn vnni_products_give_the_avx2_kernels_bits() {
         let (n, k) = (19, 768);
-        for isa in [Isa::Avx512, Isa::AvxVnni]
+        for isa in [Isa::Amx, Isa::Avx512, Isa::AvxVnni]
             .into_iter()
             .filter(|isa| isa.available())
         {
@@ -830,7 +838,7 @@ mod tests {
             .into_iter()
             .flat_map(|q| [(q, Activations8::Int8), (q, Activations8::Float)])
         {
-            for isa in [Isa::Avx512, Isa::Avx2, Isa::Scalar]
+            for isa in [Isa::Amx, Isa::Avx512, Isa::Avx2, Isa::Scalar]
                 .into_iter()
                 .filter(|i| i.available())
             {
@@ -1122,9 +1130,16 @@ mod tests {
     ) {
         let other = bytes(5 * k / 32 * 18, 7); // five Q4_0 rows after the interleaved ones
         for act in [Activations8::Int8, Activations8::Float] {
-            for isa in [Isa::Best, Isa::Avx512, Isa::Avx2, Isa::Neon, Isa::Scalar]
-                .into_iter()
-                .filter(|i| i.available())
+            for isa in [
+                Isa::Best,
+                Isa::Amx,
+                Isa::Avx512,
+                Isa::Avx2,
+                Isa::Neon,
+                Isa::Scalar,
+            ]
+            .into_iter()
+            .filter(|i| i.available())
             {
                 for t in (1..=MAX_T).chain([MAX_T + 9]) {
                     let x: Vec<f32> = bytes(t * k, 8)

@@ -22,11 +22,12 @@ then one linear stream whose scales unpack once for the eight and whose products
 lane. They give the plain rows' bits, so streamed layers (plain rows, as read from the file) and resident ones
 compute the same.
 
-Kernel sets: `best` (the widest this CPU runs), `avx512`, `avxvnni`, `avx2`, `neon` (aarch64), `scalar`; the
+Kernel sets: `best` (the widest this CPU runs), `amx`, `avx512`, `avxvnni`, `avx2`, `neon` (aarch64), `scalar`; the
 environment variable NTIO_CPU_KERNELS forces one for an engine (`KernelChoice.from_env`), and a set the CPU lacks is
 refused. On x86 the 8-bit kernels are AVX2's; `best` and `avx512` give them AVX-512 VNNI's products where the CPU has
-them, `best` and `avxvnni` AVX-VNNI's (Intel client cores without AVX-512) where it has those instead, all with the
-same results bit for bit (`avx2` forces the AVX2 products).
+them, `best` and `avxvnni` AVX-VNNI's (Intel client cores without AVX-512) where it has those instead, and `best` and
+`amx` AMX tiles to Q4_K's passes of 16 rows or more where the CPU has AMX, all with the same results bit for bit
+(`avx2` forces the AVX2 products).
 """
 
 from __future__ import annotations
@@ -148,7 +149,7 @@ def quantized_linear(x: torch.Tensor, raw: torch.Tensor, qtype: gguf.GGMLQuantiz
 
     x: contiguous float32 CPU tensor, T >= 1. raw: contiguous 1-D uint8 CPU tensor of exactly the
     encoded size. out: optional contiguous float32 [T, N] CPU tensor, not overlapping x or raw.
-    isa: the kernel set (`best`, `avx512`, `avxvnni`, `avx2`, `neon`, `scalar`); int8: 8-bit activations (see the
+    isa: the kernel set (`best`, `amx`, `avx512`, `avxvnni`, `avx2`, `neon`, `scalar`); int8: 8-bit activations (see the
     module's numerics).
     Errors: ValueError (`_core.BufferError` for a buffer of the wrong dtype, layout or overlap; a kernel set this
     CPU lacks) / TypeError naming the problem.

@@ -13,7 +13,9 @@ use std::arch::x86_64::*;
 
 use super::super::blocks::{self, Format, GROUP};
 use super::super::rows::{in_tiles, Activations, GroupKernel, GROUP_ROWS, MAX_T};
-use super::{halves8, int_entries, prefetch, AvxVnni, IntDot, Madd, Products, Vnni, ROW_PREFETCH};
+use super::{
+    amx, halves8, int_entries, prefetch, AvxVnni, IntDot, Madd, Products, Vnni, ROW_PREFETCH,
+};
 
 /// Q4_1: the plain rows' kernel is the group kernel `int_group_rows`, which reduces each block and weight row
 /// to one integer, Σ q·x̂ over its 32 codes; then acc += float(sum)·(d·dx), macc += m·Σx̂, and acc + macc at the
@@ -140,10 +142,46 @@ const K_GROUP_BLOCK: usize = GROUP_ROWS * Q4K::BYTES;
 /// Groups of 32 per span.
 const K_SPAN_GROUPS: usize = Q4K::SPAN / GROUP;
 
-int_entries!(
-    /// The integer group kernel of interleaved Q4_K rows (8-bit activations), with `products`. Call only if
+/// `pub fn $name(products: Products) -> GroupKernel`: `$vector(products)`, or for `Products::Amx` the body
+/// `$tiles` (no target features of its own, `#[inline(always)]`) compiled inside an entry point with AVX-512
+/// VNNI's features, which AMX's imply.
+macro_rules! with_tiles {
+    ($(#[$doc:meta])* $name:ident => $vector:ident, $tiles:ident) => {
+        $(#[$doc])*
+        pub fn $name(products: Products) -> GroupKernel {
+            #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+            unsafe fn tiles(a: &Activations, rows: &[u8], row_bytes: usize, y: &mut [[f32; GROUP_ROWS]; MAX_T]) {
+                // SAFETY: the caller's contract is the body's, on a CPU with AMX and AVX-512 VNNI.
+                unsafe { $tiles(a, rows, row_bytes, y) }
+            }
+
+            if products != Products::Amx {
+                return $vector(products);
+            }
+            // SAFETY: `matmul` asks for AMX's products only where `Products::Amx.available()`.
+            |a, rows, row_bytes, y| unsafe { tiles(a, rows, row_bytes, y) }
+        }
+    };
+}
+
+with_tiles!(
+    /// The integer group kernel of interleaved Q4_K rows (8-bit activations), with `products` (AMX's: tiles in
+    /// passes of at least TILE_MIN_ROWS activation rows, `k_rows_tiles`). Call only if `products.available()`.
+    q4_k_x8 => q4_k_x8_vector, k_rows_tiles
+);
+
+with_tiles!(
+    /// The integer group kernel of plain Q4_K rows (as read from the file; 8-bit activations), with `products`:
+    /// passes of at least REGROUP_ROWS activation rows interleave each whole group of eight weight rows into
+    /// scratch (`regroup`) and compute it as `q4_k_x8` does; shorter passes, and groups of fewer rows, run the row
+    /// kernel (`int_row`). Both give the same bits (`SuperBlock::SPAN_TOTALS`). Call only if
     /// `products.available()`.
-    pub q4_k_x8<> -> GroupKernel => k_rows(
+    q4_k_plain => q4_k_plain_vector, k_plain_rows_tiles
+);
+
+int_entries!(
+    /// `q4_k_x8` with vector products.
+    q4_k_x8_vector<> -> GroupKernel => k_rows(
         a: &Activations,
         group: &[u8],
         row_bytes: usize,
@@ -152,12 +190,8 @@ int_entries!(
 );
 
 int_entries!(
-    /// The integer group kernel of plain Q4_K rows (as read from the file; 8-bit activations), with `products`:
-    /// passes of at least REGROUP_ROWS activation rows interleave each whole group of eight weight rows into
-    /// scratch (`regroup`) and compute it as `q4_k_x8` does; shorter passes, and groups of fewer rows, run the row
-    /// kernel (`int_row`). Both give the same bits (`SuperBlock::SPAN_TOTALS`). Call only if
-    /// `products.available()`.
-    pub q4_k_plain<> -> GroupKernel => k_plain_rows(
+    /// `q4_k_plain` with vector products.
+    q4_k_plain_vector<> -> GroupKernel => k_plain_rows_vector(
         a: &Activations,
         rows: &[u8],
         row_bytes: usize,
@@ -175,13 +209,43 @@ thread_local! {
     static REGROUPED: std::cell::Cell<Vec<u8>> = const { std::cell::Cell::new(Vec::new()) };
 }
 
-/// `count` (1 to 8) plain Q4_K rows (`rows`: count · row_bytes bytes), in the layout's kernel (`k_rows`) or row
-/// by row (`int_row`); y[t][j] for row j.
+/// `k_plain_rows` with vector products.
 ///
 /// # Safety
 /// The caller runs with D's features.
 #[inline(always)]
-unsafe fn k_plain_rows<D: IntDot>(
+unsafe fn k_plain_rows_vector<D: IntDot>(
+    a: &Activations,
+    rows: &[u8],
+    row_bytes: usize,
+    y: &mut [[f32; GROUP_ROWS]; MAX_T],
+) {
+    // SAFETY: the caller's contract.
+    unsafe { k_plain_rows::<D, false>(a, rows, row_bytes, y) }
+}
+
+/// `k_plain_rows` with AMX tiles where a pass regroups.
+///
+/// # Safety
+/// The caller runs with AVX-512 VNNI's features on a CPU with AMX.
+#[inline(always)]
+unsafe fn k_plain_rows_tiles(
+    a: &Activations,
+    rows: &[u8],
+    row_bytes: usize,
+    y: &mut [[f32; GROUP_ROWS]; MAX_T],
+) {
+    // SAFETY: the caller's contract.
+    unsafe { k_plain_rows::<Vnni, true>(a, rows, row_bytes, y) }
+}
+
+/// `count` (1 to 8) plain Q4_K rows (`rows`: count · row_bytes bytes), in the layout's kernel (`k_rows`, or
+/// `k_rows_tiles` if TILES) or row by row (`int_row`); y[t][j] for row j.
+///
+/// # Safety
+/// The caller runs with D's features (TILES: AVX-512 VNNI's, on a CPU with AMX).
+#[inline(always)]
+unsafe fn k_plain_rows<D: IntDot, const TILES: bool>(
     a: &Activations,
     rows: &[u8],
     row_bytes: usize,
@@ -194,7 +258,11 @@ unsafe fn k_plain_rows<D: IntDot>(
         // SAFETY: the caller runs with D's features, which include AVX2; `mixed` has the rows' size.
         unsafe {
             regroup(rows, row_bytes, &mut mixed);
-            k_rows::<D>(a, &mixed, row_bytes, y);
+            if TILES {
+                k_rows_tiles(a, &mixed, row_bytes, y);
+            } else {
+                k_rows::<D>(a, &mixed, row_bytes, y);
+            }
         }
         REGROUPED.set(mixed);
         return;
@@ -313,6 +381,100 @@ unsafe fn byte_lanes(v: __m256i, i: usize) -> __m256i {
     }
 }
 
+/// The scales of an interleaved Q4_K block's eight rows, lane r for row r.
+struct BlockScales {
+    d: __m256,
+    neg_dmin: __m256,
+    /// The 6-bit sub-scales of groups 0-3 and 4-7, one byte each per lane.
+    sc: [__m256i; 2],
+    /// The 6-bit offset multipliers of groups 0-3 and 4-7, one byte each per lane.
+    mn: [__m256i; 2],
+}
+
+impl BlockScales {
+    /// Words 0-3 of the block at `block` unpacked (as `blocks::k_scales`, on all eight rows at once): for groups
+    /// 4-7 bits 6-7 of the first bytes become bits 4-5.
+    ///
+    /// # Safety
+    /// The block must have 128 readable bytes; the caller runs with AVX2.
+    #[inline(always)]
+    unsafe fn of(block: *const u8) -> BlockScales {
+        const LOW6: i32 = 0x3F3F_3F3F;
+        const LOW4: i32 = 0x0F0F_0F0F;
+        const TOP2: i32 = 0x3030_3030; // bits 6-7 of each byte, shifted right by 2
+                                       // SAFETY (every `word`): words 0..4 of the block; the caller runs with AVX2.
+        unsafe {
+            let (d, dmin) = halves8(word(block, 0));
+            let (s0, s1, s2) = (word(block, 1), word(block, 2), word(block, 3));
+            let top2 = _mm256_set1_epi32(TOP2);
+            BlockScales {
+                d,
+                neg_dmin: _mm256_xor_ps(dmin, _mm256_set1_ps(-0.0)),
+                sc: [
+                    _mm256_and_si256(s0, _mm256_set1_epi32(LOW6)),
+                    _mm256_or_si256(
+                        _mm256_and_si256(s2, _mm256_set1_epi32(LOW4)),
+                        _mm256_and_si256(_mm256_srli_epi32(s0, 2), top2),
+                    ),
+                ],
+                mn: [
+                    _mm256_and_si256(s1, _mm256_set1_epi32(LOW6)),
+                    _mm256_or_si256(
+                        _mm256_and_si256(_mm256_srli_epi32(s2, 4), _mm256_set1_epi32(LOW4)),
+                        _mm256_and_si256(_mm256_srli_epi32(s1, 2), top2),
+                    ),
+                ],
+            }
+        }
+    }
+
+    /// Group g's sub-scales as float lanes.
+    ///
+    /// # Safety
+    /// The caller runs with AVX2.
+    #[inline(always)]
+    unsafe fn scale(&self, g: usize) -> __m256 {
+        // SAFETY: guaranteed by the caller.
+        _mm256_cvtepi32_ps(unsafe { byte_lanes(self.sc[g / 4], g % 4) })
+    }
+
+    /// One activation row's outputs (`out`, lane r: weight row r) after span `sp` of the block: out +=
+    /// total·(d·dx) then M·(-dmin·dx), with total = Σ sc·Σ q·x̂ over the span's groups (exact integers in float32),
+    /// M = Σ mn·Σ x̂ from the row's integer group sums (`sums`: the span's four), dx the row's scale for the span.
+    ///
+    /// # Safety
+    /// `sums` must point at 4 readable sums; the caller runs with D's features.
+    #[inline(always)]
+    unsafe fn end_span<D: IntDot>(
+        &self,
+        out: &mut [f32; GROUP_ROWS],
+        total: __m256,
+        sp: usize,
+        dx: f32,
+        sums: *const i32,
+    ) {
+        let dx = _mm256_set1_ps(dx);
+        let out = out.as_mut_ptr();
+        // SAFETY: `out` holds GROUP_ROWS floats; the rest is the caller's contract.
+        unsafe {
+            let acc = _mm256_loadu_ps(out);
+            let acc = _mm256_fmadd_ps(total, _mm256_mul_ps(self.d, dx), acc);
+            let mut m = _mm256_setzero_si256();
+            for j in 0..K_SPAN_GROUPS {
+                let g = sp * K_SPAN_GROUPS + j;
+                // mn (low 16 bits, high 16 zero) against Σcodes (|Σ| < 2^15: its low 16 bits, signed).
+                m = D::madd_into(
+                    m,
+                    _mm256_set1_epi32(*sums.add(j)),
+                    byte_lanes(self.mn[g / 4], g % 4),
+                );
+            }
+            let acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(m), _mm256_mul_ps(self.neg_dmin, dx), acc);
+            _mm256_storeu_ps(out, acc);
+        }
+    }
+}
+
 /// y[0..R] (lane r: weight row r) for activation rows t0..t0 + R; returns R.
 ///
 /// # Safety
@@ -324,9 +486,6 @@ unsafe fn k_tile<D: IntDot, const R: usize>(
     t0: usize,
     y: &mut [[f32; GROUP_ROWS]],
 ) -> usize {
-    const LOW6: i32 = 0x3F3F_3F3F;
-    const LOW4: i32 = 0x0F0F_0F0F;
-    const TOP2: i32 = 0x3030_3030; // bits 6-7 of each byte, shifted right by 2
     let q8 = a.q8_for(Q4K::SPAN);
     let (spans, gs) = (a.k / Q4K::SPAN, a.k / GROUP);
     // Activation row t0 + r's codes, scales (one per span) and integer group sums start r rows on.
@@ -347,28 +506,8 @@ unsafe fn k_tile<D: IntDot, const R: usize>(
         // SAFETY: block bi of the group is inside it (the caller's contract).
         let block = unsafe { base.add(bi * K_GROUP_BLOCK) };
         prefetch(block.wrapping_add(ROW_PREFETCH), K_GROUP_BLOCK);
-        // SAFETY (every `word`): words 0..36 of the block.
-        let (d, dmin) = halves8(unsafe { word(block, 0) });
-        let neg_dmin = _mm256_xor_ps(dmin, _mm256_set1_ps(-0.0));
-        // The 6-bit sub-scales and offset multipliers of groups 0-3 and 4-7, one byte each per lane (as
-        // `blocks::k_scales`, on all eight rows at once): for groups 4-7 bits 6-7 of the first bytes become
-        // bits 4-5.
-        let (s0, s1, s2) = unsafe { (word(block, 1), word(block, 2), word(block, 3)) };
-        let top2 = _mm256_set1_epi32(TOP2);
-        let sc = [
-            _mm256_and_si256(s0, _mm256_set1_epi32(LOW6)),
-            _mm256_or_si256(
-                _mm256_and_si256(s2, _mm256_set1_epi32(LOW4)),
-                _mm256_and_si256(_mm256_srli_epi32(s0, 2), top2),
-            ),
-        ];
-        let mn = [
-            _mm256_and_si256(s1, _mm256_set1_epi32(LOW6)),
-            _mm256_or_si256(
-                _mm256_and_si256(_mm256_srli_epi32(s2, 4), _mm256_set1_epi32(LOW4)),
-                _mm256_and_si256(_mm256_srli_epi32(s1, 2), top2),
-            ),
-        ];
+        // SAFETY: the block's words 0-3; the caller runs with AVX2.
+        let scales_of_block = unsafe { BlockScales::of(block) };
         for sp in 0..Q4K::BLOCK / Q4K::SPAN {
             // Σ sc·Σ q·x̂ over the span's groups, per row: exact integers in float32.
             let mut totals = [_mm256_setzero_ps(); R];
@@ -383,6 +522,7 @@ unsafe fn k_tile<D: IntDot, const R: usize>(
                 let chains = if R < 4 { 2 } else { 1 };
                 let mut sums = [[[_mm256_setzero_si256(); 2]; R]; 2];
                 for c in 0..8 {
+                    // SAFETY: word 4 + 8h + c < 36 of the block.
                     let v = unsafe { word(block, 4 + 8 * h + c) };
                     let w = [
                         _mm256_and_si256(v, low),
@@ -405,9 +545,8 @@ unsafe fn k_tile<D: IntDot, const R: usize>(
                     }
                 }
                 for (half, sums) in sums.into_iter().enumerate() {
-                    let g = 2 * h + half;
                     // SAFETY: the caller runs with D's features, which include AVX2.
-                    let scale = _mm256_cvtepi32_ps(unsafe { byte_lanes(sc[g / 4], g % 4) });
+                    let scale = unsafe { scales_of_block.scale(2 * h + half) };
                     for ([even, odd], total) in sums.into_iter().zip(&mut totals) {
                         // SAFETY: the caller runs with D's features.
                         let sum = unsafe {
@@ -422,26 +561,204 @@ unsafe fn k_tile<D: IntDot, const R: usize>(
                 }
             }
             for (r, total) in totals.into_iter().enumerate() {
-                // SAFETY: one scale per span and row; the row's integer group sums hold the span's 4 groups.
-                let dx = _mm256_set1_ps(unsafe { *scales.add(r * spans + bi * 2 + sp) });
-                let out = y[r].as_mut_ptr();
-                // SAFETY: y[r] holds GROUP_ROWS floats.
-                let acc = unsafe { _mm256_loadu_ps(out) };
-                let acc = _mm256_fmadd_ps(total, _mm256_mul_ps(d, dx), acc);
-                let mut m = _mm256_setzero_si256();
-                for g in sp * K_SPAN_GROUPS..(sp + 1) * K_SPAN_GROUPS {
-                    // mn (low 16 bits, high 16 zero) against Σcodes (|Σ| < 2^15: its low 16 bits, signed).
-                    let sum = unsafe { *code_sums.add(r * gs + bi * 8 + g) };
-                    // SAFETY: the caller runs with D's features (AVX2's among them).
-                    m = unsafe {
-                        D::madd_into(m, _mm256_set1_epi32(sum), byte_lanes(mn[g / 4], g % 4))
-                    };
+                // SAFETY: one scale per span and row; the row's integer group sums hold the span's 4 groups; the
+                // caller runs with D's features.
+                unsafe {
+                    let dx = *scales.add(r * spans + bi * 2 + sp);
+                    let sums = code_sums.add(r * gs + bi * 8 + sp * K_SPAN_GROUPS);
+                    scales_of_block.end_span::<D>(&mut y[r], total, sp, dx, sums);
                 }
-                let acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(m), _mm256_mul_ps(neg_dmin, dx), acc);
-                // SAFETY: as above.
-                unsafe { _mm256_storeu_ps(out, acc) };
             }
         }
     }
     R
+}
+
+/// Activation rows from which a pass over Q4_K rows takes AMX tiles (`Products::Amx`); fewer run `k_rows`.
+/// Measured on Qwen2.5-Coder-1.5B's kernel pass (2 threads, against VNNI's products; benches/RESULTS.md,
+/// twenty-third session): from 4 rows, 0.81x at T = 4, 0.95x at T = 8, 1.11x at T = 16.
+const TILE_MIN_ROWS: usize = 16;
+/// Activation rows per AMX tile pass (the rows of the activation and sum tiles).
+const TILE_TOKENS: usize = 16;
+
+/// `k_rows` with AMX tiles: passes of TILE_MIN_ROWS or more activation rows in tiles of up to TILE_TOKENS rows
+/// (`k_tile_amx`), fewer as `k_rows` with VNNI's products. The same bits either way.
+///
+/// # Safety
+/// As `k_rows`, with AVX-512 VNNI's features on a CPU with AMX (`amx::available()`).
+#[inline(always)]
+unsafe fn k_rows_tiles(
+    a: &Activations,
+    group: &[u8],
+    row_bytes: usize,
+    y: &mut [[f32; GROUP_ROWS]; MAX_T],
+) {
+    if a.t < TILE_MIN_ROWS {
+        // SAFETY: the caller's contract.
+        return unsafe { k_rows::<Vnni>(a, group, row_bytes, y) };
+    }
+    debug_assert!(
+        group.len() == GROUP_ROWS * row_bytes && row_bytes == a.k / Q4K::BLOCK * Q4K::BYTES
+    );
+    let mut t0 = 0;
+    while t0 < a.t {
+        let rows = (a.t - t0).min(TILE_TOKENS);
+        // SAFETY: the caller's contract, with t0 + rows <= t.
+        unsafe { k_tile_amx(a, group.as_ptr(), t0, rows, &mut y[t0..]) };
+        t0 += rows;
+    }
+}
+
+/// One span's tiles in memory: the weight codes of its four groups (group j's weight tile from row 8j: row c holds
+/// the group's elements 4c..4c + 4 of each of the eight weight rows, a code word's nibbles), and the groups'
+/// integer sums ([group][activation row][weight row]).
+#[repr(C, align(64))]
+struct SpanTiles {
+    codes: [[u8; 32]; 4 * 8],
+    sums: [[[i32; GROUP_ROWS]; TILE_TOKENS]; K_SPAN_GROUPS],
+}
+
+/// y[0..rows] (lane r: weight row r) for activation rows t0..t0 + rows (rows <= TILE_TOKENS), as `k_tile`
+/// computes them: each group's Σ q·x̂ for all rows at once in one `tdpbsud` (activation codes [rows, 32] signed,
+/// weight codes [8, 8 · 4] unsigned), then the same float steps as `k_tile` on the same exact integers, so the
+/// same bits.
+///
+/// Tile registers are not renamed: a span's products wait on the span before, and its sums go through memory
+/// (`tilestored`, then vector loads). So the float steps of span s run after span s + 1's tile instructions are
+/// issued, from the other of two scratch buffers, and overlap them. Without that overlap the pass took 1.2-1.3x
+/// as long at T = 4-16.
+///
+/// # Safety
+/// `base` must point at one whole group of `a.k / 256` blocks; t0 + rows <= a.t; the caller runs with AVX-512
+/// VNNI's features on a CPU with AMX.
+#[inline(always)]
+unsafe fn k_tile_amx(
+    a: &Activations,
+    base: *const u8,
+    t0: usize,
+    rows: usize,
+    y: &mut [[f32; GROUP_ROWS]],
+) {
+    let q8 = a.q8_for(Q4K::SPAN);
+    let (spans, gs) = (a.k / Q4K::SPAN, a.k / GROUP);
+    // SAFETY: as in `k_tile`.
+    let (codes, scales, code_sums) = unsafe {
+        (
+            q8.codes.as_ptr().add(t0 * a.k),
+            q8.scales.as_ptr().add(t0 * spans),
+            q8.code_sums.as_ptr().add(t0 * gs),
+        )
+    };
+    // Tiles 0 and 6: a group's activation codes (rows of 32, k bytes apart); 1 and 7: its weight codes; 2-5: the
+    // span's four groups' sums. Two pairs of operand tiles, so that loading one group's does not wait on the
+    // product of the group before.
+    let (activations, weights, sums) = (
+        (rows, GROUP),
+        (GROUP / 4, 4 * GROUP_ROWS),
+        (rows, 4 * GROUP_ROWS),
+    );
+    let config = amx::Config::new([
+        activations,
+        weights,
+        sums,
+        sums,
+        sums,
+        sums,
+        activations,
+        weights,
+    ]);
+    let scratch = || SpanTiles {
+        codes: [[0; 32]; 32],
+        sums: [[[0; GROUP_ROWS]; TILE_TOKENS]; K_SPAN_GROUPS],
+    };
+    let mut tiles = [scratch(), scratch()];
+    const GROUP_CODES: usize = 8 * 32;
+    const GROUP_SUMS: usize = TILE_TOKENS * 4 * GROUP_ROWS;
+    let low = _mm256_set1_epi8(0x0F);
+    for out in y[..rows].iter_mut() {
+        *out = [0.0; GROUP_ROWS];
+    }
+    // SAFETY (every tile instruction below): the caller's CPU has AMX; this configuration's shapes; the operands'
+    // bytes are inside the activation codes (rows rows of k from `codes`, group bi · 8 + 4sp + j) and `tiles`.
+    unsafe { config.load() };
+    // Step i: span i % 2 of block i / 2, its tile instructions at step i, its float steps at step i + 1.
+    let steps = a.k / Q4K::BLOCK * 2;
+    for step in 0..=steps {
+        if step < steps {
+            let (bi, sp) = (step / 2, step % 2);
+            let tiles = &mut tiles[step % 2];
+            // SAFETY: block bi of the group is inside it (the caller's contract).
+            let block = unsafe { base.add(bi * K_GROUP_BLOCK) };
+            prefetch(block.wrapping_add(ROW_PREFETCH), K_GROUP_BLOCK);
+            // Group j = 2·hh + half of the span is block group 2h + half, h = 2sp + hh: the low (half 0) or high
+            // nibbles of code words 4 + 8h + c.
+            for hh in 0..2 {
+                for c in 0..8 {
+                    // SAFETY: word 4 + 8h + c < 36 of the block; rows 16hh + c and 16hh + 8 + c of `codes`.
+                    unsafe {
+                        let v = word(block, 4 + 8 * (2 * sp + hh) + c);
+                        let at = tiles.codes[16 * hh + c].as_mut_ptr().cast();
+                        _mm256_store_si256(at, _mm256_and_si256(v, low));
+                        let at = tiles.codes[16 * hh + 8 + c].as_mut_ptr().cast();
+                        _mm256_store_si256(at, _mm256_and_si256(_mm256_srli_epi16(v, 4), low));
+                    }
+                }
+            }
+            // SAFETY: see above.
+            unsafe {
+                let x = codes
+                    .add((bi * 8 + sp * K_SPAN_GROUPS) * GROUP)
+                    .cast::<u8>();
+                let w = tiles.codes.as_ptr().cast::<u8>();
+                amx::load::<0>(x, a.k);
+                amx::load::<1>(w, 32);
+                amx::zero::<2>();
+                amx::dot_signed_unsigned::<2, 0, 1>();
+                amx::load::<6>(x.add(GROUP), a.k);
+                amx::load::<7>(w.add(GROUP_CODES), 32);
+                amx::zero::<3>();
+                amx::dot_signed_unsigned::<3, 6, 7>();
+                amx::load::<0>(x.add(2 * GROUP), a.k);
+                amx::load::<1>(w.add(2 * GROUP_CODES), 32);
+                amx::zero::<4>();
+                amx::dot_signed_unsigned::<4, 0, 1>();
+                amx::load::<6>(x.add(3 * GROUP), a.k);
+                amx::load::<7>(w.add(3 * GROUP_CODES), 32);
+                amx::zero::<5>();
+                amx::dot_signed_unsigned::<5, 6, 7>();
+                let out = tiles.sums.as_mut_ptr().cast::<u8>();
+                amx::store::<2>(out, 32);
+                amx::store::<3>(out.add(GROUP_SUMS), 32);
+                amx::store::<4>(out.add(2 * GROUP_SUMS), 32);
+                amx::store::<5>(out.add(3 * GROUP_SUMS), 32);
+            }
+        }
+        if step > 0 {
+            let (bi, sp) = ((step - 1) / 2, (step - 1) % 2);
+            let tiles = &tiles[(step - 1) % 2];
+            // SAFETY: block bi's words 0-3 (the caller's contract); the caller runs with AVX2.
+            let scales_of_block = unsafe { BlockScales::of(base.add(bi * K_GROUP_BLOCK)) };
+            let mut scale = [_mm256_setzero_ps(); K_SPAN_GROUPS];
+            for (j, scale) in scale.iter_mut().enumerate() {
+                // SAFETY: the caller runs with AVX2.
+                *scale = unsafe { scales_of_block.scale(sp * K_SPAN_GROUPS + j) };
+            }
+            for (r, out) in y[..rows].iter_mut().enumerate() {
+                let mut total = _mm256_setzero_ps();
+                for (sums, scale) in tiles.sums.iter().zip(scale) {
+                    // SAFETY: row r < rows of the group's sums, stored at the step before; 32-byte aligned.
+                    let sum = unsafe { _mm256_load_si256(sums[r].as_ptr().cast()) };
+                    total = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), scale, total);
+                }
+                // SAFETY: as in `k_tile`; the caller runs with VNNI's features.
+                unsafe {
+                    let dx = *scales.add(r * spans + bi * 2 + sp);
+                    let sums = code_sums.add(r * gs + bi * 8 + sp * K_SPAN_GROUPS);
+                    scales_of_block.end_span::<Vnni>(out, total, sp, dx, sums);
+                }
+            }
+        }
+    }
+    // SAFETY: the caller's CPU has AMX.
+    unsafe { amx::release() };
 }
