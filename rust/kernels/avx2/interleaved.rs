@@ -146,7 +146,7 @@ const K_SPAN_GROUPS: usize = Q4K::SPAN / GROUP;
 /// `$tiles` (no target features of its own, `#[inline(always)]`) compiled inside an entry point with AVX-512
 /// VNNI's features, which AMX's imply.
 macro_rules! with_tiles {
-    ($(#[$doc:meta])* $name:ident => $vector:ident, $tiles:ident) => {
+    ($(#[$doc:meta])* $name:ident => $vector:ident, $tiles:path) => {
         $(#[$doc])*
         pub fn $name(products: Products) -> GroupKernel {
             #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
@@ -176,7 +176,7 @@ with_tiles!(
     /// scratch (`regroup`) and compute it as `q4_k_x8` does; shorter passes, and groups of fewer rows, run the row
     /// kernel (`int_row`). Both give the same bits (`SuperBlock::SPAN_TOTALS`). Call only if
     /// `products.available()`.
-    q4_k_plain => q4_k_plain_vector, k_plain_rows_tiles
+    q4_k_plain => q4_k_plain_vector, k_plain_rows::<Vnni, true>
 );
 
 int_entries!(
@@ -222,21 +222,6 @@ unsafe fn k_plain_rows_vector<D: IntDot>(
 ) {
     // SAFETY: the caller's contract.
     unsafe { k_plain_rows::<D, false>(a, rows, row_bytes, y) }
-}
-
-/// `k_plain_rows` with AMX tiles where a pass regroups.
-///
-/// # Safety
-/// The caller runs with AVX-512 VNNI's features on a CPU with AMX.
-#[inline(always)]
-unsafe fn k_plain_rows_tiles(
-    a: &Activations,
-    rows: &[u8],
-    row_bytes: usize,
-    y: &mut [[f32; GROUP_ROWS]; MAX_T],
-) {
-    // SAFETY: the caller's contract.
-    unsafe { k_plain_rows::<Vnni, true>(a, rows, row_bytes, y) }
 }
 
 /// `count` (1 to 8) plain Q4_K rows (`rows`: count · row_bytes bytes), in the layout's kernel (`k_rows`, or
@@ -475,6 +460,60 @@ impl BlockScales {
     }
 }
 
+/// The 8-bit activations of a call from row t0 on, in Q4_K's spans: row t0 + r's codes, scales (one per span)
+/// and integer group sums start r rows on.
+struct SpanRows {
+    codes: *const i8,
+    scales: *const f32,
+    code_sums: *const i32,
+    spans: usize,
+    groups: usize,
+}
+
+impl SpanRows {
+    /// # Safety
+    /// t0 < a.t.
+    #[inline(always)]
+    unsafe fn from(a: &Activations, t0: usize) -> SpanRows {
+        let q8 = a.q8_for(Q4K::SPAN);
+        let (spans, groups) = (a.k / Q4K::SPAN, a.k / GROUP);
+        // SAFETY: `matmul` quantized t rows of k codes (spans scales, groups sums each), and t0 < t.
+        unsafe {
+            SpanRows {
+                codes: q8.codes.as_ptr().add(t0 * a.k),
+                scales: q8.scales.as_ptr().add(t0 * spans),
+                code_sums: q8.code_sums.as_ptr().add(t0 * groups),
+                spans,
+                groups,
+            }
+        }
+    }
+
+    /// Row r's outputs after span sp of block bi (`BlockScales::end_span` with the row's scale and group sums).
+    ///
+    /// # Safety
+    /// Row t0 + r and block bi exist; the caller runs with D's features.
+    #[inline(always)]
+    unsafe fn end_span<D: IntDot>(
+        &self,
+        block: &BlockScales,
+        out: &mut [f32; GROUP_ROWS],
+        total: __m256,
+        r: usize,
+        bi: usize,
+        sp: usize,
+    ) {
+        // SAFETY: the caller's contract: one scale per span and row, 8 group sums per block and row.
+        unsafe {
+            let dx = *self.scales.add(r * self.spans + bi * 2 + sp);
+            let sums = self
+                .code_sums
+                .add(r * self.groups + bi * 8 + sp * K_SPAN_GROUPS);
+            block.end_span::<D>(out, total, sp, dx, sums);
+        }
+    }
+}
+
 /// y[0..R] (lane r: weight row r) for activation rows t0..t0 + R; returns R.
 ///
 /// # Safety
@@ -486,17 +525,9 @@ unsafe fn k_tile<D: IntDot, const R: usize>(
     t0: usize,
     y: &mut [[f32; GROUP_ROWS]],
 ) -> usize {
-    let q8 = a.q8_for(Q4K::SPAN);
-    let (spans, gs) = (a.k / Q4K::SPAN, a.k / GROUP);
-    // Activation row t0 + r's codes, scales (one per span) and integer group sums start r rows on.
-    // SAFETY: `matmul` quantized t rows of k codes (spans scales, gs sums each), and t0 + R <= t.
-    let (codes, scales, code_sums) = unsafe {
-        (
-            q8.codes.as_ptr().add(t0 * a.k),
-            q8.scales.as_ptr().add(t0 * spans),
-            q8.code_sums.as_ptr().add(t0 * gs),
-        )
-    };
+    // SAFETY: t0 + R <= t.
+    let rows = unsafe { SpanRows::from(a, t0) };
+    let (codes, gs) = (rows.codes, a.k / GROUP);
     let low = _mm256_set1_epi8(0x0F);
     // Each row's accumulator lives in y (touched twice a span), leaving the registers to the span's sums.
     for out in y[..R].iter_mut() {
@@ -561,13 +592,8 @@ unsafe fn k_tile<D: IntDot, const R: usize>(
                 }
             }
             for (r, total) in totals.into_iter().enumerate() {
-                // SAFETY: one scale per span and row; the row's integer group sums hold the span's 4 groups; the
-                // caller runs with D's features.
-                unsafe {
-                    let dx = *scales.add(r * spans + bi * 2 + sp);
-                    let sums = code_sums.add(r * gs + bi * 8 + sp * K_SPAN_GROUPS);
-                    scales_of_block.end_span::<D>(&mut y[r], total, sp, dx, sums);
-                }
+                // SAFETY: r < R; the caller runs with D's features.
+                unsafe { rows.end_span::<D>(&scales_of_block, &mut y[r], total, r, bi, sp) };
             }
         }
     }
@@ -639,16 +665,8 @@ unsafe fn k_tile_amx(
     rows: usize,
     y: &mut [[f32; GROUP_ROWS]],
 ) {
-    let q8 = a.q8_for(Q4K::SPAN);
-    let (spans, gs) = (a.k / Q4K::SPAN, a.k / GROUP);
-    // SAFETY: as in `k_tile`.
-    let (codes, scales, code_sums) = unsafe {
-        (
-            q8.codes.as_ptr().add(t0 * a.k),
-            q8.scales.as_ptr().add(t0 * spans),
-            q8.code_sums.as_ptr().add(t0 * gs),
-        )
-    };
+    // SAFETY: t0 + rows <= t.
+    let inputs = unsafe { SpanRows::from(a, t0) };
     // Tiles 0 and 6: a group's activation codes (rows of 32, k bytes apart); 1 and 7: its weight codes; 2-5: the
     // span's four groups' sums. Two pairs of operand tiles, so that loading one group's does not wait on the
     // product of the group before.
@@ -706,7 +724,8 @@ unsafe fn k_tile_amx(
             }
             // SAFETY: see above.
             unsafe {
-                let x = codes
+                let x = inputs
+                    .codes
                     .add((bi * 8 + sp * K_SPAN_GROUPS) * GROUP)
                     .cast::<u8>();
                 let w = tiles.codes.as_ptr().cast::<u8>();
@@ -750,12 +769,8 @@ unsafe fn k_tile_amx(
                     let sum = unsafe { _mm256_load_si256(sums[r].as_ptr().cast()) };
                     total = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), scale, total);
                 }
-                // SAFETY: as in `k_tile`; the caller runs with VNNI's features.
-                unsafe {
-                    let dx = *scales.add(r * spans + bi * 2 + sp);
-                    let sums = code_sums.add(r * gs + bi * 8 + sp * K_SPAN_GROUPS);
-                    scales_of_block.end_span::<Vnni>(out, total, sp, dx, sums);
-                }
+                // SAFETY: r < rows; the caller runs with VNNI's features.
+                unsafe { inputs.end_span::<Vnni>(&scales_of_block, out, total, r, bi, sp) };
             }
         }
     }
