@@ -602,7 +602,7 @@ unsafe fn k_tile<D: IntDot, const R: usize>(
 
 /// Activation rows from which a pass over Q4_K rows takes AMX tiles (`Products::Amx`); fewer run `k_rows`.
 /// Measured on Qwen2.5-Coder-1.5B's kernel pass (2 threads, against VNNI's products; benches/RESULTS.md,
-/// twenty-third session): from 4 rows, 0.81x at T = 4, 0.95x at T = 8, 1.11x at T = 16.
+/// twenty-third session): from 4 rows, 0.89x at T = 4, 0.98x at T = 8, 1.08-1.11x at T = 16.
 const TILE_MIN_ROWS: usize = 16;
 /// Activation rows per AMX tile pass (the rows of the activation and sum tiles).
 const TILE_TOKENS: usize = 16;
@@ -644,15 +644,40 @@ struct SpanTiles {
     sums: [[[i32; GROUP_ROWS]; TILE_TOKENS]; K_SPAN_GROUPS],
 }
 
+/// Span `sp` of the interleaved block at `block` as four groups' weight tiles in `codes`: group j = 2·hh + half
+/// of the span is block group 2h + half, h = 2sp + hh: the low (half 0) or high nibbles of code words 4 + 8h + c,
+/// its tile's row c.
+///
+/// # Safety
+/// The block must be whole; the caller runs with AVX2.
+#[inline(always)]
+unsafe fn unpack_span(block: *const u8, sp: usize, codes: &mut [[u8; 32]; 32]) {
+    let low = _mm256_set1_epi8(0x0F);
+    for hh in 0..2 {
+        for c in 0..8 {
+            // SAFETY: word 4 + 8h + c < 36 of the block; rows 16hh + c and 16hh + 8 + c of `codes`, 32-byte aligned.
+            unsafe {
+                let v = word(block, 4 + 8 * (2 * sp + hh) + c);
+                _mm256_store_si256(
+                    codes[16 * hh + c].as_mut_ptr().cast(),
+                    _mm256_and_si256(v, low),
+                );
+                let high = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+                _mm256_store_si256(codes[16 * hh + 8 + c].as_mut_ptr().cast(), high);
+            }
+        }
+    }
+}
+
 /// y[0..rows] (lane r: weight row r) for activation rows t0..t0 + rows (rows <= TILE_TOKENS), as `k_tile`
 /// computes them: each group's Σ q·x̂ for all rows at once in one `tdpbsud` (activation codes [rows, 32] signed,
 /// weight codes [8, 8 · 4] unsigned), then the same float steps as `k_tile` on the same exact integers, so the
 /// same bits.
 ///
-/// Tile registers are not renamed: a span's products wait on the span before, and its sums go through memory
-/// (`tilestored`, then vector loads). So the float steps of span s run after span s + 1's tile instructions are
-/// issued, from the other of two scratch buffers, and overlap them. Without that overlap the pass took 1.2-1.3x
-/// as long at T = 4-16.
+/// Tile registers are not renamed: a span's products wait on the span before, its weight codes reach the tiles
+/// through memory (vector stores, then `tileloadd`) and so do its sums (`tilestored`, then vector loads). So the
+/// work is a pipeline over two scratch buffers: at step s, span s + 1's codes are unpacked, span s's tile
+/// instructions issued, and span s - 1's float steps run. Without it the pass took 1.2-1.3x as long at T = 4-16.
 ///
 /// # Safety
 /// `base` must point at one whole group of `a.k / 256` blocks; t0 + rows <= a.t; the caller runs with AVX-512
@@ -692,36 +717,30 @@ unsafe fn k_tile_amx(
     let mut tiles = [scratch(), scratch()];
     const GROUP_CODES: usize = 8 * 32;
     const GROUP_SUMS: usize = TILE_TOKENS * 4 * GROUP_ROWS;
-    let low = _mm256_set1_epi8(0x0F);
     for out in y[..rows].iter_mut() {
         *out = [0.0; GROUP_ROWS];
     }
     // SAFETY (every tile instruction below): the caller's CPU has AMX; this configuration's shapes; the operands'
     // bytes are inside the activation codes (rows rows of k from `codes`, group bi · 8 + 4sp + j) and `tiles`.
     unsafe { config.load() };
-    // Step i: span i % 2 of block i / 2, its tile instructions at step i, its float steps at step i + 1.
+    // Span i: i % 2 of block i / 2; its codes unpacked at step i - 1, its tile instructions at step i, its float
+    // steps at step i + 1.
     let steps = a.k / Q4K::BLOCK * 2;
+    // SAFETY: step 0's block is the group's first.
+    unsafe { unpack_span(base, 0, &mut tiles[0].codes) };
     for step in 0..=steps {
         if step < steps {
             let (bi, sp) = (step / 2, step % 2);
-            let tiles = &mut tiles[step % 2];
-            // SAFETY: block bi of the group is inside it (the caller's contract).
-            let block = unsafe { base.add(bi * K_GROUP_BLOCK) };
-            prefetch(block.wrapping_add(ROW_PREFETCH), K_GROUP_BLOCK);
-            // Group j = 2·hh + half of the span is block group 2h + half, h = 2sp + hh: the low (half 0) or high
-            // nibbles of code words 4 + 8h + c.
-            for hh in 0..2 {
-                for c in 0..8 {
-                    // SAFETY: word 4 + 8h + c < 36 of the block; rows 16hh + c and 16hh + 8 + c of `codes`.
-                    unsafe {
-                        let v = word(block, 4 + 8 * (2 * sp + hh) + c);
-                        let at = tiles.codes[16 * hh + c].as_mut_ptr().cast();
-                        _mm256_store_si256(at, _mm256_and_si256(v, low));
-                        let at = tiles.codes[16 * hh + 8 + c].as_mut_ptr().cast();
-                        _mm256_store_si256(at, _mm256_and_si256(_mm256_srli_epi16(v, 4), low));
-                    }
+            if step + 1 < steps {
+                let (next_bi, next_sp) = ((step + 1) / 2, (step + 1) % 2);
+                // SAFETY: block next_bi of the group is inside it (the caller's contract).
+                unsafe {
+                    let next = base.add(next_bi * K_GROUP_BLOCK);
+                    prefetch(next.wrapping_add(ROW_PREFETCH), K_GROUP_BLOCK);
+                    unpack_span(next, next_sp, &mut tiles[(step + 1) % 2].codes);
                 }
             }
+            let tiles = &mut tiles[step % 2];
             // SAFETY: see above.
             unsafe {
                 let x = inputs
