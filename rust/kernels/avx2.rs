@@ -54,8 +54,8 @@ pub enum Products {
     AvxVnni,
     /// AVX-512 VNNI's, on 256-bit vectors (`Vnni`).
     Avx512Vnni,
-    /// AMX tiles (`amx`) where a kernel has them (Q4_K's, in passes of several activation rows), else AVX-512
-    /// VNNI's.
+    /// AMX tiles (`amx`) where a kernel has them (Q4_K's, in passes of 16 activation rows or more), else
+    /// AVX-512 VNNI's.
     Amx,
 }
 

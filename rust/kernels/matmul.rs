@@ -277,8 +277,8 @@ pub enum Isa {
     /// where written, VNNI products elsewhere, AVX-512's or else AVX-VNNI's), AVX2 + FMA, NEON (aarch64: the
     /// integer kernels), else scalar.
     Best,
-    /// `Avx512` with AMX tiles in the integer kernels that have them (Q4_K's, in passes of several activation
-    /// rows); refused on a CPU without AMX, or where the OS does not grant this process the tile state.
+    /// `Avx512` with AMX tiles in the integer kernels that have them (Q4_K's, in passes of 16 activation rows or
+    /// more); refused on a CPU without AMX, or where the OS does not grant this process the tile state.
     Amx,
     /// AVX-512 F/BW/VL float kernels where written (quantized types), the AVX2 integer kernels with AVX-512
     /// VNNI products where the CPU has VNNI, AVX2 for the rest. Callers check `Isa::available` first

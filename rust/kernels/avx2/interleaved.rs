@@ -652,6 +652,10 @@ struct SpanTiles {
 /// The block must be whole; the caller runs with AVX2.
 #[inline(always)]
 unsafe fn unpack_span(block: *const u8, sp: usize, codes: &mut [[u8; 32]; 32]) {
+    if sp == 0 {
+        // Once per block, as `k_tile` does.
+        prefetch(block.wrapping_add(ROW_PREFETCH), K_GROUP_BLOCK);
+    }
     let low = _mm256_set1_epi8(0x0F);
     for hh in 0..2 {
         for c in 0..8 {
@@ -736,7 +740,6 @@ unsafe fn k_tile_amx(
                 // SAFETY: block next_bi of the group is inside it (the caller's contract).
                 unsafe {
                     let next = base.add(next_bi * K_GROUP_BLOCK);
-                    prefetch(next.wrapping_add(ROW_PREFETCH), K_GROUP_BLOCK);
                     unpack_span(next, next_sp, &mut tiles[(step + 1) % 2].codes);
                 }
             }
