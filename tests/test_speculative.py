@@ -279,6 +279,27 @@ def test_a_streamed_pass_takes_the_leaves_its_reads_leave_free():
     assert len(tree) == 8
 
 
+def test_reads_that_go_on_while_the_draft_drafts_leave_the_pass_the_rest():
+    """Where the read-ahead holds the whole pass (ahead 1), 0.25 s of drafting leaves 0.05 s of the 0.3 s of reads,
+    which the compute outlasts: a round costs the drafting plus the compute, and every row costs its compute. Where
+    it holds a fifth of the pass, 0.06 s of the reads land early and rows are free up to a compute of 0.24 s.
+    Without read-ahead (ahead 0) the drafting comes on top of all the reads."""
+    rounds = {}
+    for ahead in (1.0, 0.2, 0.0):
+        rounds[ahead] = length = DraftLength(ahead=ahead)
+        length.observe(1, 0.30, {}, None, waited=0.25, reads=0.3)
+        length.observe(11, 0.40, {}, None, waited=0.0, reads=0.3)  # compute 0.05 s + 0.035 s a row
+    whole, fifth, none = (rounds[a].passes for a in (1.0, 0.2, 0.0))
+    assert whole.cost(3, 0.25) == pytest.approx(0.25 + 0.05 + 0.035 * 2, rel=0.05)
+    assert whole.row(3, 0.25) == pytest.approx(0.035, rel=0.05)
+    assert fifth.cost(3, 0.25) == pytest.approx(0.25 + 0.24, rel=0.02) and fifth.row(3, 0.25) == 0.0
+    assert none.cost(3, 0.25) == pytest.approx(0.25 + 0.3, rel=0.02) == none.cost(3) + 0.25
+    tree = DraftTree(0)
+    tree.add_chain(Draft([10, 11], "model"), [0.9, 0.81])
+    grow(tree, [Extra(0.01, 20 + i, "model-alt", 2) for i in range(12)], 12, rounds[1.0], spent=0.25)
+    assert len(tree) == 3  # no unlikely leaf pays for its row
+
+
 def test_a_drafts_step_cost_leaves_out_catching_up_on_the_history():
     """The first step of a draft also runs the drafter over what it has not seen (a new prompt's prefill): the
     cost per drafted token that sizes drafts comes from the later steps only."""

@@ -18,8 +18,12 @@ import torch
 import ntio
 from ntio import _core
 from ntio.errors import ModelFormatError, NtioError
-from ntio.runtime.loader import auto_prefetch_depth
+from ntio.runtime.budget import plan_memory
+from ntio.runtime.loader import auto_prefetch_depth, drafting_prefetch_depth
+from ntio.formats.model_file import open_model_file
 from ntio.formats.store import convert
+from ntio.models.config import ModelConfig
+from ntio.models.weights import WeightLayout
 from ntio.synth import SynthSpec, write_synthetic_gguf
 from ntio.runtime.tiers import parse_size, parse_tier_spec, plan_tiers, spread_resident
 
@@ -123,6 +127,30 @@ def test_default_read_ahead_keeps_bytes_in_flight(smollm2_path):
     m.close()
     with pytest.raises(NtioError, match="^prefetch_depth must be >= 1"):
         ntio.load(smollm2_path, max_context=64, tiers="C", prefetch_depth=0)
+
+
+def test_a_drafter_reads_ahead_through_its_drafting_where_the_tiers_are_given(smollm2_path):
+    """With a drafter and tiers given, the default read-ahead covers DRAFTING_READ_AHEAD_BYTES, at most every
+    streamed group but the one computing; the deepest that fits the budget, the head staying resident; an automatic
+    plan and a read-ahead asked for keep theirs."""
+    layout = WeightLayout(open_model_file(smollm2_path), ModelConfig.from_gguf(open_model_file(smollm2_path)))
+    plan = lambda **options: plan_memory(layout, cuda=False, kv_dtype=torch.float32, max_context=64, **options)
+    assert drafting_prefetch_depth(2_220_032, 30) == 29  # 256 MiB would be 121 groups: all 29 others
+    assert drafting_prefetch_depth(123 << 20, 28) == 3 and drafting_prefetch_depth(123 << 20, 1) == 1
+    assert plan(tiers="C", drafting=True).prefetch_depth == 29
+    assert plan(tiers="A:0-9,C:10-29", drafting=True).prefetch_depth == 19  # twenty streamed groups
+    assert plan(tiers="A:0-19,C:20-29", drafting=True).prefetch_depth == 12  # never shallower than the default
+    assert plan(tiers="C").prefetch_depth == plan(tiers="C", drafting=True, prefetch_depth=12).prefetch_depth == 12
+    assert plan(tiers="C", drafting=True, sync=True).prefetch_depth == 0
+    assert plan(drafting=True).prefetch_depth == 12  # auto: the RAM goes to resident layers
+    # A budget 10 slots short of the deepest read-ahead: 19 groups ahead, the output head still resident.
+    deepest = plan(tiers="C", drafting=True).report()["total"]
+    tight = plan(tiers="C", drafting=True, ram_budget=deepest - 10 * 2_220_032)
+    assert tight.prefetch_depth == 19 and tight.plan.head == "A"
+    with ntio.load(smollm2_path, max_context=64, tiers="C", draft=smollm2_path) as m:
+        assert m.loader.prefetch_depth == 29 and len(m.loader._slots) == 30
+        # What lands before a verify pass: 29 of its 30 groups (the round's cost, `PassCost`, counts it).
+        assert m.loader.read_ahead_share == m._draft_length.passes.ahead == pytest.approx(29 / 30)
 
 
 def test_streamed_decode_allocates_nothing_weight_sized(smollm2_path):

@@ -140,7 +140,8 @@ class LLM:
         self.memory = plan_memory(layout, cuda=cuda, kv_dtype=KV_DTYPES[kv_dtype],
                                   max_context=max_context, tiers=tiers, gpu_memory_budget=gpu_memory_budget,
                                   ram_budget=ram_budget, group_size=layer_group_size, prefetch_depth=prefetch_depth,
-                                  sync=sync, reserved=reserved, spread=self_draft is None, kernels=kernels)
+                                  sync=sync, reserved=reserved, spread=self_draft is None, kernels=kernels,
+                                  drafting=draft is not None or self_draft is not None)
         if self.memory.notice:
             _log.warning(self.memory.notice)
         self.plan, capacity, depth = self.memory.plan, self.memory.capacity, self.memory.prefetch_depth
@@ -158,7 +159,8 @@ class LLM:
             raise OptionError("self_draft", "and draft are two draft models: give one")
         self.draft: LLM | None = None
         self.self_draft = self._load_self_draft(self_draft, exit_layer) if self_draft is not None else None
-        self._draft_length = DraftLength()  # what passes cost and drafts earn, learnt across generations
+        # What passes cost and drafts earn, learnt across generations.
+        self._draft_length = DraftLength(ahead=self.loader.read_ahead_share)
         if draft is not None:
             slice_ = {"gpu_memory_budget" if cuda else "ram_budget": reserved}
             self.draft = self.companion(draft, max_context=capacity, tiers="A", **slice_)

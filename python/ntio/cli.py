@@ -673,7 +673,8 @@ def plan(model, ctx_size, ram_budget, gpu_memory_budget, tiers, device, kv_dtype
     memory = plan_memory(WeightLayout(g, cfg), cuda=cuda, kv_dtype=KV_DTYPES[kv_dtype], max_context=ctx_size,
                          tiers=tiers, gpu_memory_budget=gpu_memory_budget, ram_budget=ram_budget,
                          group_size=layer_group_size, prefetch_depth=prefetch_depth, sync=sync,
-                         reserved=0 if beside is None else beside.report()["total"], kernels=kernels)
+                         reserved=0 if beside is None else beside.report()["total"], kernels=kernels,
+                         drafting=beside is not None)
     report = {"model": str(g.path), **memory.report(), "notice": memory.notice}
     if beside is not None:
         report["draft"] = {"model": str(resolve_model(draft)), **beside.report()}

@@ -27,7 +27,7 @@ from ntio.errors import OptionError
 from ntio.runtime.memory import ram_room
 from ntio.runtime.tiers import TierPlan, format_size, parse_size, parse_tier_spec, plan_tiers
 from ntio.models.weights import WeightLayout
-from ntio.runtime.loader import auto_prefetch_depth
+from ntio.runtime.loader import auto_prefetch_depth, drafting_prefetch_depth
 
 _ALIGN = 4096
 
@@ -243,7 +243,7 @@ class MemoryPlan:
 def plan_memory(layout: WeightLayout, *, cuda: bool, kv_dtype: torch.dtype, max_context: int | None = None,
                 tiers: str = "auto", gpu_memory_budget: str | int | None = None, ram_budget: str | int | None = None,
                 group_size: int = 1, prefetch_depth: int | None = None, sync: bool = False, reserved: int = 0,
-                spread: bool = True, kernels: KernelChoice = KernelChoice()) -> MemoryPlan:
+                spread: bool = True, kernels: KernelChoice = KernelChoice(), drafting: bool = False) -> MemoryPlan:
     """Budgets (less `reserved` bytes of the compute device's: a draft model's), KV capacity, read-ahead and tier
     plan for a model, in that order (`spread`: as for `tiers.plan_tiers`; `kernels`: the CPU kernels the engine
     runs, which decide whether passes need a dequantization scratch).
@@ -253,7 +253,8 @@ def plan_memory(layout: WeightLayout, *, cuda: bool, kv_dtype: torch.dtype, max_
     library pages given up, with a notice: down to `library_room` where a context of ROOMY_CONTEXT or more fits,
     unless `max_context` is given, else to LIBRARY_FLOOR); then the context, unless `max_context` set it, shrinks
     (with a notice) from the model's up to DEFAULT_CONTEXT. The read-ahead is `prefetch_depth`, or
-    `loader.auto_prefetch_depth` of the largest group."""
+    `loader.auto_prefetch_depth` of the largest group; with `drafting` (the engine will have a drafter) and tiers
+    given, on CPU, `loader.drafting_prefetch_depth` where its slots fit the budget beside the same plan."""
     cfg = layout.cfg
     if max_context is not None and not 1 <= max_context <= cfg.context_length:
         raise OptionError("max_context",
@@ -303,7 +304,28 @@ def plan_memory(layout: WeightLayout, *, cuda: bool, kv_dtype: torch.dtype, max_
             capacity = fitted
     needs = needs_at(capacity)
     plan = make_plan(needs, budget, cuda=cuda, tiers=tiers, spread=spread, shrink=_shrink_advice(kv_dtype, sync))
+    if drafting and tiers != "auto" and prefetch_depth is None and not sync and not cuda:
+        depth, needs, plan = _drafting_read_ahead(depth, needs, plan, budget, lambda depth: memory_needs(
+            layout, capacity, kv_dtype, group_size, depth + 1, chunk, cuda=cuda, kernels=kernels), tiers)
     return MemoryPlan(needs, budget, plan, capacity, chunk, depth, "; ".join(notices) or None, context_fitted)
+
+
+def _drafting_read_ahead(depth: int, needs: MemoryNeeds, plan: TierPlan, budget: Budgets,
+                         needs_with: Callable[[int], MemoryNeeds], tiers: str) -> tuple[int, MemoryNeeds, TierPlan]:
+    """(read-ahead, needs, plan) of a forced CPU plan with the read-ahead deepened towards `drafting_prefetch_depth`
+    (needs_with(depth): the needs with that read-ahead): the deepest whose slots fit the budget and leave the output
+    head and the token embedding where they were; else as given."""
+    streamed = {i // needs.group_size for i, tier in enumerate(plan.tiers) if tier != "A"}
+    deepest = drafting_prefetch_depth(needs.largest_group(plan.tiers), len(streamed)) if streamed else depth
+    for deeper in range(deepest, depth, -1):
+        deep_needs = needs_with(deeper)
+        try:
+            deep_plan = make_plan(deep_needs, budget, cuda=False, tiers=tiers, spread=True, shrink="")
+        except OptionError:
+            continue
+        if (deep_plan.head, deep_plan.embedding) == (plan.head, plan.embedding):
+            return deeper, deep_needs, deep_plan
+    return depth, needs, plan
 
 
 def _shrink_advice(kv_dtype: torch.dtype, sync: bool) -> str:
