@@ -14,8 +14,8 @@ from click.testing import CliRunner
 import ntio
 from ntio.cli import main
 from ntio.decoding.generation import Sampler, SamplingParams
-from ntio.decoding.speculative import (PREFERRED_LOOKUP, Draft, Drafters, DraftLength, DraftTree, Extra, PassCost,
-                                      PromptLookup, grow, sample_chain, verify)
+from ntio.decoding.speculative import (PREFERRED_LOOKUP, RETRY_PASSES, Draft, Drafters, DraftLength, DraftTree, Extra,
+                                      PassCost, PromptLookup, grow, sample_chain, verify)
 from ntio.errors import NtioError, OptionError
 from ntio.models.layers import causal_mask, token_positions, tree_depths
 
@@ -303,8 +303,8 @@ def test_reads_that_go_on_while_the_draft_drafts_leave_the_pass_the_rest():
 def test_one_slow_draft_does_not_price_a_drafter_out_for_good():
     """Passes of 30 ms + 1 ms a row, drafts accepted 9 times in 10, 10 ms a drafted token: a chain of 5 pays best.
     One round at 1 s a token (a collection, say) raises the estimate by half, not to the 0.5 s an even mean gives,
-    and chains still pay; a drafter priced out anyway (2 s a token) is forgotten while unused and drafts again
-    within a few passes."""
+    and chains still pay; a drafter priced out anyway (2 s a token) drafts two tokens again after RETRY_PASSES
+    passes, and chains once those are timed at 10 ms a token (the stale estimate replaced)."""
     length = DraftLength()
     for _ in range(6):
         length.observe(1, 0.031, {"model": (8, 8)}, ("model", 4, 0.04))
@@ -313,10 +313,13 @@ def test_one_slow_draft_does_not_price_a_drafter_out_for_good():
     length.observe(9, 0.039, {"model": (10, 9)}, ("model", 4, 4.0))
     assert length.draft_cost["model"] == pytest.approx(0.015) and length.choose("model", 8) >= 3
     length.draft_cost["model"] = 2.0
-    assert length.choose("model", 8) == 0
-    for _ in range(30):
+    for _ in range(RETRY_PASSES):
+        assert length.choose("model", 8) == 0
         length.observe(1, 0.031, {}, None)
-    assert length.choose("model", 8) > 0
+    assert length.choose("model", 8) == 2
+    length.observe(3, 0.033, {"model": (2, 2)}, ("model", 2, 0.02))
+    assert length.draft_cost["model"] == pytest.approx(0.01) and length.idle["model"] == 0
+    assert length.choose("model", 8) >= 2  # on its price, no longer a retry
 
 
 def test_a_drafts_step_cost_leaves_out_catching_up_on_the_history():

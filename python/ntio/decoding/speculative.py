@@ -268,6 +268,11 @@ class PassCost:
 RIDGE = 0.05
 
 
+# A drafter whose drafting has not paid for this many passes drafts two tokens, to time its drafting again (what
+# it costs changes with what else the machine runs).
+RETRY_PASSES = 16
+
+
 class DraftLength:
     """How deep to draft: the chain length k that maximizes expected tokens per second of a pass, from what verify
     passes cost (`passes`), what drafting a token costs each source, and how often each source's tokens were
@@ -280,12 +285,16 @@ class DraftLength:
         self.passes = PassCost(ahead)
         self.accepted = Acceptance()
         self.draft_cost: dict[str, float] = {}  # source -> seconds per drafted token (EMA)
+        self.idle: dict[str, int] = {}  # source -> passes since its drafting was last timed
 
     def choose(self, source: str, most: int) -> int:
         if self.fixed:
             return most
         rates = self._rates(source, most)
-        return max(range(most + 1), key=rates.__getitem__)
+        k = max(range(most + 1), key=rates.__getitem__)
+        if k == 0 and self.idle.get(source, 0) >= RETRY_PASSES:
+            return min(2, most)  # priced out long enough: measure again what its drafting costs (two steps)
+        return k
 
     def rate(self, source: str, most: int, a: float | None = None) -> float:
         """The expected tokens per second of a pass whose chain `source` drafts, as deep as pays, at most `most`
@@ -306,14 +315,15 @@ class DraftLength:
         self.passes.observe(tokens, verify_s, waited, reads)
         self.accepted.observe(verdicts)
         drafting = draft[0] if draft is not None and draft[1] else None
-        for source in self.draft_cost:  # forgotten while unused, as acceptance is: a source priced out is tried again
-            if source != drafting:
-                self.draft_cost[source] *= DECAY
         if drafting is not None:
             cost, last = draft[2] / draft[1], self.draft_cost.get(drafting)
             # One slow round (a garbage collection, the OS) moves the estimate by at most half of it again: taken
-            # whole, one 106 ms step among 11 ms ones priced SmolLM2's self-draft out of every later pass.
-            self.draft_cost[drafting] = cost if last is None else 0.5 * (last + min(cost, 2 * last))
+            # whole, one 106 ms step among 11 ms ones priced SmolLM2's self-draft out of every later pass. A retry's
+            # timing replaces what was stale.
+            stale = last is None or self.idle.get(drafting, 0) >= RETRY_PASSES
+            self.draft_cost[drafting] = cost if stale else 0.5 * (last + min(cost, 2 * last))
+        for source in self.draft_cost:
+            self.idle[source] = 0 if source == drafting else self.idle.get(source, 0) + 1
 
 
 class PromptLookup:
