@@ -87,7 +87,8 @@ def _plan_options(f):
                      help="Read streamed layers when needed instead of prefetching them (one staging slot)")(f)
     f = click.option("--prefetch-depth", type=click.IntRange(min=1),
                      help="Streamed groups read ahead while the current one computes (default: enough for ~24 MiB "
-                          "in flight, 2 to 16)")(f)
+                          "in flight, 1 to 16; with a drafter and --tiers given, ~256 MiB, at most a whole pass, "
+                          "so that reads go on while the draft drafts)")(f)
     f = click.option("--layer-group-size", type=click.IntRange(min=1), default=1, show_default=True,
                      help="Consecutive layers read as one streamed group")(f)
     f = click.option("--ram-budget",
