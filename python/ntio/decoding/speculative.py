@@ -279,8 +279,10 @@ class DraftLength:
     """How deep to draft: the chain length k that maximizes expected tokens per second of a pass, from what verify
     passes cost (`passes`), what drafting a token costs each source, and how often each source's tokens were
     accepted (`accepted`). A pass with k drafted tokens costs k times the source's cost per drafted token, then
-    the pass over k + 1 rows (`PassCost.cost`, whose reads go on meanwhile), and settles 1 + a + ... + a^k tokens in expectation. `grow` sizes a tree's extra
-    leaves with the same pass cost. fixed=True: always the most tokens asked for; ahead: as `PassCost` takes it."""
+    the pass over k + 1 rows (`PassCost.cost`, whose reads go on meanwhile), and settles 1 + a + ... + a^k tokens
+    in expectation. `grow` sizes a tree's extra leaves with the same pass cost. fixed=True: always the most tokens
+    asked for; ahead: as `PassCost` takes it. A source's cost per drafted token is the median of its last three
+    timings; one priced out for RETRY_PASSES passes drafts two tokens to be timed again."""
 
     def __init__(self, *, fixed: bool = False, ahead: float = 0.0) -> None:
         self.fixed = fixed
