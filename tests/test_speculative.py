@@ -309,17 +309,17 @@ def test_one_slow_draft_does_not_price_a_drafter_out_for_good():
     for _ in range(6):
         length.observe(1, 0.031, {"model": (8, 8)}, ("model", 4, 0.04))
         length.observe(9, 0.039, {"model": (10, 9)}, ("model", 4, 0.04))
-    assert length.draft_cost["model"] == pytest.approx(0.01) and length.choose("model", 8) == 5
+    assert length.draft_cost("model") == pytest.approx(0.01) and length.choose("model", 8) == 5
     length.observe(9, 0.039, {"model": (10, 9)}, ("model", 4, 4.0))
-    assert length.draft_cost["model"] == pytest.approx(0.01) and length.choose("model", 8) == 5
+    assert length.draft_cost("model") == pytest.approx(0.01) and length.choose("model", 8) == 5
     length.observe(9, 0.039, {"model": (10, 9)}, ("model", 4, 8.0))
-    assert length.draft_cost["model"] == 1.0 and length.choose("model", 8) == 0
+    assert length.draft_cost("model") == 1.0 and length.choose("model", 8) == 0
     for _ in range(RETRY_PASSES):
         assert length.choose("model", 8) == 0
         length.observe(1, 0.031, {}, None)
     assert length.choose("model", 8) == 2
     length.observe(3, 0.033, {"model": (2, 2)}, ("model", 2, 0.02))
-    assert length.draft_cost["model"] == pytest.approx(0.01) and length.idle["model"] == 0
+    assert length.draft_cost("model") == pytest.approx(0.01) and length.idle["model"] == 0
     assert length.choose("model", 8) >= 2  # on its price, no longer a retry
 
 

@@ -271,7 +271,8 @@ RIDGE = 0.05
 
 # A drafter whose drafting has not paid for this many passes drafts two tokens, to time its drafting again (what
 # it costs changes with what else the machine runs). A retry costs about a pass where drafting does not pay (Qwen2.5-
-# Coder-1.5B resident beside its 0.5B draft); every 16 passes that took 5-11% off such decoding.
+# Coder-1.5B resident beside its 0.5B draft): an earlier state retrying every 16 passes ran such decoding 5-11% below
+# plain where this one is 1-6% below (benches/RESULTS.md, twenty-fourth session).
 RETRY_PASSES = 64
 
 
@@ -288,9 +289,13 @@ class DraftLength:
         self.fixed = fixed
         self.passes = PassCost(ahead)
         self.accepted = Acceptance()
-        self.draft_cost: dict[str, float] = {}  # source -> seconds per drafted token (`observe`)
-        self._draft_times: dict[str, list[float]] = {}  # source -> its last three timings
+        self.draft_times: dict[str, list[float]] = {}  # source -> its last three timings, seconds per drafted token
         self.idle: dict[str, int] = {}  # source -> passes since its drafting was last timed
+
+    def draft_cost(self, source: str) -> float:
+        """Seconds per token `source` drafts: the median of its last three timings (0 before any)."""
+        times = self.draft_times.get(source)
+        return statistics.median(times) if times else 0.0
 
     def choose(self, source: str, most: int) -> int:
         if self.fixed:
@@ -309,7 +314,7 @@ class DraftLength:
     def _rates(self, source: str, most: int, a: float | None = None) -> list[float]:
         """Expected tokens per second of a pass with k = 0..most tokens drafted by `source`."""
         a = self.accepted.rate(source) if a is None else a
-        per_token = self.draft_cost.get(source, 0.0)
+        per_token = self.draft_cost(source)
         return [sum(a**i for i in range(k + 1)) / self.passes.cost(k + 1, k * per_token) for k in range(most + 1)]
 
     def observe(self, tokens: int, verify_s: float, verdicts: dict[str, tuple[int, int]],
@@ -324,10 +329,9 @@ class DraftLength:
             # The median of the last three timings: one slow round (a garbage collection, the OS) does not move it,
             # where an even running mean took one 106 ms step among 11 ms ones as 58 ms and priced SmolLM2's
             # self-draft out of every later pass; a retry's timing replaces the stale ones.
-            times = [] if self.idle.get(drafting, 0) >= RETRY_PASSES else self._draft_times.get(drafting, [])
-            self._draft_times[drafting] = times = [*times[-2:], draft[2] / draft[1]]
-            self.draft_cost[drafting] = statistics.median(times)
-        for source in self.draft_cost:
+            times = [] if self.idle.get(drafting, 0) >= RETRY_PASSES else self.draft_times.get(drafting, [])
+            self.draft_times[drafting] = [*times[-2:], draft[2] / draft[1]]
+        for source in self.draft_times:
             self.idle[source] = 0 if source == drafting else self.idle.get(source, 0) + 1
 
 
