@@ -6,7 +6,8 @@
 //!   numerics of its interleaved layout's kernel; passes of several rows regroup its rows into that layout,
 //!   `interleaved::q4_k_plain`);
 //! - `interleaved`: the kernels of rows interleaved by eight (resident Q4_1 and Q4_K matrices), Q4_K's with AMX
-//!   tiles (`amx`) in passes of many activation rows where the CPU has them;
+//!   tiles (`amx`) in passes of several activation rows where the CPU has them; `q6k_tiles`: Q6_K's with AMX
+//!   tiles, eight rows at a time (Q6_K's row kernel also reduces each span to an exact integer first);
 //! - integer group kernels (`int_group`, the legacy 32-element types): the same products for eight weight rows
 //!   at once, each row's integer sum in its own lane (lane j: row j) so that the float work is shared by the
 //!   eight rows: for one activation row, eight product vectors reduced across lanes; for tiles of two or more,
@@ -35,7 +36,9 @@ use super::rows::{in_tiles, Activations, GroupKernel, Kernel, RowKernel, GROUP_R
 
 mod amx;
 mod interleaved;
+mod q6k_tiles;
 pub use interleaved::{q4_1_x8, q4_k_x8};
+pub use q6k_tiles::TILE_MIN_ROWS as Q6K_TILE_MIN_ROWS;
 
 /// Whether this CPU runs the kernels of this module.
 pub fn available() -> bool {
@@ -54,7 +57,7 @@ pub enum Products {
     AvxVnni,
     /// AVX-512 VNNI's, on 256-bit vectors (`Vnni`).
     Avx512Vnni,
-    /// AMX tiles (`amx`) where a kernel has them (Q4_K's, in passes of 16 activation rows or more), else
+    /// AMX tiles (`amx`) where a kernel has them (Q4_K's and Q6_K's, in passes of several activation rows), else
     /// AVX-512 VNNI's.
     Amx,
 }
@@ -308,11 +311,13 @@ pub trait SuperBlock: SimdFormat {
         _mm256_setzero_si256()
     }
     /// Whether the row kernel reduces each span to exact integers before any float work: I = Σ sub-scale·q·x̂
-    /// and, for the offsets, M = Σ mn·Σx̂ (`min_multipliers` against `Q8Rows::code_sums`), then adds
-    /// float(I)·(d·dx) and float(M)·(-dmin·dx) to one float32 accumulator per row, span after span. That is
-    /// what the interleaved layout's kernel (`interleaved::q4_k_x8`) computes, lane by lane, so resident
-    /// (interleaved) and streamed (plain) rows give the same bits. Q4_K only: the interleaved kernel sums a span
-    /// in float32, exact because every partial sum is an integer below 2^24 (4 groups · 32 · 15 · 127 · 63).
+    /// and, for an affine type's offsets, M = Σ mn·Σx̂ (`min_multipliers` against `Q8Rows::code_sums`), then adds
+    /// float(I)·(d·dx) (and float(M)·(-dmin·dx)) to one float32 accumulator per row, span after span. Kernels
+    /// that find the same integers another way then give the same bits by the same float steps:
+    /// - Q4_K: the interleaved layout's kernel (`interleaved::q4_k_x8`), lane by lane, so resident (interleaved)
+    ///   and streamed (plain) rows agree. It sums a span in float32, exact because every partial sum is an
+    ///   integer below 2^24 (4 groups · 32 · 15 · 127 · 63).
+    /// - Q6_K: AMX tiles in passes of several activation rows (`q6k_tiles`), one product per sub-block.
     const SPAN_TOTALS: bool = false;
     /// For `SPAN_TOTALS`: i32 lane i = the offset multiplier mn of group i of span `sp` (4 groups), in its low
     /// 16 bits with the high 16 zero, so that `madd` against the groups' Σcodes gives mn·Σx̂ exactly; and
@@ -491,31 +496,6 @@ unsafe fn int_rows<F: SuperBlock, D: IntDot, const R: usize>(
                 }
             }
             let (d, si) = (F::block_d(&s), bi * per_block + sp);
-            if F::SPAN_TOTALS {
-                // SAFETY: `s` is this block's scales; sp < per_block.
-                let (mn, neg_dmin) = unsafe { F::min_multipliers(&s, sp) };
-                for (r, sum) in isum.into_iter().enumerate() {
-                    // SAFETY: the row's integer group sums hold the span's 4 groups; one scale per span and row.
-                    let (group_sums, dx) = unsafe {
-                        let at = r * gs + (bi * per_block + sp) * per_span;
-                        (
-                            _mm_loadu_si128(code_sums.add(at).cast()),
-                            *scales.add(r * spans + si),
-                        )
-                    };
-                    let i4 = _mm_add_epi32(
-                        _mm256_castsi256_si128(sum),
-                        _mm256_extracti128_si256(sum, 1),
-                    );
-                    let im = _mm_hadd_epi32(i4, _mm_madd_epi16(group_sums, mn));
-                    // Lanes 0 and 1: I and M (exact integers), as float32.
-                    let im = _mm_cvtepi32_ps(_mm_hadd_epi32(im, im));
-                    let (i, m) = (_mm_cvtss_f32(im), _mm_cvtss_f32(_mm_movehdup_ps(im)));
-                    totals[r] = i.mul_add(d * dx, totals[r]);
-                    totals[r] = m.mul_add(neg_dmin * dx, totals[r]);
-                }
-                continue;
-            }
             if F::OFFSET > 0 {
                 // SAFETY: `s` is this block's scales; sp < per_block.
                 let mv = unsafe { F::offset_multipliers(&s, sp) };
@@ -527,6 +507,39 @@ unsafe fn int_rows<F: SuperBlock, D: IntDot, const R: usize>(
                         D::madd_into(*sum, sum_x, mv)
                     };
                 }
+            }
+            if F::SPAN_TOTALS {
+                // SAFETY: `s` is this block's scales; sp < per_block.
+                let (mn, neg_dmin) = unsafe { F::min_multipliers(&s, sp) };
+                for (r, sum) in isum.into_iter().enumerate() {
+                    // SAFETY: one scale per span and row.
+                    let dx = unsafe { *scales.add(r * spans + si) };
+                    let i4 = _mm_add_epi32(
+                        _mm256_castsi256_si128(sum),
+                        _mm256_extracti128_si256(sum, 1),
+                    );
+                    if !F::AFFINE {
+                        let i = _mm_hadd_epi32(i4, i4);
+                        let i = _mm_cvtss_f32(_mm_cvtepi32_ps(_mm_hadd_epi32(i, i)));
+                        totals[r] = i.mul_add(d * dx, totals[r]);
+                        continue;
+                    }
+                    // SAFETY: the row's integer group sums hold the span's 4 groups.
+                    let group_sums = unsafe {
+                        _mm_loadu_si128(
+                            code_sums
+                                .add(r * gs + (bi * per_block + sp) * per_span)
+                                .cast(),
+                        )
+                    };
+                    let im = _mm_hadd_epi32(i4, _mm_madd_epi16(group_sums, mn));
+                    // Lanes 0 and 1: I and M (exact integers), as float32.
+                    let im = _mm_cvtepi32_ps(_mm_hadd_epi32(im, im));
+                    let (i, m) = (_mm_cvtss_f32(im), _mm_cvtss_f32(_mm_movehdup_ps(im)));
+                    totals[r] = i.mul_add(d * dx, totals[r]);
+                    totals[r] = m.mul_add(neg_dmin * dx, totals[r]);
+                }
+                continue;
             }
             for (r, sum) in isum.into_iter().enumerate() {
                 // SAFETY: one scale per span and row.
@@ -1252,12 +1265,16 @@ impl SimdFormat for blocks::Q6K {
     }
 
     fn int_kernel(products: Products) -> Kernel {
+        if products == Products::Amx {
+            return Kernel::Group(q6k_tiles::q6_k_tiles());
+        }
         Kernel::Row(int::<blocks::Q6K>(products))
     }
 }
 
 impl SuperBlock for blocks::Q6K {
     type IntScales = Q6Scales;
+    const SPAN_TOTALS: bool = true;
 
     #[target_feature(enable = "avx2,fma,f16c")]
     unsafe fn int_scales(b: *const u8) -> Q6Scales {
@@ -1305,8 +1322,9 @@ impl SuperBlock for blocks::Q6K {
     /// Two sub-blocks of 16 per group: their int8 scales multiply the pair-sums of elements 0..16 (i16 lanes
     /// 0-7) and 16..32 (lanes 8-15) inside `madd`. (|pair-sum| <= 2·63·127 < 2^15 and |scale| <= 128: an i32
     /// lane stays below 2^22 per group, below 2^24 over a span of 4 groups; the offset's -32·scale·Σx, |Σx| <=
-    /// 16·127, adds at most 2^23. The integer sums are exact; a lane's conversion to float32 is exact below 2^24,
-    /// which only codes and activations at their extremes together could pass.)
+    /// 16·127, adds at most 2^23. The integer sums are exact, and so is the span's total over its 8 lanes (below
+    /// 2^27, `SPAN_TOTALS`); its conversion to float32 rounds only above 2^24, which only codes and activations
+    /// at their extremes together could pass, and then the same way in every kernel.)
     #[target_feature(enable = "avx2,fma,f16c")]
     unsafe fn multipliers(s: &Q6Scales, g: usize) -> __m256i {
         let source = if g < 4 { s.low } else { s.high };

@@ -28,8 +28,32 @@ pub struct Q8Rows {
     /// the AVX2 kernels only).
     #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
     pub lane_sums: Vec<i32>,
+    /// The codes by token (`add_token_columns`, else empty), as AMX tiles of activations take them: in tiles of
+    /// up to COLUMN_TOKENS rows (tile t0.. at t0 · k / 4), each [k / 4, COLUMN_TOKENS] words of 4 codes, word w
+    /// of the tile's rows side by side in one 64-byte row. A tile of n rows holds `column_fold(n)` = f runs of
+    /// 16 / f columns: word w of row t in column (w % 4f) / 4 · 16 / f + t, zero elsewhere, so that one product
+    /// over 4f words (16f codes) finds the sums of f runs of 16 codes apart (one per sub-block of Q6_K, whose
+    /// sub-blocks each have a scale). Unused columns are zero.
+    #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
+    pub columns: Vec<i32>,
+    /// The scales by token: tile t0.. of n rows at t0 · spans, as [spans, n].
+    #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
+    pub column_scales: Vec<f32>,
     span: usize,
     k: usize,
+}
+
+/// Activation rows per tile of `Q8Rows::columns`: the rows of an AMX tile.
+pub const COLUMN_TOKENS: usize = 16;
+
+/// Runs of 16 codes side by side in a tile of `Q8Rows::columns` of n rows: as many as n rows leave room for in
+/// COLUMN_TOKENS columns (4 up to 4 rows, 2 up to 8, else 1).
+pub fn column_fold(n: usize) -> usize {
+    match n {
+        0..=4 => 4,
+        5..=8 => 2,
+        _ => 1,
+    }
 }
 
 impl Q8Rows {
@@ -64,6 +88,32 @@ impl Q8Rows {
             return unsafe { quantize_avx2(x, k, span, f16_scales) };
         }
         quantize_with(x, k, span, f16_scales, encode)
+    }
+
+    /// Fills `columns` and `column_scales` (the AMX kernels' layout of the codes).
+    #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
+    pub fn add_token_columns(&mut self) {
+        let (k, spans) = (self.k, self.k / self.span);
+        let (t, words) = (self.codes.len() / k, k / 4);
+        self.columns = vec![0; t.next_multiple_of(COLUMN_TOKENS) * words];
+        self.column_scales = vec![0.0; t * spans];
+        for t0 in (0..t).step_by(COLUMN_TOKENS) {
+            let n = (t - t0).min(COLUMN_TOKENS);
+            let fold = column_fold(n);
+            let columns = &mut self.columns[t0 * words..][..COLUMN_TOKENS * words];
+            let scales = &mut self.column_scales[t0 * spans..][..n * spans];
+            for r in 0..n {
+                let row = &self.codes[(t0 + r) * k..][..k];
+                for (w, code) in row.chunks_exact(4).enumerate() {
+                    let column = (w % (4 * fold)) / 4 * (COLUMN_TOKENS / fold) + r;
+                    columns[w * COLUMN_TOKENS + column] =
+                        i32::from_le_bytes([code[0], code[1], code[2], code[3]].map(|c| c as u8));
+                }
+                for (si, &scale) in self.scales[(t0 + r) * spans..][..spans].iter().enumerate() {
+                    scales[si * n + r] = scale;
+                }
+            }
+        }
     }
 
     /// Elements per scale.
@@ -142,6 +192,8 @@ fn quantize_with(
         sums,
         code_sums,
         lane_sums,
+        columns: Vec::new(),
+        column_scales: Vec::new(),
         span,
         k,
     }

@@ -10,7 +10,8 @@ faster there).
 Numerics. By default (`int8=True`) the activations of quantized types are quantized to 8 bits: per 32 elements
 exactly as llama.cpp's Q8_0 (d = max|x|/127 as float16, q = round(x/d)) for the 32-element types, per 128 elements
 with a float32 d for the K-quants (llama.cpp's Q8_K takes 256: 128 halves the perplexity cost at the same speed,
-benches/RESULTS.md), per 256 for the ternary types (as llama.cpp; `_core.KERNEL_SPANS` by type). They meet the weight codes in exact integer sums, scaled per span in float32: the result equals
+benches/RESULTS.md), per 256 for the ternary types (as llama.cpp; `_core.KERNEL_SPANS` by type). They meet the weight
+codes in exact integer sums, scaled per span in float32: the result equals
 `F.linear(x̂, W)` with x̂ the rounded activations to ~1e-6 relative, and differs from float32 activations by
 ~0.3-1% relative per product. `int8=False` keeps float32
 activations (d * Σ q·x + m * Σ x in float32): `F.linear(x, dequantize(raw))` to ~1e-6, the reference path.
@@ -26,8 +27,8 @@ Kernel sets: `best` (the widest this CPU runs), `amx`, `avx512`, `avxvnni`, `avx
 environment variable NTIO_CPU_KERNELS forces one for an engine (`KernelChoice.from_env`), and a set the CPU lacks is
 refused. On x86 the 8-bit kernels are AVX2's; `best` and `avx512` give them AVX-512 VNNI's products where the CPU has
 them, `best` and `avxvnni` AVX-VNNI's (Intel client cores without AVX-512) where it has those instead, and `best` and
-`amx` AMX tiles to Q4_K's passes of 16 rows or more where the CPU has AMX, all with the same results bit for bit
-(`avx2` forces the AVX2 products).
+`amx` AMX tiles to Q4_K's passes of 8 rows or more and Q6_K's of 6 or more where the CPU has AMX, all with the same
+results bit for bit (`avx2` forces the AVX2 products).
 """
 
 from __future__ import annotations

@@ -147,3 +147,16 @@ pub unsafe fn dot_signed_unsigned<const C: u8, const A: u8, const B: u8>() {
              options(nostack, nomem, preserves_flags))
     };
 }
+
+/// Tile C += tile A (signed bytes) · tile B (signed bytes, 4 per column and row), as i32 sums.
+///
+/// # Safety
+/// As `dot_signed_unsigned`.
+#[inline(always)]
+pub unsafe fn dot_signed<const C: u8, const A: u8, const B: u8>() {
+    // SAFETY: the caller's contract.
+    unsafe {
+        asm!("tdpbssd tmm{c}, tmm{a}, tmm{b}", c = const C, a = const A, b = const B,
+             options(nostack, nomem, preserves_flags))
+    };
+}

@@ -601,9 +601,10 @@ unsafe fn k_tile<D: IntDot, const R: usize>(
 }
 
 /// Activation rows from which a pass over Q4_K rows takes AMX tiles (`Products::Amx`); fewer run `k_rows`.
-/// Measured on Qwen2.5-Coder-1.5B's kernel pass (2 threads, against VNNI's products; benches/RESULTS.md,
-/// twenty-third session): from 4 rows, 0.89x at T = 4, 0.98x at T = 8, 1.08-1.11x at T = 16.
-const TILE_MIN_ROWS: usize = 16;
+/// Measured on Qwen2.5-Coder-1.5B's Q4_K matrices (2 threads, Sapphire Rapids class VM, against VNNI's products,
+/// ms): tiles 51.3 / 54.7 / 58.7 / 66.6 / 77.8 at T = 4 / 6 / 8 / 10 / 16, VNNI 48.7 / 54.6 / 61.0 / 69.6 / 96.5
+/// (benches/RESULTS.md, twenty-fifth session).
+const TILE_MIN_ROWS: usize = 8;
 /// Activation rows per AMX tile pass (the rows of the activation and sum tiles).
 const TILE_TOKENS: usize = 16;
 
@@ -635,48 +636,54 @@ unsafe fn k_rows_tiles(
     }
 }
 
-/// One span's tiles in memory: the weight codes of its four groups (group j's weight tile from row 8j: row c holds
-/// the group's elements 4c..4c + 4 of each of the eight weight rows, a code word's nibbles), and the groups'
-/// integer sums ([group][activation row][weight row]).
+/// One span's tiles in memory: the weight codes of its four groups, two groups to a product (`codes[h]`: groups
+/// 2h and 2h + 1 as one [16, 64]-byte tile, block-diagonal: row c < 8 holds group 2h's elements 4c..4c + 4 of
+/// each of the eight weight rows, a code word's nibbles, in bytes 0-31, and row 8 + c group 2h + 1's in bytes
+/// 32-63; the other halves stay zero), and the products' integer sums ([product][activation row][group 2h's
+/// eight weight rows, then group 2h + 1's]).
 #[repr(C, align(64))]
 struct SpanTiles {
-    codes: [[u8; 32]; 4 * 8],
-    sums: [[[i32; GROUP_ROWS]; TILE_TOKENS]; K_SPAN_GROUPS],
+    codes: [[[u8; 64]; 16]; 2],
+    sums: [[[i32; 2 * GROUP_ROWS]; TILE_TOKENS]; 2],
 }
 
-/// Span `sp` of the interleaved block at `block` as four groups' weight tiles in `codes`: group j = 2·hh + half
-/// of the span is block group 2h + half, h = 2sp + hh: the low (half 0) or high nibbles of code words 4 + 8h + c,
-/// its tile's row c.
+thread_local! {
+    /// Each kernel thread's two pipeline spans (`k_tile_amx`), kept from call to call rather than cleared at
+    /// every call (8 KB; a call over a 1536-long row has 12 spans): the codes' zero halves are never written, and
+    /// every other byte a step reads is written first.
+    static SPAN_TILES: std::cell::Cell<Option<Box<[SpanTiles; 2]>>> = const { std::cell::Cell::new(None) };
+}
+
+/// Span `sp` of the interleaved block at `block` as its two products' weight tiles in `codes`: group j = 2·hh +
+/// half of the span is block group 2h + half, h = 2sp + hh: the low (half 0) or high nibbles of code words 4 +
+/// 8h + c, row 8·half + c of tile hh, in its half `half`.
 ///
 /// # Safety
 /// The block must be whole; the caller runs with AVX2.
 #[inline(always)]
-unsafe fn unpack_span(block: *const u8, sp: usize, codes: &mut [[u8; 32]; 32]) {
+unsafe fn unpack_span(block: *const u8, sp: usize, codes: &mut [[[u8; 64]; 16]; 2]) {
     if sp == 0 {
         // Once per block, as `k_tile` does.
         prefetch(block.wrapping_add(ROW_PREFETCH), K_GROUP_BLOCK);
     }
     let low = _mm256_set1_epi8(0x0F);
-    for hh in 0..2 {
+    for (hh, tile) in codes.iter_mut().enumerate() {
         for c in 0..8 {
-            // SAFETY: word 4 + 8h + c < 36 of the block; rows 16hh + c and 16hh + 8 + c of `codes`, 32-byte aligned.
+            // SAFETY: word 4 + 8h + c < 36 of the block; rows c and 8 + c of the tile, 32-byte aligned halves.
             unsafe {
                 let v = word(block, 4 + 8 * (2 * sp + hh) + c);
-                _mm256_store_si256(
-                    codes[16 * hh + c].as_mut_ptr().cast(),
-                    _mm256_and_si256(v, low),
-                );
+                _mm256_store_si256(tile[c].as_mut_ptr().cast(), _mm256_and_si256(v, low));
                 let high = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
-                _mm256_store_si256(codes[16 * hh + 8 + c].as_mut_ptr().cast(), high);
+                _mm256_store_si256(tile[8 + c][32..].as_mut_ptr().cast(), high);
             }
         }
     }
 }
 
 /// y[0..rows] (lane r: weight row r) for activation rows t0..t0 + rows (rows <= TILE_TOKENS), as `k_tile`
-/// computes them: each group's Σ q·x̂ for all rows at once in one `tdpbsud` (activation codes [rows, 32] signed,
-/// weight codes [8, 8 · 4] unsigned), then the same float steps as `k_tile` on the same exact integers, so the
-/// same bits.
+/// computes them: two groups' Σ q·x̂ for all rows at once in one `tdpbsud` (activation codes [rows, 64] signed,
+/// the two groups' weight codes block-diagonal [16, 16 · 4] unsigned: `SpanTiles`), then the same float steps as
+/// `k_tile` on the same exact integers, so the same bits.
 ///
 /// Tile registers are not renamed: a span's products wait on the span before, its weight codes reach the tiles
 /// through memory (vector stores, then `tileloadd`) and so do its sums (`tilestored`, then vector loads). So the
@@ -696,36 +703,33 @@ unsafe fn k_tile_amx(
 ) {
     // SAFETY: t0 + rows <= t.
     let inputs = unsafe { SpanRows::from(a, t0) };
-    // Tiles 0 and 6: a group's activation codes (rows of 32, k bytes apart); 1 and 7: its weight codes; 2-5: the
-    // span's four groups' sums. Two pairs of operand tiles, so that loading one group's does not wait on the
-    // product of the group before.
-    let (activations, weights, sums) = (
-        (rows, GROUP),
-        (GROUP / 4, 4 * GROUP_ROWS),
-        (rows, 4 * GROUP_ROWS),
-    );
+    // Tiles 0 and 3: two groups' activation codes (rows of 64, k bytes apart); 1 and 4: their weight codes; 2
+    // and 5: their sums. Two sets, so that loading one product's operands does not wait on the other's product.
+    let (activations, weights, sums) = ((rows, 2 * GROUP), (2 * GROUP / 4, 64), (rows, 64));
     let config = amx::Config::new([
         activations,
         weights,
         sums,
-        sums,
-        sums,
-        sums,
         activations,
         weights,
+        sums,
+        (0, 0),
+        (0, 0),
     ]);
-    let scratch = || SpanTiles {
-        codes: [[0; 32]; 32],
-        sums: [[[0; GROUP_ROWS]; TILE_TOKENS]; K_SPAN_GROUPS],
-    };
-    let mut tiles = [scratch(), scratch()];
-    const GROUP_CODES: usize = 8 * 32;
-    const GROUP_SUMS: usize = TILE_TOKENS * 4 * GROUP_ROWS;
+    let mut scratch = SPAN_TILES.take().unwrap_or_else(|| {
+        let blank = || SpanTiles {
+            codes: [[[0; 64]; 16]; 2],
+            sums: [[[0; 2 * GROUP_ROWS]; TILE_TOKENS]; 2],
+        };
+        Box::new([blank(), blank()])
+    });
+    let tiles = &mut *scratch;
+    const SUMS_ROW: usize = 4 * 2 * GROUP_ROWS;
     for out in y[..rows].iter_mut() {
         *out = [0.0; GROUP_ROWS];
     }
     // SAFETY (every tile instruction below): the caller's CPU has AMX; this configuration's shapes; the operands'
-    // bytes are inside the activation codes (rows rows of k from `codes`, group bi · 8 + 4sp + j) and `tiles`.
+    // bytes are inside the activation codes (rows rows of k from `codes`, groups bi · 8 + 4sp..) and `tiles`.
     unsafe { config.load() };
     // Span i: i % 2 of block i / 2; its codes unpacked at step i - 1, its tile instructions at step i, its float
     // steps at step i + 1.
@@ -750,28 +754,16 @@ unsafe fn k_tile_amx(
                     .codes
                     .add((bi * 8 + sp * K_SPAN_GROUPS) * GROUP)
                     .cast::<u8>();
-                let w = tiles.codes.as_ptr().cast::<u8>();
                 amx::load::<0>(x, a.k);
-                amx::load::<1>(w, 32);
+                amx::load::<1>(tiles.codes[0].as_ptr().cast(), 64);
                 amx::zero::<2>();
                 amx::dot_signed_unsigned::<2, 0, 1>();
-                amx::load::<6>(x.add(GROUP), a.k);
-                amx::load::<7>(w.add(GROUP_CODES), 32);
-                amx::zero::<3>();
-                amx::dot_signed_unsigned::<3, 6, 7>();
-                amx::load::<0>(x.add(2 * GROUP), a.k);
-                amx::load::<1>(w.add(2 * GROUP_CODES), 32);
-                amx::zero::<4>();
-                amx::dot_signed_unsigned::<4, 0, 1>();
-                amx::load::<6>(x.add(3 * GROUP), a.k);
-                amx::load::<7>(w.add(3 * GROUP_CODES), 32);
+                amx::load::<3>(x.add(2 * GROUP), a.k);
+                amx::load::<4>(tiles.codes[1].as_ptr().cast(), 64);
                 amx::zero::<5>();
-                amx::dot_signed_unsigned::<5, 6, 7>();
-                let out = tiles.sums.as_mut_ptr().cast::<u8>();
-                amx::store::<2>(out, 32);
-                amx::store::<3>(out.add(GROUP_SUMS), 32);
-                amx::store::<4>(out.add(2 * GROUP_SUMS), 32);
-                amx::store::<5>(out.add(3 * GROUP_SUMS), 32);
+                amx::dot_signed_unsigned::<5, 3, 4>();
+                amx::store::<2>(tiles.sums[0].as_mut_ptr().cast(), SUMS_ROW);
+                amx::store::<5>(tiles.sums[1].as_mut_ptr().cast(), SUMS_ROW);
             }
         }
         if step > 0 {
@@ -779,18 +771,31 @@ unsafe fn k_tile_amx(
             let tiles = &tiles[(step - 1) % 2];
             // SAFETY: block bi's words 0-3 (the caller's contract); the caller runs with AVX2.
             let scales_of_block = unsafe { BlockScales::of(base.add(bi * K_GROUP_BLOCK)) };
-            let mut scale = [_mm256_setzero_ps(); K_SPAN_GROUPS];
-            for (j, scale) in scale.iter_mut().enumerate() {
-                // SAFETY: the caller runs with AVX2.
-                *scale = unsafe { scales_of_block.scale(sp * K_SPAN_GROUPS + j) };
+            // Each product's two groups' sub-scales, group 2h's in lanes 0-7, 2h + 1's in 8-15.
+            let mut scale = [_mm512_setzero_ps(); 2];
+            for (h, scale) in scale.iter_mut().enumerate() {
+                let g = sp * K_SPAN_GROUPS + 2 * h;
+                // SAFETY: the caller runs with AVX-512 F.
+                *scale = unsafe {
+                    let (low, high) = (scales_of_block.scale(g), scales_of_block.scale(g + 1));
+                    _mm512_castpd_ps(_mm512_insertf64x4::<1>(
+                        _mm512_castpd256_pd512(_mm256_castps_pd(low)),
+                        _mm256_castps_pd(high),
+                    ))
+                };
             }
             for (r, out) in y[..rows].iter_mut().enumerate() {
-                let mut total = _mm256_setzero_ps();
+                let mut total = _mm512_setzero_ps();
                 for (sums, scale) in tiles.sums.iter().zip(scale) {
-                    // SAFETY: row r < rows of the group's sums, stored at the step before; 32-byte aligned.
-                    let sum = unsafe { _mm256_load_si256(sums[r].as_ptr().cast()) };
-                    total = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), scale, total);
+                    // SAFETY: row r < rows of the product's sums, stored at the step before; 64-byte aligned.
+                    let sum = unsafe { _mm512_load_si512(sums[r].as_ptr().cast()) };
+                    total = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), scale, total);
                 }
+                // The span's four groups, each weight row's in its lane (exact: integers below 2^24).
+                let total = _mm256_add_ps(
+                    _mm512_castps512_ps256(total),
+                    _mm256_castpd_ps(_mm512_extractf64x4_pd::<1>(_mm512_castps_pd(total))),
+                );
                 // SAFETY: r < rows; the caller runs with VNNI's features.
                 unsafe { inputs.end_span::<Vnni>(&scales_of_block, out, total, r, bi, sp) };
             }
@@ -798,4 +803,5 @@ unsafe fn k_tile_amx(
     }
     // SAFETY: the caller's CPU has AMX.
     unsafe { amx::release() };
+    SPAN_TILES.set(Some(scratch));
 }
