@@ -278,7 +278,7 @@ pub enum Isa {
     /// integer kernels), else scalar.
     Best,
     /// `Avx512` with AMX tiles in the integer kernels that have them (Q4_K's, in passes of 8 activation rows or
-    /// more; Q6_K's, of 6 or more); refused on a CPU without AMX, or where the OS does not grant this process the
+    /// more; Q6_K's, of 5 or more); refused on a CPU without AMX, or where the OS does not grant this process the
     /// tile state.
     Amx,
     /// AVX-512 F/BW/VL float kernels where written (quantized types), the AVX2 integer kernels with AVX-512

@@ -46,13 +46,13 @@ pub struct Q8Rows {
 /// Activation rows per tile of `Q8Rows::columns`: the rows of an AMX tile.
 pub const COLUMN_TOKENS: usize = 16;
 
-/// Runs of 16 codes side by side in a tile of `Q8Rows::columns` of n rows: as many as n rows leave room for in
-/// COLUMN_TOKENS columns (4 up to 4 rows, 2 up to 8, else 1).
+/// Runs of 16 codes side by side in a tile of `Q8Rows::columns` of n rows: 2 up to 8 rows (two runs of 8
+/// columns), else 1.
 pub fn column_fold(n: usize) -> usize {
-    match n {
-        0..=4 => 4,
-        5..=8 => 2,
-        _ => 1,
+    if n <= COLUMN_TOKENS / 2 {
+        2
+    } else {
+        1
     }
 }
 

@@ -1,26 +1,26 @@
 //! Q6_K rows with AMX tiles, for passes of several activation rows (a speculative verify pass, prefill).
 //!
-//! Q6_K's weights are d · sc · q with an int8 scale sc per sub-block of 16 elements, so each sub-block's
-//! products are a tile of their own: `tdpbssd` of the sub-block's codes of eight weight rows (A: [8, 16] signed
-//! bytes, rows as stored) by the activation codes of up to 16 tokens (B: [4, 4n], `Q8Rows::columns`), into
-//! C [8, n] i32. Each C row (one weight row, lane t: token t) is multiplied by its row's sc and summed over the
-//! span's eight sub-blocks: I = Σ sc · Σ q·x̂, the exact integer the row kernel (`int_row`, which reduces every
-//! span first, `SuperBlock::SPAN_TOTALS`) finds with VNNI's products. The float steps that follow are the row
-//! kernel's, lane by lane (tot += float(I) · (d · dx)), so both give the same bits, and a token's logits do not
-//! depend on how many tokens share its pass.
+//! Q6_K's weights are d · sc · q with an int8 scale sc per sub-block of 16 elements, so each sub-block's sums
+//! must land in a place of their own before sc multiplies them. One `tdpbssd` takes 2F sub-blocks (F = 2 for up
+//! to 8 tokens, else 1; `Q8Rows::columns`): the weight tile [16, 32F] holds each of the eight weight rows twice,
+//! its first 16F codes in row j and its last 16F in row 8 + j (zeros elsewhere, `Span::codes`), and the
+//! activation tile [8F, 16 · 4] holds the tokens' codes in F runs of columns, each run zero outside its 16
+//! codes. So C [16, 16] i32 has each (weight row, sub-block, token) sum in its own element. Each weight row's
+//! sums are multiplied by their sc and added over the span's eight sub-blocks (and F runs): I = Σ sc · Σ q·x̂,
+//! the exact integer the row kernel (`int_row`, which reduces every span first, `SuperBlock::SPAN_TOTALS`) finds
+//! with VNNI's products. The float steps that follow are the row kernel's, lane by lane (tot += float(I) · (d ·
+//! dx)), so both give the same bits, and a token's logits do not depend on how many tokens share its pass.
 //!
-//! One tile product does 8 · 16 · 16 multiply-adds; VNNI's 256-bit products take 32 instructions for it, each
-//! re-reading the activations, and a row kernel decodes each weight row once per 8 tokens. Tile registers are
-//! not renamed, and C reaches the vector registers through memory, so the work runs as a pipeline over two
-//! scratch spans (as `interleaved::k_tile_amx`): at step s, span s's tile products are issued, span s - 1's
-//! sums are scaled, and span s + 1's codes decoded.
+//! A span of eight rows takes 4 / F products. Tile registers are not renamed, and C reaches the vector registers
+//! through memory, so the work runs as a pipeline over two scratch spans (as `interleaved::k_tile_amx`): at step
+//! s, span s's products are issued, span s - 1's sums scaled, and span s + 1's codes decoded.
 
 use std::arch::x86_64::*;
 
 use super::super::blocks::{self, Format, K_SPAN};
 use super::super::q8::{column_fold, Q8Rows, COLUMN_TOKENS};
 use super::super::rows::{Activations, GroupKernel, GROUP_ROWS, MAX_T};
-use super::{amx, prefetch, Products, SimdFormat, Vnni, ROW_PREFETCH};
+use super::{amx, prefetch, Products, SimdFormat, Vnni};
 
 type Q6K = blocks::Q6K;
 /// Elements per sub-block (one int8 scale each).
@@ -29,10 +29,12 @@ const SUB: usize = 16;
 const SUBS: usize = K_SPAN / SUB;
 
 /// Activation rows from which a pass over Q6_K rows takes the tiles, where `Q8Rows::columns` are given
-/// (`matmul` adds them from this many rows); fewer run the row kernel. Measured on Qwen2.5-Coder-1.5B's Q6_K layer
-/// matrices (2 threads, Sapphire Rapids class VM, ms; benches/RESULTS.md, twenty-fifth session): tiles 16.7 /
-/// 19.4 / 19.9 / 20.0 / 24.6 at T = 4 / 5 / 6 / 8 / 16, the row kernel 15.3 / 17.8 / 20.3 / 24.7 / 44.9.
-pub const TILE_MIN_ROWS: usize = 6;
+/// (`matmul` adds them from this many rows); fewer run the row kernel. Measured on Qwen2.5-Coder-1.5B (2 threads,
+/// Sapphire Rapids class VM, ms, two runs; benches/RESULTS.md, twenty-fifth session), tiles against the row
+/// kernel at T = 4 / 5 / 6: the layers' Q6_K matrices 17.7-17.9 / 18.1-18.4 / 17.8-18.5 against 16.1-16.4 /
+/// 19.1-20.3 / 20.5-21.9; the output head 16.5-16.8 / 16.2-16.6 / 16.6-16.8 against 14.6-14.8 / 16.7-17.5 /
+/// 19.7-20.6.
+pub const TILE_MIN_ROWS: usize = 5;
 
 /// The integer kernel of Q6_K rows with AMX's products: eight rows at a time in tiles from TILE_MIN_ROWS
 /// activation rows, the row kernel (`int_row`, VNNI's products) below. Call only if `Products::Amx.available()`.
@@ -78,6 +80,12 @@ unsafe fn q6_k_rows(
     let count = rows.len() / row_bytes;
     debug_assert!((1..=GROUP_ROWS).contains(&count) && row_bytes == a.k / Q6K::BLOCK * Q6K::BYTES);
     // Rows past `count` recompute the last row; their outputs are never stored.
+    // The eight rows are eight streams, which the hardware prefetchers follow poorly: each step prefetches its
+    // share of the bytes after `rows`, where the next group's rows usually are (a prefetch never faults).
+    let ahead = (
+        rows.as_ptr_range().end,
+        (GROUP_ROWS * row_bytes).div_ceil(a.k / K_SPAN),
+    );
     let ptrs: [*const u8; GROUP_ROWS] =
         std::array::from_fn(|j| rows[j.min(count - 1) * row_bytes..].as_ptr());
     let mut t0 = 0;
@@ -85,24 +93,28 @@ unsafe fn q6_k_rows(
         let n = (a.t - t0).min(COLUMN_TOKENS);
         // SAFETY: the caller's contract, with t0 + n <= t; `matmul` made the columns in tiles of COLUMN_TOKENS.
         unsafe {
-            match column_fold(n) {
-                4 => tile::<4>(q8, a.k, &ptrs, t0, n, &mut y[t0..]),
-                2 => tile::<2>(q8, a.k, &ptrs, t0, n, &mut y[t0..]),
-                _ => tile::<1>(q8, a.k, &ptrs, t0, n, &mut y[t0..]),
+            if column_fold(n) == 2 {
+                tile::<2>(q8, a.k, &ptrs, ahead, t0, n, &mut y[t0..]);
+            } else {
+                tile::<1>(q8, a.k, &ptrs, ahead, t0, n, &mut y[t0..]);
             }
         }
         t0 += n;
     }
 }
 
-/// One span of eight weight rows, as the pipeline holds it between its steps, for products of F sub-blocks
-/// each (`Q8Rows::columns`' fold).
+/// One span of eight weight rows, as the pipeline holds it between its steps, for products of 2F sub-blocks
+/// each (F: `Q8Rows::columns`' fold).
 #[repr(C, align(64))]
 struct Span {
-    /// Row j's 128 codes q (-32..32).
-    codes: [[i8; K_SPAN]; GROUP_ROWS],
-    /// Product p's sums: sums[p][j][c] for weight row j and column c of the activation tile (SUBS / F products).
-    sums: [[[i32; COLUMN_TOKENS]; GROUP_ROWS]; SUBS],
+    /// The weight tiles of the span's products: row j (< 8) holds weight row j's 128 codes q (-32..32) in the
+    /// even runs of 16F codes, zeros in the odd ones; row 8 + j the odd runs. A product over 32F codes (its
+    /// columns 32F·p..) so gives row j the sums of its first 16F codes, row 8 + j those of the last 16F: with the
+    /// activation tile's F runs, each of 2F sub-blocks in a place of its own.
+    codes: [[i8; K_SPAN]; 2 * GROUP_ROWS],
+    /// Product p's sums: sums[p][i][c] for row i of its weight tile and column c of the activation tile (SUBS /
+    /// (2F) products).
+    sums: [[[i32; COLUMN_TOKENS]; 2 * GROUP_ROWS]; SUBS / 2],
     /// Row j's sub-scales of the span.
     scales: [[i32; SUBS]; GROUP_ROWS],
     /// Row j's block scale d.
@@ -112,8 +124,8 @@ struct Span {
 impl Span {
     fn new() -> Span {
         Span {
-            codes: [[0; K_SPAN]; GROUP_ROWS],
-            sums: [[[0; COLUMN_TOKENS]; GROUP_ROWS]; SUBS],
+            codes: [[0; K_SPAN]; 2 * GROUP_ROWS],
+            sums: [[[0; COLUMN_TOKENS]; 2 * GROUP_ROWS]; SUBS / 2],
             scales: [[0; SUBS]; GROUP_ROWS],
             d: [0.0; GROUP_ROWS],
         }
@@ -127,23 +139,48 @@ thread_local! {
     static PIPELINE: std::cell::Cell<Option<Box<[Span; 2]>>> = const { std::cell::Cell::new(None) };
 }
 
-/// Span `sp` of block `bi` of the eight rows at `ptrs` into `span` (codes, sub-scales, d).
+/// Span `sp` of block `bi` of the eight rows at `ptrs` into `span` (codes in runs of 16F, sub-scales, d).
 ///
 /// # Safety
-/// Block bi is inside every row; the caller runs with AVX2.
+/// Block bi is inside every row; the caller runs with AVX-512 F and BW.
 #[inline(always)]
-unsafe fn decode(ptrs: &[*const u8; GROUP_ROWS], bi: usize, sp: usize, span: &mut Span) {
+unsafe fn decode<const F: usize>(
+    ptrs: &[*const u8; GROUP_ROWS],
+    bi: usize,
+    sp: usize,
+    span: &mut Span,
+) {
+    // The even runs of 16F bytes of 64 (F = 1 or 2).
+    let even: __mmask64 = if F == 1 {
+        0x0000_FFFF_0000_FFFF
+    } else {
+        0x0000_0000_FFFF_FFFF
+    };
     for (j, &row) in ptrs.iter().enumerate() {
         // SAFETY: the caller's contract: the block's 210 bytes are readable; `span`'s rows hold 128 codes and 8
         // scales each.
         unsafe {
             let b = row.add(bi * Q6K::BYTES);
-            if sp == 0 {
-                prefetch(b.wrapping_add(ROW_PREFETCH), Q6K::BYTES);
-            }
-            for g in 0..K_SPAN / 32 {
-                let codes = Q6K::code_bytes(b, 4 * sp + g);
-                _mm256_store_si256(span.codes[j][32 * g..].as_mut_ptr().cast(), codes);
+            // The span's low 4 bits: ql[64sp..], groups 0 and 1 in its low nibbles, 2 and 3 in its high ones; its
+            // high 2 bits: qh[32sp..] (`blocks::Q6K`), bits 2t of group t, as two 64-byte halves of the span.
+            let ql = _mm512_loadu_si512(b.add(64 * sp).cast());
+            let qh = _mm512_broadcast_i64x4(_mm256_loadu_si256(b.add(128 + 32 * sp).cast()));
+            let (nibble, two_bits) = (_mm512_set1_epi8(0x0F), _mm512_set1_epi8(3));
+            let low = [
+                _mm512_and_si512(ql, nibble),
+                _mm512_and_si512(_mm512_srli_epi16::<4>(ql), nibble),
+            ];
+            for (half, low) in low.into_iter().enumerate() {
+                // Groups 2·half and 2·half + 1: qh shifted by 4·half, then 2 more in the upper 32 bytes.
+                let shift = _mm512_set_epi64(2, 2, 2, 2, 0, 0, 0, 0);
+                let shift = _mm512_add_epi64(shift, _mm512_set1_epi64(4 * half as i64));
+                let high = _mm512_and_si512(_mm512_srlv_epi64(qh, shift), two_bits);
+                let codes = _mm512_or_si512(low, _mm512_slli_epi16::<4>(high));
+                let codes = _mm512_sub_epi8(codes, _mm512_set1_epi8(Q6K::OFFSET as i8));
+                let (runs, at) = (_mm512_maskz_mov_epi8(even, codes), 64 * half);
+                _mm512_store_si512(span.codes[j][at..].as_mut_ptr().cast(), runs);
+                let runs = _mm512_maskz_mov_epi8(!even, codes);
+                _mm512_store_si512(span.codes[GROUP_ROWS + j][at..].as_mut_ptr().cast(), runs);
             }
             let sc = _mm_loadl_epi64(b.add(192 + SUBS * sp).cast());
             _mm256_store_si256(span.scales[j].as_mut_ptr().cast(), _mm256_cvtepi8_epi32(sc));
@@ -153,44 +190,46 @@ unsafe fn decode(ptrs: &[*const u8; GROUP_ROWS], bi: usize, sp: usize, span: &mu
     }
 }
 
-/// Products p0..p0 + COUNT (2 or 4) of the span, each over F sub-blocks: into C tiles 2.., then stored to
-/// `span.sums`. `x`: the tile's activation words from the span's first element (`Q8Rows::columns`).
+/// The span's COUNT products (COUNT = 4 / F), each over 2F sub-blocks (32F codes): into C tiles 2.., then
+/// stored to `span.sums`. `x`: the tile's activation words from the span's first element (`Q8Rows::columns`).
 ///
 /// # Safety
 /// A configuration of `tile`'s shapes for F is loaded; `x` has the span's 32 words of 16 columns.
 #[inline(always)]
-unsafe fn products<const F: usize, const COUNT: usize>(span: &mut Span, p0: usize, x: *const i32) {
+unsafe fn products<const F: usize, const COUNT: usize>(span: &mut Span, x: *const i32) {
     let codes = span.codes.as_ptr().cast::<u8>();
-    // Product p's weight codes (bytes 16F·p.. of each row) and activation words (4F·p.. of the span).
-    let weights = |p: usize| codes.wrapping_add(SUB * F * p);
-    let activations = |p: usize| x.wrapping_add(SUB / 4 * F * p * COLUMN_TOKENS).cast::<u8>();
+    // Product p's weight codes (columns 32F·p.. of the weight tiles) and activation words (8F·p.. of the span).
+    let weights = |p: usize| codes.wrapping_add(2 * SUB * F * p);
+    let activations = |p: usize| {
+        x.wrapping_add(2 * SUB / 4 * F * p * COLUMN_TOKENS)
+            .cast::<u8>()
+    };
     const ROW: usize = 4 * COLUMN_TOKENS;
-    let p = p0;
     // SAFETY (all): the caller's contract; the operands lie in `span` and the activation columns.
     unsafe {
-        amx::load::<0>(weights(p), K_SPAN);
-        amx::load::<1>(activations(p), ROW);
+        amx::load::<0>(weights(0), K_SPAN);
+        amx::load::<1>(activations(0), ROW);
         amx::zero::<2>();
         amx::dot_signed::<2, 0, 1>();
-        amx::load::<6>(weights(p + 1), K_SPAN);
-        amx::load::<7>(activations(p + 1), ROW);
+        amx::load::<6>(weights(1), K_SPAN);
+        amx::load::<7>(activations(1), ROW);
         amx::zero::<3>();
         amx::dot_signed::<3, 6, 7>();
         if COUNT == 4 {
-            amx::load::<0>(weights(p + 2), K_SPAN);
-            amx::load::<1>(activations(p + 2), ROW);
+            amx::load::<0>(weights(2), K_SPAN);
+            amx::load::<1>(activations(2), ROW);
             amx::zero::<4>();
             amx::dot_signed::<4, 0, 1>();
-            amx::load::<6>(weights(p + 3), K_SPAN);
-            amx::load::<7>(activations(p + 3), ROW);
+            amx::load::<6>(weights(3), K_SPAN);
+            amx::load::<7>(activations(3), ROW);
             amx::zero::<5>();
             amx::dot_signed::<5, 6, 7>();
         }
-        amx::store::<2>(span.sums[p].as_mut_ptr().cast(), ROW);
-        amx::store::<3>(span.sums[p + 1].as_mut_ptr().cast(), ROW);
+        amx::store::<2>(span.sums[0].as_mut_ptr().cast(), ROW);
+        amx::store::<3>(span.sums[1].as_mut_ptr().cast(), ROW);
         if COUNT == 4 {
-            amx::store::<4>(span.sums[p + 2].as_mut_ptr().cast(), ROW);
-            amx::store::<5>(span.sums[p + 3].as_mut_ptr().cast(), ROW);
+            amx::store::<4>(span.sums[2].as_mut_ptr().cast(), ROW);
+            amx::store::<5>(span.sums[3].as_mut_ptr().cast(), ROW);
         }
     }
 }
@@ -226,23 +265,23 @@ unsafe fn scale<const F: usize>(
         // SAFETY: 8 i32, 32-byte aligned.
         let scales =
             _mm512_castsi256_si512(unsafe { _mm256_load_si256(span.scales[j].as_ptr().cast()) });
-        for (p, sums) in span.sums[..SUBS / F].iter().enumerate() {
+        // Sub-blocks F·q.. (q < SUBS / F): product q / 2, the weight tile's row j or 8 + j.
+        for (q, runs) in runs[..SUBS / F].iter().enumerate() {
             // Each lane's sub-scale: one for all lanes if F = 1.
             let m = if F == 1 {
-                _mm512_set1_epi32(span.scales[j][p])
+                _mm512_set1_epi32(span.scales[j][q])
             } else {
-                _mm512_permutexvar_epi32(runs[p], scales)
+                _mm512_permutexvar_epi32(*runs, scales)
             };
             // SAFETY: 16 i32, 64-byte aligned.
-            let s = unsafe { _mm512_load_si512(sums[j].as_ptr().cast()) };
+            let s = unsafe {
+                _mm512_load_si512(span.sums[q / 2][j + GROUP_ROWS * (q % 2)].as_ptr().cast())
+            };
             i = _mm512_add_epi32(i, _mm512_mullo_epi32(s, m));
         }
-        if F >= 2 {
+        if F == 2 {
             // Lanes 0-7 (tokens) += lanes 8-15 (the second run's).
             i = _mm512_add_epi32(i, _mm512_shuffle_i64x2::<0b01_00_11_10>(i, i));
-        }
-        if F == 4 {
-            i = _mm512_add_epi32(i, _mm512_shuffle_i64x2::<0b10_11_00_01>(i, i));
         }
         let scale = _mm512_mul_ps(_mm512_set1_ps(span.d[j]), dx);
         *tot = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i), scale, *tot);
@@ -250,7 +289,8 @@ unsafe fn scale<const F: usize>(
 }
 
 /// y[0..n] (lane j: weight row j) for activation rows t0..t0 + n (n <= 16 / F, F = `column_fold(n)`) of the
-/// eight rows at `ptrs` (each k / 256 blocks).
+/// eight rows at `ptrs` (each k / 256 blocks); at each span, `ahead` = (from, bytes) prefetches its share of the
+/// bytes from `from`.
 ///
 /// # Safety
 /// t0 + n <= the rows `q8` holds, and its columns are made; the caller runs with AVX-512 VNNI's features on a
@@ -260,6 +300,7 @@ unsafe fn tile<const F: usize>(
     q8: &Q8Rows,
     k: usize,
     ptrs: &[*const u8; GROUP_ROWS],
+    ahead: (*const u8, usize),
     t0: usize,
     n: usize,
     y: &mut [[f32; GROUP_ROWS]],
@@ -270,7 +311,11 @@ unsafe fn tile<const F: usize>(
     // Tiles 0 and 6: a product's weight codes [8, 16F]; 1 and 7: its activation words [4F, 64 bytes]; 2-5:
     // four products' sums [8, 64 bytes]. Two pairs of operand tiles, so that loading one pair does not wait on
     // the product of the other.
-    let (weights, activations, sums) = ((GROUP_ROWS, SUB * F), (SUB / 4 * F, 64), (GROUP_ROWS, 64));
+    let (weights, activations, sums) = (
+        (2 * GROUP_ROWS, 2 * SUB * F),
+        (2 * SUB / 4 * F, 64),
+        (2 * GROUP_ROWS, 64),
+    );
     let config = amx::Config::new([
         weights,
         activations,
@@ -292,18 +337,16 @@ unsafe fn tile<const F: usize>(
     // SAFETY (all below): the caller's contract; span s is span s % 2 of block s / 2, inside every row.
     unsafe {
         config.load();
-        decode(ptrs, 0, 0, &mut pipeline[0]);
+        decode::<F>(ptrs, 0, 0, &mut pipeline[0]);
         for step in 0..=spans {
             if step < spans {
+                prefetch(ahead.0.wrapping_add(step * ahead.1), ahead.1);
                 let span = &mut pipeline[step % 2];
                 let x = x.add(step * K_SPAN / 4 * COLUMN_TOKENS);
-                match F {
-                    1 => {
-                        products::<F, 4>(span, 0, x);
-                        products::<F, 4>(span, 4, x);
-                    }
-                    2 => products::<F, 4>(span, 0, x),
-                    _ => products::<F, 2>(span, 0, x),
+                if F == 1 {
+                    products::<F, 4>(span, x);
+                } else {
+                    products::<F, 2>(span, x);
                 }
             }
             if step > 0 {
@@ -311,7 +354,7 @@ unsafe fn tile<const F: usize>(
                 scale::<F>(&pipeline[(step - 1) % 2], &runs, dx, &mut tot);
             }
             if step + 1 < spans {
-                decode(
+                decode::<F>(
                     ptrs,
                     (step + 1) / 2,
                     (step + 1) % 2,
