@@ -6,8 +6,8 @@
 //!   numerics of its interleaved layout's kernel; passes of several rows regroup its rows into that layout,
 //!   `interleaved::q4_k_plain`);
 //! - `interleaved`: the kernels of rows interleaved by eight (resident Q4_1 and Q4_K matrices), Q4_K's with AMX
-//!   tiles (`amx`) in passes of several activation rows where the CPU has them; `q6k_tiles`: Q6_K's with AMX
-//!   tiles, eight rows at a time (Q6_K's row kernel also reduces each span to an exact integer first);
+//!   tiles (`amx`) in passes of several activation rows where the CPU has them; `tiles`: Q6_K's and Q8_0's with
+//!   AMX tiles, eight plain rows at a time (Q6_K's row kernel also reduces each span to an exact integer first);
 //! - integer group kernels (`int_group`, the legacy 32-element types): the same products for eight weight rows
 //!   at once, each row's integer sum in its own lane (lane j: row j) so that the float work is shared by the
 //!   eight rows: for one activation row, eight product vectors reduced across lanes; for tiles of two or more,
@@ -36,9 +36,9 @@ use super::rows::{in_tiles, Activations, GroupKernel, Kernel, RowKernel, GROUP_R
 
 mod amx;
 mod interleaved;
-mod q6k_tiles;
+mod tiles;
 pub use interleaved::{q4_1_x8, q4_k_x8};
-pub use q6k_tiles::TILE_MIN_ROWS as Q6K_TILE_MIN_ROWS;
+pub use tiles::{Q6K_TILE_MIN_ROWS, Q8_0_TILE_MIN_ROWS};
 
 /// Whether this CPU runs the kernels of this module.
 pub fn available() -> bool {
@@ -57,8 +57,8 @@ pub enum Products {
     AvxVnni,
     /// AVX-512 VNNI's, on 256-bit vectors (`Vnni`).
     Avx512Vnni,
-    /// AMX tiles (`amx`) where a kernel has them (Q4_K's and Q6_K's, in passes of several activation rows), else
-    /// AVX-512 VNNI's.
+    /// AMX tiles (`amx`) where a kernel has them (Q4_K's, Q6_K's and Q8_0's, in passes of several activation
+    /// rows), else AVX-512 VNNI's.
     Amx,
 }
 
@@ -317,7 +317,8 @@ pub trait SuperBlock: SimdFormat {
     /// - Q4_K: the interleaved layout's kernel (`interleaved::q4_k_x8`), lane by lane, so resident (interleaved)
     ///   and streamed (plain) rows agree. It sums a span in float32, exact because every partial sum is an
     ///   integer below 2^24 (4 groups · 32 · 15 · 127 · 63).
-    /// - Q6_K: AMX tiles in passes of several activation rows (`q6k_tiles`), one product per sub-block.
+    /// - Q6_K: AMX tiles in passes of several activation rows (`tiles`), each sub-block's sums in a place of
+    ///   their own.
     const SPAN_TOTALS: bool = false;
     /// For `SPAN_TOTALS`: i32 lane i = the offset multiplier mn of group i of span `sp` (4 groups), in its low
     /// 16 bits with the high 16 zero, so that `madd` against the groups' Σcodes gives mn·Σx̂ exactly; and
@@ -1068,10 +1069,11 @@ unsafe fn load32(p: *const u8) -> __m256i {
 /// are read eight blocks at a time by `legacy_scales8`. A symmetric type stored with an offset names it, and
 /// its unsigned codes `$unsigned` (`SimdFormat::OFFSET`).
 macro_rules! legacy_format {
-    ($t:ty, max $max:expr, |$b:ident| $codes:expr) => {
-        legacy_format!($t, max $max, |$b| $codes, offset 0 => $codes);
+    ($t:ty, max $max:expr, |$b:ident| $codes:expr $(, tiles $tiles:expr)?) => {
+        legacy_format!($t, max $max, |$b| $codes, offset 0 => $codes $(, tiles $tiles)?);
     };
-    ($t:ty, max $max:expr, |$b:ident| $codes:expr, offset $offset:literal => $unsigned:expr) => {
+    ($t:ty, max $max:expr, |$b:ident| $codes:expr, offset $offset:literal => $unsigned:expr
+     $(, tiles $tiles:expr)?) => {
         impl SimdFormat for $t {
             const OFFSET: u8 = $offset;
             const MAX_CODE: u8 = $max;
@@ -1089,13 +1091,16 @@ macro_rules! legacy_format {
             }
 
             fn int_kernel(products: Products) -> Kernel {
+                $(if products == Products::Amx {
+                    return Kernel::Group($tiles);
+                })?
                 Kernel::Group(int_group::<$t>(products))
             }
         }
     };
 }
 
-legacy_format!(blocks::Q8_0, max u8::MAX, |b| load32(b.add(2)));
+legacy_format!(blocks::Q8_0, max u8::MAX, |b| load32(b.add(2)), tiles tiles::q8_0_tiles());
 legacy_format!(blocks::Q4_0, max 15, |b| legacy(b.add(2), None, 8), offset 8 => legacy(b.add(2), None, 0));
 legacy_format!(blocks::Q4_1, max 15, |b| legacy(b.add(4), None, 0));
 legacy_format!(blocks::Q5_0, max 31, |b| legacy(
@@ -1266,7 +1271,7 @@ impl SimdFormat for blocks::Q6K {
 
     fn int_kernel(products: Products) -> Kernel {
         if products == Products::Amx {
-            return Kernel::Group(q6k_tiles::q6_k_tiles());
+            return Kernel::Group(tiles::q6_k_tiles());
         }
         Kernel::Row(int::<blocks::Q6K>(products))
     }

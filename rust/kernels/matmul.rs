@@ -7,7 +7,7 @@
 use std::sync::{Arc, RwLock};
 
 pub use super::activation::Gate;
-use super::blocks::{self, Dense, Format, GROUP, K_SPAN};
+use super::blocks::{self, Dense, Format, GROUP};
 use super::dot;
 use super::q8::Q8Rows;
 use super::rows::{Activations, Kernel, RowKernel, GROUP_ROWS, MAX_T};
@@ -278,8 +278,8 @@ pub enum Isa {
     /// integer kernels), else scalar.
     Best,
     /// `Avx512` with AMX tiles in the integer kernels that have them (Q4_K's, in passes of 8 activation rows or
-    /// more; Q6_K's, of 5 or more); refused on a CPU without AMX, or where the OS does not grant this process the
-    /// tile state.
+    /// more; Q6_K's, of 5 or more; Q8_0's, of 9 or more); refused on a CPU without AMX, or where the OS does not
+    /// grant this process the tile state.
     Amx,
     /// AVX-512 F/BW/VL float kernels where written (quantized types), the AVX2 integer kernels with AVX-512
     /// VNNI products where the CPU has VNNI, AVX2 for the rest. Callers check `Isa::available` first
@@ -538,14 +538,24 @@ pub fn quantized_matmul(
     spans.sort_unstable();
     spans.dedup();
     let affine = matrices.iter().any(|m| m.qtype.affine());
-    // Q6_K's AMX kernel takes the activations by token (`Q8Rows::columns`) in passes of several rows.
-    #[cfg(target_arch = "x86_64")]
-    let columns_from = (int
-        && matrices.iter().any(|m| m.qtype == QType::Q6K)
-        && products(isa) == super::avx2::Products::Amx)
-        .then_some(super::avx2::Q6K_TILE_MIN_ROWS);
-    #[cfg(not(target_arch = "x86_64"))]
-    let columns_from: Option<usize> = None;
+    // The AMX kernels (Q6_K's, Q8_0's) take the activations by token (`Q8Rows::columns`) in passes of several
+    // rows: the fewest rows any of them takes tiles from, by activation span.
+    let columns_from = |span: usize| -> Option<usize> {
+        #[cfg(target_arch = "x86_64")]
+        if int && products(isa) == super::avx2::Products::Amx {
+            return matrices
+                .iter()
+                .filter(|m| m.qtype.span() == Some(span))
+                .filter_map(|m| match m.qtype {
+                    QType::Q6K => Some(super::avx2::Q6K_TILE_MIN_ROWS),
+                    QType::Q8_0 => Some(super::avx2::Q8_0_TILE_MIN_ROWS),
+                    _ => None,
+                })
+                .min();
+        }
+        let _ = span;
+        None
+    };
     // Blocks of up to MAX_T activation rows: each weight row meets every block of a tile while it is in L1 cache.
     let blocks: Vec<Activations> = x
         .chunks(MAX_T * k)
@@ -561,7 +571,7 @@ pub fn quantized_matmul(
                     .iter()
                     .map(|&s| {
                         let mut q8 = Q8Rows::in_spans(x, k, s);
-                        if s == K_SPAN && columns_from.is_some_and(|rows| x.len() / k >= rows) {
+                        if columns_from(s).is_some_and(|rows| x.len() / k >= rows) {
                             q8.add_token_columns();
                         }
                         q8
