@@ -1100,7 +1100,7 @@ macro_rules! legacy_format {
     };
 }
 
-legacy_format!(blocks::Q8_0, max u8::MAX, |b| load32(b.add(2)), tiles tiles::q8_0_tiles());
+legacy_format!(blocks::Q8_0, max u8::MAX, |b| load32(b.add(2)), tiles tiles::tiled::<blocks::Q8_0>());
 legacy_format!(blocks::Q4_0, max 15, |b| legacy(b.add(2), None, 8), offset 8 => legacy(b.add(2), None, 0));
 legacy_format!(blocks::Q4_1, max 15, |b| legacy(b.add(4), None, 0));
 legacy_format!(blocks::Q5_0, max 31, |b| legacy(
@@ -1271,7 +1271,7 @@ impl SimdFormat for blocks::Q6K {
 
     fn int_kernel(products: Products) -> Kernel {
         if products == Products::Amx {
-            return Kernel::Group(tiles::q6_k_tiles());
+            return Kernel::Group(tiles::tiled::<blocks::Q6K>());
         }
         Kernel::Row(int::<blocks::Q6K>(products))
     }

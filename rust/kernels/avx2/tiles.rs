@@ -47,7 +47,7 @@ pub const Q6K_TILE_MIN_ROWS: usize = 5;
 pub const Q8_0_TILE_MIN_ROWS: usize = 9;
 
 /// A block format the tiles take: its steps, its decoding and its float steps.
-trait Tiled: Format + SimdFormat {
+pub trait Tiled: Format + SimdFormat {
     /// Codes a pipeline step takes (Q6_K: a span; Q8_0: two blocks), a multiple of 64.
     const STEP: usize;
     /// Activation rows from which a pass takes the tiles.
@@ -66,15 +66,14 @@ trait Tiled: Format + SimdFormat {
         step: &mut Step,
     ) -> [__m512i; MAX_STEP / 64];
     /// The step's float steps into tot (row j's, lane t: token t), from its products' sums; `dx`: the step's
-    /// activation scales, [STEP / SPAN, n]; `runs`: `runs::<F>`.
+    /// activation scales, one vector per span of the step (lane t: token t); `runs`: `runs::<F>`.
     ///
     /// # Safety
     /// The caller runs with AVX-512 F.
     unsafe fn scale<const F: usize>(
         step: &Step,
         runs: &[__m512i; SUBS],
-        dx: &[f32],
-        n: usize,
+        dx: &[__m512; 2],
         tot: &mut [__m512; GROUP_ROWS],
     );
     /// A row's result from its accumulator (the vector kernel's last step).
@@ -96,42 +95,24 @@ trait Tiled: Format + SimdFormat {
     );
 }
 
-/// The integer group kernel of Q6_K rows with AMX's products: eight rows at a time in tiles from
-/// Q6K_TILE_MIN_ROWS activation rows, the row kernel (`int_row`, VNNI's products) below. Call only if
+/// The integer group kernel of F's rows (Q6_K, Q8_0) with AMX's products: eight rows at a time in tiles from
+/// `Tiled::MIN_ROWS` activation rows (where the row holds whole steps), the vector kernel (VNNI's products:
+/// Q6_K's row kernel `int_row`, Q8_0's group kernel `int_group`) otherwise. Call only if
 /// `Products::Amx.available()`.
-pub fn q6_k_tiles() -> GroupKernel {
+pub fn tiled<F: Tiled>() -> GroupKernel {
     debug_assert!(Products::Amx.available());
     #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
-    unsafe fn entry(
+    unsafe fn entry<F: Tiled>(
         a: &Activations,
         rows: &[u8],
         row_bytes: usize,
         y: &mut [[f32; GROUP_ROWS]; MAX_T],
     ) {
         // SAFETY: the caller's contract is the body's, on a CPU with AMX and AVX-512 VNNI.
-        unsafe { tiled_rows::<Q6K>(a, rows, row_bytes, y) }
+        unsafe { tiled_rows::<F>(a, rows, row_bytes, y) }
     }
     // SAFETY: `matmul` asks for AMX's products only where `Products::Amx.available()`.
-    |a, rows, row_bytes, y| unsafe { entry(a, rows, row_bytes, y) }
-}
-
-/// The integer group kernel of Q8_0 rows with AMX's products: eight rows at a time in tiles from
-/// Q8_0_TILE_MIN_ROWS activation rows (where a row has an even number of blocks), the group kernel (`int_group`,
-/// VNNI's products) otherwise. Call only if `Products::Amx.available()`.
-pub fn q8_0_tiles() -> GroupKernel {
-    debug_assert!(Products::Amx.available());
-    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
-    unsafe fn entry(
-        a: &Activations,
-        rows: &[u8],
-        row_bytes: usize,
-        y: &mut [[f32; GROUP_ROWS]; MAX_T],
-    ) {
-        // SAFETY: the caller's contract is the body's, on a CPU with AMX and AVX-512 VNNI.
-        unsafe { tiled_rows::<Q8_0>(a, rows, row_bytes, y) }
-    }
-    // SAFETY: `matmul` asks for AMX's products only where `Products::Amx.available()`.
-    |a, rows, row_bytes, y| unsafe { entry(a, rows, row_bytes, y) }
+    |a, rows, row_bytes, y| unsafe { entry::<F>(a, rows, row_bytes, y) }
 }
 
 /// `count` (1 to 8) rows of F (`rows`: count · row_bytes bytes); y[t][j] for row j.
@@ -178,7 +159,7 @@ unsafe fn tiled_rows<F: Tiled>(
 
 /// One step of eight weight rows, as the pipeline holds it between its stages.
 #[repr(C, align(64))]
-struct Step {
+pub struct Step {
     /// The weight tiles of the step's products: row j (< 8) holds weight row j's codes in the even runs of
     /// PRODUCT / 2, zeros in the odd ones; row 8 + j the odd runs. Product p takes columns PRODUCT · p...
     codes: [[i8; MAX_STEP]; 2 * GROUP_ROWS],
@@ -271,13 +252,10 @@ impl Tiled for Q6K {
     unsafe fn scale<const F: usize>(
         step: &Step,
         runs: &[__m512i; SUBS],
-        dx: &[f32],
-        n: usize,
+        dx: &[__m512; 2],
         tot: &mut [__m512; GROUP_ROWS],
     ) {
-        let lanes: __mmask16 = ((1u32 << n) - 1) as __mmask16;
-        // SAFETY: n floats.
-        let dx = unsafe { _mm512_maskz_loadu_ps(lanes, dx.as_ptr()) };
+        let dx = dx[0];
         for (j, tot) in tot.iter_mut().enumerate() {
             let mut i = _mm512_setzero_si512();
             // SAFETY: 8 i32, 32-byte aligned.
@@ -356,20 +334,11 @@ impl Tiled for Q8_0 {
     unsafe fn scale<const F: usize>(
         step: &Step,
         _runs: &[__m512i; SUBS],
-        dx: &[f32],
-        n: usize,
+        dx: &[__m512; 2],
         tot: &mut [__m512; GROUP_ROWS],
     ) {
-        let lanes: __mmask16 = ((1u32 << n) - 1) as __mmask16;
-        // SAFETY: n floats for each block.
-        let dx = unsafe {
-            [
-                _mm512_maskz_loadu_ps(lanes, dx.as_ptr()),
-                _mm512_maskz_loadu_ps(lanes, dx[n..].as_ptr()),
-            ]
-        };
         for (j, tot) in tot.iter_mut().enumerate() {
-            for (block, dx) in dx.into_iter().enumerate() {
+            for (block, &dx) in dx.iter().enumerate() {
                 // SAFETY: 16 i32, 64-byte aligned.
                 let s = unsafe {
                     _mm512_load_si512(step.sums[0][j + GROUP_ROWS * block].as_ptr().cast())
@@ -557,6 +526,7 @@ unsafe fn tile<F: Tiled, const FOLD: usize>(
     let mut tot = [_mm512_setzero_ps(); GROUP_ROWS];
     // SAFETY: the caller runs with AVX-512 F.
     let runs = unsafe { runs::<FOLD>() };
+    let lanes: __mmask16 = ((1u32 << n) - 1) as __mmask16;
     // SAFETY (all below): the caller's contract; every step s < steps is inside every row.
     unsafe {
         config.load();
@@ -573,8 +543,12 @@ unsafe fn tile<F: Tiled, const FOLD: usize>(
                 }
             }
             if s > 0 {
-                let dx = &scales[(s - 1) * spans_per_step * n..][..spans_per_step * n];
-                F::scale::<FOLD>(&pipeline[(s - 1) % 2], &runs, dx, n, &mut tot);
+                let mut dx = [_mm512_setzero_ps(); 2];
+                for (i, dx) in dx[..spans_per_step].iter_mut().enumerate() {
+                    let at = ((s - 1) * spans_per_step + i) * n;
+                    *dx = _mm512_maskz_loadu_ps(lanes, scales[at..][..n].as_ptr());
+                }
+                F::scale::<FOLD>(&pipeline[(s - 1) % 2], &runs, &dx, &mut tot);
             }
             if s + 1 < steps {
                 decode::<F, FOLD>(ptrs, s + 1, &mut pipeline[(s + 1) % 2]);
