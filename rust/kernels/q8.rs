@@ -31,9 +31,9 @@ pub struct Q8Rows {
     /// The codes by token (`add_token_columns`, else empty), as AMX tiles of activations take them: in tiles of
     /// up to COLUMN_TOKENS rows (tile t0.. at t0 · k / 4), each [k / 4, COLUMN_TOKENS] words of 4 codes, word w
     /// of the tile's rows side by side in one 64-byte row. A tile of n rows holds `column_fold(n)` = f runs of
-    /// 16 / f columns: word w of row t in column (w % 4f) / 4 · 16 / f + t, zero elsewhere, so that one product
-    /// over 4f words (16f codes) finds the sums of f runs of 16 codes apart (one per sub-block of Q6_K, whose
-    /// sub-blocks each have a scale). Unused columns are zero.
+    /// 16 / f columns: word w of row t in column (w % 4f) / 4 · 16 / f + t, zero elsewhere, so that a product over
+    /// these words finds the sums of each run of 16 codes of a row apart (`avx2::tiles`: Q6_K's sub-blocks each
+    /// have a scale). Unused columns are zero.
     #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
     pub columns: Vec<i32>,
     /// The scales by token: tile t0.. of n rows at t0 · spans, as [spans, n].
