@@ -85,6 +85,30 @@ impl ExtentIndex {
         Ok(self.inner.row_extent(name, start, stop)?)
     }
 
+    /// Neurons per FFN group where the store holds group-major copies of its down matrices, else None.
+    #[getter]
+    fn ffn_group_neurons(&self) -> Option<u64> {
+        self.inner.ffn_group_neurons()
+    }
+
+    /// (file_offset, length) of groups `groups` (in that order) of `layer`'s group-major down copy.
+    fn ffn_group_extents(&self, layer: usize, groups: Vec<u64>) -> PyResult<Vec<(u64, u64)>> {
+        Ok(self.inner.ffn_group_extents(layer, &groups)?)
+    }
+
+    /// The xxh3-64 checksum of each group of `layer`'s down copy.
+    fn ffn_group_checksums(&self, layer: usize) -> PyResult<Vec<u64>> {
+        Ok(self.inner.ffn_group_checksums(layer)?.to_vec())
+    }
+
+    /// Check the bytes of buffer `data`, group `group` of `layer`'s down copy, against its checksum.
+    fn verify_ffn_group(&self, py: Python<'_>, layer: usize, group: u64, data: &Bound<'_, PyAny>) -> PyResult<()> {
+        let lent = Lent::bytes(data, "data", Access::Read)?;
+        // SAFETY: the caller's contract with its own Python code: nothing writes `data` during the call.
+        let bytes = unsafe { lent.as_slice() };
+        Ok(py.detach(|| self.inner.verify_ffn_group(layer, group, bytes))?)
+    }
+
     /// The xxh3-64 checksum the file records for tensor `name` (None in a GGUF).
     fn checksum(&self, name: &str) -> PyResult<Option<u64>> {
         Ok(self.inner.tensor(name)?.checksum)

@@ -256,3 +256,68 @@ def test_checksums_take_checked_buffers_not_addresses():
         _core.checksum(data[::2])
     with pytest.raises(TypeError):
         _core.checksum(data.ctypes.data)  # an address is refused
+
+
+# Down matrix types for the ffn-groups layout: blocks of 1 (floats: groups of 32 neurons), 32 and 256.
+GROUPED_DOWN_TYPES = [Q.F16, Q.BF16, Q.Q8_0, Q.Q4_1, Q.Q5_0, Q.Q4_K, Q.Q5_K, Q.Q6_K]
+
+
+@pytest.fixture(scope="module")
+def grouped(tmp_path_factory) -> list[tuple]:
+    """(gguf path, store, store with the ffn-groups layout) for each down type in GROUPED_DOWN_TYPES."""
+    out = []
+    for i, qtype in enumerate(GROUPED_DOWN_TYPES):
+        d = tmp_path_factory.mktemp(f"grouped{i}")
+        spec = SynthSpec(n_layers=2, d_model=256, d_ff=768, n_heads=4, n_kv_heads=2, seed=5 + i,
+                         part_types={"ffn_down": qtype})
+        g = write_synthetic_gguf(d / "m.gguf", spec)
+        out.append((g, convert(g, d / "dense.ntio"), convert(g, d / "grouped.ntio", layout="ffn-groups")))
+    return out
+
+
+def test_ffn_groups_hold_the_down_columns_as_whole_blocks(grouped):
+    """Each group, read at its extent with plain file reads and dequantized by gguf-py, is exactly those columns of
+    the GGUF's dequantized down matrix; the dense tensors and layer extents are those of a store without it."""
+    for (gguf_path, dense_path, grouped_path), qtype in zip(grouped, GROUPED_DOWN_TYPES):
+        dense, store, want = StoreFile(dense_path), StoreFile(grouped_path), reference_tensors(gguf_path)
+        neurons = 32 if qtype in (Q.F16, Q.BF16) else gguf.GGML_QUANT_SIZES[qtype][0]
+        assert store.ffn_group_neurons == neurons and dense.ffn_group_neurons is None
+        assert store.tensors == dense.tensors
+        data_end = max(t.offset + t.nbytes for t in store.tensors.values())
+        for layer in range(2):
+            assert store.index.layer_extents(layer) == dense.index.layer_extents(layer)
+            down = store.tensor(f"blk.{layer}.ffn_down.weight")
+            assert down.qtype == qtype
+            full = reference_dequantized(want[down.name], qtype, down.shape)
+            groups = down.shape[1] // neurons
+            extents = store.ffn_group_extents(layer, list(range(groups)))
+            for g, (offset, length) in enumerate(extents):
+                assert offset % 4096 == 0 and offset >= data_end  # after every dense tensor
+                got = reference_dequantized(file_bytes(grouped_path, offset, length), qtype, (down.shape[0], neurons))
+                assert np.array_equal(got, full[:, g * neurons:(g + 1) * neurons]), (qtype, layer, g)
+                assert np.array_equal(store.ffn_group_bytes(layer, g), file_bytes(grouped_path, offset, length))
+            with pytest.raises(ModelFormatError, match=f"no FFN group {groups} in layer {layer}"):
+                store.ffn_group_extents(layer, [groups])
+
+
+def test_ffn_group_corruption_names_the_group_and_a_store_without_groups_says_how(grouped, tmp_path):
+    bad = shutil.copy(grouped[-1][2], tmp_path / "bad.ntio")
+    (offset, length), = StoreFile(bad).ffn_group_extents(1, [1])
+    flip_byte(bad, offset + length - 1)
+    store = StoreFile(bad)
+    store.ffn_group_bytes(1, 0)  # the others are intact
+    with pytest.raises(ModelFormatError, match=rf"bad\.ntio: checksum mismatch in tensor 'blk\.1\.ffn_down\.weight "
+                                               rf"group 1' \(extent at offset {offset}, {length} bytes\)"):
+        store.ffn_group_bytes(1, 1)
+    with pytest.raises(ModelFormatError, match=r"dense\.ntio: no FFN group layout for layer 0; `ntio convert "
+                                               r"--layout ffn-groups` writes a store with one"):
+        StoreFile(grouped[0][1]).ffn_group_extents(0, [0])
+
+
+def test_cli_convert_writes_the_ffn_groups_layout(grouped, tmp_path):
+    out = tmp_path / "cli.ntio"
+    result = CliRunner().invoke(cli, ["convert", str(grouped[0][0]), "-o", str(out), "--layout", "ffn-groups"])
+    assert result.exit_code == 0, result.output
+    assert StoreFile(out).ffn_group_neurons == 32
+    result = CliRunner().invoke(cli, ["convert", str(grouped[0][0]), "-o", str(out), "--layout", "bundles"])
+    assert result.exit_code == 2 and "'bundles' is not 'ffn-groups'" in result.output

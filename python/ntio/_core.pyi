@@ -211,6 +211,12 @@ class ExtentIndex:
     def verify(self, name: str, data: Buffer) -> None:
         """Check a whole tensor's bytes (a C-contiguous buffer) against its checksum (StoreFormatError); no-op for a
         GGUF."""
+    @property
+    def ffn_group_neurons(self) -> int | None: ...  # neurons per group of the store's down copies, else None
+    # Groups of a layer's group-major down copy (`convert --layout ffn-groups`); LookupError where there is none.
+    def ffn_group_extents(self, layer: int, groups: list[int]) -> list[FileExtent]: ...  # in the order given
+    def ffn_group_checksums(self, layer: int) -> list[int]: ...  # xxh3-64 of each group
+    def verify_ffn_group(self, layer: int, group: int, data: Buffer) -> None: ...  # StoreFormatError naming it
 
 def open_store(path: str | PathLike[str]) -> tuple[int, str, list[tuple[str, int, list[int], int, int]], ExtentIndex]:
     """(format_version, metadata JSON, [(name, ggml_type, shape, offset, nbytes)], index); checks header + manifest."""

@@ -712,7 +712,10 @@ def plan(model, ctx_size, ram_budget, gpu_memory_budget, tiers, device, kv_dtype
               help="Store to write (default: MODEL's file, or checkpoint directory, with the suffix .ntio)")
 @click.option("--type", "matrix_type", type=click.Choice(["F16", "BF16", "Q8_0", "Q4_0"]),
               help="Encode float (F32/F16/BF16) matrices as this type (default: as they are); norms and biases stay")
-def convert(model, output, matrix_type) -> None:
+@click.option("--layout", type=click.Choice(["ffn-groups"]),
+              help="Also write each layer's FFN down matrix group-major (one quantization block of neurons a group, "
+                   "blocks moved, not re-encoded), so that a sparse FFN reads the groups it keeps as one extent each")
+def convert(model, output, matrix_type, layout) -> None:
     """Convert MODEL (a GGUF file, a Hugging Face checkpoint directory, or a name from `ntio fetch --list`) into an
     ntio store (layers contiguous and 4096-aligned, checksummed)."""
     from rich.console import Console
@@ -728,7 +731,7 @@ def convert(model, output, matrix_type) -> None:
     with Progress(*columns, console=Console(stderr=True), transient=True) as bar:
         task = bar.add_task(f"converting {model.name}", total=None)
         convert_to_store(model, output, progress=lambda done, total: bar.update(task, completed=done, total=total),
-                         matrix_type=MATRIX_TYPES[matrix_type] if matrix_type else None)
+                         matrix_type=MATRIX_TYPES[matrix_type] if matrix_type else None, layout=layout)
     click.echo(str(output))
 
 

@@ -4,14 +4,16 @@
 //! A tensor's encoded bytes are row-major: with PyTorch shape [..., K], each of its
 //! `rows = product(shape[..-1])` rows is `row_bytes = K / block * type_size` bytes, so rows
 //! `[start, stop)` are the single extent `offset + start * row_bytes .. offset + stop * row_bytes`.
-//! (An FFN neuron group is a row range of gate and up; a later format version may re-lay out
-//! down so its columns become rows too: the manifest's reserved `layouts` field.)
+//! An FFN neuron group is a row range of gate and up. In down [D, F] a neuron is a column, and its
+//! quantization blocks run along the neurons: a store may hold a group-major copy of each down
+//! matrix (`manifest::FfnDownGroups`), whose groups `ffn_group_extents` finds.
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
 use super::checksum;
 use super::error::{Result, StoreError};
+use super::manifest::GroupedCopy;
 
 /// Alignment of every tensor in a store: one O_DIRECT block / page, so a tensor (and a row range
 /// that starts on a page) reads without a bounce buffer.
@@ -51,6 +53,8 @@ pub struct ExtentIndex {
     by_name: HashMap<String, usize>,
     /// Tensor indices of each layer, in file order.
     layers: Vec<Vec<usize>>,
+    /// Neurons per group and each layer's group-major copy of its FFN down matrix, where the store has them.
+    ffn_groups: Option<(u64, HashMap<usize, GroupedCopy>)>,
 }
 
 impl ExtentIndex {
@@ -95,6 +99,72 @@ impl ExtentIndex {
             tensors,
             by_name,
             layers,
+            ffn_groups: None,
+        })
+    }
+
+    /// The index with group-major copies of down matrices (checked against their tensors by the manifest), one
+    /// per layer at most.
+    pub fn with_ffn_groups(mut self, neurons: u64, copies: Vec<GroupedCopy>) -> Result<Self> {
+        let mut by_layer = HashMap::with_capacity(copies.len());
+        for copy in copies {
+            let layer = self.tensor(&copy.tensor)?.layer;
+            let Some(layer) = layer.filter(|l| !by_layer.contains_key(l)) else {
+                return Err(StoreError::BadManifest {
+                    path: self.path.clone(),
+                    reason: format!("a second FFN group copy of layer {layer:?} ({:?})", copy.tensor),
+                });
+            };
+            by_layer.insert(layer, copy);
+        }
+        self.ffn_groups = Some((neurons, by_layer));
+        Ok(self)
+    }
+
+    /// Neurons per FFN group, where the store has group-major copies of its down matrices.
+    pub fn ffn_group_neurons(&self) -> Option<u64> {
+        self.ffn_groups.as_ref().map(|(neurons, _)| *neurons)
+    }
+
+    fn grouped_copy(&self, layer: usize) -> Result<&GroupedCopy> {
+        self.ffn_groups
+            .as_ref()
+            .and_then(|(_, copies)| copies.get(&layer))
+            .ok_or_else(|| self.not_found(format!("no FFN group layout for layer {layer}")))
+    }
+
+    /// The extents of groups `groups` (in that order) of `layer`'s down copy: one aligned extent each.
+    pub fn ffn_group_extents(&self, layer: usize, groups: &[u64]) -> Result<Vec<FileExtent>> {
+        let copy = self.grouped_copy(layer)?;
+        groups
+            .iter()
+            .map(|&g| match g < copy.checksums.len() as u64 {
+                true => Ok((copy.offset + g * copy.stride, copy.group_bytes)),
+                false => Err(self.not_found(format!(
+                    "no FFN group {g} in layer {layer} ({} groups)",
+                    copy.checksums.len()
+                ))),
+            })
+            .collect()
+    }
+
+    /// The checksum of each group of `layer`'s down copy.
+    pub fn ffn_group_checksums(&self, layer: usize) -> Result<&[u64]> {
+        Ok(&self.grouped_copy(layer)?.checksums)
+    }
+
+    /// Check `bytes`, group `group` of `layer`'s down copy, against its checksum.
+    pub fn verify_ffn_group(&self, layer: usize, group: u64, bytes: &[u8]) -> Result<()> {
+        let (offset, length) = self.ffn_group_extents(layer, &[group])?[0];
+        let copy = self.grouped_copy(layer)?;
+        if bytes.len() as u64 == length && checksum(bytes) == copy.checksums[group as usize] {
+            return Ok(());
+        }
+        Err(StoreError::ChecksumMismatch {
+            path: self.path.clone(),
+            tensor: format!("{} group {group}", copy.tensor),
+            offset,
+            length,
         })
     }
 

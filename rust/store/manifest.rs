@@ -6,7 +6,7 @@
 //!  "tensors": [{"name", "ggml_type", "shape" (PyTorch order), "offset" (absolute), "nbytes",
 //!               "rows", "layer" (null for globals), "checksum" (xxh3-64)}, ...],
 //!  "layers": [{"offset", "length"}, ...],   // extent of each layer's tensors
-//!  "layouts": {}}                           // reserved: tensor re-layouts (FFN bundles), empty in v1
+//!  "layouts": {"ffn_down_groups": {...}}}   // optional re-laid-out copies (`FfnDownGroups`)
 //! ```
 //! `metadata` is kept as raw JSON: Python interprets it; Rust only checks that it is an object.
 
@@ -26,7 +26,41 @@ pub struct Manifest {
     pub metadata: Box<RawValue>,
     pub tensors: Vec<TensorRecord>,
     pub layers: Vec<LayerRecord>,
-    pub layouts: serde_json::Map<String, serde_json::Value>,
+    pub layouts: Layouts,
+}
+
+/// Copies of tensors laid out for sparse reads (`convert --layout`), beside the dense tensors.
+#[derive(Debug, Default, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Layouts {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ffn_down_groups: Option<FfnDownGroups>,
+}
+
+/// Each layer's FFN down matrix [D, F] copied group-major, after every layer's dense tensors: group g holds
+/// columns (neurons) [g·neurons, (g+1)·neurons) of all D rows, each row's `neurons / block` whole quantization
+/// blocks (the blocks run along the neuron axis), row after row. A group is thus a row-major [D, neurons] matrix
+/// in the tensor's own type, byte for byte its blocks: a permutation of whole blocks, never requantized.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct FfnDownGroups {
+    /// Neurons per group: a multiple of the down type's block.
+    pub neurons: u64,
+    pub copies: Vec<GroupedCopy>,
+}
+
+/// One down matrix's group-major copy: group g is `group_bytes` at `offset + g * stride`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct GroupedCopy {
+    /// The dense tensor it copies (a layer's `ffn_down.weight`).
+    pub tensor: String,
+    pub offset: u64,
+    pub group_bytes: u64,
+    /// `group_bytes` rounded up to the store's alignment: every group is an aligned extent.
+    pub stride: u64,
+    /// xxh3-64 of each group's bytes, so that a read of some groups is checked.
+    pub checksums: Vec<u64>,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -145,8 +179,72 @@ impl Manifest {
         if indexed != manifest.layers {
             return Err(bad("the layer table disagrees with the tensor table".into()));
         }
+        let index = match &manifest.layouts.ffn_down_groups {
+            None => index,
+            Some(groups) => {
+                let neurons = groups.neurons;
+                for copy in &groups.copies {
+                    check_copy(&manifest, copy, neurons, header).map_err(|reason| {
+                        bad(format!("FFN group copy of {:?}: {reason}", copy.tensor))
+                    })?;
+                }
+                index.with_ffn_groups(neurons, groups.copies.clone())?
+            }
+        };
         Ok((manifest, index))
     }
+}
+
+/// A group-major copy must be what its tensor makes of `neurons`: whole blocks per row, the tensor's columns in
+/// whole groups, a checksum per group, aligned groups inside the data region.
+fn check_copy(
+    manifest: &Manifest,
+    copy: &GroupedCopy,
+    neurons: u64,
+    header: &Header,
+) -> std::result::Result<(), String> {
+    let t = manifest
+        .tensors
+        .iter()
+        .find(|t| t.name == copy.tensor)
+        .ok_or("no such tensor")?;
+    // The tensor passed its own checks: a known type, rows of whole blocks.
+    let ggml = crate::gguf::ggml_type(t.ggml_type).ok_or("unknown type")?;
+    let width = t.shape[t.shape.len() - 1];
+    if t.layer.is_none() || t.shape.len() != 2 {
+        return Err("not a layer's matrix".into());
+    }
+    if neurons == 0 || neurons % ggml.block != 0 || width % neurons != 0 {
+        return Err(format!(
+            "{neurons} neurons a group are not whole {} blocks of {} dividing its {width} columns",
+            ggml.name, ggml.block
+        ));
+    }
+    let groups = width / neurons;
+    let group_bytes = t.rows * (neurons / ggml.block) * ggml.type_size;
+    let stride = group_bytes.next_multiple_of(STORE_ALIGNMENT);
+    let end = stride
+        .checked_mul(groups - 1)
+        .and_then(|n| n.checked_add(copy.offset))
+        .and_then(|n| n.checked_add(group_bytes));
+    if copy.group_bytes != group_bytes || copy.stride != stride || copy.checksums.len() as u64 != groups {
+        return Err(format!(
+            "{} groups of {} bytes a {} apart, not {groups} of {group_bytes} a {stride} apart",
+            copy.checksums.len(),
+            copy.group_bytes,
+            copy.stride
+        ));
+    }
+    if copy.offset < HEADER_SIZE as u64
+        || copy.offset % STORE_ALIGNMENT != 0
+        || end.map_or(true, |end| end > header.manifest_offset)
+    {
+        return Err(format!(
+            "offset {} is not an aligned extent of the data region",
+            copy.offset
+        ));
+    }
+    Ok(())
 }
 
 impl TensorRecord {
@@ -252,6 +350,81 @@ mod tests {
                 ),
             }
         }
+    }
+
+    /// A Q8_0 down matrix [2, 64] of layer 0 and its group-major copy (2 groups of 32 neurons) after it.
+    const DOWN: &str = r#"{"name": "blk.0.ffn_down.weight", "ggml_type": 8, "shape": [2, 64], "offset": 8192,
+                           "nbytes": 136, "rows": 2, "layer": 0, "checksum": 3}"#;
+    const GROUPS: &str = r#"{"ffn_down_groups": {"neurons": 32, "copies": [{"tensor": "blk.0.ffn_down.weight",
+                             "offset": 12288, "group_bytes": 68, "stride": 4096, "checksums": [5, 6]}]}}"#;
+
+    #[test]
+    fn ffn_group_copies_index_one_aligned_extent_a_group() {
+        let header = Header {
+            manifest_offset: 20480,
+            ..HEADER
+        };
+        let text = manifest(DOWN, r#"{"offset": 8192, "length": 136}"#).replace("{}}", &format!("{GROUPS}}}"));
+        let (m, index) = Manifest::parse(text.as_bytes(), &header, Path::new("m.ntio")).unwrap();
+        assert_eq!(m.layouts.ffn_down_groups.unwrap().copies.len(), 1);
+        assert_eq!(index.ffn_group_neurons(), Some(32));
+        assert_eq!(
+            index.ffn_group_extents(0, &[1, 0]).unwrap(),
+            vec![(16384, 68), (12288, 68)]
+        );
+        assert!(index.ffn_group_extents(0, &[2]).is_err());
+        assert!(index.ffn_group_extents(1, &[0]).is_err());
+        let bad = [
+            (GROUPS.replace("\"neurons\": 32", "\"neurons\": 16"), "not whole Q8_0 blocks"),
+            (GROUPS.replace("\"neurons\": 32", "\"neurons\": 96"), "dividing its 64 columns"),
+            (GROUPS.replace("[5, 6]", "[5]"), "1 groups of 68 bytes"),
+            (GROUPS.replace("\"stride\": 4096", "\"stride\": 68"), "a 68 apart"),
+            (GROUPS.replace("12288", "12290"), "not an aligned extent"),
+            (GROUPS.replace("12288", "16384"), "not an aligned extent"),
+            (GROUPS.replace("blk.0.ffn_down", "blk.1.ffn_down"), "no such tensor"),
+            (GROUPS.replace("\"neurons\"", "\"rows\": 1, \"neurons\""), "unknown field"),
+        ];
+        for (groups, reason) in bad {
+            let text = manifest(DOWN, r#"{"offset": 8192, "length": 136}"#).replace("{}}", &format!("{groups}}}"));
+            match Manifest::parse(text.as_bytes(), &header, Path::new("m.ntio")) {
+                Ok(_) => panic!("accepted {groups}"),
+                Err(err) => assert!(err.to_string().contains(reason), "{err} (wanted {reason:?})"),
+            }
+        }
+    }
+
+    #[test]
+    fn ffn_group_checks_name_the_group() {
+        let copy = GroupedCopy {
+            tensor: "blk.0.ffn_down.weight".into(),
+            offset: 12288,
+            group_bytes: 4,
+            stride: 4096,
+            checksums: vec![checksum_of(&[1, 2, 3, 4]), 0],
+        };
+        let index = || {
+            let down = TensorSpan {
+                name: copy.tensor.clone(),
+                offset: 8192,
+                nbytes: 8,
+                rows: 1,
+                layer: Some(0),
+                checksum: None,
+            };
+            ExtentIndex::new(Path::new("m.ntio"), vec![down]).unwrap()
+        };
+        let twice = index().with_ffn_groups(32, vec![copy.clone(), copy.clone()]);
+        assert!(twice.is_err(), "two copies of one layer");
+        let index = index().with_ffn_groups(32, vec![copy]).unwrap();
+        index.verify_ffn_group(0, 0, &[1, 2, 3, 4]).unwrap();
+        assert_eq!(
+            index.verify_ffn_group(0, 1, &[1, 2, 3, 4]).unwrap_err().to_string(),
+            "m.ntio: checksum mismatch in tensor 'blk.0.ffn_down.weight group 1' (extent at offset 16384, 4 bytes)"
+        );
+    }
+
+    fn checksum_of(bytes: &[u8]) -> u64 {
+        super::super::checksum(bytes)
     }
 
     mod properties {

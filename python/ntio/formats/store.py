@@ -6,9 +6,10 @@ Layout (the Rust core parses it: `rust/store/`):
     [0, 4096)        header page: magic b"NTIOSTOR", format version, manifest offset/length/checksum
     [4096, ...)      global tensors, then layer 0's tensors, layer 1's, ...; every tensor 4096-aligned,
                      each layer's tensors back to back, so one layer is one extent
+    [..., manifest)  with `--layout ffn-groups`: each layer's FFN down matrix again, group-major (`ffn_groups`)
     [manifest, end)  JSON manifest: all GGUF metadata (tokenizer arrays and chat template included), the tensor
                      table (name, ggml type, shape, offset, nbytes, rows, layer, xxh3-64 checksum), the layer table
-                     and a reserved "layouts" field for future FFN re-layouts
+                     and "layouts": where the re-laid-out copies are
 
 `StoreFile` offers the interface of `GGUFFile`, with `tensor_bytes` verified against the tensor's checksum.
 """
@@ -19,7 +20,7 @@ import json
 import os
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import gguf
 import numpy as np
@@ -40,6 +41,11 @@ MATRIX_TYPES = {t.name: t for t in (gguf.GGMLQuantizationType.F16, gguf.GGMLQuan
                                     gguf.GGMLQuantizationType.Q8_0, gguf.GGMLQuantizationType.Q4_0)}
 _FLOAT_TYPES = frozenset((gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16,
                           gguf.GGMLQuantizationType.BF16))
+
+# What `convert --layout` may add beside the dense tensors.
+LAYOUTS = ("ffn-groups",)
+# Neurons per FFN group where the down matrix's type has blocks of one value (F32, F16, BF16).
+FLOAT_GROUP_NEURONS = 32
 
 # progress(bytes_done, bytes_total)
 Progress = Callable[[int, int], None]
@@ -103,6 +109,31 @@ class StoreFile(ModelFileBase):
             self._verified.add(name)
         return data
 
+    @property
+    def ffn_group_neurons(self) -> int | None:
+        """Neurons per FFN group of the store's group-major down copies (`convert --layout ffn-groups`), else None."""
+        return self.index.ffn_group_neurons
+
+    def ffn_group_extents(self, layer: int, groups: list[int]) -> list[tuple[int, int]]:
+        """(file offset, length) of groups `groups` of `layer`'s down copy, one aligned extent each."""
+        try:
+            return self.index.ffn_group_extents(layer, groups)
+        except LookupError as e:
+            raise ModelFormatError(f"{e}; `ntio convert --layout ffn-groups` writes a store with one"
+                                   if self.ffn_group_neurons is None else str(e)) from None
+
+    def ffn_group_bytes(self, layer: int, group: int) -> np.ndarray:
+        """Group `group` of `layer`'s down copy: the row-major encoding of the down matrix's columns
+        [group·n, (group+1)·n), a read-only view checked against its checksum (unless opened with verify=False)."""
+        (offset, length), = self.ffn_group_extents(layer, [group])
+        data = self._data[offset : offset + length]
+        if self.verify:
+            try:
+                self.index.verify_ffn_group(layer, group, data)
+            except _core.StoreFormatError as e:
+                raise ModelFormatError(str(e)) from None
+        return data
+
 
 def _check_text(value: Any, path: Path, key: str = "") -> None:
     """Every string of the manifest's metadata is text: JSON can escape a lone surrogate (\\udcff), which no
@@ -155,10 +186,31 @@ def _encoded(data: np.ndarray, t: TensorInfo, qtype: gguf.GGMLQuantizationType) 
     return gguf.quants.quantize(values, qtype).reshape(-1)
 
 
+def group_neurons(qtype: gguf.GGMLQuantizationType) -> int:
+    """Neurons per FFN group for a down matrix of `qtype`: one quantization block along the neuron axis (32, or 256
+    for the K-quants and ternary types), the smallest unit of its bytes that reads alone without quantizing again."""
+    block = gguf.GGML_QUANT_SIZES[qtype][0]
+    return FLOAT_GROUP_NEURONS if block == 1 else block
+
+
+def ffn_groups(data: np.ndarray, shape: tuple[int, ...], qtype: gguf.GGMLQuantizationType) -> np.ndarray:
+    """A down matrix's encoded bytes (row-major [D, F]) -> [G, group_bytes] uint8: group g holds neurons
+    [g·n, (g+1)·n) of every row (n = group_neurons), each row's whole blocks of them in turn, so each group is the
+    row-major encoding of the [D, n] matrix of those columns. Blocks are moved, never re-encoded."""
+    rows, width = shape
+    neurons = group_neurons(qtype)
+    if width % neurons:
+        raise ValueError(f"{width} neurons are not whole groups of {neurons}")
+    groups = width // neurons
+    return np.ascontiguousarray(np.asarray(data).reshape(rows, groups, -1).transpose(1, 0, 2)).reshape(groups, -1)
+
+
 def convert(source: str | os.PathLike[str], target: str | os.PathLike[str], progress: Progress | None = None,
-            matrix_type: gguf.GGMLQuantizationType | None = None) -> Path:
+            matrix_type: gguf.GGMLQuantizationType | None = None, layout: str | None = None) -> Path:
     """Write the GGUF or Hugging Face checkpoint `source` as a store at `target`, float matrices encoded as
-    `matrix_type` when given (a key of MATRIX_TYPES).
+    `matrix_type` when given (a key of MATRIX_TYPES). With `layout` "ffn-groups", each layer's FFN down matrix is
+    also written group-major after all layers (`ffn_groups`; the dense tensors and their extents are unchanged),
+    so that a sparse FFN reads the groups it keeps as one aligned extent each.
 
     The store is written to a temporary file in the target's directory and renamed into place at the end: an
     interrupted or failed conversion leaves no partial file behind.
@@ -175,9 +227,14 @@ def convert(source: str | os.PathLike[str], target: str | os.PathLike[str], prog
         if (layer := layer_of(t.name)) is not None:
             layers[layer].append(t)
     groups = [globals_, *layers]
-    offsets = _core.plan_store_layout([[sizes[t.name] for t in group] for group in groups])
+    downs = _down_matrices(layers, g.path) if layout == "ffn-groups" else []
+    copies = {t.name: _group_bytes(t, types[t.name]) for t in downs}  # name -> (groups, group_bytes)
+    plan = [[sizes[t.name] for t in group] for group in groups]
+    offsets = _core.plan_store_layout(plan + [[size for n, size in copies.values() for _ in range(n)]])
+    copy_offsets = iter(offsets.pop())
     total = sum(t.nbytes for t in g.tensors.values())
     with replacing(target) as f:
+        grouped = []
         records, done = [], 0
         for group_index, (group, group_offsets) in enumerate(zip(groups, offsets)):
             for t, offset in zip(group, group_offsets):
@@ -187,6 +244,9 @@ def convert(source: str | os.PathLike[str], target: str | os.PathLike[str], prog
                                        t.offset)
                 f.seek(offset)
                 f.write(data)
+                if t.name in copies:
+                    grouped.append(_write_groups(f, data, t, types[t.name], [next(copy_offsets) for _ in range(
+                        copies[t.name][0])]))
                 records.append({
                     "name": t.name, "ggml_type": int(types[t.name]), "shape": list(t.shape), "offset": offset,
                     "nbytes": sizes[t.name], "rows": tensor_rows(t), "layer": group_index - 1 if group_index else None,
@@ -201,7 +261,9 @@ def convert(source: str | os.PathLike[str], target: str | os.PathLike[str], prog
             layer_table.append({"offset": layer_offsets[0], "length": end - layer_offsets[0]})
         manifest = json.dumps({
             "format_version": _core.STORE_FORMAT_VERSION, "metadata": g.metadata, "tensors": records,
-            "layers": layer_table, "layouts": {},
+            "layers": layer_table,
+            "layouts": {"ffn_down_groups": {"neurons": group_neurons(types[downs[0].name]), "copies": grouped}}
+            if downs else {},
         }, allow_nan=False).encode()
         manifest_offset = -(-f.tell() // _core.STORE_ALIGNMENT) * _core.STORE_ALIGNMENT
         f.seek(manifest_offset)
@@ -209,3 +271,32 @@ def convert(source: str | os.PathLike[str], target: str | os.PathLike[str], prog
         f.seek(0)
         f.write(_core.store_header(manifest_offset, manifest))
     return target
+
+
+def _down_matrices(layers: list[list[TensorInfo]], path: Path) -> list[TensorInfo]:
+    """Each layer's FFN down matrix, for the ffn-groups layout (every layer must have one, of one type)."""
+    downs = [next((t for t in layer if t.name.endswith(".ffn_down.weight")), None) for layer in layers]
+    if not downs or None in downs:
+        raise ModelFormatError(f"{path}: the ffn-groups layout needs an FFN down matrix in every layer")
+    return downs
+
+
+def _group_bytes(t: TensorInfo, qtype: gguf.GGMLQuantizationType) -> tuple[int, int]:
+    """(groups, bytes per group) of down matrix `t` written as `qtype`."""
+    rows, width = t.shape
+    neurons = group_neurons(qtype)
+    if width % neurons:
+        raise ModelFormatError(f"tensor {t.name!r}: {width} neurons are not whole groups of {neurons}")
+    return width // neurons, quant.encoded_nbytes(qtype, (rows, neurons))
+
+
+def _write_groups(f: BinaryIO, data: np.ndarray, t: TensorInfo, qtype: gguf.GGMLQuantizationType,
+                  offsets: list[int]) -> dict[str, Any]:
+    """Write down matrix `t`'s groups (`ffn_groups`) at `offsets` (aligned, one a group): its manifest record."""
+    groups = ffn_groups(data, t.shape, qtype)
+    for group, offset in zip(groups, offsets):
+        f.seek(offset)
+        f.write(group)
+    stride = -(-groups.shape[1] // _core.STORE_ALIGNMENT) * _core.STORE_ALIGNMENT  # plan_store_layout's spacing
+    return {"tensor": t.name, "offset": offsets[0], "group_bytes": groups.shape[1], "stride": stride,
+            "checksums": [checksum(group) for group in groups]}
