@@ -8,8 +8,8 @@ use pyo3::prelude::*;
 use crate::buffer_bindings::Lent;
 use crate::buffers::{self, Access};
 use crate::kernels::{
-    self, Activations8, AttentionShape, BlockCache, BlockSettings, BlockWeights, Gate, Isa,
-    KernelError, Matrix, Prologue, QType, RopeKind,
+    self, Activations8, AttentionShape, BlockCache, BlockSettings, BlockWeights, ColumnGroup, Gate,
+    Isa, KernelError, Matrix, Prologue, QType, RopeKind,
 };
 
 impl From<KernelError> for PyErr {
@@ -118,6 +118,55 @@ fn quantized_matmul(
                 .and_then(|w| Prologue::norm(unsafe { w.as_slice() }, eps).norm),
         };
         kernels::quantized_matmul(x, t, k, prologue, &matrices, out, isa, activations)
+    })?;
+    Ok(())
+}
+
+/// out [t, n] = Σ_j x[:, first_j .. first_j + width] · G_jᵀ over `groups` [(first_j, raw_j), ...]: column groups
+/// of a matrix [n, k] of ggml type `qtype`, each the encoding of its [n, width] columns (a store's group-major
+/// FFN down copy; `kernels::column_groups`). Buffers as in `quantized_matmul`; a ValueError names the group or
+/// argument at fault.
+#[pyfunction]
+#[pyo3(signature = (x, t, k, width, groups, qtype, n, out, *, isa = "best", int8 = true))]
+#[allow(clippy::too_many_arguments)]
+fn column_groups_matmul(
+    py: Python<'_>,
+    x: &Bound<'_, PyAny>,
+    t: usize,
+    k: usize,
+    width: usize,
+    groups: Vec<(usize, Bound<'_, PyAny>)>,
+    qtype: u32,
+    n: usize,
+    out: &Bound<'_, PyAny>,
+    isa: &str,
+    int8: bool,
+) -> PyResult<()> {
+    let isa = checked_isa(isa)?;
+    let qtype = kernel_type(qtype)?;
+    let x = Lent::<f32>::typed(x, "x", Access::Read)?;
+    let out = Lent::<f32>::typed(out, "out", Access::Write)?;
+    buffers::disjoint(("out", out.range()), ("x", x.range()))?;
+    let mut lent = Vec::with_capacity(groups.len());
+    for (first, raw) in &groups {
+        let raw = Lent::<u8>::typed(raw, "raw", Access::Read)?;
+        buffers::disjoint(("out", out.range()), ("raw", raw.range()))?;
+        lent.push((*first, raw));
+    }
+    let activations = activations(int8);
+    py.detach(|| {
+        // SAFETY: as in `quantized_matmul`: `out` overlaps no input, the exports live until this returns, and the
+        // caller runs no Python code on these buffers meanwhile.
+        let (x, out) = unsafe { (x.as_slice(), out.as_mut_slice()) };
+        let groups: Vec<ColumnGroup> = lent
+            .iter()
+            // SAFETY: as above.
+            .map(|(first, raw)| ColumnGroup {
+                first: *first,
+                raw: unsafe { raw.as_slice() },
+            })
+            .collect();
+        kernels::column_groups_matmul(x, t, k, width, &groups, qtype, n, out, isa, activations)
     })?;
     Ok(())
 }
@@ -604,6 +653,7 @@ fn memory_read_seconds(py: Python<'_>, nbytes: usize, repeats: usize) -> PyResul
 
 pub fn register(m: &Bound<PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(quantized_matmul, m)?)?;
+    m.add_function(wrap_pyfunction!(column_groups_matmul, m)?)?;
     m.add_function(wrap_pyfunction!(vectorized_kernels, m)?)?;
     m.add_function(wrap_pyfunction!(set_kernel_threads, m)?)?;
     m.add_function(wrap_pyfunction!(kernel_threads, m)?)?;

@@ -102,7 +102,13 @@ impl ExtentIndex {
     }
 
     /// Check the bytes of buffer `data`, group `group` of `layer`'s down copy, against its checksum.
-    fn verify_ffn_group(&self, py: Python<'_>, layer: usize, group: u64, data: &Bound<'_, PyAny>) -> PyResult<()> {
+    fn verify_ffn_group(
+        &self,
+        py: Python<'_>,
+        layer: usize,
+        group: u64,
+        data: &Bound<'_, PyAny>,
+    ) -> PyResult<()> {
         let lent = Lent::bytes(data, "data", Access::Read)?;
         // SAFETY: the caller's contract with its own Python code: nothing writes `data` during the call.
         let bytes = unsafe { lent.as_slice() };

@@ -80,6 +80,31 @@ def test_random_blocks_match_the_reference(qtype: T, t: int) -> None:
         check(quant.random_quantized(qtype, shape, rng), qtype, shape, t, rng)
 
 
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda q: q.name)
+def test_column_groups_give_the_reference_product_with_the_other_columns_zeroed(qtype: T) -> None:
+    """A matrix's groups of columns as a store writes them (`store.ffn_groups`), some of them multiplied with
+    `column_groups_linear`: float64 x · Wᵀ with W from gguf-py and x zeroed outside the groups taken (float32
+    activations, so x is exact)."""
+    from ntio.formats.store import ffn_groups, group_neurons
+
+    rng = np.random.default_rng(int(qtype) + 100)
+    n, k = 67, 1024
+    raw = quant.random_quantized(qtype, (n, k), rng)
+    w64 = np.asarray(ref_dequantize(raw.reshape(gguf.quants.quant_shape_to_byte_shape((n, k), qtype)), qtype),
+                     np.float64).reshape(n, k)
+    width = group_neurons(qtype)
+    groups = torch.from_numpy(ffn_groups(raw.reshape(-1), (n, k), qtype))
+    taken = [g for g in range(k // width) if g % 3 != 1][::-1]
+    for t in (1, 9):
+        x = rng.standard_normal((t, k), dtype=np.float32)
+        y = cpu_kernels.column_groups_linear(torch.from_numpy(x), [(g * width, groups[g]) for g in taken], qtype,
+                                             (n, k), width, int8=False)
+        zeroed = np.zeros((t, k))
+        for g in taken:
+            zeroed[:, g * width:(g + 1) * width] = x[:, g * width:(g + 1) * width]
+        assert y.shape == (t, n) and rel(y, zeroed @ w64.T) <= TOL
+
+
 @pytest.mark.parametrize("isa", ["scalar", "avx2"])
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda q: q.name)
 def test_each_kernel_set_matches_the_reference(qtype: T, isa: str) -> None:

@@ -4,7 +4,9 @@ float32 with the same neurons zeroed for the logits."""
 
 from __future__ import annotations
 
+import json
 import math
+import shutil
 
 import pytest
 import torch
@@ -121,13 +123,16 @@ def test_the_predicted_rule_keeps_the_predictors_choice_from_the_ffn_input(smoll
     assert policy.oracle_recall() == pytest.approx(float((want & kept).sum() / want.sum()))
 
 
-def _masked_mlp(mlp, keep: float):
-    """transformers' SwiGLU MLP with each token keeping its ceil(keep * F) neurons of largest |silu(g) * u|."""
+def _masked_mlp(mlp, keep: float, group: int = 1):
+    """transformers' SwiGLU MLP with each token keeping its ceil(keep * F / group) groups of `group` consecutive
+    neurons of largest Σ|silu(g) * u|."""
 
     def forward(x):
         a = mlp.act_fn(mlp.gate_proj(x)) * mlp.up_proj(x)  # [B, T, F]
-        top = a.abs().topk(math.ceil(keep * a.shape[-1]), dim=-1).indices
-        return mlp.down_proj(a * torch.zeros_like(a).scatter_(-1, top, 1.0))
+        score = a.abs().unflatten(-1, (-1, group)).sum(dim=-1)  # [B, T, F / group]
+        top = score.topk(math.ceil(keep * score.shape[-1]), dim=-1).indices
+        kept = torch.zeros_like(score).scatter_(-1, top, 1.0).repeat_interleave(group, dim=-1)
+        return mlp.down_proj(a * kept)
 
     return forward
 
@@ -161,3 +166,78 @@ def test_a_pass_over_several_tokens_reads_the_union_of_their_neurons(smollm2_pat
     assert all(len(shares) == 1 for shares in policy.union.values())  # one pass, one share per layer
     assert 0.3 < policy.union_fraction() <= 1.0
     m.close()
+
+
+@pytest.fixture(scope="module")
+def grouped_smollm2(smollm2_path, tmp_path_factory):
+    """SmolLM2 as a store with the ffn-groups layout: its Q4_1 down matrices also in groups of 32 neurons."""
+    from ntio.formats.store import convert
+
+    return convert(smollm2_path, tmp_path_factory.mktemp("grouped") / "smollm2.ntio", layout="ffn-groups")
+
+
+@torch.inference_mode()
+def test_streamed_layers_read_only_the_kept_down_groups_and_give_transformers_logits(grouped_smollm2, hf_smollm2,
+                                                                                     monkeypatch):
+    """All layers on disk, read without down; each FFN reads the groups of 32 its tokens keep from the store's
+    group-major copy: the logits are transformers' with the same groups zeroed, and a decode step reads exactly
+    the kept groups' bytes less than one keeping all."""
+    def run(keep: float) -> tuple[torch.Tensor, torch.Tensor, float]:
+        policy = SparseFFNPolicy(NeuronSelection("down", keep), group_reads=32)
+        m = ntio.load(grouped_smollm2, max_context=64, policy=policy, tiers="C", cpu_activations="float32")
+        ids = m.encode_prompt(PROMPT)
+        prompt = m.engine.forward(torch.tensor(ids), 0, all_logits=True)
+        decode = m.engine.forward(torch.tensor([11]), len(ids))
+        read = m.stats.last().bytes_read
+        m.close()
+        return prompt, decode, read
+
+    prompt, decode, read = run(0.5)
+    _, _, read_all = run(1.0)
+    stride = 12288  # a group: 576 rows of one Q4_1 block of 20 B = 11,520 B, in whole 4 KiB pages
+    assert read_all - read == 30 * (48 - 24) * stride  # 30 layers, 24 of 48 groups not read
+    ids = ntio.load(grouped_smollm2, max_context=64).encode_prompt(PROMPT)
+    for layer in hf_smollm2.model.layers:
+        monkeypatch.setattr(layer.mlp, "forward", _masked_mlp(layer.mlp, 0.5, group=32))
+    want = hf_smollm2(torch.tensor([ids + [11]]), use_cache=False).logits[0]
+    assert rel_l2(prompt, want[:-1]) <= 1e-4
+    assert rel_l2(decode, want[-1]) <= 1e-4
+
+
+def test_a_corrupt_down_group_fails_the_read_naming_it(grouped_smollm2, tmp_path):
+    from ntio.errors import ModelFormatError
+    from ntio.formats.store import StoreFile
+
+    bad = shutil.copy(grouped_smollm2, tmp_path / "bad.ntio")
+    (offset, length), = StoreFile(bad).ffn_group_extents(3, [5])
+    with open(bad, "r+b") as f:
+        f.seek(offset + length // 2)
+        byte = f.read(1)
+        f.seek(offset + length // 2)
+        f.write(bytes([byte[0] ^ 0x01]))
+    m = ntio.load(bad, max_context=64, tiers="C", policy=SparseFFNPolicy(NeuronSelection("down", 1.0), group_reads=32))
+    with pytest.raises(ModelFormatError, match=r"bad\.ntio: checksum mismatch in tensor 'blk\.3\.ffn_down\.weight "
+                                               r"group 5'"):
+        m.generate(PROMPT, max_new_tokens=2)
+    m.close()
+
+
+def test_sparse_ffn_options_name_what_is_wrong(grouped_smollm2, smollm2_path):
+    from click.testing import CliRunner
+
+    from ntio.cli import main as cli
+
+    run = lambda *args: CliRunner().invoke(cli, [*args, "-p", "hi", "-n", "2"])  # noqa: E731
+    result = run("generate", "-m", str(smollm2_path), "--sparse-ffn", "down")
+    assert result.exit_code == 1 and result.output.count("\n") == 1
+    assert "lacks: `ntio convert" in result.output and "--layout ffn-groups` writes one" in result.output
+    result = run("generate", "-m", str(grouped_smollm2), "--keep", "0.5")
+    assert result.exit_code == 1 and "--keep needs --sparse-ffn" in result.output
+    result = run("generate", "-m", str(grouped_smollm2), "--sparse-ffn", "down", "--keep", "0")
+    assert result.exit_code == 2 and "0<x<=1" in result.output
+    result = run("generate", "-m", str(grouped_smollm2), "--sparse-ffn", "gate", "--keep", "0.7", "--tiers", "C",
+                 "--json")
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.output)["sparse_ffn"]
+    assert report["rule"] == "gate" and report["group_neurons"] == 32 and report["union_fraction"] == pytest.approx(
+        math.ceil(0.7 * 48) / 48)

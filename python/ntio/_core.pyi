@@ -137,6 +137,10 @@ def quantized_matmul(x: Buffer, t: int, k: int, matrices: list[Matrix], out: Buf
     int8: activations of quantized types quantized to 8 bits (Q8_0 spans of 32; spans of 128 for the 256-element
     types) with integer products, else float32.
     """
+def column_groups_matmul(x: Buffer, t: int, k: int, width: int, groups: list[tuple[int, Buffer]], qtype: int, n: int,
+                         out: Buffer, *, isa: str = "best", int8: bool = True) -> None:
+    """out [t, n] = sum_j x[:, first_j:first_j + width] @ G_j.T over groups (first_j, raw_j) of a matrix [n, k], each
+    the encoding of its [n, width] columns (GIL released). Buffers and errors as in quantized_matmul."""
 def decoder_stack(h: Buffer, d: int, layers: list[Layer],
                   sequences: list[tuple[Buffer, Buffer, int, int, Buffer, Buffer, Buffer | None, int]], *,
                   eps: float, n_heads: int, n_kv_heads: int, head_dim: int, rope_dim: int, neox: bool,

@@ -246,6 +246,45 @@ def _depth_report(policy) -> dict | None:
     return adaptive_report(policy)
 
 
+def _sparse_options(f):
+    """A sparse FFN (`_sparse_policy`)."""
+    f = click.option("--keep", type=click.FloatRange(0, 1, min_open=True),
+                     help="Share of its FFN units each token keeps, in (0, 1] (with --sparse-ffn; default 0.5)")(f)
+    f = click.option("--sparse-ffn", type=click.Choice(["down", "gate"]),
+                     help="Sparse FFN: each token keeps the --keep share of its FFN units, those of largest "
+                          "|silu(gate)·up| (down) or |silu(gate)| (gate), the others counting as 0. On a store with "
+                          "the FFN layout (`ntio convert --layout ffn-groups`) a unit is one group of the down "
+                          "matrix's copy, and only the groups kept are read; else single neurons, every byte read")(f)
+    return f
+
+
+def _sparse_policy(m, rule: str | None, keep: float | None, opts_depth: dict, need_layout: bool):
+    """Set `m`'s policy to the sparse FFN `rule` keeps `keep` of (None: leave it); returns that policy, or None.
+    With `need_layout`, a model file without the FFN layout is an option error naming the command that writes
+    one."""
+    if rule is None:
+        return None
+    from ntio.policies.sparse_ffn import NeuronSelection, SparseFFNPolicy
+
+    if opts_depth["adaptive"] or opts_depth["cosine_skip"] is not None:
+        raise OptionError("sparse_ffn", "does not combine with adaptive depth")
+    if m.config.ffn_gate != "silu":
+        raise OptionError("sparse_ffn", f"scores SwiGLU's silu(gate) · up; this model's gate is {m.config.ffn_gate}")
+    neurons = getattr(m.file, "ffn_group_neurons", None)
+    if neurons is None and need_layout:
+        raise OptionError("sparse_ffn", f"reads the FFN groups it keeps from a store with the FFN layout, which "
+                                        f"{m.path.name} lacks: `ntio convert {m.path} --layout ffn-groups` writes one")
+    m.policy = SparseFFNPolicy(NeuronSelection(rule, 0.5 if keep is None else keep), group_reads=neurons)
+    return m.policy
+
+
+def _sparse_report(policy) -> dict | None:
+    if policy is None:
+        return None
+    return {"rule": policy.selection.rule, "keep": policy.selection.keep, "group_neurons": policy.group_reads,
+            "union_fraction": policy.union_fraction()}
+
+
 def _drafts(opts: dict) -> dict:
     """Pop the draft models' options out of a command's keyword arguments, for `_load`."""
     return {k: opts.pop(k) for k in ("draft", "self_draft", "exit_layer")}
@@ -266,13 +305,17 @@ def main() -> None:
 @_sampling_options
 @_speculation_options
 @_depth_options
+@_sparse_options
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object (with a stats object) instead of text")
 @click.option("--stats", "show_stats", is_flag=True, help="Print streaming statistics on stderr")
 def generate(prompt, max_new_tokens, chat, system, temperature, top_k, top_p, repetition_penalty, seed, stop, lookup,
-             fixed_draft, branches, draft_tokens, as_json, show_stats, **opts) -> None:
+             fixed_draft, branches, draft_tokens, sparse_ffn, keep, as_json, show_stats, **opts) -> None:
     """Generate a continuation of PROMPT."""
+    if keep is not None and sparse_ffn is None:
+        raise OptionError("keep", "needs --sparse-ffn")
     drafts = _drafts(opts)
     m = _load(**_split(opts), **drafts)
+    sparse = _sparse_policy(m, sparse_ffn, keep, opts, need_layout=True)
     depth = _depth_policy(m, opts, prompt_full_depth=True)
     stream = m.stream(prompt, max_new_tokens, chat=chat, system=system, temperature=temperature, top_k=top_k,
                       top_p=top_p, repetition_penalty=repetition_penalty, seed=seed, stop=stop, lookup=lookup,
@@ -290,7 +333,7 @@ def generate(prompt, max_new_tokens, chat, system, temperature, top_k, top_p, re
             "decode_tok_s": round(c.decode_tok_s, 3), "finish_reason": c.finish_reason,
             "tiers": m.plan.describe(), "output_head": m.plan.head, "token_embedding": m.plan.embedding,
             "memory": m.memory.report(), "stats": stats, "speculation": c.speculation,
-            "adaptive_depth": _depth_report(depth),
+            "adaptive_depth": _depth_report(depth), "sparse_ffn": _sparse_report(sparse),
         }))
         return
     click.echo()
@@ -497,27 +540,17 @@ def calibrate(corpus, prompts, answer_tokens, output, layers, skip_after, tokens
 @click.option("-f", "--file", "text_file", required=True, type=click.Path(exists=True, dir_okay=False, path_type=Path),
               help="Text file to score")
 @click.option("--ctx", type=click.IntRange(min=2), default=512, show_default=True, help="Window length in tokens")
-@click.option("--sparse-ffn", type=click.Choice(["down", "gate"]),
-              help="Price a sparse FFN: each token keeps the --keep share of its FFN neurons, those of largest "
-                   "|silu(gate)·up| (down) or |silu(gate)| (gate), the others counting as 0 (every byte is still "
-                   "read)")
-@click.option("--keep", type=click.FloatRange(0, 1, min_open=True),
-              help="Share of FFN neurons each token keeps, in (0, 1] (with --sparse-ffn; default 0.5)")
+@_sparse_options
 @_depth_options
 @click.option("--json", "as_json", is_flag=True)
 def perplexity(text_file, ctx, sparse_ffn, keep, as_json, **opts) -> None:
     """Perplexity of FILE: non-overlapping windows of --ctx tokens, each token scored but a window's first."""
     text = _read_utf8(text_file)
-    from ntio.policies.sparse_ffn import NeuronSelection, SparseFFNPolicy
-
     if keep is not None and sparse_ffn is None:
         raise OptionError("keep", "needs --sparse-ffn")
-    selection = NeuronSelection(sparse_ffn, 0.5 if keep is None else keep) if sparse_ffn else None
     opts_depth = {k: opts.pop(k) for k in ("adaptive", "budget", "adaptive_method", "exit_schedule", "exit_signal",
                                         "cosine_skip")}
     opts = _split(opts)
-    if selection is not None:
-        opts["policy"] = SparseFFNPolicy(selection)
     window_sized = opts["ctx_size"] is None
     opts["ctx_size"] = opts["ctx_size"] or ctx  # the KV cache only ever holds one window
     try:
@@ -526,20 +559,19 @@ def perplexity(text_file, ctx, sparse_ffn, keep, as_json, **opts) -> None:
         if window_sized and e.option == "max_context":  # the KV cache was sized from --ctx: name that
             raise OptionError("ctx", e.problem) from None
         raise
-    if selection is not None and (opts_depth["adaptive"] or opts_depth["cosine_skip"] is not None):
-        raise OptionError("sparse_ffn", "does not combine with adaptive depth")
-    if selection is not None and m.config.ffn_gate != "silu":
-        raise OptionError("sparse_ffn", f"scores SwiGLU's silu(gate) · up; this model's gate is {m.config.ffn_gate}")
+    sparse = _sparse_policy(m, sparse_ffn, keep, opts_depth, need_layout=False)
     depth = _depth_policy(m, opts_depth, prompt_full_depth=False)
     r = m.perplexity(text, ctx=ctx)
-    sparse = {"rule": selection.rule, "keep": selection.keep} if selection else None
     report = _depth_report(depth)
     if as_json:
         click.echo(json.dumps({"model": str(m.path), "file": str(text_file), "perplexity": r.perplexity,
-                               "n_tokens": r.n_tokens, "ctx": r.ctx, "sparse_ffn": sparse, "adaptive_depth": report,
-                               "stats": m.stats.summary()}))
+                               "n_tokens": r.n_tokens, "ctx": r.ctx, "sparse_ffn": _sparse_report(sparse),
+                               "adaptive_depth": report, "stats": m.stats.summary()}))
     else:
-        note = f", sparse FFN: {selection.rule} rule, keep {selection.keep:g}" if selection else ""
+        note = ""
+        if sparse is not None:
+            unit = f"groups of {sparse.group_reads} neurons read" if sparse.group_reads else "neurons, every byte read"
+            note = f", sparse FFN: {sparse.selection.rule} rule, keep {sparse.selection.keep:g} ({unit})"
         if report is not None:
             note += f", {report['method']}: {report['bytes_fraction']:.3f} of the dense bytes per token"
         click.echo(f"perplexity {r.perplexity:.4f} over {r.n_tokens} scored tokens (windows of {r.ctx}{note})")

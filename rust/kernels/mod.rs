@@ -17,7 +17,8 @@
 //! - `block`: a whole pre-norm decoder block (the products and attention above) in one call, or a stack of them;
 //! - `team`: the kernel threads, which the calling thread joins;
 //! - `memory_rate`: how fast those threads read RAM (a decode step's roofline);
-//! - `matmul`: the entry point, argument checks, kernel selection and work split.
+//! - `matmul`: the entry point, argument checks, kernel selection and work split;
+//! - `column_groups`: products over some column groups of a matrix (a sparse FFN's down projection).
 //!
 //! Imports go one way: the row kernels (`dot`, `avx2`, `avx512`, `neon`) use `blocks` and `rows`; `matmul` uses
 //! them all.
@@ -30,6 +31,7 @@ mod avx2;
 mod avx512;
 mod block;
 mod blocks;
+mod column_groups;
 mod dequant;
 mod dot;
 mod exp;
@@ -44,6 +46,7 @@ mod team;
 
 pub use attention::{attend, AttentionShape, RopeKind};
 pub use block::{decoder_stack, BlockCache, BlockSettings, BlockWeights};
+pub use column_groups::{column_groups_matmul, ColumnGroup};
 pub use dequant::dequantize;
 pub use interleave::permute_in_place;
 pub use matmul::{

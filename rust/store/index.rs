@@ -112,7 +112,10 @@ impl ExtentIndex {
             let Some(layer) = layer.filter(|l| !by_layer.contains_key(l)) else {
                 return Err(StoreError::BadManifest {
                     path: self.path.clone(),
-                    reason: format!("a second FFN group copy of layer {layer:?} ({:?})", copy.tensor),
+                    reason: format!(
+                        "a second FFN group copy of layer {layer:?} ({:?})",
+                        copy.tensor
+                    ),
                 });
             };
             by_layer.insert(layer, copy);

@@ -227,7 +227,10 @@ fn check_copy(
         .checked_mul(groups - 1)
         .and_then(|n| n.checked_add(copy.offset))
         .and_then(|n| n.checked_add(group_bytes));
-    if copy.group_bytes != group_bytes || copy.stride != stride || copy.checksums.len() as u64 != groups {
+    if copy.group_bytes != group_bytes
+        || copy.stride != stride
+        || copy.checksums.len() as u64 != groups
+    {
         return Err(format!(
             "{} groups of {} bytes a {} apart, not {groups} of {group_bytes} a {stride} apart",
             copy.checksums.len(),
@@ -364,7 +367,8 @@ mod tests {
             manifest_offset: 20480,
             ..HEADER
         };
-        let text = manifest(DOWN, r#"{"offset": 8192, "length": 136}"#).replace("{}}", &format!("{GROUPS}}}"));
+        let text = manifest(DOWN, r#"{"offset": 8192, "length": 136}"#)
+            .replace("{}}", &format!("{GROUPS}}}"));
         let (m, index) = Manifest::parse(text.as_bytes(), &header, Path::new("m.ntio")).unwrap();
         assert_eq!(m.layouts.ffn_down_groups.unwrap().copies.len(), 1);
         assert_eq!(index.ffn_group_neurons(), Some(32));
@@ -375,20 +379,39 @@ mod tests {
         assert!(index.ffn_group_extents(0, &[2]).is_err());
         assert!(index.ffn_group_extents(1, &[0]).is_err());
         let bad = [
-            (GROUPS.replace("\"neurons\": 32", "\"neurons\": 16"), "not whole Q8_0 blocks"),
-            (GROUPS.replace("\"neurons\": 32", "\"neurons\": 96"), "dividing its 64 columns"),
+            (
+                GROUPS.replace("\"neurons\": 32", "\"neurons\": 16"),
+                "not whole Q8_0 blocks",
+            ),
+            (
+                GROUPS.replace("\"neurons\": 32", "\"neurons\": 96"),
+                "dividing its 64 columns",
+            ),
             (GROUPS.replace("[5, 6]", "[5]"), "1 groups of 68 bytes"),
-            (GROUPS.replace("\"stride\": 4096", "\"stride\": 68"), "a 68 apart"),
+            (
+                GROUPS.replace("\"stride\": 4096", "\"stride\": 68"),
+                "a 68 apart",
+            ),
             (GROUPS.replace("12288", "12290"), "not an aligned extent"),
             (GROUPS.replace("12288", "16384"), "not an aligned extent"),
-            (GROUPS.replace("blk.0.ffn_down", "blk.1.ffn_down"), "no such tensor"),
-            (GROUPS.replace("\"neurons\"", "\"rows\": 1, \"neurons\""), "unknown field"),
+            (
+                GROUPS.replace("blk.0.ffn_down", "blk.1.ffn_down"),
+                "no such tensor",
+            ),
+            (
+                GROUPS.replace("\"neurons\"", "\"rows\": 1, \"neurons\""),
+                "unknown field",
+            ),
         ];
         for (groups, reason) in bad {
-            let text = manifest(DOWN, r#"{"offset": 8192, "length": 136}"#).replace("{}}", &format!("{groups}}}"));
+            let text = manifest(DOWN, r#"{"offset": 8192, "length": 136}"#)
+                .replace("{}}", &format!("{groups}}}"));
             match Manifest::parse(text.as_bytes(), &header, Path::new("m.ntio")) {
                 Ok(_) => panic!("accepted {groups}"),
-                Err(err) => assert!(err.to_string().contains(reason), "{err} (wanted {reason:?})"),
+                Err(err) => assert!(
+                    err.to_string().contains(reason),
+                    "{err} (wanted {reason:?})"
+                ),
             }
         }
     }

@@ -265,6 +265,7 @@ def convert(source: str | os.PathLike[str], target: str | os.PathLike[str], prog
             "layouts": {"ffn_down_groups": {"neurons": group_neurons(types[downs[0].name]), "copies": grouped}}
             if downs else {},
         }, allow_nan=False).encode()
+        f.seek(0, os.SEEK_END)  # past the last byte written: the group copies end after the last layer
         manifest_offset = -(-f.tell() // _core.STORE_ALIGNMENT) * _core.STORE_ALIGNMENT
         f.seek(manifest_offset)
         f.write(manifest)

@@ -204,6 +204,27 @@ def fused_linear(x: torch.Tensor, weights: list[Weight], out: torch.Tensor | Non
     return out
 
 
+def column_groups_linear(x: torch.Tensor, groups: list[tuple[int, torch.Tensor]],
+                         qtype: gguf.GGMLQuantizationType | int, shape: tuple[int, int], width: int,
+                         out: torch.Tensor | None = None, *, isa: str = "best", int8: bool = True) -> torch.Tensor:
+    """x [T, K] · Wᵀ over some column groups of W (N, K) = `shape`: Σ_j x[:, first_j:first_j + width] · G_jᵀ
+    -> [T, N], each group (first_j, raw_j) the encoding of W's columns [first_j, first_j + width) as an [N, width]
+    matrix (a store's group-major FFN down copy). The dense product with every other column of x zeroed, up to
+    float rounding. Buffers and errors as in `quantized_linear`."""
+    xa = _array("x", x)
+    if xa.ndim != 2 or xa.shape[1] != shape[1]:
+        raise ValueError(f"x must be [T, {shape[1]}], got shape {xa.shape}")
+    n = shape[0]
+    if out is None:
+        out = torch.from_numpy(np.empty((xa.shape[0], n), np.float32))
+    outa = _array("out", out)
+    if outa.shape != (xa.shape[0], n):
+        raise ValueError(f"out must have shape {(xa.shape[0], n)}, got {tuple(outa.shape)}")
+    _core.column_groups_matmul(xa, xa.shape[0], shape[1], width, [(first, _array("raw", raw)) for first, raw in groups],
+                               _kernel_type(qtype), n, outa, isa=isa, int8=int8)
+    return out
+
+
 def _kernel_type(qtype: gguf.GGMLQuantizationType | int) -> int:
     """The id of a type the kernels decode (a ggml type, or the layout `_core.interleave` returned), else a
     ValueError naming it."""

@@ -306,6 +306,28 @@ def linear(x: torch.Tensor, w: EncodedMatrix) -> torch.Tensor:
     return out if w.scale == 1.0 else out.mul_(w.scale)
 
 
+def column_groups_linear(x: torch.Tensor, groups: Sequence[tuple[int, EncodedMatrix]]) -> torch.Tensor:
+    """x [T, K] times some column groups of a matrix W [N, K]: Σ_j x[:, first_j:first_j + width] · G_jᵀ -> [T, N],
+    each (first_j, G_j) the matrix [N, width] of W's columns from first_j (a store's group-major FFN down copy), all
+    of one type, width and scale. The product of W with every other column of x zeroed."""
+    if not groups:
+        raise ValueError("column_groups_linear needs at least one group")
+    w0 = groups[0][1]
+    n, width = w0.shape
+    if uses_cpu_kernel(x, [w0]):
+        choice = _kernels.get()
+        out = np.empty((x.shape[0], n), np.float32)
+        _core.column_groups_matmul(x.contiguous().numpy(), x.shape[0], x.shape[1], width,
+                                   [(first, g.raw.numpy()) for first, g in groups], int(w0.qtype), n, out,
+                                   isa=choice.isa, int8=choice.int8)
+        product = torch.from_numpy(out)
+        return product if w0.scale == 1.0 else product.mul_(w0.scale)
+    out = torch.zeros((x.shape[0], n), dtype=torch.float32, device=x.device)
+    for first, g in groups:
+        out += linear(x[:, first : first + width], g)
+    return out
+
+
 def linear_concat(x: torch.Tensor, ws: list[EncodedMatrix]) -> torch.Tensor:
     """x @ [W1; W2; ...]ᵀ for row-stacked matrices: [T, ΣN] (one kernel call on CPU)."""
     if len(ws) == 1:

@@ -28,6 +28,15 @@ if TYPE_CHECKING:
     from ntio.models.config import ModelConfig
 
 
+@dataclass(frozen=True)
+class DownGroups:
+    """A layer's FFN down matrix [D, F] not read with it (a load policy's "down_later" decision): the FFN reads
+    the groups of `neurons` consecutive neurons (columns) its tokens keep, once it knows them."""
+
+    neurons: int
+    read: Callable[[list[int]], list[ops.EncodedMatrix]]  # group ids -> each group's [D, neurons] matrix
+
+
 @dataclass
 class LayerWeights:
     """Weights of one transformer block on the compute device: float32 vectors, GGUF-encoded matrices.
@@ -55,6 +64,8 @@ class LayerWeights:
     # keeps, the others counting as 0 in the down product (a load policy's sparse FFN, ntio.policies.sparse_ffn);
     # None: all.
     ffn_mask: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] | None = None
+    # Set where down was not read (w_down then views bytes never filled): its groups are read on demand.
+    down_groups: DownGroups | None = None
 
     def with_interleaved_rows(self) -> LayerWeights:
         """These weights with every matrix that pays for it interleaved in place (`ops.interleave_rows`): a
@@ -69,7 +80,8 @@ class LayerWeights:
         run as one call whatever its input (a type the kernels lack, weights off the CPU, an FFN row subset or
         mask)."""
         matrices = [*self.wqkv, self.wo, *self.w_gate_up, self.w_down]
-        if (self.ffn_rows is not None or self.ffn_mask is not None or self.attn_norm.device.type != "cpu"
+        if (self.ffn_rows is not None or self.ffn_mask is not None or self.down_groups is not None
+                or self.attn_norm.device.type != "cpu"
                 or not all(m.qtype in cpu_kernels.KERNEL_TYPES for m in matrices)):
             return None
         return (self.attn_norm.numpy(), [m.kernel_arg for m in self.wqkv], _numpy(self.qkv_bias), self.wo.kernel_arg,
@@ -301,7 +313,8 @@ def gated_ffn(h: torch.Tensor, w: LayerWeights, cfg: ModelConfig, taps: dict[str
     cfg.ffn_gate (SiLU: SwiGLU; BitNet's squared ReLU) and sub_norm BitNet's (absent in the other families).
 
     With `w.ffn_rows`, only those neurons are computed and the others count as 0 (the down projection is whole);
-    with `w.ffn_mask`, each token's down product takes only the neurons it keeps.
+    with `w.ffn_mask`, each token's down product takes only the neurons it keeps; with `w.down_groups`, the groups
+    of down that some token keeps are read then, and the product runs over them alone (`ops.column_groups_linear`).
     taps["ffn_gate"] receives the gate pre-activations [T, F] (zeros for neurons not computed) when taps is given.
     """
     eps = cfg.rms_eps
@@ -312,11 +325,28 @@ def gated_ffn(h: torch.Tensor, w: LayerWeights, cfg: ModelConfig, taps: dict[str
     d_ff = w.w_down.shape[1]
     if taps is not None:
         taps["ffn_gate"] = gate_up[:, :d_ff]
-    if w.ffn_mask is not None:
-        gate, up = gate_up[:, :d_ff], gate_up[:, d_ff:]
-        gated = ops.GATES[cfg.ffn_gate](gate) * up * w.ffn_mask(rms_norm(h, w.ffn_norm, eps), gate, up)
-        return ops.linear(gated if w.ffn_sub_norm is None else rms_norm(gated, w.ffn_sub_norm, eps), w.w_down)
-    return ops.gated_linear(gate_up, w.w_down, cfg.ffn_gate, w.ffn_sub_norm, eps)
+    if w.ffn_mask is None and w.down_groups is None:
+        return ops.gated_linear(gate_up, w.w_down, cfg.ffn_gate, w.ffn_sub_norm, eps)
+    gate, up = gate_up[:, :d_ff], gate_up[:, d_ff:]
+    keep = None if w.ffn_mask is None else w.ffn_mask(rms_norm(h, w.ffn_norm, eps), gate, up)  # [T, F] bool
+    gated = ops.GATES[cfg.ffn_gate](gate) * up
+    if keep is not None:
+        gated = gated * keep
+    if w.ffn_sub_norm is not None:
+        gated = rms_norm(gated, w.ffn_sub_norm, eps)
+    if w.down_groups is None:
+        return ops.linear(gated, w.w_down)
+    return _grouped_down(gated, keep, w.down_groups)
+
+
+def _grouped_down(gated: torch.Tensor, keep: torch.Tensor | None, down: DownGroups) -> torch.Tensor:
+    """gated [T, F] · W_downᵀ over the groups of down some token keeps (all where keep is None), read now."""
+    n_tokens, d_ff = gated.shape
+    if keep is None:
+        ids = list(range(d_ff // down.neurons))
+    else:
+        ids = keep.view(n_tokens, d_ff // down.neurons, down.neurons).any(dim=2).any(dim=0).nonzero().flatten().tolist()
+    return ops.column_groups_linear(gated, [(g * down.neurons, m) for g, m in zip(ids, down.read(ids))])
 
 
 def _sparse_gate_up(x: torch.Tensor, w: LayerWeights) -> tuple[torch.Tensor, torch.Tensor]:

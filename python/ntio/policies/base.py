@@ -7,7 +7,11 @@ layer, or a streamed one needed at once, ahead = 0 and the layer computes next. 
   * `SKIP`: nothing; the layer is not computed, the residual stream passes through, and the KV cache marks the
     positions as skipped for that layer;
   * `LoadDecision.ffn_rows(ranges)`: the whole layer except the FFN gate/up matrices, of which only the neuron
-    (row) ranges given are read; the FFN computes only those neurons (exact for them: the others count as 0).
+    (row) ranges given are read; the FFN computes only those neurons (exact for them: the others count as 0);
+  * `DOWN_LATER`: the whole layer except its FFN down matrix. Once gate and up are computed and `ffn_mask` has
+    chosen each token's neurons, the FFN reads the groups of down its tokens keep from the store's group-major copy
+    (`convert --layout ffn-groups`) and multiplies only those. The loader reads a resident layer whole whatever
+    the answer (its down is in memory: the mask alone applies), and so where the file has no group copy.
 The horizon is explicit: the loader sets `horizon` to the largest `ahead` it will ever pass (its prefetch depth), so
 a policy knows how stale its observations may be when it decides. After a layer computes, the engine calls `observe(...)` with what it saw
 (the hidden state in and out; the FFN gate pre-activations [T, F] when `wants_ffn_gate`).
@@ -42,7 +46,7 @@ import torch
 
 @dataclass(frozen=True)
 class LoadDecision:
-    kind: str  # "all" | "skip" | "rows"
+    kind: str  # "all" | "skip" | "rows" | "down_later"
     rows: tuple[tuple[int, int], ...] = ()  # "rows": sorted, disjoint [start, stop) FFN neuron ranges
 
     @staticmethod
@@ -60,6 +64,7 @@ FFNMask = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 LOAD_ALL = LoadDecision("all")
 SKIP = LoadDecision("skip")
+DOWN_LATER = LoadDecision("down_later")
 
 
 @dataclass

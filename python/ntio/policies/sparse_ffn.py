@@ -16,22 +16,25 @@ neuron by neuron. On Qwen2.5-Coder-1.5B, one by one: x1.006. A predictor does no
 at keep 0.5 it recalls 62-65% of the "down" rule's neurons, x2.25 on SmolLM2 (rank 128) and x3.62 on Qwen
 (rank 256), where the gate rule costs x1.39 and x1.13.
 
-This module prices a rule in perplexity: the FFN computes exactly the kept neurons, the others count as 0, and every
-byte is still read (the store layout that reads only kept neurons is not built yet). Kept neurons of different
-tokens differ: a pass over T tokens computes each token with its own (as decoding it alone would), and
-`SparseFFNPolicy.union_fraction` reports the share of units at least one token of the pass kept: what a pass
-would read.
+This module prices a rule in perplexity: the FFN computes exactly the kept neurons and the others count as 0. On a
+model file as it is, every byte is still read. On a store with the ffn-groups layout (`ntio convert --layout
+ffn-groups`: each down matrix also stored group-major, a group one quantization block of neurons, 32 or 256), the
+units are those groups and the policy reads less: each streamed layer is read without its down matrix
+(`DOWN_LATER`), and once gate and up are computed the FFN reads only the down groups its tokens keep. Kept neurons
+of different tokens differ: a pass over T tokens computes each token with its own (as decoding it alone would) and
+reads the union; `SparseFFNPolicy.union_fraction` reports the share of units at least one token of the pass kept.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 
-from ntio.policies.base import FFNMask, LoadPolicy
+from ntio.policies.base import DOWN_LATER, LOAD_ALL, FFNMask, LoadDecision, LoadPolicy
 
 RULES = ("down", "gate", "predicted")
 
@@ -112,6 +115,12 @@ class NeuronPredictor(torch.nn.Module):
         return predictor.eval().requires_grad_(False)
 
 
+@functools.lru_cache(maxsize=8)
+def _consecutive(d_ff: int, size: int) -> torch.Tensor | None:
+    """`consecutive_groups`, made once per shape."""
+    return consecutive_groups(d_ff, size)
+
+
 def _top_share(score: torch.Tensor, keep: float) -> torch.Tensor:
     """[T, F] bool: each row's ceil(keep × F) largest scores."""
     top = score.topk(math.ceil(keep * score.shape[1]), dim=1, sorted=False).indices
@@ -120,18 +129,28 @@ def _top_share(score: torch.Tensor, keep: float) -> torch.Tensor:
 
 @dataclass
 class SparseFFNPolicy(LoadPolicy):
-    """Reads every layer whole and has the FFN keep `selection`'s neurons (`groups`: per layer, else the
-    selection's own; `predictors`: per layer, for the "predicted" rule). Counts, per layer, the passes and the share
-    of units the union of a pass's tokens kept; with predictors, how many of the "down" rule's neurons they kept."""
+    """Has the FFN keep `selection`'s neurons (`groups`: per layer, else the selection's own; `predictors`: per
+    layer, for the "predicted" rule). With `group_reads` (neurons per group of a store's group-major down copies),
+    the units are those groups and streamed layers are read without down, whose kept groups the FFN reads; without,
+    every layer is read whole. Counts, per layer, the passes and the share of units the union of a pass's tokens
+    kept; with predictors, how many of the "down" rule's neurons they kept."""
 
     selection: NeuronSelection
     groups: dict[int, torch.Tensor] = field(default_factory=dict)
     predictors: dict[int, NeuronPredictor] = field(default_factory=dict)
+    group_reads: int | None = None
     # layer -> the share of units some token kept, per pass: 0-d tensors, read only by union_fraction (no host
     # synchronisation in the forward pass)
     union: dict[int, list[torch.Tensor]] = field(default_factory=dict, init=False)
     # per pass and layer (predicted rule): the share of the "down" rule's neurons kept, a 0-d tensor
     recall: list[torch.Tensor] = field(default_factory=list, init=False)
+
+    def __post_init__(self) -> None:
+        if self.group_reads is not None and self.selection.rule == "predicted":
+            raise ValueError("the predicted rule does not read down groups (it chooses from x: no read would wait)")
+
+    def decide(self, layer: int, ahead: int) -> LoadDecision:
+        return DOWN_LATER if self.group_reads is not None else LOAD_ALL
 
     def ffn_mask(self, layer: int) -> FFNMask | None:
         selection = self.selection
@@ -142,7 +161,10 @@ class SparseFFNPolicy(LoadPolicy):
             return None  # no predictor for this layer: it keeps every neuron
 
         def mask(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-            neurons, units = selection.masks(gate, up, None if predictor is None else predictor(x))
+            chosen = selection
+            if self.group_reads is not None and layer not in self.groups:
+                chosen = NeuronSelection(selection.rule, selection.keep, _consecutive(gate.shape[1], self.group_reads))
+            neurons, units = chosen.masks(gate, up, None if predictor is None else predictor(x))
             self.union.setdefault(layer, []).append(units.any(dim=0).float().mean())
             if predictor is not None:
                 oracle = NeuronSelection("down", selection.keep).masks(gate, up)[0]

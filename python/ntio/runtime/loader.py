@@ -40,6 +40,7 @@ record no checksums (their structure is validated when parsed).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -53,7 +54,7 @@ from ntio.formats.gguf_file import TensorInfo
 from ntio.io import Check, read_into, slot_array
 from ntio.formats.model_file import extent_index, plan_layer_read, plan_subset_read, row_extent, tensor_checks
 from ntio.kernels.ops import EncodedMatrix
-from ntio.models.layers import LayerWeights
+from ntio.models.layers import DownGroups, LayerWeights
 from ntio.policies.base import LOAD_ALL, LoadDecision, LoadPolicy, overrides
 from ntio.policies.dense import DensePolicy
 from ntio.runtime.disk_rows import DiskRows
@@ -127,6 +128,8 @@ class _Group:
 
 # Block parts a "rows" decision reads in part (so their whole-tensor checksums cannot be checked).
 _ROW_PARTS = ("ffn_gate", "ffn_up")
+# Block parts not read whole, by decision kind.
+_PARTIAL_PARTS = {"all": (), "skip": (), "rows": _ROW_PARTS, "down_later": ("ffn_down",)}
 
 
 def _plan_layer(layout: WeightLayout, layer: int, verify: bool) -> _LayerRead:
@@ -179,6 +182,12 @@ class LayerLoader:
         except OSError as e:
             raise read_error(e) from None
         self._reads = [_plan_layer(layout, i, verify) for i in range(cfg.n_layers)]
+        # A "down_later" layer's down groups land here (the largest layer's every group: a pass may keep them all).
+        self._group_neurons: int | None = None if self.cuda else getattr(layout.file, "ffn_group_neurons", None)
+        self._group_scratch: np.ndarray | None = None
+        # Their reads take a reader of their own: the layer reads ahead queue on the main one, first in first out,
+        # and a layer waits on its down groups at once.
+        self._group_reader: _core.Reader | None = None
 
         # Resident tiers, read once: A onto the device; B into host RAM (pinned on CUDA; on CPU B is just RAM).
         self._resident: dict[int, LayerWeights] = {}
@@ -483,13 +492,59 @@ class LayerLoader:
     # -- internals -------------------------------------------------------------------------------------------
 
     def _resident_block(self, layer: int, weights: LayerWeights) -> LayerWeights | None:
-        """A resident layer under its policy: asked just before it computes (ahead = 0)."""
+        """A resident layer under its policy: asked just before it computes (ahead = 0). Its down is in memory, so
+        a "down_later" decision leaves it whole (the policy's mask alone applies)."""
         decision = self.policy.decide(layer, 0)
         if decision.kind == "skip":
             return None
         if decision.kind == "rows":
             return dataclasses.replace(weights, ffn_rows=decision.rows)
         return weights
+
+    def _decide(self, layer: int, ahead: int) -> LoadDecision:
+        """The policy's decision for a streamed layer's read: "down_later" only where the file has the layer's down
+        groups and the layer computes on the CPU (else the whole layer)."""
+        decision = self.policy.decide(layer, ahead)
+        return LOAD_ALL if decision.kind == "down_later" and self._group_neurons is None else decision
+
+    def _group_stride(self, layer: int) -> int:
+        """Bytes between groups of `layer`'s down copy: a group in whole pages (the copy's groups are aligned)."""
+        (_, length), = self.layout.file.ffn_group_extents(layer, [0])
+        return -(-length // _ALIGN) * _ALIGN
+
+    def _read_down_groups(self, layer: int, ids: list[int]) -> list[EncodedMatrix]:
+        """Groups `ids` of `layer`'s FFN down matrix from the store's group-major copy, read now (and checked) into
+        the group scratch: each group's [D, neurons] matrix, valid until the next call."""
+        file, n = self.layout.file, self._group_neurons
+        info = self.layout.blocks[layer]["ffn_down"]
+        extents = file.ffn_group_extents(layer, ids)
+        stride = self._group_stride(layer)
+        if self._group_scratch is None:
+            most = max(self.layout.blocks[i]["ffn_down"].shape[1] // n * self._group_stride(i)
+                       for i in range(len(self._reads)))
+            self._group_scratch = np.empty(most + _ALIGN, dtype=np.uint8)
+        buf = self._group_scratch[-self._group_scratch.ctypes.data % _ALIGN :][: len(ids) * stride]
+        checks = []
+        if self.verify:
+            sums = file.index.ffn_group_checksums(layer)
+            checks = [(f"{info.name} group {g}", offset, i * stride, length, sums[g])
+                      for i, (g, (offset, length)) in enumerate(zip(ids, extents))]
+        t0 = time.perf_counter()
+        try:
+            if self._group_reader is None:
+                self._group_reader = _core.Reader(self.layout.file.files, backend=self.reader.backend)
+            read_into(self._group_reader, [(offset, stride, i * stride) for i, (offset, _) in enumerate(extents)], buf,
+                      checks)
+        except OSError as e:
+            raise read_error(e) from None
+        if self._forward is not None:
+            waited = time.perf_counter() - t0
+            self._forward.io_wait_s += waited
+            self._forward.io_busy_s += waited
+        self._count_read({layer: len(ids) * stride})
+        raw = torch.from_numpy(buf)
+        return [EncodedMatrix(raw[i * stride : i * stride + length], info.qtype, (info.shape[0], n))
+                for i, (_, length) in enumerate(extents)]
 
     def _drop_unwanted(self, group: int) -> bool:
         """If the policy no longer wants any layer of `group`'s pending read, skip the group without waiting."""
@@ -535,11 +590,14 @@ class LayerLoader:
             return read.extents
         if decision.kind == "skip":
             return []
+        tensors = self.layout.blocks[layer]
+        if decision.kind == "down_later":
+            return plan_subset_read(read.extents, [(info.offset, info.nbytes) for part, info in tensors.items()
+                                                   if part != "ffn_down"])
         if decision.rows[-1][1] > self.layout.cfg.d_ff:
             raise ValueError(
                 f"load policy: FFN rows {list(decision.rows)} of layer {layer} exceed d_ff {self.layout.cfg.d_ff}"
             )
-        tensors = self.layout.blocks[layer]
         ranges = [(info.offset, info.nbytes) for part, info in tensors.items() if part not in _ROW_PARTS]
         for part in _ROW_PARTS:
             name = next(t.name(layer) for t in self.layout.family.tensors if t.part == part)
@@ -553,7 +611,7 @@ class LayerLoader:
         return [
             (name, file_offset, base + dest, length, checksum)
             for part, (name, file_offset, dest, length, checksum) in self._reads[layer].checks.items()
-            if decision.kind == "all" or part not in _ROW_PARTS
+            if part not in _PARTIAL_PARTS[decision.kind]
         ]
 
     def _submit(self, group: int, index: int, ahead: int) -> _PendingRead:
@@ -562,7 +620,7 @@ class LayerLoader:
         for layer in grp.streamed:
             if layer in self._host:
                 continue  # tier B on CUDA: in pinned host memory, nothing to read; decided when the group loads
-            decisions[layer] = decision = LOAD_ALL if layer in self._head_rows else self.policy.decide(layer, ahead)
+            decisions[layer] = decision = LOAD_ALL if layer in self._head_rows else self._decide(layer, ahead)
             base = grp.offsets[layer]
             layer_extents = self._layer_extents(layer, decision)
             extents += [(off, length, base + dest) for off, length, dest in layer_extents]
@@ -611,7 +669,7 @@ class LayerLoader:
         self._count_read(pending.nbytes)
         for layer in grp.streamed:
             if layer in self._host:
-                pending.decisions[layer] = self.policy.decide(layer, 0)
+                pending.decisions[layer] = self._decide(layer, 0)
         decisions = pending.decisions
         wanted = [i for i in grp.streamed if i in self._head_rows or
                   (decisions[i].kind != "skip" and self.policy.still_wanted(i, decisions[i]))]
@@ -630,7 +688,12 @@ class LayerLoader:
             if weights is None:
                 weights = self._weights(layer, source[base : base + self._reads[layer].nbytes], keep_vectors=True)
                 self._slot_weights[layer, pending.index] = weights
-            self._blocks[layer] = weights if decision.kind == "all" else dataclasses.replace(weights, ffn_rows=decision.rows)
+            if decision.kind == "rows":
+                weights = dataclasses.replace(weights, ffn_rows=decision.rows)
+            elif decision.kind == "down_later":
+                weights = dataclasses.replace(weights, down_groups=DownGroups(
+                    self._group_neurons, functools.partial(self._read_down_groups, layer)))
+            self._blocks[layer] = weights
 
     def _to_device(self, group: int, index: int, layers: list[int]) -> torch.Tensor:
         """Copy `layers` of the group (C from the slot, B from pinned RAM) to the device on the copy stream."""
