@@ -19,13 +19,21 @@ the transposed matrix quantized to TYPE (from the GGUF's values, by gguf-py) and
 with the down rule per neuron at the middle --keep.
 
 Texts are this project's own, so no model saw them in training: calibration, the package's docstrings; evaluation,
-README.md. Bytes per token and streamed tok/s (the other half of the price list) need the store layout that reads
-only kept units, which is not built yet. Prints one JSON object per measurement, then a summary object.
+README.md. Prints one JSON object per measurement, then a summary object.
+
+`--streamed` adds the other half of the price list: each model converted to a store with the ffn-groups layout
+(`ntio convert --layout ffn-groups`, in a temporary directory), then greedy decoding with every layer read from disk
+at every token (all-C), dense and with each rule and keep share (units: the store's groups), in alternating rounds:
+bytes read per decode token and decode tok/s, each as a ratio to the same round's dense run (medians over rounds),
+beside the perplexity ratio of those units. `--json` writes everything, `--plot` draws perplexity ratio against
+bytes per token, one line per rule (matplotlib: `pip install ntio[plot]`).
 
     python benches/sparse_ffn.py --model smollm2-135m qwen2.5-coder-1.5b --groups 1 32 256 --clustered 8 32
     python benches/sparse_ffn.py --model qwen2.5-coder-1.5b --rules down --keep 0.5 --groups 1 --down-rows Q8_0 Q5_0
     python benches/sparse_ffn.py --model smollm2-135m --rules down gate predicted --keep 0.5 0.3 --groups 1 \
         --calib-tokens 8192
+    python benches/sparse_ffn.py --groups --union-tokens 4 --streamed --rounds 3 --json sparse_ffn.json \
+        --plot sparse_ffn.png
 """
 
 from __future__ import annotations
@@ -33,7 +41,8 @@ from __future__ import annotations
 import argparse
 import ast
 import json
-import platform
+import statistics
+import sys
 import tempfile
 from pathlib import Path
 
@@ -43,8 +52,11 @@ import torch
 import torch.nn.functional as F
 
 import ntio
+from bigger_than_ram import machine
 from ntio.fetch import resolve_model
 from ntio.formats.gguf_metadata import copy_metadata
+from ntio.formats.store import StoreFile, convert, group_neurons
+from ntio.plots import check_figure_path, pyplot, save_png
 from ntio.policies.base import FFNMask, LoadPolicy
 from ntio.policies.sparse_ffn import NeuronPredictor, NeuronSelection, SparseFFNPolicy, consecutive_groups
 
@@ -170,6 +182,72 @@ def price_down_rows(name: str, args: argparse.Namespace, evaluation: str, dense:
     return rows
 
 
+STREAMED_PROMPT = "Write a Python function that returns the n-th Fibonacci number, with a docstring."
+
+
+def decode(store: Path, policy: SparseFFNPolicy | None, args: argparse.Namespace) -> dict:
+    """Greedy decoding with every layer read from disk at every token: decode tok/s and bytes read per decode token."""
+    m = ntio.load(store, tiers="C", policy=policy, threads=args.threads)
+    done = m.generate(STREAMED_PROMPT, max_new_tokens=args.tokens, chat=True)
+    stats = m.stats.summary()
+    m.close()
+    return {"tok_s": done.decode_tok_s, "bytes_per_token": stats["bytes_read_per_token"]}
+
+
+def price_reads(name: str, args: argparse.Namespace, quality: dict[tuple[str, float, int], float]) -> list[dict]:
+    """The streamed price list (`--streamed`): per rule and keep share, all-C decoding against dense in alternating
+    rounds, beside the perplexity ratio of the store's units (from `quality`, keyed (rule, keep, neurons))."""
+    settings = [(rule, keep) for rule in args.rules if rule != "predicted" for keep in args.keep]
+    runs: dict[tuple[str, float] | None, list[dict]] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        store = convert(resolve_model(name), Path(tmp) / "grouped.ntio", layout="ffn-groups")
+        neurons = StoreFile(store).ffn_group_neurons
+        for _ in range(args.rounds):
+            for setting in [None, *settings]:
+                policy = None if setting is None else SparseFFNPolicy(NeuronSelection(*setting), group_reads=neurons)
+                runs.setdefault(setting, []).append(decode(store, policy, args))
+    dense = runs[None]
+    rows = [{"model": name, "rule": "dense", "neurons_per_unit": neurons, "tok_s": [r["tok_s"] for r in dense],
+             "bytes_per_token": statistics.median(r["bytes_per_token"] for r in dense)}]
+    for rule, keep in settings:
+        mine = runs[rule, keep]
+        rows.append({
+            "model": name, "rule": rule, "keep": keep, "neurons_per_unit": neurons,
+            "perplexity_ratio": quality.get((rule, keep, neurons)),
+            "bytes_ratio": round(statistics.median(r["bytes_per_token"] / d["bytes_per_token"]
+                                                   for r, d in zip(mine, dense)), 4),
+            "tok_s_ratio": round(statistics.median(r["tok_s"] / d["tok_s"] for r, d in zip(mine, dense)), 4),
+            "tok_s": [r["tok_s"] for r in mine], "bytes_per_token": statistics.median(r["bytes_per_token"] for r in mine),
+        })
+    for row in rows:
+        print(json.dumps(row), flush=True)
+    return rows
+
+
+def plot(rows: list[dict], out: Path) -> None:
+    """Perplexity ratio against bytes per token (both to dense), one line per rule, a panel per model."""
+    plt = pyplot("--plot")
+    priced = [r for r in rows if "bytes_ratio" in r and r.get("perplexity_ratio") is not None]
+    models = sorted({r["model"] for r in priced})
+    fig, axes = plt.subplots(1, len(models), figsize=(6 * len(models), 4.5), squeeze=False)
+    for ax, model in zip(axes[0], models):
+        ax.scatter([1.0], [1.0], marker="*", s=120, color="black", label="dense")
+        for color, rule in enumerate(("down", "gate")):
+            mine = [r for r in priced if r["model"] == model and r["rule"] == rule]
+            pts = sorted((r["bytes_ratio"], r["perplexity_ratio"]) for r in mine)
+            if pts:
+                ax.plot(*zip(*pts), marker="o", color=f"C{color}",
+                        label=f"{rule} (groups of {mine[0]['neurons_per_unit']})")
+                for r in mine:
+                    ax.annotate(f"keep {r['keep']:g}, {r['tok_s_ratio']:.2f}x tok/s",
+                                (r["bytes_ratio"], r["perplexity_ratio"]), fontsize=7)
+        ax.set(title=f"{model}, all layers read from disk", xlabel="bytes read per decode token / dense",
+               ylabel="perplexity / dense", yscale="log")
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    save_png(fig, out)
+
+
 def measure(name: str, args: argparse.Namespace) -> list[dict]:
     policy = SparseFFNPolicy(NeuronSelection("down", 1.0))
     m = ntio.load(name, max_context=CTX, policy=policy, threads=args.threads)
@@ -207,8 +285,24 @@ def measure(name: str, args: argparse.Namespace) -> list[dict]:
                 row["union_by_pass_tokens"] = union_growth(m, policy, eval_ids, args.union_tokens)
                 print(json.dumps(row), flush=True)
                 rows.append(row)
+    if args.streamed:  # the units a grouped store reads, priced with the groups given or not
+        neurons = group_neurons(m.file.tensor("blk.0.ffn_down.weight").qtype)
+        for rule in (r for r in args.rules if r != "predicted"):
+            for keep in args.keep:
+                if not any(r.get("neurons_per_unit") == neurons and r.get("unit") == "consecutive" and
+                           r["rule"] == rule and r["keep"] == keep for r in rows):
+                    policy.selection, policy.groups = NeuronSelection(rule, keep, consecutive_groups(d_ff, neurons)), {}
+                    ppl = m.perplexity(evaluation, ctx=CTX).perplexity
+                    rows.append({"model": name, "rule": rule, "keep": keep, "unit": "consecutive",
+                                 "neurons_per_unit": neurons, "perplexity": ppl, "ratio": round(ppl / dense, 4)})
+                    print(json.dumps(rows[-1]), flush=True)
     m.close()
-    return rows + price_down_rows(name, args, evaluation, dense)
+    rows += price_down_rows(name, args, evaluation, dense)
+    if args.streamed:
+        quality = {(r["rule"], r["keep"], r["neurons_per_unit"]): r["ratio"] for r in rows
+                   if r.get("unit") == "consecutive"}
+        rows += price_reads(name, args, quality)
+    return rows
 
 
 def main() -> None:
@@ -216,7 +310,7 @@ def main() -> None:
     ap.add_argument("--model", nargs="+", default=["smollm2-135m", "qwen2.5-coder-1.5b"])
     ap.add_argument("--rules", nargs="+", default=["down", "gate"], choices=["down", "gate", "predicted"])
     ap.add_argument("--keep", type=float, nargs="+", default=[0.7, 0.5, 0.3])
-    ap.add_argument("--groups", type=int, nargs="+", default=[1, 32, 256], help="consecutive neurons per unit")
+    ap.add_argument("--groups", type=int, nargs="*", default=[1, 32, 256], help="consecutive neurons per unit")
     ap.add_argument("--clustered", type=int, nargs="*", default=[], help="co-activation clustered neurons per unit")
     ap.add_argument("--union-tokens", type=int, nargs="+", default=[4, 16, 64], help="tokens per pass for the union")
     ap.add_argument("--down-rows", nargs="*", default=[], choices=["Q8_0", "Q5_1", "Q5_0", "Q4_1", "Q4_0"],
@@ -226,9 +320,21 @@ def main() -> None:
     ap.add_argument("--predictor-rank", type=int, default=128)
     ap.add_argument("--predictor-epochs", type=int, default=8)
     ap.add_argument("--threads", type=int)
+    ap.add_argument("--streamed", action="store_true", help="the streamed price list (module doc)")
+    ap.add_argument("--rounds", type=int, default=3, help="alternating rounds of the streamed runs")
+    ap.add_argument("--tokens", type=int, default=32, help="greedy tokens per streamed run")
+    ap.add_argument("--json", type=Path, help="write the summary object here")
+    ap.add_argument("--plot", type=Path, help="draw the streamed price list here (with --streamed)")
     args = ap.parse_args()
+    if args.plot:
+        check_figure_path(args.plot)
     rows = [row for name in args.model for row in measure(name, args)]
-    print(json.dumps({"machine": platform.processor() or platform.machine(), "ctx": CTX, "results": rows}))
+    summary = {"machine": machine(), "ctx": CTX, "command": " ".join(sys.argv), "results": rows}
+    print(json.dumps(summary))
+    if args.json:
+        args.json.write_text(json.dumps(summary, indent=1) + "\n")
+    if args.plot:
+        plot(rows, args.plot)
 
 
 if __name__ == "__main__":
