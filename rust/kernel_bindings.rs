@@ -333,10 +333,11 @@ fn attend(
 /// capacity, start, cos, sin, mask or None, rows) each, in row order: the next `rows` rows of h, whose caches
 /// [L, Hkv, capacity, hd] hold every block's, block i's the i-th (one block: [Hkv, capacity, hd]); the rotation
 /// and mask as in `attend`. h and the caches are written and must share no memory with each other or any other
-/// buffer.
+/// buffer. With `gate_up` (float32 [T, 2F], written, sharing no memory either), the last block stops after its
+/// FFN's gate/up products, written there: h then holds the residual stream after its attention.
 #[pyfunction]
 #[pyo3(signature = (h, d, layers, sequences, *, eps, n_heads, n_kv_heads, head_dim, rope_dim, neox, gate = "silu",
-                    isa = "best", int8 = true))]
+                    isa = "best", int8 = true, gate_up = None))]
 #[allow(clippy::too_many_arguments)]
 fn decoder_stack(
     py: Python<'_>,
@@ -353,6 +354,7 @@ fn decoder_stack(
     gate: &str,
     isa: &str,
     int8: bool,
+    gate_up: Option<&Bound<'_, PyAny>>,
 ) -> PyResult<()> {
     let settings = BlockSettings {
         eps,
@@ -370,7 +372,11 @@ fn decoder_stack(
         .iter()
         .map(lend_sequence)
         .collect::<PyResult<Vec<_>>>()?;
+    let gate_up = gate_up
+        .map(|g| Lent::<f32>::typed(g, "gate_up", Access::Write))
+        .transpose()?;
     let mut written = vec![("h", h.range())];
+    written.extend(gate_up.iter().map(|g| ("gate_up", g.range())));
     let mut read = Vec::new();
     for layer in &layers {
         layer.read_ranges(&mut read);
@@ -400,7 +406,8 @@ fn decoder_stack(
                     mask: seq.mask.as_ref().map(|m| m.as_slice()),
                 })
                 .collect();
-            kernels::decoder_stack(h.as_mut_slice(), d, &weights, &mut caches, settings)
+            let gate_up = gate_up.as_ref().map(|g| g.as_mut_slice());
+            kernels::decoder_stack(h.as_mut_slice(), d, &weights, &mut caches, settings, gate_up)
         }
     })?;
     Ok(())

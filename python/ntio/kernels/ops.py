@@ -413,13 +413,16 @@ class SequenceRows:
 
 
 def decoder_stack(h: torch.Tensor, layers: list[_core.Layer], sequences: Sequence[SequenceRows], eps: float,
-                  heads: tuple[int, int, int], *, neox: bool, gate: str = "silu") -> torch.Tensor:
+                  heads: tuple[int, int, int], *, neox: bool, gate: str = "silu",
+                  gate_up: torch.Tensor | None = None) -> torch.Tensor:
     """h [T, D] (not modified) through a stack of pre-norm blocks in one CPU kernel call (ntio._core.decoder_stack)
     -> [T, D]: each block h + attention(rms_norm(h)), then + gated FFN(rms_norm(.)), with the same products and
     attention as the per-op path, bit for bit, and no return to Python between blocks. layers: each block's
     `LayerWeights.kernel_args`; sequences: the rows of one or several sequences (their `rows` in order, tiling h),
     each attending over its own cache [L, Hkv, capacity, hd], the stack's L layers in order (one block: [Hkv,
-    capacity, hd]); the other arguments as in `normed_linear` and `cached_attention`."""
+    capacity, hd]); the other arguments as in `normed_linear` and `cached_attention`. With `gate_up` (float32 [T, 2F],
+    contiguous), the last block stops after its FFN's gate/up products, written there: the result is then the
+    residual stream after that block's attention."""
     choice = _kernels.get()
     n_heads, n_kv_heads, hd = heads
     out = h.clone(memory_format=torch.contiguous_format)
@@ -429,7 +432,7 @@ def decoder_stack(h: torch.Tensor, layers: list[_core.Layer], sequences: Sequenc
               for s in sequences]
     _core.decoder_stack(out.numpy(), h.shape[1], layers, caches, eps=eps, n_heads=n_heads, n_kv_heads=n_kv_heads,
                         head_dim=hd, rope_dim=2 * sequences[0].rope[0].shape[-1], neox=neox, gate=gate,
-                        isa=choice.isa, int8=choice.int8)
+                        isa=choice.isa, int8=choice.int8, gate_up=None if gate_up is None else gate_up.numpy())
     return out
 
 

@@ -74,14 +74,26 @@ class LayerWeights:
                                    w_gate_up=_interleaved(self.w_gate_up, cut=self.w_down.shape[1]),
                                    w_down=ops.interleave_rows(self.w_down))
 
+    @property
+    def whole_ffn(self) -> bool:
+        """Whether the FFN multiplies every neuron with the resident or read down matrix (no mask, no groups)."""
+        return self.ffn_mask is None and self.down_groups is None
+
+    def choosing_ffn(self, **fields) -> LayerWeights:
+        """These weights with `ffn_mask` or `down_groups` set, and the kernel arguments already made (which do not
+        depend on them)."""
+        chosen = dataclasses.replace(self, **fields)
+        if "kernel_args" in self.__dict__:
+            chosen.__dict__["kernel_args"] = self.__dict__["kernel_args"]
+        return chosen
+
     @functools.cached_property
     def kernel_args(self) -> _core.Layer | None:
         """The block as one CPU kernel call takes it (`ops.decoder_stack`), made once; None where the block does not
-        run as one call whatever its input (a type the kernels lack, weights off the CPU, an FFN row subset or
-        mask)."""
+        run as one call whatever its input (a type the kernels lack, weights off the CPU, an FFN row subset). A
+        block whose FFN chooses its neurons (not `whole_ffn`) runs as one call up to its gate/up products."""
         matrices = [*self.wqkv, self.wo, *self.w_gate_up, self.w_down]
-        if (self.ffn_rows is not None or self.ffn_mask is not None or self.down_groups is not None
-                or self.attn_norm.device.type != "cpu"
+        if (self.ffn_rows is not None or self.attn_norm.device.type != "cpu"
                 or not all(m.qtype in cpu_kernels.KERNEL_TYPES for m in matrices)):
             return None
         return (self.attn_norm.numpy(), [m.kernel_arg for m in self.wqkv], _numpy(self.qkv_bias), self.wo.kernel_arg,
@@ -322,10 +334,16 @@ def gated_ffn(h: torch.Tensor, w: LayerWeights, cfg: ModelConfig, taps: dict[str
         gate_up = ops.normed_linear(h, w.ffn_norm, eps, w.w_gate_up)  # [T, 2F]: gate | up
     else:
         gate_up = torch.cat(_sparse_gate_up(rms_norm(h, w.ffn_norm, eps), w), dim=-1)
-    d_ff = w.w_down.shape[1]
     if taps is not None:
-        taps["ffn_gate"] = gate_up[:, :d_ff]
-    if w.ffn_mask is None and w.down_groups is None:
+        taps["ffn_gate"] = gate_up[:, : w.w_down.shape[1]]
+    return _ffn_from_gate_up(h, gate_up, w, cfg)
+
+
+def _ffn_from_gate_up(h: torch.Tensor, gate_up: torch.Tensor, w: LayerWeights, cfg: ModelConfig) -> torch.Tensor:
+    """The rest of `gated_ffn` once its gate and up pre-activations gate_up [T, 2F] are known (h [T, D]: its input
+    before the norm, which `w.ffn_mask` reads normed) -> [T, D]."""
+    eps, d_ff = cfg.rms_eps, w.w_down.shape[1]
+    if w.whole_ffn:
         return ops.gated_linear(gate_up, w.w_down, cfg.ffn_gate, w.ffn_sub_norm, eps)
     gate, up = gate_up[:, :d_ff], gate_up[:, d_ff:]
     keep = None if w.ffn_mask is None else w.ffn_mask(rms_norm(h, w.ffn_norm, eps), gate, up)  # [T, F] bool
@@ -374,10 +392,16 @@ def pre_norm_block(
     taps: dict[str, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """h + attention(norm(h)), then + gated_ffn(norm(.)): [T, D] -> [T, D]. A few tokens on the CPU run the whole
-    block as one kernel call (`_one_call`) unless taps are asked for."""
+    block as one kernel call (`_one_call`) unless taps are asked for; a block whose FFN chooses its neurons, up to
+    its gate/up products."""
     if taps is None:
-        fused = _one_call(h, w, [SequenceRows(slice(0, h.shape[0]), k_cache, v_cache, start_pos, rope, mask)], cfg,
-                          rope_kind)
+        rows = [SequenceRows(slice(0, h.shape[0]), k_cache, v_cache, start_pos, rope, mask)]
+        if not w.whole_ffn:
+            split = _one_call_to_gate_up(h, w, rows, cfg, rope_kind)
+            if split is not None:
+                h, gate_up = split
+                return h + _ffn_from_gate_up(h, gate_up, w, cfg)
+        fused = _one_call(h, w, rows, cfg, rope_kind)
         if fused is not None:
             return fused
     h = h + attention(h, w, k_cache, v_cache, start_pos, rope, mask, cfg, rope_kind)
@@ -390,7 +414,8 @@ def pre_norm_stack(h: torch.Tensor, ws: Sequence[LayerWeights], sequences: Seque
     (`ops.decoder_stack`: each block what `batched_block` computes, bit for bit), or None where they do not run as
     one call. Each sequence's caches [len(ws), Hkv, capacity, hd] hold the blocks' in order."""
     args = [w.kernel_args for w in ws]
-    if not ops.uses_cpu_block(h, sequences[0].k_cache) or any(a is None for a in args):
+    if not ops.uses_cpu_block(h, sequences[0].k_cache) or any(a is None for a in args) or not all(
+            w.whole_ffn for w in ws):
         return None
     return ops.decoder_stack(h, args, sequences, cfg.rms_eps, (cfg.n_heads, cfg.n_kv_heads, cfg.head_dim),
                              neox=rope_kind == "neox", gate=cfg.ffn_gate)
@@ -410,6 +435,18 @@ def batched_block(h: torch.Tensor, w: LayerWeights, sequences: Sequence[Sequence
                       for s in sequences])
     h = h + _attention_output(attn, w, cfg.rms_eps)
     return h + gated_ffn(h, w, cfg)
+
+
+def _one_call_to_gate_up(h: torch.Tensor, w: LayerWeights, sequences: Sequence[SequenceRows], cfg: ModelConfig,
+                         rope_kind: str) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The block's attention and its FFN's gate/up products as one CPU kernel call: (h after the attention [T, D],
+    gate_up [T, 2F]), or None where it does not run as one."""
+    if not ops.uses_cpu_block(h, sequences[0].k_cache) or w.kernel_args is None:
+        return None
+    gate_up = torch.empty((h.shape[0], 2 * w.w_down.shape[1]), dtype=torch.float32)
+    h = ops.decoder_stack(h, [w.kernel_args], sequences, cfg.rms_eps, (cfg.n_heads, cfg.n_kv_heads, cfg.head_dim),
+                          neox=rope_kind == "neox", gate=cfg.ffn_gate, gate_up=gate_up)
+    return h, gate_up
 
 
 def _one_call(h: torch.Tensor, w: LayerWeights, sequences: Sequence[SequenceRows], cfg: ModelConfig,

@@ -384,7 +384,7 @@ class Engine:
                     began = time.perf_counter() if timeline is not None else 0.0
                     w = self.layers.block(layer)
                     if masks_ffn and w is not None and (ffn_mask := policy.ffn_mask(layer)) is not None:
-                        w = dataclasses.replace(w, ffn_mask=ffn_mask)
+                        w = w.choosing_ffn(ffn_mask=ffn_mask)
                     active = _some_tokens(policy.tokens(layer)) if per_token and w is not None else None
                     if active is not None and not active.any():
                         w, active = None, None  # no token computes it: a skip of the whole layer

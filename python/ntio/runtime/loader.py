@@ -691,7 +691,7 @@ class LayerLoader:
             if decision.kind == "rows":
                 weights = dataclasses.replace(weights, ffn_rows=decision.rows)
             elif decision.kind == "down_later":
-                weights = dataclasses.replace(weights, down_groups=DownGroups(
+                weights = weights.choosing_ffn(down_groups=DownGroups(
                     self._group_neurons, functools.partial(self._read_down_groups, layer)))
             self._blocks[layer] = weights
 
