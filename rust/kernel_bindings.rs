@@ -407,7 +407,14 @@ fn decoder_stack(
                 })
                 .collect();
             let gate_up = gate_up.as_ref().map(|g| g.as_mut_slice());
-            kernels::decoder_stack(h.as_mut_slice(), d, &weights, &mut caches, settings, gate_up)
+            kernels::decoder_stack(
+                h.as_mut_slice(),
+                d,
+                &weights,
+                &mut caches,
+                settings,
+                gate_up,
+            )
         }
     })?;
     Ok(())

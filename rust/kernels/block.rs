@@ -205,7 +205,14 @@ pub fn decoder_stack(
             })
             .collect();
         let last = i + 1 == layers.len();
-        decoder_block(h, d, w, &mut layer_caches, s, gate_up.take().filter(|_| last))?;
+        decoder_block(
+            h,
+            d,
+            w,
+            &mut layer_caches,
+            s,
+            gate_up.take().filter(|_| last),
+        )?;
     }
     Ok(())
 }
