@@ -217,7 +217,8 @@ def price_reads(name: str, args: argparse.Namespace, quality: dict[tuple[str, fl
             "bytes_ratio": round(statistics.median(r["bytes_per_token"] / d["bytes_per_token"]
                                                    for r, d in zip(mine, dense)), 4),
             "tok_s_ratio": round(statistics.median(r["tok_s"] / d["tok_s"] for r, d in zip(mine, dense)), 4),
-            "tok_s": [r["tok_s"] for r in mine], "bytes_per_token": statistics.median(r["bytes_per_token"] for r in mine),
+            "tok_s": [r["tok_s"] for r in mine],
+            "bytes_per_token": statistics.median(r["bytes_per_token"] for r in mine),
         })
     for row in rows:
         print(json.dumps(row), flush=True)
@@ -294,7 +295,8 @@ def measure(name: str, args: argparse.Namespace) -> list[dict]:
                     policy.selection, policy.groups = NeuronSelection(rule, keep, consecutive_groups(d_ff, neurons)), {}
                     ppl = m.perplexity(evaluation, ctx=CTX).perplexity
                     rows.append({"model": name, "rule": rule, "keep": keep, "unit": "consecutive",
-                                 "neurons_per_unit": neurons, "perplexity": ppl, "ratio": round(ppl / dense, 4)})
+                                 "neurons_per_unit": neurons, "perplexity": ppl, "ratio": round(ppl / dense, 4),
+                                 "union_by_pass_tokens": union_growth(m, policy, eval_ids, args.union_tokens)})
                     print(json.dumps(rows[-1]), flush=True)
     m.close()
     rows += price_down_rows(name, args, evaluation, dense)

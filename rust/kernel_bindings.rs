@@ -53,6 +53,14 @@ unsafe fn matrix(m: &LentMatrix) -> Matrix<'_> {
     }
 }
 
+/// A product's activations x (read) and output (written), lent and checked not to overlap.
+fn lend_product(x: &Bound<'_, PyAny>, out: &Bound<'_, PyAny>) -> PyResult<(Lent<f32>, Lent<f32>)> {
+    let x = Lent::<f32>::typed(x, "x", Access::Read)?;
+    let out = Lent::<f32>::typed(out, "out", Access::Write)?;
+    buffers::disjoint(("out", out.range()), ("x", x.range()))?;
+    Ok((x, out))
+}
+
 /// The gate activation named `name`, or a ValueError.
 fn checked_gate(name: &str) -> PyResult<Gate> {
     Gate::from_name(name).ok_or_else(|| {
@@ -90,9 +98,7 @@ fn quantized_matmul(
 ) -> PyResult<()> {
     let isa = checked_isa(isa)?;
     let gate = gate.map(checked_gate).transpose()?;
-    let x = Lent::<f32>::typed(x, "x", Access::Read)?;
-    let out = Lent::<f32>::typed(out, "out", Access::Write)?;
-    buffers::disjoint(("out", out.range()), ("x", x.range()))?;
+    let (x, out) = lend_product(x, out)?;
     let mut lent = Vec::with_capacity(matrices.len());
     for m in &matrices {
         let m = lend_matrix(m)?;
@@ -144,9 +150,7 @@ fn column_groups_matmul(
 ) -> PyResult<()> {
     let isa = checked_isa(isa)?;
     let qtype = kernel_type(qtype)?;
-    let x = Lent::<f32>::typed(x, "x", Access::Read)?;
-    let out = Lent::<f32>::typed(out, "out", Access::Write)?;
-    buffers::disjoint(("out", out.range()), ("x", x.range()))?;
+    let (x, out) = lend_product(x, out)?;
     let mut lent = Vec::with_capacity(groups.len());
     for (first, raw) in &groups {
         let raw = Lent::<u8>::typed(raw, "raw", Access::Read)?;

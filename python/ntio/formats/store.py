@@ -234,7 +234,6 @@ def convert(source: str | os.PathLike[str], target: str | os.PathLike[str], prog
     copy_offsets = iter(offsets.pop())
     total = sum(t.nbytes for t in g.tensors.values())
     with replacing(target) as f:
-        grouped = []
         records, done = [], 0
         for group_index, (group, group_offsets) in enumerate(zip(groups, offsets)):
             for t, offset in zip(group, group_offsets):
@@ -244,9 +243,6 @@ def convert(source: str | os.PathLike[str], target: str | os.PathLike[str], prog
                                        t.offset)
                 f.seek(offset)
                 f.write(data)
-                if t.name in copies:
-                    grouped.append(_write_groups(f, data, t, types[t.name], [next(copy_offsets) for _ in range(
-                        copies[t.name][0])]))
                 records.append({
                     "name": t.name, "ggml_type": int(types[t.name]), "shape": list(t.shape), "offset": offset,
                     "nbytes": sizes[t.name], "rows": tensor_rows(t), "layer": group_index - 1 if group_index else None,
@@ -255,6 +251,9 @@ def convert(source: str | os.PathLike[str], target: str | os.PathLike[str], prog
                 done += t.nbytes
                 if progress:
                     progress(done, total)
+        # The copies after every layer, written in file order once the layers are (the file grows front to back).
+        grouped = [_write_groups(f, _encoded(g.tensor_bytes(t.name), t, types[t.name]), t, types[t.name],
+                                 [next(copy_offsets) for _ in range(copies[t.name][0])]) for t in downs]
         layer_table = []
         for layer_offsets, group in zip(offsets[1:], layers):
             end = layer_offsets[-1] + sizes[group[-1].name]
