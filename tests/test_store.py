@@ -319,5 +319,7 @@ def test_cli_convert_writes_the_ffn_groups_layout(grouped, tmp_path):
     result = CliRunner().invoke(cli, ["convert", str(grouped[0][0]), "-o", str(out), "--layout", "ffn-groups"])
     assert result.exit_code == 0, result.output
     assert StoreFile(out).ffn_group_neurons == 32
+    info = CliRunner().invoke(cli, ["info", str(out), "--json"])
+    assert info.exit_code == 0 and '"ffn_group_neurons": 32' in info.output
     result = CliRunner().invoke(cli, ["convert", str(grouped[0][0]), "-o", str(out), "--layout", "bundles"])
     assert result.exit_code == 2 and "'bundles' is not 'ffn-groups'" in result.output

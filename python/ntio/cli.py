@@ -663,6 +663,7 @@ def info(model, as_json) -> None:
         "tensor_bytes_total": sum(t.nbytes for t in g.tensors.values()),
         "layer_bits_per_weight": round(8 * sum(t.nbytes for t in g.tensors.values() if layer_of(t.name) is not None)
                                  / max(1, sum(t.n_elements for t in g.tensors.values() if layer_of(t.name) is not None)), 3),
+        "ffn_group_neurons": getattr(g, "ffn_group_neurons", None),  # a store's FFN layout (`convert --layout`)
     }
     if as_json:
         click.echo(json.dumps(summary))
