@@ -51,7 +51,7 @@ import torch
 from ntio import _core
 from ntio.errors import ModelFormatError, NtioError, OptionError, read_error
 from ntio.formats.gguf_file import TensorInfo
-from ntio.io import Check, read_into, slot_array
+from ntio.io import Check, read_into, slot_array, submit_into
 from ntio.formats.model_file import extent_index, plan_layer_read, plan_subset_read, row_extent, tensor_checks
 from ntio.kernels.ops import EncodedMatrix
 from ntio.models.layers import DownGroups, LayerWeights
@@ -128,6 +128,8 @@ class _Group:
 
 # Block parts a "rows" decision reads in part (so their whole-tensor checksums cannot be checked).
 _ROW_PARTS = ("ffn_gate", "ffn_up")
+# The `_checking` key of the read into the down-group scratch (staging slots are 0, 1, ...).
+_GROUP_SCRATCH = -1
 # Block parts not read whole, by decision kind.
 _PARTIAL_PARTS = {"all": (), "skip": (), "rows": _ROW_PARTS, "down_later": ("ffn_down",)}
 
@@ -513,8 +515,10 @@ class LayerLoader:
         return -(-length // _ALIGN) * _ALIGN
 
     def _read_down_groups(self, layer: int, ids: list[int]) -> list[EncodedMatrix]:
-        """Groups `ids` of `layer`'s FFN down matrix from the store's group-major copy, read now (and checked) into
-        the group scratch: each group's [D, neurons] matrix, valid until the next call."""
+        """Groups `ids` of `layer`'s FFN down matrix from the store's group-major copy, read now into the group
+        scratch: each group's [D, neurons] matrix, valid until the next call. Their checks run on while they are
+        multiplied, as a streamed layer's do: the forward raises at its end if one fails, and the next call waits
+        for them before it overwrites the scratch."""
         file, n = self.layout.file, self._group_neurons
         info = self.layout.blocks[layer]["ffn_down"]
         extents = file.ffn_group_extents(layer, ids)
@@ -530,13 +534,16 @@ class LayerLoader:
             checks = [(f"{info.name} group {g}", offset, i * stride, length, sums[g])
                       for i, (g, (offset, length)) in enumerate(zip(ids, extents))]
         t0 = time.perf_counter()
+        self._settle(_GROUP_SCRATCH)  # the last groups' checks must pass before their bytes are overwritten
+        if self._group_reader is None:
+            self._group_reader = _core.Reader(self.layout.file.files, backend=self.reader.backend)
         try:
-            if self._group_reader is None:
-                self._group_reader = _core.Reader(self.layout.file.files, backend=self.reader.backend)
-            read_into(self._group_reader, [(offset, stride, i * stride) for i, (offset, _) in enumerate(extents)], buf,
-                      checks)
+            handle = submit_into(self._group_reader, [(offset, stride, i * stride) for i, (offset, _) in
+                                                      enumerate(extents)], buf, checks)
         except OSError as e:
             raise read_error(e) from None
+        self._wait(handle, landed=True)  # its checks run on while the groups are multiplied: settled by the forward
+        self._checking[_GROUP_SCRATCH] = handle
         if self._forward is not None:
             waited = time.perf_counter() - t0
             self._forward.io_wait_s += waited
