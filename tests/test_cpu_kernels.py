@@ -93,7 +93,7 @@ def test_column_groups_give_the_reference_product_with_the_other_columns_zeroed(
     w64 = np.asarray(ref_dequantize(raw.reshape(gguf.quants.quant_shape_to_byte_shape((n, k), qtype)), qtype),
                      np.float64).reshape(n, k)
     width = group_neurons(qtype)
-    groups = torch.from_numpy(ffn_groups(raw.reshape(-1), (n, k), qtype))
+    groups = torch.from_numpy(ffn_groups(raw.reshape(-1), (n, k), width))
     taken = [g for g in range(k // width) if g % 3 != 1][::-1]
     for t in (1, 9):
         x = rng.standard_normal((t, k), dtype=np.float32)

@@ -193,12 +193,11 @@ def group_neurons(qtype: gguf.GGMLQuantizationType) -> int:
     return FLOAT_GROUP_NEURONS if block == 1 else block
 
 
-def ffn_groups(data: np.ndarray, shape: tuple[int, ...], qtype: gguf.GGMLQuantizationType) -> np.ndarray:
+def ffn_groups(data: np.ndarray, shape: tuple[int, ...], neurons: int) -> np.ndarray:
     """A down matrix's encoded bytes (row-major [D, F]) -> [G, group_bytes] uint8: group g holds neurons
-    [g·n, (g+1)·n) of every row (n = group_neurons), each row's whole blocks of them in turn, so each group is the
-    row-major encoding of the [D, n] matrix of those columns. Blocks are moved, never re-encoded."""
+    [g·n, (g+1)·n) of every row (n = `neurons`, whole blocks of its type), each row's blocks of them in turn, so each
+    group is the row-major encoding of the [D, n] matrix of those columns. Blocks are moved, never re-encoded."""
     rows, width = shape
-    neurons = group_neurons(qtype)
     if width % neurons:
         raise ValueError(f"{width} neurons are not whole groups of {neurons}")
     groups = width // neurons
@@ -228,7 +227,9 @@ def convert(source: str | os.PathLike[str], target: str | os.PathLike[str], prog
             layers[layer].append(t)
     groups = [globals_, *layers]
     downs = _down_matrices(layers, g.path) if layout == "ffn-groups" else []
-    copies = {t.name: _group_bytes(t, types[t.name]) for t in downs}  # name -> (groups, group_bytes)
+    # One group size for every layer: the widest block of their down types (blocks of 1, 32 or 256 elements).
+    neurons = max((group_neurons(types[t.name]) for t in downs), default=0)
+    copies = {t.name: _group_bytes(t, types[t.name], neurons) for t in downs}  # name -> (groups, group_bytes)
     plan = [[sizes[t.name] for t in group] for group in groups]
     offsets = _core.plan_store_layout(plan + [[size for n, size in copies.values() for _ in range(n)]])
     copy_offsets = iter(offsets.pop())
@@ -252,7 +253,7 @@ def convert(source: str | os.PathLike[str], target: str | os.PathLike[str], prog
                 if progress:
                     progress(done, total)
         # The copies after every layer, written in file order once the layers are (the file grows front to back).
-        grouped = [_write_groups(f, _encoded(g.tensor_bytes(t.name), t, types[t.name]), t, types[t.name],
+        grouped = [_write_groups(f, _encoded(g.tensor_bytes(t.name), t, types[t.name]), t, neurons,
                                  [next(copy_offsets) for _ in range(copies[t.name][0])]) for t in downs]
         layer_table = []
         for layer_offsets, group in zip(offsets[1:], layers):
@@ -261,7 +262,7 @@ def convert(source: str | os.PathLike[str], target: str | os.PathLike[str], prog
         manifest = json.dumps({
             "format_version": _core.STORE_FORMAT_VERSION, "metadata": g.metadata, "tensors": records,
             "layers": layer_table,
-            "layouts": {"ffn_down_groups": {"neurons": group_neurons(types[downs[0].name]), "copies": grouped}}
+            "layouts": {"ffn_down_groups": {"neurons": neurons, "copies": grouped}}
             if downs else {},
         }, allow_nan=False).encode()
         f.seek(0, os.SEEK_END)  # past the last byte written: the group copies end after the last layer
@@ -281,19 +282,17 @@ def _down_matrices(layers: list[list[TensorInfo]], path: Path) -> list[TensorInf
     return downs
 
 
-def _group_bytes(t: TensorInfo, qtype: gguf.GGMLQuantizationType) -> tuple[int, int]:
-    """(groups, bytes per group) of down matrix `t` written as `qtype`."""
+def _group_bytes(t: TensorInfo, qtype: gguf.GGMLQuantizationType, neurons: int) -> tuple[int, int]:
+    """(groups, bytes per group) of down matrix `t` written as `qtype`, in groups of `neurons`."""
     rows, width = t.shape
-    neurons = group_neurons(qtype)
     if width % neurons:
         raise ModelFormatError(f"tensor {t.name!r}: {width} neurons are not whole groups of {neurons}")
     return width // neurons, quant.encoded_nbytes(qtype, (rows, neurons))
 
 
-def _write_groups(f: BinaryIO, data: np.ndarray, t: TensorInfo, qtype: gguf.GGMLQuantizationType,
-                  offsets: list[int]) -> dict[str, Any]:
+def _write_groups(f: BinaryIO, data: np.ndarray, t: TensorInfo, neurons: int, offsets: list[int]) -> dict[str, Any]:
     """Write down matrix `t`'s groups (`ffn_groups`) at `offsets` (aligned, one a group): its manifest record."""
-    groups = ffn_groups(data, t.shape, qtype)
+    groups = ffn_groups(data, t.shape, neurons)
     for group, offset in zip(groups, offsets):
         f.seek(offset)
         f.write(group)
