@@ -182,8 +182,8 @@ def test_streamed_layers_read_only_the_kept_down_groups_and_give_transformers_lo
     """All layers on disk, read without down; each FFN reads the groups of 32 its tokens keep from the store's
     group-major copy: the logits are transformers' with the same groups zeroed, and a decode step reads exactly
     the kept groups' bytes less than one keeping all."""
-    def run(keep: float) -> tuple[torch.Tensor, torch.Tensor, float]:
-        policy = SparseFFNPolicy(NeuronSelection("down", keep), group_reads=32)
+    def run(keep: float | None) -> tuple[torch.Tensor, torch.Tensor, float]:
+        policy = None if keep is None else SparseFFNPolicy(NeuronSelection("down", keep), group_reads=32)
         m = ntio.load(grouped_smollm2, max_context=64, policy=policy, tiers="C", cpu_activations="float32")
         ids = m.encode_prompt(PROMPT)
         prompt = m.engine.forward(torch.tensor(ids), 0, all_logits=True)
@@ -194,8 +194,10 @@ def test_streamed_layers_read_only_the_kept_down_groups_and_give_transformers_lo
 
     prompt, decode, read = run(0.5)
     _, _, read_all = run(1.0)
+    _, _, read_dense = run(None)
     stride = 12288  # a group: 576 rows of one Q4_1 block of 20 B = 11,520 B, in whole 4 KiB pages
-    assert read_all - read == 30 * (48 - 24) * stride  # 30 layers, 24 of 48 groups not read
+    assert read_all == read_dense - 30 * 576 * 48 * 20 + 30 * 48 * stride  # 30 layers: no dense down, every group
+    assert read_all - read == 30 * (48 - 24) * stride  # 24 of 48 groups not read
     ids = ntio.load(grouped_smollm2, max_context=64).encode_prompt(PROMPT)
     for layer in hf_smollm2.model.layers:
         monkeypatch.setattr(layer.mlp, "forward", _masked_mlp(layer.mlp, 0.5, group=32))
