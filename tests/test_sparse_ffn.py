@@ -69,6 +69,8 @@ def test_bad_selections_are_refused(rule, keep):
         NeuronSelection(rule, keep)
     with pytest.raises(ValueError, match="the predicted rule needs a predictor's scores"):
         NeuronSelection("predicted", 0.5).masks(torch.zeros(1, 8), torch.zeros(1, 8))
+    with pytest.raises(ValueError, match="the predicted rule reads layers whole"):
+        SparseFFNPolicy(NeuronSelection("predicted", 0.5), group_reads=32)
 
 
 def test_a_predictor_learns_which_neurons_its_input_decides():

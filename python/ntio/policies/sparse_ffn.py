@@ -147,7 +147,7 @@ class SparseFFNPolicy(LoadPolicy):
 
     def __post_init__(self) -> None:
         if self.group_reads is not None and self.selection.rule == "predicted":
-            raise ValueError("the predicted rule does not read down groups (it chooses from x: no read would wait)")
+            raise ValueError("the predicted rule reads layers whole: reading only its groups is not built")
 
     def decide(self, layer: int, ahead: int) -> LoadDecision:
         return DOWN_LATER if self.group_reads is not None else LOAD_ALL
