@@ -89,7 +89,7 @@ pub fn column_groups_matmul(
 
 #[cfg(test)]
 mod tests {
-    use super::super::rows::test_bytes as bytes;
+    use super::super::rows::{test_bytes as bytes, test_l2};
     use super::*;
 
     /// The groups of a row-major matrix [n, k] of `qtype`, `width` columns each, as `store` lays them out.
@@ -165,13 +165,7 @@ mod tests {
                     )
                     .unwrap();
                     for (ti, (d, o)) in dense.chunks(n).zip(out.chunks(n)).enumerate() {
-                        let norm = d.iter().map(|v| v * v).sum::<f32>().sqrt();
-                        let diff = d
-                            .iter()
-                            .zip(o)
-                            .map(|(a, b)| (a - b) * (a - b))
-                            .sum::<f32>()
-                            .sqrt();
+                        let (diff, norm) = test_l2(d, o);
                         assert!(
                             norm > 0.0 && diff <= 1e-5 * norm,
                             "{qtype:?} {act:?} t={t} row {ti}: {diff} vs {norm}"

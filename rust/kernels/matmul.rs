@@ -743,7 +743,7 @@ pub fn threads() -> usize {
 
 #[cfg(test)]
 mod tests {
-    use super::super::rows::test_bytes as bytes;
+    use super::super::rows::{test_bytes as bytes, test_l2};
     use super::*;
 
     /// Activation rows [t, k] in [-1, 1]; the first rows are the same whatever t.
@@ -794,13 +794,7 @@ mod tests {
                 {
                     let simd = run(qtype, t, n, k, isa, act);
                     for (ti, (s, v)) in scalar.chunks(n).zip(simd.chunks(n)).enumerate() {
-                        let norm = s.iter().map(|v| v * v).sum::<f32>().sqrt();
-                        let diff = s
-                            .iter()
-                            .zip(v)
-                            .map(|(a, b)| (a - b) * (a - b))
-                            .sum::<f32>()
-                            .sqrt();
+                        let (diff, norm) = test_l2(s, v);
                         assert!(
                             norm > 0.0 && diff <= 1e-5 * norm,
                             "{qtype:?} {act:?} {isa:?} t={t} row {ti}: {diff} vs {norm}"
@@ -843,13 +837,7 @@ mod tests {
             for k in [5, 40, 779] {
                 let scalar = run(qtype, 3, 11, k, Isa::Scalar, Activations8::Float);
                 let simd = run(qtype, 3, 11, k, Isa::Avx2, Activations8::Float);
-                let norm = scalar.iter().map(|v| v * v).sum::<f32>().sqrt();
-                let diff = scalar
-                    .iter()
-                    .zip(&simd)
-                    .map(|(a, b)| (a - b) * (a - b))
-                    .sum::<f32>()
-                    .sqrt();
+                let (diff, norm) = test_l2(&scalar, &simd);
                 assert!(diff <= 1e-5 * norm, "{qtype:?} k={k}: {diff} vs {norm}");
                 let one = run(qtype, 1, 11, k, Isa::Avx2, Activations8::Float);
                 assert_eq!(one[..], simd[..11], "{qtype:?} k={k}");

@@ -123,3 +123,16 @@ pub(crate) fn test_bytes(len: usize, seed: u64) -> Vec<u8> {
         })
         .collect()
 }
+
+/// (‖want - got‖₂, ‖want‖₂): the tests' relative error measure, as floats of the kernels' precision.
+#[cfg(test)]
+pub(crate) fn test_l2(want: &[f32], got: &[f32]) -> (f32, f32) {
+    let norm = want.iter().map(|v| v * v).sum::<f32>().sqrt();
+    let diff = want
+        .iter()
+        .zip(got)
+        .map(|(a, b)| (a - b) * (a - b))
+        .sum::<f32>()
+        .sqrt();
+    (diff, norm)
+}
