@@ -187,6 +187,7 @@ class LayerLoader:
         # A "down_later" layer's down groups land here (the largest layer's every group: a pass may keep them all).
         self._group_neurons: int | None = None if self.cuda else getattr(layout.file, "ffn_group_neurons", None)
         self._group_scratch: np.ndarray | None = None
+        self._group_copies: dict[int, tuple[int, list[int]]] = {}  # layer -> `_group_copy`
         # Their reads take a reader of their own: the layer reads ahead queue on the main one, first in first out,
         # and a layer waits on its down groups at once.
         self._group_reader: _core.Reader | None = None
@@ -509,10 +510,15 @@ class LayerLoader:
         decision = self.policy.decide(layer, ahead)
         return LOAD_ALL if decision.kind == "down_later" and self._group_neurons is None else decision
 
-    def _group_stride(self, layer: int) -> int:
-        """Bytes between groups of `layer`'s down copy: a group in whole pages (the copy's groups are aligned)."""
-        (_, length), = self.layout.file.ffn_group_extents(layer, [0])
-        return -(-length // _ALIGN) * _ALIGN
+    def _group_copy(self, layer: int) -> tuple[int, list[int]]:
+        """(stride, checksums) of `layer`'s down copy, asked of the index once: bytes between groups (a group in whole
+        pages: the copy's groups are aligned) and each group's xxh3-64."""
+        copy = self._group_copies.get(layer)
+        if copy is None:
+            (_, length), = self.layout.file.ffn_group_extents(layer, [0])
+            copy = -(-length // _ALIGN) * _ALIGN, self.layout.file.index.ffn_group_checksums(layer)
+            self._group_copies[layer] = copy
+        return copy
 
     def _read_down_groups(self, layer: int, ids: list[int]) -> list[EncodedMatrix]:
         """Groups `ids` of `layer`'s FFN down matrix from the store's group-major copy, read now into the group
@@ -522,15 +528,14 @@ class LayerLoader:
         file, n = self.layout.file, self._group_neurons
         info = self.layout.blocks[layer]["ffn_down"]
         extents = file.ffn_group_extents(layer, ids)
-        stride = self._group_stride(layer)
+        stride, sums = self._group_copy(layer)
         if self._group_scratch is None:
-            most = max(self.layout.blocks[i]["ffn_down"].shape[1] // n * self._group_stride(i)
+            most = max(self.layout.blocks[i]["ffn_down"].shape[1] // n * self._group_copy(i)[0]
                        for i in range(len(self._reads)))
             self._group_scratch = np.empty(most + _ALIGN, dtype=np.uint8)
         buf = self._group_scratch[-self._group_scratch.ctypes.data % _ALIGN :][: len(ids) * stride]
         checks = []
         if self.verify:
-            sums = file.index.ffn_group_checksums(layer)
             checks = [(f"{info.name} group {g}", offset, i * stride, length, sums[g])
                       for i, (g, (offset, length)) in enumerate(zip(ids, extents))]
         t0 = time.perf_counter()
