@@ -8,10 +8,10 @@ bisection along the first principal direction of the neurons' activation pattern
 could read as one extent. Then how the union of the units kept grows with the tokens in one pass (prefill,
 speculative verification), which is what such a pass would read.
 
-The "predicted" rule (`--rules predicted`, single neurons only) scores neurons from the FFN's input alone, before any
-FFN byte is read: one `NeuronPredictor` per layer and keep share (rank `--predictor-rank`), fitted to the "down"
-rule's choices on the calibration text; each row reports the share of the "down" rule's neurons it kept on the
-evaluation text (`oracle_recall`).
+The "predicted" rule (`--rules predicted`, consecutive units) scores units from the FFN's input alone, before any
+FFN byte is read: one `UnitPredictor` per layer and unit size (rank `--predictor-rank`), fitted to the order of the
+"down" rule's unit scores on the calibration text (as `ntio calibrate --ffn-predictors` fits them), for every keep
+share; each row reports the share of the "down" rule's units it kept on the evaluation text (`oracle_recall`).
 
 Reading one neuron's down weights alone needs the down matrix stored transposed ([F, D], a row per neuron), which
 means quantizing it again: `--down-rows TYPE...` prices that, with a copy of the model whose down matrices are
@@ -58,7 +58,7 @@ from ntio.formats.gguf_metadata import copy_metadata
 from ntio.formats.store import StoreFile, convert, group_neurons
 from ntio.plots import check_figure_path, pyplot, save_png
 from ntio.policies.base import FFNMask, LoadPolicy
-from ntio.policies.sparse_ffn import NeuronPredictor, NeuronSelection, SparseFFNPolicy, consecutive_groups
+from ntio.policies.sparse_ffn import RULES, NeuronSelection, SparseFFNPolicy, UnitPredictor, consecutive_groups
 
 ROOT = Path(__file__).resolve().parent.parent
 CTX = 512
@@ -155,10 +155,12 @@ def with_requantized_down(src: Path, dst: Path, qtype: gguf.GGMLQuantizationType
     return dst
 
 
-def fit_predictors(recorder: Recorder, keep: float, args: argparse.Namespace) -> dict[int, NeuronPredictor]:
-    """One predictor per layer, fitted on the recorded calibration tokens to the "down" rule's choices at keep."""
-    return {layer: NeuronPredictor.fit(torch.cat(recorder.inputs[layer]), torch.cat(recorder.activations[layer]),
-                                       keep, args.predictor_rank, args.predictor_epochs)
+def fit_predictors(recorder: Recorder, neurons: int, args: argparse.Namespace) -> dict[int, UnitPredictor]:
+    """One predictor per layer of units of `neurons` consecutive neurons, fitted on the recorded calibration tokens
+    to the "down" rule's unit scores."""
+    return {layer: UnitPredictor.fit(torch.cat(recorder.inputs[layer]),
+                                     torch.cat(recorder.activations[layer]).float().unflatten(1, (-1, neurons)).sum(2),
+                                     args.predictor_rank, neurons, args.predictor_epochs)
             for layer in recorder.inputs}
 
 
@@ -194,17 +196,21 @@ def decode(store: Path, policy: SparseFFNPolicy | None, args: argparse.Namespace
     return {"tok_s": done.decode_tok_s, "bytes_per_token": stats["bytes_read_per_token"]}
 
 
-def price_reads(name: str, args: argparse.Namespace, quality: dict[tuple[str, float, int], float]) -> list[dict]:
+def price_reads(name: str, args: argparse.Namespace, quality: dict[tuple[str, float, int], float],
+                predictors: dict[int, UnitPredictor]) -> list[dict]:
     """The streamed price list (`--streamed`): per rule and keep share, all-C decoding against dense in alternating
-    rounds, beside the perplexity ratio of the store's units (from `quality`, keyed (rule, keep, neurons))."""
-    settings = [(rule, keep) for rule in args.rules if rule != "predicted" for keep in args.keep]
+    rounds, beside the perplexity ratio of the store's units (from `quality`, keyed (rule, keep, neurons));
+    `predictors`: the predicted rule's, for the store's groups."""
+    settings = [(rule, keep) for rule in args.rules for keep in args.keep]
     runs: dict[tuple[str, float] | None, list[dict]] = {}
     with tempfile.TemporaryDirectory() as tmp:
         store = convert(resolve_model(name), Path(tmp) / "grouped.ntio", layout="ffn-groups")
         neurons = StoreFile(store).ffn_group_neurons
         for _ in range(args.rounds):
             for setting in [None, *settings]:
-                policy = None if setting is None else SparseFFNPolicy(NeuronSelection(*setting), group_reads=neurons)
+                policy = None if setting is None else SparseFFNPolicy(
+                    NeuronSelection(*setting), predictors=predictors if setting[0] == "predicted" else {},
+                    group_reads=neurons)
                 runs.setdefault(setting, []).append(decode(store, policy, args))
     dense = runs[None]
     rows = [{"model": name, "rule": "dense", "neurons_per_unit": neurons, "tok_s": [r["tok_s"] for r in dense],
@@ -233,7 +239,7 @@ def plot(rows: list[dict], out: Path) -> None:
     fig, axes = plt.subplots(1, len(models), figsize=(6 * len(models), 4.5), squeeze=False)
     for ax, model in zip(axes[0], models):
         ax.scatter([1.0], [1.0], marker="*", s=120, color="black", label="dense")
-        for color, rule in enumerate(("down", "gate")):
+        for color, rule in enumerate(RULES):
             mine = [r for r in priced if r["model"] == model and r["rule"] == rule]
             pts = sorted((r["bytes_ratio"], r["perplexity_ratio"]) for r in mine)
             if pts:
@@ -263,20 +269,23 @@ def measure(name: str, args: argparse.Namespace) -> list[dict]:
     units: list[tuple[str, int, torch.Tensor | None, dict[int, torch.Tensor]]] = [
         ("consecutive", size, consecutive_groups(d_ff, size), {}) for size in args.groups if d_ff % size == 0]
     recorder = Recorder()
-    if args.clustered or "predicted" in args.rules:
+    if args.clustered or "predicted" in args.rules:  # (the recorded calibration text)
         calibrating = ntio.load(name, max_context=CTX, policy=recorder, threads=args.threads)
         calibrating.perplexity(calibration, ctx=CTX)
         calibrating.close()
         units += [("clustered", size, None, clustered_groups(recorder.activations, size)) for size in args.clustered]
 
     eval_ids = m.tokenizer.encode(evaluation)
+    predictors: dict[int, dict[int, UnitPredictor]] = {}  # neurons per unit -> layer -> predictor
     for kind, size, shared, per_layer in units:
         for rule in args.rules:
-            if rule == "predicted" and size > 1:
-                continue  # a predictor scores single neurons
+            if rule == "predicted" and kind != "consecutive":
+                continue  # a predictor scores consecutive units
             for keep in args.keep:
                 policy.selection, policy.groups = NeuronSelection(rule, keep, shared), per_layer
-                policy.predictors = fit_predictors(recorder, keep, args) if rule == "predicted" else {}
+                if rule == "predicted" and size not in predictors:
+                    predictors[size] = fit_predictors(recorder, size, args)
+                policy.predictors = predictors[size] if rule == "predicted" else {}
                 policy.recall.clear()
                 ppl = m.perplexity(evaluation, ctx=CTX).perplexity
                 row = {"model": name, "rule": rule, "keep": keep, "unit": kind, "neurons_per_unit": size,
@@ -286,12 +295,15 @@ def measure(name: str, args: argparse.Namespace) -> list[dict]:
                 row["union_by_pass_tokens"] = union_growth(m, policy, eval_ids, args.union_tokens)
                 print(json.dumps(row), flush=True)
                 rows.append(row)
+    neurons = group_neurons(m.file.tensor("blk.0.ffn_down.weight").qtype)
     if args.streamed:  # the units a grouped store reads, priced with the groups given or not
-        neurons = group_neurons(m.file.tensor("blk.0.ffn_down.weight").qtype)
-        for rule in (r for r in args.rules if r != "predicted"):
+        for rule in args.rules:
             for keep in args.keep:
                 if not any(r.get("neurons_per_unit") == neurons and r.get("unit") == "consecutive" and
                            r["rule"] == rule and r["keep"] == keep for r in rows):
+                    if rule == "predicted" and neurons not in predictors:
+                        predictors[neurons] = fit_predictors(recorder, neurons, args)
+                    policy.predictors = predictors.get(neurons, {}) if rule == "predicted" else {}
                     policy.selection, policy.groups = NeuronSelection(rule, keep, consecutive_groups(d_ff, neurons)), {}
                     ppl = m.perplexity(evaluation, ctx=CTX).perplexity
                     rows.append({"model": name, "rule": rule, "keep": keep, "unit": "consecutive",
@@ -303,7 +315,7 @@ def measure(name: str, args: argparse.Namespace) -> list[dict]:
     if args.streamed:
         quality = {(r["rule"], r["keep"], r["neurons_per_unit"]): r["ratio"] for r in rows
                    if r.get("unit") == "consecutive"}
-        rows += price_reads(name, args, quality)
+        rows += price_reads(name, args, quality, predictors.get(neurons, {}))
     return rows
 
 

@@ -101,6 +101,11 @@ impl ExtentIndex {
         Ok(self.inner.ffn_group_checksums(layer)?.to_vec())
     }
 
+    /// The xxh3-64 checksum of each row group (rows [g·n, (g+1)·n)) of dense tensor `tensor` (a layer's gate or up).
+    fn ffn_row_group_checksums(&self, tensor: &str) -> PyResult<Vec<u64>> {
+        Ok(self.inner.ffn_row_group_checksums(tensor)?.to_vec())
+    }
+
     /// Check the bytes of buffer `data`, group `group` of `layer`'s down copy, against its checksum.
     fn verify_ffn_group(
         &self,

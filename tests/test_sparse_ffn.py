@@ -4,18 +4,22 @@ float32 with the same neurons zeroed for the logits."""
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 import ntio
-from ntio.policies.sparse_ffn import NeuronPredictor, NeuronSelection, SparseFFNPolicy, consecutive_groups
+from ntio.policies.sparse_ffn import (NeuronSelection, SparseFFNPolicy, UnitPredictor, consecutive_groups,
+                                      unit_recall, unit_scores)
 from references import rel_l2
 
+ROOT = Path(__file__).resolve().parent.parent
 PROMPT = "The quick brown fox jumps over the lazy dog because"
 
 
@@ -69,44 +73,45 @@ def test_bad_selections_are_refused(rule, keep):
         NeuronSelection(rule, keep)
     with pytest.raises(ValueError, match="the predicted rule needs a predictor's scores"):
         NeuronSelection("predicted", 0.5).masks(torch.zeros(1, 8), torch.zeros(1, 8))
-    with pytest.raises(ValueError, match="the predicted rule reads layers whole"):
-        SparseFFNPolicy(NeuronSelection("predicted", 0.5), group_reads=32)
+    with pytest.raises(ValueError, match="layer 3's predictor scores groups of 32 neurons, the store's FFN groups "
+                                         "have 256"):
+        SparseFFNPolicy(NeuronSelection("predicted", 0.5), predictors={3: UnitPredictor(8, 4, 2, 32)}, group_reads=256)
 
 
-def test_a_predictor_learns_which_neurons_its_input_decides():
-    """Activations relu(x · W) are a function of x that a rank-2D predictor can represent (relu(x), relu(-x) and a
-    linear map): fitted on 4,096 tokens at rank 4D, it keeps most of the top quarter's neurons on 512 tokens it
-    never saw (0.89 when written), and a predictor of random weights about a quarter (0.26)."""
+@pytest.mark.parametrize("neurons", [1, 4])
+def test_a_predictor_learns_which_units_its_input_decides(neurons):
+    """Activations relu(x · W) are a function of x that a rank-4D predictor can represent (relu(x), relu(-x) and a
+    linear map): fitted on 4,096 tokens to the units' scores, it keeps most of the top quarter's units on 512 tokens
+    it never saw (0.87 for single neurons and 0.85 for groups of 4 when written), and a predictor of random weights
+    about a quarter (0.26)."""
     gen = torch.Generator().manual_seed(3)
     d, f, keep = 16, 64, 0.25
     w = torch.randn(d, f, generator=gen)
     x = torch.randn(4096 + 512, d, generator=gen)
     a = F.relu(x @ w)
-    predictor = NeuronPredictor.fit(x[:4096], a[:4096], keep, rank=4 * d, epochs=20)
-    oracle = NeuronSelection("down", keep)
-
-    def recall(p: NeuronPredictor) -> float:
-        held_out = x[4096:]
-        kept = NeuronSelection("predicted", keep).masks(a[4096:], a[4096:], p(held_out))[0]
-        want = oracle.masks(torch.full_like(a[4096:], 20.0), a[4096:])[0]  # silu(20) = 20: ranks by a
-        return float((kept & want).sum() / want.sum())
-
-    assert recall(predictor) > 0.8
-    assert recall(NeuronPredictor(d, f, 4 * d).eval()) < 0.4
+    scores = unit_scores(torch.full_like(a, 20.0), a, neurons)  # silu(20) = 20: 20 Σ a over each unit (a ≥ 0)
+    assert torch.allclose(scores, 20 * a.unflatten(1, (-1, neurons)).sum(2), rtol=1e-5)
+    predictor = UnitPredictor.fit(x[:4096], scores[:4096], rank=4 * d, neurons=neurons, epochs=20)
+    assert predictor.d_ff == f and predictor.neurons == neurons
+    assert unit_recall(predictor(x[4096:]), scores[4096:], keep) > 0.75
+    assert unit_recall(UnitPredictor(d, f // neurons, 4 * d, neurons).eval()(x[4096:]), scores[4096:], keep) < 0.4
+    # Its state is what a calibration file keeps, and gives the same scores back.
+    again = UnitPredictor.from_state(predictor.state(), neurons)
+    assert torch.equal(again(x[:8]), predictor(x[:8]))
 
 
 @torch.inference_mode()
 def test_the_predicted_rule_keeps_the_predictors_choice_from_the_ffn_input(smollm2_path, hf_smollm2):
     """The x a mask receives is the FFN's normed input (transformers' MLP input on the same GGUF), the predicted rule
-    keeps the predictor's top neurons for it, and recall counts how many of the down rule's it kept."""
+    keeps the predictor's top groups for it, and recall counts how many of the down rule's groups it kept."""
     seen: dict[str, torch.Tensor] = {}
 
-    class Spy(torch.nn.Module):  # a predictor that remembers its input and scores neurons by a fixed order
+    class Spy(UnitPredictor):  # remembers its input and scores the 48 groups of 32 neurons by a fixed order
         def forward(self, x):
             seen.setdefault("x", x)
-            return torch.arange(1536.0).expand(x.shape[0], -1)
+            return torch.arange(48.0).expand(x.shape[0], -1)
 
-    policy = SparseFFNPolicy(NeuronSelection("predicted", 0.25), predictors={0: Spy()})
+    policy = SparseFFNPolicy(NeuronSelection("predicted", 0.25), predictors={0: Spy(576, 48, 4, 32)})
     m = ntio.load(smollm2_path, max_context=64, policy=policy, cpu_activations="float32")
     ids = m.encode_prompt(PROMPT)
     mask = policy.ffn_mask(0)
@@ -120,9 +125,11 @@ def test_the_predicted_rule_keeps_the_predictors_choice_from_the_ffn_input(smoll
     gate, up = torch.randn(2, 1536), torch.randn(2, 1536)
     policy.recall.clear()
     kept = mask(seen["x"][:2], gate, up)
-    assert kept.sum(dim=1).tolist() == [384, 384] and kept[:, 1152:].all()  # the top quarter of the order
-    want = NeuronSelection("down", 0.25).masks(gate, up)[0]
-    assert policy.oracle_recall() == pytest.approx(float((want & kept).sum() / want.sum()))
+    assert kept.sum(dim=1).tolist() == [384, 384] and kept[:, 1152:].all()  # the top quarter of the order: 12 groups
+    want = NeuronSelection("down", 0.25, consecutive_groups(1536, 32)).masks(gate, up)[1]
+    assert policy.oracle_recall() == pytest.approx(float(want[:, 36:].sum() / want.sum()))
+    # Before gate and up are computed (the predicted rule's reads), the mask needs x alone and counts no recall.
+    assert torch.equal(mask(seen["x"][:2], None, None), kept) and len(policy.recall) == 1
 
 
 def _masked_mlp(mlp, keep: float, group: int = 1):
@@ -178,21 +185,34 @@ def grouped_smollm2(smollm2_path, tmp_path_factory):
     return convert(smollm2_path, tmp_path_factory.mktemp("grouped") / "smollm2.ntio", layout="ffn-groups")
 
 
+def _all_c_pass(store: Path, policy: SparseFFNPolicy | None) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """Every layer read from disk: the prompt's logits, then one decode step's and the bytes that step read."""
+    m = ntio.load(store, max_context=64, policy=policy, tiers="C", cpu_activations="float32")
+    ids = m.encode_prompt(PROMPT)
+    prompt = m.engine.forward(torch.tensor(ids), 0, all_logits=True)
+    decode = m.engine.forward(torch.tensor([11]), len(ids))
+    read = m.stats.last().bytes_read
+    m.close()
+    return prompt, decode, read
+
+
+def _flip_byte(path: Path, offset: int) -> None:
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        byte = f.read(1)
+        f.seek(offset)
+        f.write(bytes([byte[0] ^ 0x01]))
+
+
 @torch.inference_mode()
 def test_streamed_layers_read_only_the_kept_down_groups_and_give_transformers_logits(grouped_smollm2, hf_smollm2,
                                                                                      monkeypatch):
     """All layers on disk, read without down; each FFN reads the groups of 32 its tokens keep from the store's
     group-major copy: the logits are transformers' with the same groups zeroed, and a decode step reads exactly
     the kept groups' bytes less than one keeping all."""
-    def run(keep: float | None) -> tuple[torch.Tensor, torch.Tensor, float]:
-        policy = None if keep is None else SparseFFNPolicy(NeuronSelection("down", keep), group_reads=32)
-        m = ntio.load(grouped_smollm2, max_context=64, policy=policy, tiers="C", cpu_activations="float32")
-        ids = m.encode_prompt(PROMPT)
-        prompt = m.engine.forward(torch.tensor(ids), 0, all_logits=True)
-        decode = m.engine.forward(torch.tensor([11]), len(ids))
-        read = m.stats.last().bytes_read
-        m.close()
-        return prompt, decode, read
+    def run(keep: float | None) -> tuple[torch.Tensor, torch.Tensor, int]:
+        return _all_c_pass(grouped_smollm2,
+                           None if keep is None else SparseFFNPolicy(NeuronSelection("down", keep), group_reads=32))
 
     prompt, decode, read = run(0.5)
     _, _, read_all = run(1.0)
@@ -214,11 +234,7 @@ def test_a_corrupt_down_group_fails_the_read_naming_it(grouped_smollm2, tmp_path
 
     bad = shutil.copy(grouped_smollm2, tmp_path / "bad.ntio")
     (offset, length), = StoreFile(bad).ffn_group_extents(3, [5])
-    with open(bad, "r+b") as f:
-        f.seek(offset + length // 2)
-        byte = f.read(1)
-        f.seek(offset + length // 2)
-        f.write(bytes([byte[0] ^ 0x01]))
+    _flip_byte(bad, offset + length // 2)
     m = ntio.load(bad, max_context=64, tiers="C", policy=SparseFFNPolicy(NeuronSelection("down", 1.0), group_reads=32))
     with pytest.raises(ModelFormatError, match=r"bad\.ntio: checksum mismatch in tensor 'blk\.3\.ffn_down\.weight "
                                                r"group 5'"):
@@ -245,3 +261,138 @@ def test_sparse_ffn_options_name_what_is_wrong(grouped_smollm2, smollm2_path):
     report = json.loads(result.output)["sparse_ffn"]
     assert report["rule"] == "gate" and report["group_neurons"] == 32 and report["union_fraction"] == pytest.approx(
         math.ceil(0.7 * 48) / 48)
+
+
+class _FixedOrder(UnitPredictor):
+    """Scores SmolLM2's 48 groups of 32 neurons by a fixed order, whatever the input: the top share is the last
+    groups, one run."""
+
+    def __init__(self) -> None:
+        super().__init__(576, 48, 1, 32)
+
+    def forward(self, x):
+        return torch.arange(48.0).expand(x.shape[0], -1)
+
+
+def _random_predictors(n_layers: int) -> dict[int, UnitPredictor]:
+    torch.manual_seed(5)
+    return {layer: UnitPredictor(576, 48, 16, 32).eval() for layer in range(n_layers)}
+
+
+def _predicted_mlp(mlp, predictor: UnitPredictor, keep: float):
+    """transformers' SwiGLU MLP with each token keeping the ceil(keep * 48) groups of 32 neurons `predictor` scores
+    highest from the MLP's input."""
+
+    def forward(x):
+        score = predictor(x)  # [B, T, 48]
+        top = score.topk(math.ceil(keep * 48), dim=-1).indices
+        kept = torch.zeros_like(score).scatter_(-1, top, 1.0).repeat_interleave(32, dim=-1)
+        return mlp.down_proj(mlp.act_fn(mlp.gate_proj(x)) * mlp.up_proj(x) * kept)
+
+    return forward
+
+
+@torch.inference_mode()
+def test_the_predicted_rule_reads_only_its_groups_rows_and_columns_and_gives_transformers_logits(
+        grouped_smollm2, hf_smollm2, monkeypatch):
+    """All layers on disk, read without gate, up and down; each FFN reads the gate and up rows and the down groups
+    of the groups its predictor chose from its input: the logits are transformers' with the same groups zeroed
+    (per token: the predictors here are random), and a decode step keeping the last half of the groups reads the
+    pages around their gate and up rows and their down groups, to the byte."""
+    from ntio.formats.store import StoreFile
+
+    run = functools.partial(_all_c_pass, grouped_smollm2)
+    predictors = _random_predictors(30)
+    prompt, decode, _ = run(SparseFFNPolicy(NeuronSelection("predicted", 0.5), predictors=predictors, group_reads=32))
+    ids = ntio.load(grouped_smollm2, max_context=64).encode_prompt(PROMPT)
+    for layer, block in enumerate(hf_smollm2.model.layers):
+        monkeypatch.setattr(block.mlp, "forward", _predicted_mlp(block.mlp, predictors[layer], 0.5))
+    want = hf_smollm2(torch.tensor([ids + [11]]), use_cache=False).logits[0]
+    assert rel_l2(prompt, want[:-1]) <= 1e-4
+    assert rel_l2(decode, want[-1]) <= 1e-4
+
+    fixed = {layer: _FixedOrder() for layer in range(30)}
+    _, _, read = run(SparseFFNPolicy(NeuronSelection("predicted", 0.5), predictors=fixed, group_reads=32))
+    _, _, read_dense = run(None)
+    store = StoreFile(grouped_smollm2)
+    expected = read_dense
+    for layer in range(30):
+        for part in ("gate", "up"):
+            info = store.tensors[f"blk.{layer}.ffn_{part}.weight"]
+            expected -= info.nbytes
+            start, stop = info.offset + 768 * 360, info.offset + 1536 * 360  # rows of groups 24-47: 360 B a row
+            expected += -(-stop // 4096) * 4096 - start // 4096 * 4096  # in whole pages
+        expected -= store.tensors[f"blk.{layer}.ffn_down.weight"].nbytes
+        expected += 24 * 12288  # the down groups 24-47: 11,520 B each in whole pages
+    assert read == expected
+
+
+def test_a_corrupt_gate_row_group_fails_the_read_naming_it(grouped_smollm2, tmp_path):
+    from ntio.errors import ModelFormatError
+    from ntio.formats.model_file import row_extent
+    from ntio.formats.store import StoreFile
+
+    bad = shutil.copy(grouped_smollm2, tmp_path / "bad.ntio")
+    offset, length = row_extent(StoreFile(bad), "blk.3.ffn_gate.weight", 5 * 32, 6 * 32)
+    _flip_byte(bad, offset + length // 2)
+    policy = SparseFFNPolicy(NeuronSelection("predicted", 1.0), predictors={3: _FixedOrder()}, group_reads=32)
+    m = ntio.load(bad, max_context=64, tiers="C", policy=policy)
+    with pytest.raises(ModelFormatError, match=r"bad\.ntio: checksum mismatch in tensor 'blk\.3\.ffn_gate\.weight "
+                                               r"group 5'"):
+        m.generate(PROMPT, max_new_tokens=2)
+    m.close()
+
+
+@pytest.fixture(scope="module")
+def smollm2_predictors(grouped_smollm2, tmp_path_factory):
+    """`ntio calibrate --ffn-predictors` on the grouped store, on README.md: (the file, what it printed)."""
+    from click.testing import CliRunner
+
+    from ntio.cli import main as cli
+
+    path = tmp_path_factory.mktemp("predictors") / "smollm2.cal"
+    result = CliRunner().invoke(cli, ["calibrate", "-m", str(grouped_smollm2), "--corpus", str(ROOT / "README.md"),
+                                      "--tokens", "1024", "--ctx", "128", "--layers", "10", "--distill-epochs", "0",
+                                      "--ffn-predictors", "-o", str(path)])
+    assert result.exit_code == 0, result.output
+    return path, result.output
+
+
+def test_calibrate_fits_predictors_that_recall_more_than_chance_on_held_out_text(smollm2_predictors):
+    """Recall of the down rule's groups on the held-out 40%: a random choice keeps `keep` of them on average."""
+    from ntio.decoding.self_draft import Calibration
+
+    path, output = smollm2_predictors
+    assert "sparse FFN predictors of groups of 32 neurons for 30 layers; held-out recall of the down rule's" in output
+    ffn = torch.load(path, weights_only=True)["ffn"]
+    assert ffn["neurons"] == 32 and sorted(map(int, ffn["layers"])) == list(range(30))
+    assert ffn["recall"]["0.5"] > 0.55 and ffn["recall"]["0.3"] > 0.35
+    assert Calibration.load(path, torch.load(path, weights_only=True)["model"], 576).ffn["neurons"] == 32
+
+
+def test_predicted_options_name_what_is_wrong(grouped_smollm2, smollm2_predictors, tmp_path):
+    from click.testing import CliRunner
+
+    from ntio.cli import main as cli
+
+    path, _ = smollm2_predictors
+    def run(*args: str):
+        return CliRunner().invoke(cli, ["generate", "-m", str(grouped_smollm2), *args, "-p", "hi", "-n", "2"])
+
+    result = run("--sparse-ffn", "predicted")
+    assert result.exit_code == 1 and result.output.count("\n") == 1
+    assert ("predicted needs --ffn-predictors CALIBRATION (`ntio calibrate --ffn-predictors` writes one)"
+            in result.output)
+    result = run("--sparse-ffn", "down", "--ffn-predictors", str(path))
+    assert result.exit_code == 1 and "--ffn-predictors needs --sparse-ffn predicted" in result.output
+    payload = torch.load(path, weights_only=True)
+    for change, message in [("model", "calibrated for another model"), ("ffn", "no sparse FFN predictors in it")]:
+        other = dict(payload, **{change: "0" * 32 if change == "model" else None})
+        torch.save(other, tmp_path / "other.cal")
+        result = run("--sparse-ffn", "predicted", "--ffn-predictors", str(tmp_path / "other.cal"))
+        assert result.exit_code == 1 and result.output.count("\n") == 1 and message in result.output, result.output
+    result = run("--sparse-ffn", "predicted", "--ffn-predictors", str(path), "--keep", "0.7", "--tiers", "C", "--json")
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.output)["sparse_ffn"]
+    assert report["rule"] == "predicted" and report["oracle_recall"] is None
+    assert report["calibrated_recall"] == pytest.approx({k: v for k, v in payload["ffn"]["recall"].items()})

@@ -3,7 +3,9 @@ gguf-py's own GGUFReader, dequantization by gguf-py, file bytes read with plain 
 
 from __future__ import annotations
 
+import json
 import shutil
+import struct
 
 import gguf
 import numpy as np
@@ -312,6 +314,69 @@ def test_ffn_group_corruption_names_the_group_and_a_store_without_groups_says_ho
     with pytest.raises(ModelFormatError, match=r"dense\.ntio: no FFN group layout for layer 0; `ntio convert "
                                                r"--layout ffn-groups` writes a store with one"):
         StoreFile(grouped[0][1]).ffn_group_extents(0, [0])
+
+
+def test_ffn_row_group_checksums_are_those_of_the_gguf_gate_and_up_rows(grouped):
+    """Each layer's gate and up have one checksum per group of rows [g·n, (g+1)·n): that of those rows' bytes as
+    gguf-py reads them from the GGUF, which are also the bytes of the rows' extent in the store."""
+    for gguf_path, dense_path, grouped_path in grouped:
+        store, want = StoreFile(grouped_path), reference_tensors(gguf_path)
+        neurons = store.ffn_group_neurons
+        for layer in range(2):
+            for part in ("ffn_gate", "ffn_up"):
+                info = store.tensor(f"blk.{layer}.{part}.weight")
+                rows = want[info.name].reshape(info.shape[0] // neurons, -1)  # a row group a line
+                assert info.shape[0] == 768 and len(rows) == 768 // neurons
+                got = store.ffn_row_group_checksums(info.name)
+                assert got == [_core.checksum(np.ascontiguousarray(r)) for r in rows], (gguf_path, info.name)
+                for g, expected in enumerate(got):
+                    offset, length = row_extent(store, info.name, g * neurons, (g + 1) * neurons)
+                    assert _core.checksum(file_bytes(grouped_path, offset, length)) == expected
+        with pytest.raises(ModelFormatError, match=r"grouped\.ntio: no FFN row group checksums for tensor "
+                                                   r"\"blk\.0\.ffn_down\.weight\""):
+            store.ffn_row_group_checksums("blk.0.ffn_down.weight")
+        with pytest.raises(ModelFormatError, match=r"dense\.ntio: no FFN row group checksums for tensor \"blk\.0\."
+                                                   r"ffn_gate\.weight\"; write the store again with `ntio convert "
+                                                   r"--layout ffn-groups` to record them"):
+            StoreFile(dense_path).ffn_row_group_checksums("blk.0.ffn_gate.weight")
+
+
+def rewrite_manifest(path, edit) -> None:
+    """Replace store `path`'s manifest with what `edit` makes of it (a dict, in place), the header made anew."""
+    data = path.read_bytes()
+    offset, length = struct.unpack_from("<QQ", data, 16)
+    manifest = json.loads(data[offset : offset + length])
+    edit(manifest)
+    body = json.dumps(manifest).encode()
+    path.write_bytes(bytes(_core.store_header(offset, body)) + data[4096:offset] + body)
+
+
+def test_a_store_from_before_row_groups_opens_and_bad_row_groups_are_refused(grouped, tmp_path):
+    old = shutil.copy(grouped[2][2], tmp_path / "old.ntio")
+    rewrite_manifest(old, lambda m: m["layouts"]["ffn_down_groups"].pop("row_groups"))
+    store = StoreFile(old)
+    assert store.ffn_group_neurons == 32 and len(store.ffn_group_bytes(1, 1)) > 0  # the down copies still read
+    with pytest.raises(ModelFormatError, match=r"old\.ntio: no FFN row group checksums for tensor \"blk\.1\.ffn_up"
+                                               r"\.weight\"; write the store again with `ntio convert --layout "
+                                               r"ffn-groups` to record them"):
+        store.ffn_row_group_checksums("blk.1.ffn_up.weight")
+
+    def drop_a_checksum(m):
+        row_groups = m["layouts"]["ffn_down_groups"]["row_groups"]
+        next(r for r in row_groups if r["tensor"] == "blk.1.ffn_up.weight")["checksums"].pop()
+
+    def list_twice(m):
+        row_groups = m["layouts"]["ffn_down_groups"]["row_groups"]
+        row_groups.append(next(r for r in row_groups if r["tensor"] == "blk.0.ffn_gate.weight"))
+
+    bad = tmp_path / "bad.ntio"
+    for edit, reason in [(drop_a_checksum, r"FFN row groups of \"blk\.1\.ffn_up\.weight\": 23 checksums for its 24 "
+                                           r"groups"),
+                         (list_twice, r"FFN row groups of \"blk\.0\.ffn_gate\.weight\" listed twice")]:
+        shutil.copy(grouped[2][2], bad)
+        rewrite_manifest(bad, edit)
+        with pytest.raises(ModelFormatError, match=r"bad\.ntio: bad ntio store manifest: " + reason):
+            StoreFile(bad)
 
 
 def test_cli_convert_writes_the_ffn_groups_layout(grouped, tmp_path):

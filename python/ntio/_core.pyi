@@ -221,6 +221,9 @@ class ExtentIndex:
     def ffn_group_extents(self, layer: int, groups: list[int]) -> list[FileExtent]: ...  # in the order given
     def ffn_group_checksums(self, layer: int) -> list[int]: ...  # xxh3-64 of each group
     def verify_ffn_group(self, layer: int, group: int, data: Buffer) -> None: ...  # StoreFormatError naming it
+    # xxh3-64 of each row group [g·n, (g+1)·n) of a layer's dense gate or up tensor (n = ffn_group_neurons); LookupError
+    # naming the tensor where the store records none.
+    def ffn_row_group_checksums(self, tensor: str) -> list[int]: ...
 
 def open_store(path: str | PathLike[str]) -> tuple[int, str, list[tuple[str, int, list[int], int, int]], ExtentIndex]:
     """(format_version, metadata JSON, [(name, ggml_type, shape, offset, nbytes)], index); checks header + manifest."""

@@ -20,7 +20,7 @@ from pathlib import Path
 import click
 
 from ntio._core import __version__
-from ntio.errors import NtioError, OptionError
+from ntio.errors import ModelFormatError, NtioError, OptionError
 from ntio.text.answers import DEFAULT_ANSWER_TOKENS
 
 MODEL_HELP = ("GGUF model, ntio store or Hugging Face checkpoint directory, or a model name from `ntio fetch --list` (fetched on first use); default: "
@@ -248,23 +248,32 @@ def _depth_report(policy) -> dict | None:
 
 def _sparse_options(f):
     """A sparse FFN (`_sparse_policy`)."""
+    f = click.option("--ffn-predictors", type=click.Path(dir_okay=False), metavar="CALIBRATION",
+                     help="Calibration file with the predicted rule's per-layer predictors (`ntio calibrate "
+                          "--ffn-predictors`)")(f)
     f = click.option("--keep", type=click.FloatRange(0, 1, min_open=True),
                      help="Share of its FFN units each token keeps, in (0, 1] (with --sparse-ffn; default 0.5)")(f)
-    f = click.option("--sparse-ffn", type=click.Choice(["down", "gate"]),
+    f = click.option("--sparse-ffn", type=click.Choice(["down", "gate", "predicted"]),
                      help="Sparse FFN: each token keeps the --keep share of its FFN units, those of largest "
-                          "|silu(gate)·up| (down) or |silu(gate)| (gate), the others counting as 0. On a store with "
-                          "the FFN layout (`ntio convert --layout ffn-groups`) a unit is one group of the down "
-                          "matrix's copy, and only the groups kept are read; else single neurons, every byte read")(f)
+                          "|silu(gate)·up| (down), |silu(gate)| (gate), or scored from the FFN's input alone by "
+                          "--ffn-predictors (predicted); the others count as 0. On a store with the FFN layout "
+                          "(`ntio convert --layout ffn-groups`) a unit is one of its neuron groups, and only the "
+                          "groups kept are read (predicted: their gate and up rows too); else single neurons "
+                          "(predicted: the predictors' groups), every byte read")(f)
     return f
 
 
-def _sparse_policy(m, rule: str | None, keep: float | None, opts_depth: dict, need_layout: bool):
+def _sparse_policy(m, rule: str | None, keep: float | None, predictors: str | None, opts_depth: dict,
+                   need_layout: bool):
     """Set `m`'s policy to the sparse FFN `rule` keeps `keep` of (None: leave it); returns that policy, or None.
-    With `need_layout`, a model file without the FFN layout is an option error naming the command that writes
-    one."""
+    `predictors`: the predicted rule's calibration file. With `need_layout`, a model file without the FFN layout
+    is an option error naming the command that writes one."""
+    if predictors is not None and rule != "predicted":
+        raise OptionError("ffn_predictors", "needs --sparse-ffn predicted")
     if rule is None:
         return None
-    from ntio.policies.sparse_ffn import NeuronSelection, SparseFFNPolicy
+    from ntio.decoding.self_draft import Calibration, fingerprint
+    from ntio.policies.sparse_ffn import NeuronSelection, SparseFFNPolicy, load_predictors
 
     if opts_depth["adaptive"] or opts_depth["cosine_skip"] is not None:
         raise OptionError("sparse_ffn", "does not combine with adaptive depth")
@@ -274,15 +283,30 @@ def _sparse_policy(m, rule: str | None, keep: float | None, opts_depth: dict, ne
     if neurons is None and need_layout:
         raise OptionError("sparse_ffn", f"reads the FFN groups it keeps from a store with the FFN layout, which "
                                         f"{m.path.name} lacks: `ntio convert {m.path} --layout ffn-groups` writes one")
-    m.policy = SparseFFNPolicy(NeuronSelection(rule, 0.5 if keep is None else keep), group_reads=neurons)
+    fitted, recall = {}, None
+    if rule == "predicted":
+        if predictors is None:
+            raise OptionError("sparse_ffn", "predicted needs --ffn-predictors CALIBRATION (`ntio calibrate "
+                                            "--ffn-predictors` writes one)")
+        calibration = Calibration.load(predictors, fingerprint(m.engine, m.tokenizer.vocabulary), m.config.d_model)
+        fitted, recall = load_predictors(calibration.ffn, predictors, m.config.d_model, m.config.d_ff)
+        scored = next(iter(fitted.values())).neurons
+        if neurons is not None and scored != neurons:
+            raise ModelFormatError(f"{predictors}: its predictors score groups of {scored} neurons, {m.path.name}'s "
+                                   f"FFN layout has groups of {neurons} (calibrate on this file)")
+    m.policy = SparseFFNPolicy(NeuronSelection(rule, 0.5 if keep is None else keep), predictors=fitted,
+                               group_reads=neurons, calibrated_recall=recall)
     return m.policy
 
 
 def _sparse_report(policy) -> dict | None:
     if policy is None:
         return None
-    return {"rule": policy.selection.rule, "keep": policy.selection.keep, "group_neurons": policy.group_reads,
-            "union_fraction": policy.union_fraction()}
+    report = {"rule": policy.selection.rule, "keep": policy.selection.keep, "group_neurons": policy.group_reads,
+              "union_fraction": policy.union_fraction()}
+    if policy.selection.rule == "predicted":
+        report.update(oracle_recall=policy.oracle_recall(), calibrated_recall=policy.calibrated_recall)
+    return report
 
 
 def _drafts(opts: dict) -> dict:
@@ -309,13 +333,14 @@ def main() -> None:
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object (with a stats object) instead of text")
 @click.option("--stats", "show_stats", is_flag=True, help="Print streaming statistics on stderr")
 def generate(prompt, max_new_tokens, chat, system, temperature, top_k, top_p, repetition_penalty, seed, stop, lookup,
-             fixed_draft, branches, draft_tokens, sparse_ffn, keep, as_json, show_stats, **opts) -> None:
+             fixed_draft, branches, draft_tokens, sparse_ffn, keep, ffn_predictors, as_json, show_stats,
+             **opts) -> None:
     """Generate a continuation of PROMPT."""
     if keep is not None and sparse_ffn is None:
         raise OptionError("keep", "needs --sparse-ffn")
     drafts = _drafts(opts)
     m = _load(**_split(opts), **drafts)
-    sparse = _sparse_policy(m, sparse_ffn, keep, opts, need_layout=True)
+    sparse = _sparse_policy(m, sparse_ffn, keep, ffn_predictors, opts, need_layout=True)
     depth = _depth_policy(m, opts, prompt_full_depth=True)
     stream = m.stream(prompt, max_new_tokens, chat=chat, system=system, temperature=temperature, top_k=top_k,
                       top_p=top_p, repetition_penalty=repetition_penalty, seed=seed, stop=stop, lookup=lookup,
@@ -473,7 +498,11 @@ def chat(system, max_new_tokens, temperature, top_k, top_p, repetition_penalty, 
 @click.option("--distill-epochs", type=click.IntRange(min=0), default=1, show_default=True,
               help="Passes that train each exit head, after its ridge fit, to give the model's own next-token "
                    "distribution; they hold the output head in float32 (0: the ridge fit alone)")
-def calibrate(corpus, prompts, answer_tokens, output, layers, skip_after, tokens, ctx, distill_epochs, **opts) -> None:
+@click.option("--ffn-predictors", is_flag=True,
+              help="Also fit the sparse FFN's predictors (for `--sparse-ffn predicted`): per layer, the scores of its "
+                   "neuron groups (the FFN layout's, else one block of the down type) from the FFN's input")
+def calibrate(corpus, prompts, answer_tokens, output, layers, skip_after, tokens, ctx, distill_epochs, ffn_predictors,
+              **opts) -> None:
     """Fit exit heads (for `generate --self-draft FILE`: per layer, an affine map from its hidden state to the last
     layer's, by ridge regression on the calibration text, then distilled towards the model's own next-token
     distribution) and measure the adaptive-depth profile (for `--adaptive FILE`: entropy targets and proxies of early
@@ -514,6 +543,7 @@ def calibrate(corpus, prompts, answer_tokens, output, layers, skip_after, tokens
     except ValueError:
         raise OptionError("layers", f"must be comma-separated layer numbers, got {layers!r}") from None
     check_calibration(m, tokens, ctx)  # before minutes of answers
+    ffn_neurons = _ffn_unit_neurons(m) if ffn_predictors else None
     with Progress(console=Console(stderr=True), transient=True, disable=not sys.stderr.isatty()) as bar:
         if text is None:
             task = bar.add_task("the model answers the calibration prompts", total=None)
@@ -525,7 +555,7 @@ def calibrate(corpus, prompts, answer_tokens, output, layers, skip_after, tokens
         named = str(corpus) if corpus else f"the model's answers to {prompts or 'the built-in prompts'}"
         result = calibrate_depth(m, text, chosen, n_tokens=tokens, ctx=ctx, skip_after=skip_after,
                                  on_progress=lambda done, total: bar.update(task, completed=done, total=total),
-                                 source=named, distill_epochs=distill_epochs)
+                                 source=named, distill_epochs=distill_epochs, ffn_neurons=ffn_neurons)
     result.save(output)
     profile = DepthProfile.from_calibration(result, str(output), n_layers, m.config.d_model)
     m.close()
@@ -533,6 +563,25 @@ def calibrate(corpus, prompts, answer_tokens, output, layers, skip_after, tokens
     click.echo(f"{output}: exit heads for layers {', '.join(map(str, sorted(result.heads)))} of {n_layers}, "
                f"fitted on {result.n_tokens} tokens; skip predictor after layer {profile.skip_after}: held-out "
                f"precision {skip['precision']:.3f}, recall {skip['recall']:.3f} at threshold 0.5", err=True)
+    if result.ffn is not None:
+        recall = ", ".join(f"{v:.3f} at keep {k}" for k, v in result.ffn["recall"].items())
+        click.echo(f"{output}: sparse FFN predictors of groups of {ffn_neurons} neurons for "
+                   f"{len(result.ffn['layers'])} layers; held-out recall of the down rule's groups {recall}", err=True)
+
+
+def _ffn_unit_neurons(m) -> int:
+    """Neurons per unit of the sparse FFN's predictors: the FFN layout's groups, else what `ntio convert --layout
+    ffn-groups` would make of this file (one block of the widest down type)."""
+    from ntio.formats.store import group_neurons
+
+    if m.config.ffn_gate != "silu":
+        raise OptionError("ffn_predictors", f"scores SwiGLU's silu(gate) · up; this model's gate is "
+                                            f"{m.config.ffn_gate}")
+    neurons = getattr(m.file, "ffn_group_neurons", None)
+    if neurons is None:
+        blocks = m.loader.layout.blocks
+        neurons = max(group_neurons(blocks[i]["ffn_down"].qtype) for i in range(m.config.n_layers))
+    return neurons
 
 
 @main.command()
@@ -543,7 +592,7 @@ def calibrate(corpus, prompts, answer_tokens, output, layers, skip_after, tokens
 @_sparse_options
 @_depth_options
 @click.option("--json", "as_json", is_flag=True)
-def perplexity(text_file, ctx, sparse_ffn, keep, as_json, **opts) -> None:
+def perplexity(text_file, ctx, sparse_ffn, keep, ffn_predictors, as_json, **opts) -> None:
     """Perplexity of FILE: non-overlapping windows of --ctx tokens, each token scored but a window's first."""
     text = _read_utf8(text_file)
     if keep is not None and sparse_ffn is None:
@@ -559,7 +608,7 @@ def perplexity(text_file, ctx, sparse_ffn, keep, as_json, **opts) -> None:
         if window_sized and e.option == "max_context":  # the KV cache was sized from --ctx: name that
             raise OptionError("ctx", e.problem) from None
         raise
-    sparse = _sparse_policy(m, sparse_ffn, keep, opts_depth, need_layout=False)
+    sparse = _sparse_policy(m, sparse_ffn, keep, ffn_predictors, opts_depth, need_layout=False)
     depth = _depth_policy(m, opts_depth, prompt_full_depth=False)
     r = m.perplexity(text, ctx=ctx)
     report = _depth_report(depth)
@@ -570,7 +619,9 @@ def perplexity(text_file, ctx, sparse_ffn, keep, as_json, **opts) -> None:
     else:
         note = ""
         if sparse is not None:
-            unit = f"groups of {sparse.group_reads} neurons read" if sparse.group_reads else "neurons, every byte read"
+            scored = next(iter(sparse.predictors.values())).neurons if sparse.predictors else 1
+            unit = (f"groups of {sparse.group_reads} neurons read" if sparse.group_reads else
+                    f"groups of {scored} neurons, every byte read" if scored > 1 else "neurons, every byte read")
             note = f", sparse FFN: {sparse.selection.rule} rule, keep {sparse.selection.keep:g} ({unit})"
         if report is not None:
             note += f", {report['method']}: {report['bytes_fraction']:.3f} of the dense bytes per token"

@@ -6,14 +6,15 @@
 //! `[start, stop)` are the single extent `offset + start * row_bytes .. offset + stop * row_bytes`.
 //! An FFN neuron group is a row range of gate and up. In down [D, F] a neuron is a column, and its
 //! quantization blocks run along the neurons: a store may hold a group-major copy of each down
-//! matrix (`manifest::FfnDownGroups`), whose groups `ffn_group_extents` finds.
+//! matrix (`manifest::FfnDownGroups`), whose groups `ffn_group_extents` finds, and a checksum of each group of rows
+//! of gate and up (`ffn_row_group_checksums`), whose groups are read in place.
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
 use super::checksum;
 use super::error::{Result, StoreError};
-use super::manifest::GroupedCopy;
+use super::manifest::{GroupedCopy, RowGroups};
 
 /// Alignment of every tensor in a store: one O_DIRECT block / page, so a tensor (and a row range
 /// that starts on a page) reads without a bounce buffer.
@@ -55,6 +56,8 @@ pub struct ExtentIndex {
     layers: Vec<Vec<usize>>,
     /// Neurons per group and each layer's group-major copy of its FFN down matrix, where the store has them.
     ffn_groups: Option<(u64, HashMap<usize, GroupedCopy>)>,
+    /// Tensor name -> the checksum of each of its row groups (of the FFN group size), where the store has them.
+    row_groups: HashMap<String, Vec<u64>>,
 }
 
 impl ExtentIndex {
@@ -100,6 +103,7 @@ impl ExtentIndex {
             by_name,
             layers,
             ffn_groups: None,
+            row_groups: HashMap::new(),
         })
     }
 
@@ -122,6 +126,35 @@ impl ExtentIndex {
         }
         self.ffn_groups = Some((neurons, by_layer));
         Ok(self)
+    }
+
+    /// The index with the checksums of row groups of dense tensors (checked against their tensors by the manifest),
+    /// one list per tensor at most.
+    pub fn with_row_groups(mut self, row_groups: Vec<RowGroups>) -> Result<Self> {
+        for rows in row_groups {
+            self.tensor(&rows.tensor)?;
+            if self.row_groups.contains_key(&rows.tensor) {
+                return Err(StoreError::BadManifest {
+                    path: self.path.clone(),
+                    reason: format!("FFN row groups of {:?} listed twice", rows.tensor),
+                });
+            }
+            self.row_groups.insert(rows.tensor, rows.checksums);
+        }
+        Ok(self)
+    }
+
+    /// The checksum of each row group (rows [g·n, (g+1)·n), n = `ffn_group_neurons`) of dense tensor `tensor`.
+    pub fn ffn_row_group_checksums(&self, tensor: &str) -> Result<&[u64]> {
+        self.row_groups
+            .get(tensor)
+            .map(Vec::as_slice)
+            .ok_or_else(|| {
+                self.not_found(format!(
+                    "no FFN row group checksums for tensor {tensor:?}; write the store again with \
+                 `ntio convert --layout ffn-groups` to record them"
+                ))
+            })
     }
 
     /// Neurons per FFN group, where the store has group-major copies of its down matrices.

@@ -47,6 +47,21 @@ pub struct FfnDownGroups {
     /// Neurons per group: a multiple of the down type's block.
     pub neurons: u64,
     pub copies: Vec<GroupedCopy>,
+    /// Checksums of the same groups in each layer's dense gate and up matrices, read in place (absent from stores
+    /// written before they were recorded).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub row_groups: Vec<RowGroups>,
+}
+
+/// A dense matrix whose rows are neurons (a layer's `ffn_gate.weight` or `ffn_up.weight` [F, D]): group g is its rows
+/// [g·neurons, (g+1)·neurons), one contiguous run of its bytes (`ExtentIndex::row_extent`), not copied.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RowGroups {
+    /// The dense tensor whose rows are grouped.
+    pub tensor: String,
+    /// xxh3-64 of each group's rows (their encoded bytes in the tensor), so that a read of some groups is checked.
+    pub checksums: Vec<u64>,
 }
 
 /// One down matrix's group-major copy: group g is `group_bytes` at `offset + g * stride`.
@@ -188,7 +203,14 @@ impl Manifest {
                         bad(format!("FFN group copy of {:?}: {reason}", copy.tensor))
                     })?;
                 }
-                index.with_ffn_groups(neurons, groups.copies.clone())?
+                for rows in &groups.row_groups {
+                    check_row_groups(&manifest, rows, neurons).map_err(|reason| {
+                        bad(format!("FFN row groups of {:?}: {reason}", rows.tensor))
+                    })?;
+                }
+                index
+                    .with_ffn_groups(neurons, groups.copies.clone())?
+                    .with_row_groups(groups.row_groups.clone())?
             }
         };
         Ok((manifest, index))
@@ -245,6 +267,37 @@ fn check_copy(
         return Err(format!(
             "offset {} is not an aligned extent of the data region",
             copy.offset
+        ));
+    }
+    Ok(())
+}
+
+/// Row groups must be what their tensor makes of `neurons`: a layer's matrix, its rows in whole groups, a checksum
+/// per group.
+fn check_row_groups(
+    manifest: &Manifest,
+    rows: &RowGroups,
+    neurons: u64,
+) -> std::result::Result<(), String> {
+    let t = manifest
+        .tensors
+        .iter()
+        .find(|t| t.name == rows.tensor)
+        .ok_or("no such tensor")?;
+    if t.layer.is_none() || t.shape.len() != 2 {
+        return Err("not a layer's matrix".into());
+    }
+    if neurons == 0 || t.rows % neurons != 0 {
+        return Err(format!(
+            "{neurons} neurons a group do not divide its {} rows",
+            t.rows
+        ));
+    }
+    let groups = t.rows / neurons;
+    if rows.checksums.len() as u64 != groups {
+        return Err(format!(
+            "{} checksums for its {groups} groups",
+            rows.checksums.len()
         ));
     }
     Ok(())
@@ -414,6 +467,134 @@ mod tests {
                 ),
             }
         }
+    }
+
+    /// Layer 0's Q8_0 gate [64, 32] beside the down matrix, and the checksums of its 2 groups of 32 rows.
+    const GATE: &str = r#"{"name": "blk.0.ffn_gate.weight", "ggml_type": 8, "shape": [64, 32], "offset": 12288,
+                           "nbytes": 2176, "rows": 64, "layer": 0, "checksum": 4}"#;
+    const GATE_GROUPS: &str = r#"{"tensor": "blk.0.ffn_gate.weight", "checksums": [7, 8]}"#;
+
+    /// The manifest of DOWN and GATE with an ffn-groups layout (the copy moved past GATE) whose `row_groups` list is
+    /// `row_groups` (None: a manifest written before row groups were recorded, without the field).
+    fn with_row_groups(row_groups: Option<&str>) -> String {
+        let field = row_groups.map_or(String::new(), |list| format!(r#", "row_groups": [{list}]"#));
+        let layouts = GROUPS
+            .replace("12288", "16384")
+            .replace("}]}}", &format!("}}]{field}}}}}"));
+        manifest(
+            &format!("{DOWN}, {GATE}"),
+            r#"{"offset": 8192, "length": 6272}"#,
+        )
+        .replace("{}}", &format!("{layouts}}}"))
+    }
+
+    #[test]
+    fn ffn_row_groups_index_a_checksum_a_group_of_rows() {
+        let header = Header {
+            manifest_offset: 24576,
+            ..HEADER
+        };
+        let parse = |text: String| Manifest::parse(text.as_bytes(), &header, Path::new("m.ntio"));
+        let (m, index) = parse(with_row_groups(Some(GATE_GROUPS))).unwrap();
+        assert_eq!(m.layouts.ffn_down_groups.unwrap().row_groups.len(), 1);
+        let gate = index.ffn_row_group_checksums("blk.0.ffn_gate.weight");
+        assert_eq!(gate.unwrap(), &[7, 8]);
+        let down = index.ffn_row_group_checksums("blk.0.ffn_down.weight");
+        assert_eq!(
+            down.unwrap_err().to_string(),
+            "m.ntio: no FFN row group checksums for tensor \"blk.0.ffn_down.weight\"; write the store again with \
+             `ntio convert --layout ffn-groups` to record them"
+        );
+        // A store written before row groups were recorded opens, without them.
+        let (_, index) = parse(with_row_groups(None)).unwrap();
+        assert_eq!(index.ffn_group_neurons(), Some(32));
+        assert!(index
+            .ffn_row_group_checksums("blk.0.ffn_gate.weight")
+            .is_err());
+        let bad = [
+            (
+                GATE_GROUPS.replace("[7, 8]", "[7]"),
+                "1 checksums for its 2 groups",
+            ),
+            (
+                GATE_GROUPS.replace("[7, 8]", "[7, 8, 9]"),
+                "3 checksums for its 2 groups",
+            ),
+            (
+                GATE_GROUPS.replace("ffn_gate", "ffn_up"),
+                "\"blk.0.ffn_up.weight\": no such tensor",
+            ),
+            (
+                GATE_GROUPS.replace("ffn_gate", "ffn_down"),
+                "\"blk.0.ffn_down.weight\": 32 neurons a group do not divide its 2 rows",
+            ),
+            (
+                format!("{GATE_GROUPS}, {GATE_GROUPS}"),
+                "\"blk.0.ffn_gate.weight\" listed twice",
+            ),
+            (
+                GATE_GROUPS.replace("\"checksums\"", "\"rows\": 1, \"checksums\""),
+                "unknown field",
+            ),
+        ];
+        for (row_groups, reason) in bad {
+            match parse(with_row_groups(Some(&row_groups))) {
+                Ok(_) => panic!("accepted {row_groups}"),
+                Err(err) => assert!(
+                    err.to_string().contains(reason) && !err.to_string().contains('\n'),
+                    "{err} (wanted {reason:?})"
+                ),
+            }
+        }
+    }
+
+    #[test]
+    fn ffn_row_groups_need_a_layer_matrix_in_whole_groups() {
+        let tensor = |name: &str, shape: &[u64], layer: Option<usize>| TensorRecord {
+            name: name.into(),
+            ggml_type: 0,
+            shape: shape.to_vec(),
+            offset: 4096,
+            nbytes: 4 * shape.iter().product::<u64>(),
+            rows: shape[..shape.len() - 1].iter().product(),
+            layer,
+            checksum: 0,
+        };
+        let manifest = Manifest {
+            format_version: 1,
+            metadata: RawValue::from_string("{}".into()).unwrap(),
+            tensors: vec![
+                tensor("output.weight", &[64, 8], None),
+                tensor("blk.0.ffn_norm.weight", &[64], Some(0)),
+                tensor("blk.0.ffn_up.weight", &[96, 8], Some(0)),
+            ],
+            layers: vec![],
+            layouts: Layouts::default(),
+        };
+        let check = |tensor: &str, groups: usize, neurons: u64| {
+            let rows = RowGroups {
+                tensor: tensor.into(),
+                checksums: vec![0; groups],
+            };
+            check_row_groups(&manifest, &rows, neurons)
+        };
+        check("blk.0.ffn_up.weight", 3, 32).unwrap();
+        assert_eq!(
+            check("output.weight", 2, 32).unwrap_err(),
+            "not a layer's matrix"
+        );
+        assert_eq!(
+            check("blk.0.ffn_norm.weight", 2, 32).unwrap_err(),
+            "not a layer's matrix"
+        );
+        assert_eq!(
+            check("blk.0.ffn_up.weight", 1, 64).unwrap_err(),
+            "64 neurons a group do not divide its 96 rows"
+        );
+        assert!(
+            check("blk.0.ffn_up.weight", 0, 0).is_err(),
+            "no groups of no neurons"
+        );
     }
 
     #[test]

@@ -56,6 +56,9 @@ class Calibration:
     heads: dict[int, tuple[torch.Tensor, torch.Tensor]]
     n_tokens: int  # calibration tokens the fits saw
     depth: dict | None = None
+    # When `ntio calibrate --ffn-predictors` fitted them, the sparse FFN's predictors (plain tensors and numbers
+    # that ntio.policies.sparse_ffn.load_predictors reads).
+    ffn: dict | None = None
 
     def save(self, path: str | os.PathLike[str]) -> None:
         """Written whole or not at all (`ntio.files.replacing`)."""
@@ -66,6 +69,8 @@ class Calibration:
                    "biases": {str(e): b.contiguous() for e, (_, b) in self.heads.items()}}
         if self.depth is not None:
             payload["depth"] = self.depth
+        if self.ffn is not None:
+            payload["ffn"] = self.ffn
         with replacing(path) as f:
             torch.save(payload, f)
 
@@ -90,7 +95,7 @@ class Calibration:
             if tuple(w.shape) != (d_model, d_model) or tuple(b.shape) != (d_model,):
                 raise ModelFormatError(f"{path}: layer {e}'s exit head is {tuple(w.shape)}, not ({d_model}, {d_model})")
             heads[int(e)] = (w.float(), b.float())
-        return Calibration(model, heads, int(payload["n_tokens"]), payload.get("depth"))
+        return Calibration(model, heads, int(payload["n_tokens"]), payload.get("depth"), payload.get("ffn"))
 
 
 class ExitHeadFit:

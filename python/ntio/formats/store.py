@@ -6,7 +6,8 @@ Layout (the Rust core parses it: `rust/store/`):
     [0, 4096)        header page: magic b"NTIOSTOR", format version, manifest offset/length/checksum
     [4096, ...)      global tensors, then layer 0's tensors, layer 1's, ...; every tensor 4096-aligned,
                      each layer's tensors back to back, so one layer is one extent
-    [..., manifest)  with `--layout ffn-groups`: each layer's FFN down matrix again, group-major (`ffn_groups`)
+    [..., manifest)  with `--layout ffn-groups`: each layer's FFN down matrix again, group-major (`ffn_groups`);
+                     gate and up are read in place, a group a row range, checked by checksums of their row groups
     [manifest, end)  JSON manifest: all GGUF metadata (tokenizer arrays and chat template included), the tensor
                      table (name, ggml type, shape, offset, nbytes, rows, layer, xxh3-64 checksum), the layer table
                      and "layouts": where the re-laid-out copies are
@@ -46,6 +47,8 @@ _FLOAT_TYPES = frozenset((gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationTy
 LAYOUTS = ("ffn-groups",)
 # Neurons per FFN group where the down matrix's type has blocks of one value (F32, F16, BF16).
 FLOAT_GROUP_NEURONS = 32
+# The matrices whose rows are an FFN layer's neurons, read a group of rows at a time with the ffn-groups layout.
+_ROW_GROUPED = (".ffn_gate.weight", ".ffn_up.weight")
 
 # progress(bytes_done, bytes_total)
 Progress = Callable[[int, int], None]
@@ -121,6 +124,14 @@ class StoreFile(ModelFileBase):
         except LookupError as e:
             raise ModelFormatError(f"{e}; `ntio convert --layout ffn-groups` writes a store with one"
                                    if self.ffn_group_neurons is None else str(e)) from None
+
+    def ffn_row_group_checksums(self, name: str) -> list[int]:
+        """xxh3-64 of each row group of tensor `name` (a layer's dense gate or up matrix): rows [g·n, (g+1)·n), n =
+        `ffn_group_neurons`, a contiguous run of the tensor's bytes."""
+        try:
+            return self.index.ffn_row_group_checksums(name)
+        except LookupError as e:
+            raise ModelFormatError(str(e)) from None
 
     def ffn_group_bytes(self, layer: int, group: int) -> np.ndarray:
         """Group `group` of `layer`'s down copy: the row-major encoding of the down matrix's columns
@@ -209,7 +220,8 @@ def convert(source: str | os.PathLike[str], target: str | os.PathLike[str], prog
     """Write the GGUF or Hugging Face checkpoint `source` as a store at `target`, float matrices encoded as
     `matrix_type` when given (a key of MATRIX_TYPES). With `layout` "ffn-groups", each layer's FFN down matrix is
     also written group-major after all layers (`ffn_groups`; the dense tensors and their extents are unchanged),
-    so that a sparse FFN reads the groups it keeps as one aligned extent each.
+    so that a sparse FFN reads the groups it keeps as one aligned extent each; and the manifest records the checksum
+    of each group of rows of every layer's gate and up matrices (`row_groups`), which it reads in place.
 
     The store is written to a temporary file in the target's directory and renamed into place at the end: an
     interrupted or failed conversion leaves no partial file behind.
@@ -230,12 +242,14 @@ def convert(source: str | os.PathLike[str], target: str | os.PathLike[str], prog
     # One group size for every layer: the widest block of their down types (blocks of 1, 32 or 256 elements).
     neurons = max((group_neurons(types[t.name]) for t in downs), default=0)
     copies = {t.name: _group_bytes(t, types[t.name], neurons) for t in downs}  # name -> (groups, group_bytes)
+    # Gate and up are read in place (a group is a row range): the manifest records a checksum of each row group.
+    gate_up = {t.name for layer in layers for t in layer if downs and t.name.endswith(_ROW_GROUPED)}
     plan = [[sizes[t.name] for t in group] for group in groups]
     offsets = _core.plan_store_layout(plan + [[size for n, size in copies.values() for _ in range(n)]])
     copy_offsets = iter(offsets.pop())
     total = sum(t.nbytes for t in g.tensors.values())
     with replacing(target) as f:
-        records, done = [], 0
+        records, row_groups, done = [], [], 0
         for group_index, (group, group_offsets) in enumerate(zip(groups, offsets)):
             for t, offset in zip(group, group_offsets):
                 data = _encoded(g.tensor_bytes(t.name), t, types[t.name])
@@ -249,6 +263,8 @@ def convert(source: str | os.PathLike[str], target: str | os.PathLike[str], prog
                     "nbytes": sizes[t.name], "rows": tensor_rows(t), "layer": group_index - 1 if group_index else None,
                     "checksum": checksum(data),
                 })
+                if t.name in gate_up:
+                    row_groups.append(_row_groups(data, t, neurons))
                 done += t.nbytes
                 if progress:
                     progress(done, total)
@@ -262,7 +278,7 @@ def convert(source: str | os.PathLike[str], target: str | os.PathLike[str], prog
         manifest = json.dumps({
             "format_version": _core.STORE_FORMAT_VERSION, "metadata": g.metadata, "tensors": records,
             "layers": layer_table,
-            "layouts": {"ffn_down_groups": {"neurons": neurons, "copies": grouped}}
+            "layouts": {"ffn_down_groups": {"neurons": neurons, "copies": grouped, "row_groups": row_groups}}
             if downs else {},
         }, allow_nan=False).encode()
         f.seek(0, os.SEEK_END)  # past the last byte written: the group copies end after the last layer
@@ -299,3 +315,15 @@ def _write_groups(f: BinaryIO, data: np.ndarray, t: TensorInfo, neurons: int, of
     stride = -(-groups.shape[1] // _core.STORE_ALIGNMENT) * _core.STORE_ALIGNMENT  # plan_store_layout's spacing
     return {"tensor": t.name, "offset": offsets[0], "group_bytes": groups.shape[1], "stride": stride,
             "checksums": [checksum(group) for group in groups]}
+
+
+def _row_groups(data: np.ndarray, t: TensorInfo, neurons: int) -> dict[str, Any]:
+    """The manifest record of the row groups of gate or up matrix `t` (encoded bytes `data`): rows [g·n, (g+1)·n),
+    n = `neurons`, each a contiguous run of its bytes, and their checksums."""
+    rows = tensor_rows(t)
+    if len(t.shape) != 2:
+        raise ModelFormatError(f"tensor {t.name!r}: shape {t.shape} is not a matrix of neurons")
+    if rows % neurons:
+        raise ModelFormatError(f"tensor {t.name!r}: {rows} neurons are not whole groups of {neurons}")
+    groups = np.ascontiguousarray(data).reshape(rows // neurons, -1)
+    return {"tensor": t.name, "checksums": [checksum(group) for group in groups]}

@@ -29,12 +29,24 @@ if TYPE_CHECKING:
 
 
 @dataclass(frozen=True)
-class DownGroups:
-    """A layer's FFN down matrix [D, F] not read with it (a load policy's "down_later" decision): the FFN reads
-    the groups of `neurons` consecutive neurons (columns) its tokens keep, once it knows them."""
+class GroupedFFN:
+    """The FFN matrices of some of a layer's neuron groups, as `FFNGroups.read` gives them: each group's down
+    [D, neurons] matrix, in the order asked; with `FFNGroups.rows`, per run of consecutive groups (first neuron,
+    its gate rows [m, D], its up rows [m, D])."""
+
+    down: list[EncodedMatrix]
+    runs: list[tuple[int, EncodedMatrix, EncodedMatrix]]
+
+
+@dataclass(frozen=True)
+class FFNGroups:
+    """A layer's FFN matrices not read with it: its down matrix [D, F] (a load policy's "down_later" decision), or
+    with `rows` its gate, up and down matrices ("ffn_later"). The FFN reads the groups of `neurons` consecutive
+    neurons its tokens keep, once it knows them, and multiplies only those."""
 
     neurons: int
-    read: Callable[[list[int]], list[ops.EncodedMatrix]]  # group ids -> each group's [D, neurons] matrix
+    read: Callable[[list[int]], GroupedFFN]  # sorted group ids -> their matrices
+    rows: bool = False
 
 
 @dataclass
@@ -64,8 +76,9 @@ class LayerWeights:
     # keeps, the others counting as 0 in the down product (a load policy's sparse FFN, ntio.policies.sparse_ffn);
     # None: all.
     ffn_mask: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] | None = None
-    # Set where down was not read (w_down then views bytes never filled): its groups are read on demand.
-    down_groups: DownGroups | None = None
+    # Set where down (with `rows`, gate, up and down) was not read (those matrices then view bytes never filled):
+    # its groups are read on demand.
+    ffn_groups: FFNGroups | None = None
 
     def with_interleaved_rows(self) -> LayerWeights:
         """These weights with every matrix that pays for it interleaved in place (`ops.interleave_rows`): a
@@ -77,10 +90,10 @@ class LayerWeights:
     @property
     def whole_ffn(self) -> bool:
         """Whether the FFN multiplies every neuron with the resident or read down matrix (no mask, no groups)."""
-        return self.ffn_mask is None and self.down_groups is None
+        return self.ffn_mask is None and self.ffn_groups is None
 
     def choosing_ffn(self, **fields) -> LayerWeights:
-        """These weights with `ffn_mask` or `down_groups` set, and the kernel arguments already made (which do not
+        """These weights with `ffn_mask` or `ffn_groups` set, and the kernel arguments already made (which do not
         depend on them)."""
         chosen = dataclasses.replace(self, **fields)
         if "kernel_args" in self.__dict__:
@@ -325,11 +338,15 @@ def gated_ffn(h: torch.Tensor, w: LayerWeights, cfg: ModelConfig, taps: dict[str
     cfg.ffn_gate (SiLU: SwiGLU; BitNet's squared ReLU) and sub_norm BitNet's (absent in the other families).
 
     With `w.ffn_rows`, only those neurons are computed and the others count as 0 (the down projection is whole);
-    with `w.ffn_mask`, each token's down product takes only the neurons it keeps; with `w.down_groups`, the groups
-    of down that some token keeps are read then, and the product runs over them alone (`ops.column_groups_linear`).
-    taps["ffn_gate"] receives the gate pre-activations [T, F] (zeros for neurons not computed) when taps is given.
+    with `w.ffn_mask`, each token's down product takes only the neurons it keeps; with `w.ffn_groups`, the groups
+    of down that some token keeps are read then, and the product runs over them alone (`ops.column_groups_linear`);
+    with `w.ffn_groups.rows`, the mask chooses from x alone and only the kept groups' gate and up rows are read and
+    computed too (`_ffn_of_groups`). taps["ffn_gate"] receives the gate pre-activations [T, F] (zeros for neurons
+    not computed) when taps is given.
     """
     eps = cfg.rms_eps
+    if w.ffn_groups is not None and w.ffn_groups.rows:
+        return _ffn_of_groups(rms_norm(h, w.ffn_norm, eps), w, cfg, taps)
     if w.ffn_rows is None:
         gate_up = ops.normed_linear(h, w.ffn_norm, eps, w.w_gate_up)  # [T, 2F]: gate | up
     else:
@@ -352,19 +369,46 @@ def _ffn_from_gate_up(h: torch.Tensor, gate_up: torch.Tensor, w: LayerWeights, c
         gated = gated * keep
     if w.ffn_sub_norm is not None:
         gated = rms_norm(gated, w.ffn_sub_norm, eps)
-    if w.down_groups is None:
+    if w.ffn_groups is None:
         return ops.linear(gated, w.w_down)
-    return _grouped_down(gated, keep, w.down_groups)
+    ids = _kept_groups(keep, d_ff, w.ffn_groups.neurons)
+    return _grouped_down(gated, ids, w.ffn_groups.neurons, w.ffn_groups.read(ids))
 
 
-def _grouped_down(gated: torch.Tensor, keep: torch.Tensor | None, down: DownGroups) -> torch.Tensor:
-    """gated [T, F] · W_downᵀ over the groups of down some token keeps (all where keep is None), read now."""
-    n_tokens, d_ff = gated.shape
+def _kept_groups(keep: torch.Tensor | None, d_ff: int, neurons: int) -> list[int]:
+    """The groups of `neurons` consecutive neurons that some token keeps (keep [T, F] bool; None: all), sorted."""
     if keep is None:
-        ids = list(range(d_ff // down.neurons))
-    else:
-        ids = keep.view(n_tokens, d_ff // down.neurons, down.neurons).any(dim=2).any(dim=0).nonzero().flatten().tolist()
-    return ops.column_groups_linear(gated, [(g * down.neurons, m) for g, m in zip(ids, down.read(ids))])
+        return list(range(d_ff // neurons))
+    return keep.view(keep.shape[0], d_ff // neurons, neurons).any(dim=2).any(dim=0).nonzero().flatten().tolist()
+
+
+def _grouped_down(gated: torch.Tensor, ids: list[int], neurons: int, read: GroupedFFN) -> torch.Tensor:
+    """gated [T, F] · W_downᵀ over the groups `ids` of down alone (zero elsewhere in gated), read as `read`."""
+    return ops.column_groups_linear(gated, [(g * neurons, m) for g, m in zip(ids, read.down)])
+
+
+def _ffn_of_groups(x: torch.Tensor, w: LayerWeights, cfg: ModelConfig, taps: dict[str, torch.Tensor] | None
+                   ) -> torch.Tensor:
+    """The FFN of a layer read without gate, up and down (`w.ffn_groups.rows`), from its normed input x [T, D]:
+    `w.ffn_mask` chooses each token's neurons from x alone, the groups some token keeps are read, and each token
+    computes its kept neurons (the others count as 0, as `gated_ffn` with the same mask computes them)."""
+    n_tokens, d_ff, neurons = x.shape[0], w.w_down.shape[1], w.ffn_groups.neurons
+    keep = None if w.ffn_mask is None else w.ffn_mask(x, None, None)  # [T, F] bool
+    ids = _kept_groups(keep, d_ff, neurons)
+    read = w.ffn_groups.read(ids)
+    gate, up = x.new_zeros((n_tokens, d_ff)), x.new_zeros((n_tokens, d_ff))
+    for first, gate_rows, up_rows in read.runs:
+        stop = first + gate_rows.shape[0]
+        gate[:, first:stop] = ops.linear(x, gate_rows)
+        up[:, first:stop] = ops.linear(x, up_rows)
+    if taps is not None:
+        taps["ffn_gate"] = gate
+    gated = ops.GATES[cfg.ffn_gate](gate) * up
+    if keep is not None:
+        gated = gated * keep
+    if w.ffn_sub_norm is not None:
+        gated = rms_norm(gated, w.ffn_sub_norm, cfg.rms_eps)
+    return _grouped_down(gated, ids, neurons, read)
 
 
 def _sparse_gate_up(x: torch.Tensor, w: LayerWeights) -> tuple[torch.Tensor, torch.Tensor]:
@@ -441,8 +485,9 @@ def _one_call_to_gate_up(h: torch.Tensor, w: LayerWeights, sequences: Sequence[S
                          rope_kind: str) -> tuple[torch.Tensor, torch.Tensor] | None:
     """The block's attention and its FFN's gate/up products as one CPU kernel call: (h after the attention [T, D],
     gate_up [T, 2F]), or None where it does not run as one."""
-    if not ops.uses_cpu_block(h, sequences[0].k_cache) or w.kernel_args is None:
-        return None
+    if (not ops.uses_cpu_block(h, sequences[0].k_cache) or w.kernel_args is None
+            or (w.ffn_groups is not None and w.ffn_groups.rows)):
+        return None  # (gate and up unread: the block's attention runs alone)
     gate_up = torch.empty((h.shape[0], 2 * w.w_down.shape[1]), dtype=torch.float32)
     h = ops.decoder_stack(h, [w.kernel_args], sequences, cfg.rms_eps, (cfg.n_heads, cfg.n_kv_heads, cfg.head_dim),
                           neox=rope_kind == "neox", gate=cfg.ffn_gate, gate_up=gate_up)

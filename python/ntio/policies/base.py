@@ -12,6 +12,10 @@ layer, or a streamed one needed at once, ahead = 0 and the layer computes next. 
     chosen each token's neurons, the FFN reads the groups of down its tokens keep from the store's group-major copy
     (`convert --layout ffn-groups`) and multiplies only those. The loader reads a resident layer whole whatever
     the answer (its down is in memory: the mask alone applies), and so where the file has no group copy.
+  * `FFN_LATER`: the whole layer except its FFN gate, up and down matrices. Once the attention is computed,
+    `ffn_mask` chooses each token's groups from the FFN's input alone (called with gate = up = None), and the FFN
+    reads the gate and up rows and the down groups of the groups its tokens keep, and computes only those. As for
+    `DOWN_LATER`, a resident layer and a file without the FFN layout read the layer whole.
 The horizon is explicit: the loader sets `horizon` to the largest `ahead` it will ever pass (its prefetch depth), so
 a policy knows how stale its observations may be when it decides. After a layer computes, the engine calls `observe(...)` with what it saw
 (the hidden state in and out; the FFN gate pre-activations [T, F] when `wants_ffn_gate`).
@@ -46,7 +50,7 @@ import torch
 
 @dataclass(frozen=True)
 class LoadDecision:
-    kind: str  # "all" | "skip" | "rows" | "down_later"
+    kind: str  # "all" | "skip" | "rows" | "down_later" | "ffn_later"
     rows: tuple[tuple[int, int], ...] = ()  # "rows": sorted, disjoint [start, stop) FFN neuron ranges
 
     @staticmethod
@@ -65,6 +69,7 @@ FFNMask = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 LOAD_ALL = LoadDecision("all")
 SKIP = LoadDecision("skip")
 DOWN_LATER = LoadDecision("down_later")
+FFN_LATER = LoadDecision("ffn_later")
 
 
 @dataclass

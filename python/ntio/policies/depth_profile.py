@@ -32,6 +32,7 @@ import torch
 from ntio.decoding.self_draft import Calibration, ExitHeadFit, check_exit_layers, distill_heads, fingerprint
 from ntio.errors import ModelFormatError, NtioError, OptionError
 from ntio.policies.base import LoadPolicy, Observation
+from ntio.policies.sparse_ffn import UnitPredictor, unit_recall, unit_scores
 
 # A corpus shorter than this cannot be split into a fit and a held-out part that say anything; the held-out part
 # also needs two windows (one fits the proxies, one is the profile's samples): `min_calibration_tokens`.
@@ -40,6 +41,13 @@ HELD_OUT = 0.4
 PROXY_RIDGE = 1e-1  # relative to the mean squared feature (features are normed: ~1 each)
 SIGNALS = ("kl", "entropy")  # log KL(final || exit) in nats, and the exit distribution's entropy in nats
 SKIP_LABEL_COS = 0.98
+# The sparse FFN's predictors (`ffn_neurons`): the most tokens per layer they are fitted on and the most held-out
+# tokens their recall is measured on, spread evenly over the windows (the inputs are kept in memory until the fit:
+# 4,096 tokens of Qwen2.5-Coder-1.5B's 28 layers are 350 MB); their rank; the keep shares whose recall is reported.
+FFN_FIT_TOKENS = 4096
+FFN_HELD_TOKENS = 1024
+FFN_RANK = 128
+FFN_RECALL_KEEPS = (0.3, 0.5, 0.7)
 
 
 @dataclass
@@ -119,6 +127,24 @@ class LayerRecorder(LoadPolicy):
             self.seen[obs.layer] = obs.h_out.detach().clone()
 
 
+class FFNRecorder(LayerRecorder):
+    """A LayerRecorder that also keeps, for every layer, the FFN's normed input [T, D] (bfloat16) and the "down"
+    rule's scores of its units of `neurons` neurons [T, G] (ntio.policies.sparse_ffn.unit_scores): what the sparse
+    FFN's predictors are fitted to. Every neuron is kept."""
+
+    def __init__(self, keep: Sequence[int], neurons: int) -> None:
+        super().__init__(keep)
+        self.neurons = neurons
+        self.ffn: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def ffn_mask(self, layer: int):
+        def record(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+            self.ffn[layer] = x.to(torch.bfloat16).cpu(), unit_scores(gate, up, self.neurons).cpu()
+            return torch.ones_like(gate, dtype=torch.bool)
+
+        return record
+
+
 def proxy_features(x: torch.Tensor) -> torch.Tensor:
     """[n, D] normed estimates of h_L -> [n, D + 1] the proxy's features (a constant last)."""
     return torch.cat((x, x.new_ones(x.shape[0], 1)), dim=1)
@@ -172,11 +198,14 @@ def check_calibration(llm, n_tokens: int, ctx: int) -> int:
 
 def calibrate_depth(llm, text: str, probes: Sequence[int], n_tokens: int = 16384, ctx: int = 512,
                     skip_after: int | None = None, on_progress: Callable[[int, int], None] | None = None,
-                    source: str = "the calibration text", distill_epochs: int = 0) -> Calibration:
+                    source: str = "the calibration text", distill_epochs: int = 0,
+                    ffn_neurons: int | None = None) -> Calibration:
     """Exit heads for `probes` and the adaptive-depth profile, from up to n_tokens tokens of `text` in windows of
     ctx tokens (see the module's doc). skip_after: the layer the skip predictor reads (default: a quarter deep);
     source: what names the text in errors (its file); distill_epochs: passes of `distill_heads` over the fit tokens
-    after the ridge fit (0: the ridge fit alone)."""
+    after the ridge fit (0: the ridge fit alone); ffn_neurons: also fit the sparse FFN's predictors of every layer
+    (`UnitPredictor`, units of ffn_neurons neurons) on the fit tokens, their recall of the "down" rule's units
+    measured on the held-out ones (the calibration's `ffn`)."""
     from ntio.policies.layer_skip import SkipPredictor
 
     cfg, engine = llm.config, llm.engine
@@ -196,7 +225,12 @@ def calibrate_depth(llm, text: str, probes: Sequence[int], n_tokens: int = 16384
     windows = [(a, min(a + ctx, n_fit)) for a in range(0, n_fit, ctx)]
     windows += [(a, min(a + ctx, len(ids))) for a in range(n_fit, len(ids), ctx)]
     windows = [(a, b) for a, b in windows if b - a >= 2]
-    recorder = LayerRecorder([*probes, skip_after, cfg.n_layers - 1])
+    kept_layers = [*probes, skip_after, cfg.n_layers - 1]
+    recorder = LayerRecorder(kept_layers) if ffn_neurons is None else FFNRecorder(kept_layers, ffn_neurons)
+    n_held = len(ids) - n_fit
+    ffn_fit: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+    ffn_held: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+    sampler = torch.Generator().manual_seed(0)
     later = range(skip_after + 1, cfg.n_layers)
     heads_fit = ExitHeadFit(probes, cfg.d_model)
     fit_x, fit_y, held = [], [], []
@@ -210,6 +244,11 @@ def calibrate_depth(llm, text: str, probes: Sequence[int], n_tokens: int = 16384
     try:
         for n, (a, b) in enumerate(windows, 1):
             engine.forward(torch.tensor(ids[a:b], dtype=torch.int64, device=llm.device), 0)
+            if ffn_neurons is not None:
+                share = FFN_FIT_TOKENS / n_fit if a < n_fit else FFN_HELD_TOKENS / n_held
+                rows = torch.randperm(b - a, generator=sampler)[: math.ceil(share * (b - a))]
+                for layer, (x, score) in recorder.ffn.items():
+                    (ffn_fit if a < n_fit else ffn_held).setdefault(layer, []).append((x[rows], score[rows]))
             if a < n_fit:
                 heads_fit.add(recorder.seen, recorder.seen[cfg.n_layers - 1])
                 if distill_epochs:
@@ -259,7 +298,26 @@ def calibrate_depth(llm, text: str, probes: Sequence[int], n_tokens: int = 16384
         proxy_weights=weights, skip_after=skip_after, predictor=predictor.state(),
         skip_probs=torch.cat([predictor(h[1]) for h in held[kept]]),
         skip_labels=torch.cat([h[2] for h in held[kept]]))
-    return Calibration(fingerprint(engine, llm.tokenizer.vocabulary), heads, len(ids), depth.payload())
+    ffn = None if ffn_neurons is None else fit_ffn_predictors(ffn_fit, ffn_held, ffn_neurons)
+    return Calibration(fingerprint(engine, llm.tokenizer.vocabulary), heads, len(ids), depth.payload(), ffn)
+
+
+def fit_ffn_predictors(fit: dict[int, list[tuple[torch.Tensor, torch.Tensor]]],
+                       held: dict[int, list[tuple[torch.Tensor, torch.Tensor]]], neurons: int) -> dict:
+    """The sparse FFN's predictors, one per layer, fitted on `fit` (layer -> per window: the FFN's normed inputs
+    [t, D] and the "down" rule's unit scores [t, G]), and their recall of the "down" rule's units at each of
+    FFN_RECALL_KEEPS, averaged over layers, on `held` -> a calibration's `ffn` payload."""
+    layers, recall = {}, {keep: [] for keep in FFN_RECALL_KEEPS}
+    for layer in sorted(fit):
+        x, scores = (torch.cat(part) for part in zip(*fit[layer]))
+        predictor = UnitPredictor.fit(x, scores, FFN_RANK, neurons)
+        layers[str(layer)] = predictor.state()
+        x, scores = (torch.cat(part) for part in zip(*held[layer]))
+        predicted = predictor(x.float())
+        for keep in FFN_RECALL_KEEPS:
+            recall[keep].append(unit_recall(predicted, scores, keep))
+    return {"neurons": neurons, "rank": FFN_RANK, "layers": layers,
+            "recall": {str(keep): sum(v) / len(v) for keep, v in recall.items()}}
 
 
 def bisect(fraction: Callable[[float], float], budget: float, *, rising: bool, what: str) -> float:

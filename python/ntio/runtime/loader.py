@@ -54,7 +54,7 @@ from ntio.formats.gguf_file import TensorInfo
 from ntio.io import Check, read_into, slot_array, submit_into
 from ntio.formats.model_file import extent_index, plan_layer_read, plan_subset_read, row_extent, tensor_checks
 from ntio.kernels.ops import EncodedMatrix
-from ntio.models.layers import DownGroups, LayerWeights
+from ntio.models.layers import FFNGroups, GroupedFFN, LayerWeights
 from ntio.policies.base import LOAD_ALL, LoadDecision, LoadPolicy, overrides
 from ntio.policies.dense import DensePolicy
 from ntio.runtime.disk_rows import DiskRows
@@ -131,7 +131,8 @@ _ROW_PARTS = ("ffn_gate", "ffn_up")
 # The `_checking` key of the read into the down-group scratch (staging slots are 0, 1, ...).
 _GROUP_SCRATCH = -1
 # Block parts not read whole, by decision kind.
-_PARTIAL_PARTS = {"all": (), "skip": (), "rows": _ROW_PARTS, "down_later": ("ffn_down",)}
+_PARTIAL_PARTS = {"all": (), "skip": (), "rows": _ROW_PARTS, "down_later": ("ffn_down",),
+                  "ffn_later": ("ffn_gate", "ffn_up", "ffn_down")}
 
 
 def _plan_layer(layout: WeightLayout, layer: int, verify: bool) -> _LayerRead:
@@ -188,6 +189,7 @@ class LayerLoader:
         self._group_neurons: int | None = None if self.cuda else getattr(layout.file, "ffn_group_neurons", None)
         self._group_scratch: np.ndarray | None = None
         self._group_copies: dict[int, tuple[int, list[int]]] = {}  # layer -> `_group_copy`
+        self._row_group_sums: dict[str, list[int]] = {}  # gate/up tensor -> its row groups' checksums
         # Their reads take a reader of their own: the layer reads ahead queue on the main one, first in first out,
         # and a layer waits on its down groups at once.
         self._group_reader: _core.Reader | None = None
@@ -505,10 +507,11 @@ class LayerLoader:
         return weights
 
     def _decide(self, layer: int, ahead: int) -> LoadDecision:
-        """The policy's decision for a streamed layer's read: "down_later" only where the file has the layer's down
-        groups and the layer computes on the CPU (else the whole layer)."""
+        """The policy's decision for a streamed layer's read: "down_later" and "ffn_later" only where the file has
+        the FFN layout and the layer computes on the CPU (else the whole layer)."""
         decision = self.policy.decide(layer, ahead)
-        return LOAD_ALL if decision.kind == "down_later" and self._group_neurons is None else decision
+        later = decision.kind in ("down_later", "ffn_later")
+        return LOAD_ALL if later and self._group_neurons is None else decision
 
     def _group_copy(self, layer: int) -> tuple[int, list[int]]:
         """(stride, checksums) of `layer`'s down copy, asked of the index once: bytes between groups (a group in whole
@@ -520,31 +523,49 @@ class LayerLoader:
             self._group_copies[layer] = copy
         return copy
 
-    def _read_down_groups(self, layer: int, ids: list[int]) -> list[EncodedMatrix]:
-        """Groups `ids` of `layer`'s FFN down matrix from the store's group-major copy, read now into the group
-        scratch: each group's [D, neurons] matrix, valid until the next call. Their checks run on while they are
-        multiplied, as a streamed layer's do: the forward raises at its end if one fails, and the next call waits
-        for them before it overwrites the scratch."""
-        file, n = self.layout.file, self._group_neurons
-        info = self.layout.blocks[layer]["ffn_down"]
-        extents = file.ffn_group_extents(layer, ids)
+    def _read_groups(self, layer: int, rows: bool, ids: list[int]) -> GroupedFFN:
+        """Groups `ids` of `layer`'s FFN, read now into the group scratch, valid until the next call: each group's
+        down [D, neurons] matrix from the store's group-major copy, and with `rows` the gate and up rows of each run
+        of consecutive groups from their dense tensors (each run read in whole pages around its rows). Every group's
+        bytes are checked against their checksum while they are multiplied, as a streamed layer's are: the forward
+        raises at its end if one fails, and the next call waits for them before it overwrites the scratch."""
+        n, blocks = self._group_neurons, self.layout.blocks[layer]
+        pieces: list[tuple[int, int, int]] = []  # (file offset, length, offset in the scratch), whole pages
+        checks: list[Check] = []
+        placed = []  # per run: (first neuron, gate rows' and up rows' (offset in the scratch, length, shape))
+        for first, stop in _runs(ids) if rows else []:
+            parts = []
+            for part in _ROW_PARTS:
+                info = blocks[part]
+                offset, length = row_extent(self.layout.file, info.name, first * n, stop * n)
+                start = offset - offset % _ALIGN
+                at = sum(p[1] for p in pieces) + offset - start
+                pieces.append((start, -(-(offset + length) // _ALIGN) * _ALIGN - start, at - offset + start))
+                group_bytes = length // (stop - first)
+                if self.verify:
+                    sums = self._row_sums(info.name)
+                    checks += [(f"{info.name} group {g}", offset + i * group_bytes, at + i * group_bytes,
+                                group_bytes, sums[g]) for i, g in enumerate(range(first, stop))]
+                parts.append((at, length, ((stop - first) * n, info.shape[1])))
+            placed.append((first * n, *parts))
+        down = blocks["ffn_down"]
         stride, sums = self._group_copy(layer)
-        if self._group_scratch is None:
-            most = max(self.layout.blocks[i]["ffn_down"].shape[1] // n * self._group_copy(i)[0]
-                       for i in range(len(self._reads)))
-            self._group_scratch = np.empty(most + _ALIGN, dtype=np.uint8)
-        buf = self._group_scratch[-self._group_scratch.ctypes.data % _ALIGN :][: len(ids) * stride]
-        checks = []
+        extents = self.layout.file.ffn_group_extents(layer, ids)
+        base = sum(p[1] for p in pieces)
+        pieces += [(offset, stride, base + i * stride) for i, (offset, _) in enumerate(extents)]
         if self.verify:
-            checks = [(f"{info.name} group {g}", offset, i * stride, length, sums[g])
-                      for i, (g, (offset, length)) in enumerate(zip(ids, extents))]
+            checks += [(f"{down.name} group {g}", offset, base + i * stride, length, sums[g])
+                       for i, (g, (offset, length)) in enumerate(zip(ids, extents))]
+        nbytes = base + len(ids) * stride
         t0 = time.perf_counter()
         self._settle(_GROUP_SCRATCH)  # the last groups' checks must pass before their bytes are overwritten
+        if self._group_scratch is None or len(self._group_scratch) < nbytes + _ALIGN:
+            self._group_scratch = np.empty(nbytes + _ALIGN, dtype=np.uint8)
+        buf = self._group_scratch[-self._group_scratch.ctypes.data % _ALIGN :][:nbytes]
         if self._group_reader is None:
             self._group_reader = _core.Reader(self.layout.file.files, backend=self.reader.backend)
         try:
-            handle = submit_into(self._group_reader, [(offset, stride, i * stride) for i, (offset, _) in
-                                                      enumerate(extents)], buf, checks)
+            handle = submit_into(self._group_reader, pieces, buf, checks)
         except OSError as e:
             raise read_error(e) from None
         self._wait(handle, landed=True)  # its checks run on while the groups are multiplied: settled by the forward
@@ -553,10 +574,24 @@ class LayerLoader:
             waited = time.perf_counter() - t0
             self._forward.io_wait_s += waited
             self._forward.io_busy_s += waited
-        self._count_read({layer: len(ids) * stride})
+        self._count_read({layer: nbytes})
         raw = torch.from_numpy(buf)
-        return [EncodedMatrix(raw[i * stride : i * stride + length], info.qtype, (info.shape[0], n))
-                for i, (_, length) in enumerate(extents)]
+
+        def matrix(at: int, length: int, shape: tuple[int, int], qtype: int) -> EncodedMatrix:
+            return EncodedMatrix(raw[at : at + length], qtype, shape)
+
+        gate, up = blocks["ffn_gate"].qtype, blocks["ffn_up"].qtype
+        return GroupedFFN(
+            down=[matrix(base + i * stride, length, (down.shape[0], n), down.qtype)
+                  for i, (_, length) in enumerate(extents)],
+            runs=[(first, matrix(*g, gate), matrix(*u, up)) for first, g, u in placed])
+
+    def _row_sums(self, name: str) -> list[int]:
+        """The checksums of the row groups of gate/up tensor `name`, asked of the store once."""
+        sums = self._row_group_sums.get(name)
+        if sums is None:
+            sums = self._row_group_sums[name] = self.layout.file.ffn_row_group_checksums(name)
+        return sums
 
     def _drop_unwanted(self, group: int) -> bool:
         """If the policy no longer wants any layer of `group`'s pending read, skip the group without waiting."""
@@ -603,9 +638,9 @@ class LayerLoader:
         if decision.kind == "skip":
             return []
         tensors = self.layout.blocks[layer]
-        if decision.kind == "down_later":
+        if decision.kind in ("down_later", "ffn_later"):
             return plan_subset_read(read.extents, [(info.offset, info.nbytes) for part, info in tensors.items()
-                                                   if part != "ffn_down"])
+                                                   if part not in _PARTIAL_PARTS[decision.kind]])
         if decision.rows[-1][1] > self.layout.cfg.d_ff:
             raise ValueError(
                 f"load policy: FFN rows {list(decision.rows)} of layer {layer} exceed d_ff {self.layout.cfg.d_ff}"
@@ -702,9 +737,10 @@ class LayerLoader:
                 self._slot_weights[layer, pending.index] = weights
             if decision.kind == "rows":
                 weights = dataclasses.replace(weights, ffn_rows=decision.rows)
-            elif decision.kind == "down_later":
-                weights = weights.choosing_ffn(down_groups=DownGroups(
-                    self._group_neurons, functools.partial(self._read_down_groups, layer)))
+            elif decision.kind in ("down_later", "ffn_later"):
+                rows = decision.kind == "ffn_later"
+                weights = weights.choosing_ffn(ffn_groups=FFNGroups(
+                    self._group_neurons, functools.partial(self._read_groups, layer, rows), rows))
             self._blocks[layer] = weights
 
     def _to_device(self, group: int, index: int, layers: list[int]) -> torch.Tensor:
@@ -777,3 +813,13 @@ class LayerLoader:
         if self.on_progress is not None:
             self.on_progress(what, done, total)
 
+
+def _runs(ids: list[int]) -> list[tuple[int, int]]:
+    """Sorted group ids -> their runs of consecutive ids [first, stop)."""
+    runs: list[tuple[int, int]] = []
+    for g in ids:
+        if runs and runs[-1][1] == g:
+            runs[-1] = (runs[-1][0], g + 1)
+        else:
+            runs.append((g, g + 1))
+    return runs
