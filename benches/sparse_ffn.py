@@ -32,6 +32,7 @@ bytes per token, one line per rule (matplotlib: `pip install ntio[plot]`).
     python benches/sparse_ffn.py --model qwen2.5-coder-1.5b --rules down --keep 0.5 --groups 1 --down-rows Q8_0 Q5_0
     python benches/sparse_ffn.py --model smollm2-135m --rules down gate predicted --keep 0.5 0.3 --groups 1 \
         --calib-tokens 8192
+    python benches/sparse_ffn.py --rules predicted --groups --streamed --rounds 2 --json sparse_ffn_predicted.json
     python benches/sparse_ffn.py --groups --union-tokens 4 --streamed --rounds 3 --json sparse_ffn.json \
         --plot sparse_ffn.png
 """
@@ -305,10 +306,14 @@ def measure(name: str, args: argparse.Namespace) -> list[dict]:
                         predictors[neurons] = fit_predictors(recorder, neurons, args)
                     policy.predictors = predictors.get(neurons, {}) if rule == "predicted" else {}
                     policy.selection, policy.groups = NeuronSelection(rule, keep, consecutive_groups(d_ff, neurons)), {}
+                    policy.recall.clear()
                     ppl = m.perplexity(evaluation, ctx=CTX).perplexity
                     rows.append({"model": name, "rule": rule, "keep": keep, "unit": "consecutive",
-                                 "neurons_per_unit": neurons, "perplexity": ppl, "ratio": round(ppl / dense, 4),
-                                 "union_by_pass_tokens": union_growth(m, policy, eval_ids, args.union_tokens)})
+                                 "neurons_per_unit": neurons, "perplexity": ppl, "ratio": round(ppl / dense, 4)})
+                    if rule == "predicted":
+                        rows[-1].update(predictor_rank=args.predictor_rank,
+                                        oracle_recall=round(policy.oracle_recall(), 4))
+                    rows[-1]["union_by_pass_tokens"] = union_growth(m, policy, eval_ids, args.union_tokens)
                     print(json.dumps(rows[-1]), flush=True)
     m.close()
     rows += price_down_rows(name, args, evaluation, dense)
