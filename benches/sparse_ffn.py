@@ -158,8 +158,9 @@ def with_requantized_down(src: Path, dst: Path, qtype: gguf.GGMLQuantizationType
 
 def fit_predictors(recorder: Recorder, neurons: int, args: argparse.Namespace) -> dict[int, UnitPredictor]:
     """One predictor per layer of units of `neurons` consecutive neurons, fitted on the recorded calibration tokens
-    to the "down" rule's unit scores."""
-    return {layer: UnitPredictor.fit(torch.cat(recorder.inputs[layer]),
+    to the "down" rule's unit scores from the layer before's FFN input (the first layer's: its own), as `ntio
+    calibrate --ffn-predictors` fits them."""
+    return {layer: UnitPredictor.fit(torch.cat(recorder.inputs[max(layer - 1, 0)]),
                                      torch.cat(recorder.activations[layer]).float().unflatten(1, (-1, neurons)).sum(2),
                                      args.predictor_rank, neurons, args.predictor_epochs)
             for layer in recorder.inputs}

@@ -279,12 +279,13 @@ def _random_predictors(n_layers: int) -> dict[int, UnitPredictor]:
     return {layer: UnitPredictor(576, 48, 16, 32).eval() for layer in range(n_layers)}
 
 
-def _predicted_mlp(mlp, predictor: UnitPredictor, keep: float):
-    """transformers' SwiGLU MLP with each token keeping the ceil(keep * 48) groups of 32 neurons `predictor` scores
-    highest from the MLP's input."""
+def _predicted_mlp(mlp, layer: int, predictor: UnitPredictor, keep: float, inputs: dict[int, torch.Tensor]):
+    """transformers' SwiGLU MLP of `layer` with each token keeping the ceil(keep * 48) groups of 32 neurons
+    `predictor` scores highest from the layer before's MLP input (layer 0: its own), which `inputs` keeps."""
 
     def forward(x):
-        score = predictor(x)  # [B, T, 48]
+        inputs[layer] = x
+        score = predictor(inputs[max(layer - 1, 0)])  # [B, T, 48]
         top = score.topk(math.ceil(keep * 48), dim=-1).indices
         kept = torch.zeros_like(score).scatter_(-1, top, 1.0).repeat_interleave(32, dim=-1)
         return mlp.down_proj(mlp.act_fn(mlp.gate_proj(x)) * mlp.up_proj(x) * kept)
@@ -297,22 +298,30 @@ def test_the_predicted_rule_reads_only_its_groups_rows_and_columns_and_gives_tra
         grouped_smollm2, hf_smollm2, monkeypatch):
     """All layers on disk, read without gate, up and down; each FFN reads the gate and up rows and the down groups
     of the groups its predictor chose from its input: the logits are transformers' with the same groups zeroed
-    (per token: the predictors here are random), and a decode step keeping the last half of the groups reads the
-    pages around their gate and up rows and their down groups, to the byte."""
+    (per token, each layer's from the layer before's MLP input: the predictors here are random), and a decode step
+    keeping the last half of the groups reads the pages around their gate and up rows and their down groups, to the
+    byte."""
     from ntio.formats.store import StoreFile
+    from ntio.runtime.loader import LayerLoader
 
     run = functools.partial(_all_c_pass, grouped_smollm2)
     predictors = _random_predictors(30)
     prompt, decode, _ = run(SparseFFNPolicy(NeuronSelection("predicted", 0.5), predictors=predictors, group_reads=32))
     ids = ntio.load(grouped_smollm2, max_context=64).encode_prompt(PROMPT)
+    inputs: dict[int, torch.Tensor] = {}
     for layer, block in enumerate(hf_smollm2.model.layers):
-        monkeypatch.setattr(block.mlp, "forward", _predicted_mlp(block.mlp, predictors[layer], 0.5))
+        monkeypatch.setattr(block.mlp, "forward", _predicted_mlp(block.mlp, layer, predictors[layer], 0.5, inputs))
     want = hf_smollm2(torch.tensor([ids + [11]]), use_cache=False).logits[0]
     assert rel_l2(prompt, want[:-1]) <= 1e-4
     assert rel_l2(decode, want[-1]) <= 1e-4
 
     fixed = {layer: _FixedOrder() for layer in range(30)}
+    ahead: list[bool] = []  # per FFN read: whether its groups were read while the layer before computed
+    read_groups = LayerLoader._read_groups
+    monkeypatch.setattr(LayerLoader, "_read_groups", lambda self, layer, rows, ids: (
+        ahead.append(layer in self._groups_ahead), read_groups(self, layer, rows, ids))[1])
     _, _, read = run(SparseFFNPolicy(NeuronSelection("predicted", 0.5), predictors=fixed, group_reads=32))
+    assert ahead == [False, *[True] * 29] * 2  # the prompt's pass, then the decode step's: all but layer 0
     _, _, read_dense = run(None)
     store = StoreFile(grouped_smollm2)
     expected = read_dense

@@ -13,8 +13,9 @@ layer, or a streamed one needed at once, ahead = 0 and the layer computes next. 
     (`convert --layout ffn-groups`) and multiplies only those. The loader reads a resident layer whole whatever
     the answer (its down is in memory: the mask alone applies), and so where the file has no group copy.
   * `FFN_LATER`: the whole layer except its FFN gate, up and down matrices. Once the attention is computed,
-    `ffn_mask` chooses each token's groups from the FFN's input alone (called with gate = up = None), and the FFN
-    reads the gate and up rows and the down groups of the groups its tokens keep, and computes only those. As for
+    `ffn_mask` chooses each token's groups without them (called with gate = up = None), and the FFN reads the gate
+    and up rows and the down groups of the groups its tokens keep, and computes only those. Where the policy knows
+    them earlier (`ahead_groups`), the loader reads them while the layer before computes. As for
     `DOWN_LATER`, a resident layer and a file without the FFN layout read the layer whole.
 The horizon is explicit: the loader sets `horizon` to the largest `ahead` it will ever pass (its prefetch depth), so
 a policy knows how stale its observations may be when it decides. After a layer computes, the engine calls `observe(...)` with what it saw
@@ -100,6 +101,11 @@ class LoadPolicy:
 
     def observe(self, obs: Observation) -> None:
         pass
+
+    def ahead_groups(self, layer: int) -> list[int] | None:
+        """The FFN groups of `layer` (a streamed "ffn_later" layer) that some token of the pass will keep, where the
+        policy knows them before the layer computes: the loader reads them ahead. None: not known yet."""
+        return None
 
     def holds(self, layer: int) -> bool:
         """Whether a read of `layer` ahead of its need should wait: its decision depends on an observation not made

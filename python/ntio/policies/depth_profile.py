@@ -305,15 +305,21 @@ def calibrate_depth(llm, text: str, probes: Sequence[int], n_tokens: int = 16384
 def fit_ffn_predictors(fit: dict[int, list[tuple[torch.Tensor, torch.Tensor]]],
                        held: dict[int, list[tuple[torch.Tensor, torch.Tensor]]], neurons: int) -> dict:
     """The sparse FFN's predictors, one per layer, fitted on `fit` (layer -> per window: the FFN's normed inputs
-    [t, D] and the "down" rule's unit scores [t, G]), and their recall of the "down" rule's units at each of
-    FFN_RECALL_KEEPS, averaged over layers, on `held` -> a calibration's `ffn` payload."""
+    [t, D] and the "down" rule's unit scores [t, G], the same tokens in every layer), and their recall of the "down"
+    rule's units at each of FFN_RECALL_KEEPS, averaged over layers, on `held` -> a calibration's `ffn` payload.
+    Layer l's predictor reads layer l - 1's FFN input (the first layer's, its own): its groups are known while
+    layer l - 1 computes, so their reads go on meanwhile (ntio.policies.sparse_ffn)."""
     layers, recall = {}, {keep: [] for keep in FFN_RECALL_KEEPS}
+
+    def inputs_and_scores(windows: dict, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        x = torch.cat([x for x, _ in windows[max(layer - 1, 0)]])
+        return x.float(), torch.cat([score for _, score in windows[layer]])
+
     for layer in sorted(fit):
-        x, scores = (torch.cat(part) for part in zip(*fit[layer]))
-        predictor = UnitPredictor.fit(x, scores, FFN_RANK, neurons)
+        predictor = UnitPredictor.fit(*inputs_and_scores(fit, layer), FFN_RANK, neurons)
         layers[str(layer)] = predictor.state()
-        x, scores = (torch.cat(part) for part in zip(*held[layer]))
-        predicted = predictor(x.float())
+        x, scores = inputs_and_scores(held, layer)
+        predicted = predictor(x)
         for keep in FFN_RECALL_KEEPS:
             recall[keep].append(unit_recall(predicted, scores, keep))
     return {"neurons": neurons, "rank": FFN_RANK, "layers": layers,

@@ -5,9 +5,10 @@ nearly nothing, so the down product can drop it; the bytes saved are the dropped
 the choice comes before up or gate is read, theirs). Rules for the choice, per token:
   * "down": the neurons of largest |a| (gate and up computed whole: the exact activations);
   * "gate": the neurons of largest |silu(gate · x)| (the seed's rule: only gate computed whole);
-  * "predicted": the units a small per-layer predictor scores highest from x alone (`UnitPredictor`, fitted by
-    `ntio calibrate --ffn-predictors` to the order of the "down" rule's unit scores on a calibration text), so
-    that no FFN byte need be read before the choice.
+  * "predicted": the units a small per-layer predictor scores highest from the layer before's x (the first
+    layer's: its own; `UnitPredictor`, fitted by `ntio calibrate --ffn-predictors` to the order of the "down"
+    rule's unit scores on a calibration text), so that no FFN byte need be read before the choice and a layer's
+    choice is known while the layer before computes.
 A selection keeps ceil(keep × G) of G units per token: single neurons, or groups of neurons (rows of `groups`).
 
 Measured (benches/RESULTS.md, "Sparse FFN"): on these SwiGLU models the rule only pays per neuron. Keeping half of
@@ -15,16 +16,17 @@ SmolLM2's neurons by |a| costs x1.021 perplexity one by one, but x4.30 in groups
 Q4_1 block of its down matrix) and x2.15 in groups of 32 clustered by co-activation; which neurons matter changes
 neuron by neuron. On Qwen2.5-Coder-1.5B, one by one: x1.006. A predictor does not come close on these models:
 at keep 0.5 it recalls 62-65% of the "down" rule's neurons, x2.25 on SmolLM2 (rank 128) and x3.62 on Qwen
-(rank 256), where the gate rule costs x1.39 and x1.13; in SmolLM2's groups of 32, it recalls 71% of the "down"
-rule's groups on held-out text and costs x60.
+(rank 256), where the gate rule costs x1.39 and x1.13. In groups of one block of down (read a layer ahead), it
+recalls 63-67% of the "down" rule's groups at keep 0.5 and costs x4.3 on Qwen, x8.3 on SmolLM2.
 
 This module prices a rule in perplexity: the FFN computes exactly the kept neurons and the others count as 0. On a
 model file as it is, every byte is still read. On a store with the ffn-groups layout (`ntio convert --layout
 ffn-groups`: each down matrix also stored group-major, a group one quantization block of neurons, 32 or 256), the
 units are those groups and the policy reads less: each streamed layer is read without its down matrix
 (`DOWN_LATER`), and once gate and up are computed the FFN reads only the down groups its tokens keep; under the
-predicted rule, without gate, up and down (`FFN_LATER`), and once the predictor has chosen from x the FFN reads only
-the kept groups' gate and up rows (checked against the layout's checksum of each group's rows) and down groups.
+predicted rule, without gate, up and down (`FFN_LATER`): the FFN reads only the kept groups' gate and up rows
+(checked against the layout's checksum of each group's rows) and down groups, submitted as soon as the layer before
+has chosen them (`ahead_groups`), so they come off the disk while that layer computes.
 Kept neurons
 of different tokens differ: a pass over T tokens computes each token with its own (as decoding it alone would) and
 reads the union; `SparseFFNPolicy.union_fraction` reports the share of units at least one token of the pass kept.
@@ -97,10 +99,11 @@ def unit_scores(gate: torch.Tensor, up: torch.Tensor, neurons: int) -> torch.Ten
 
 
 class UnitPredictor(torch.nn.Module):
-    """One layer's unit scores from the FFN's normed input alone, before any FFN byte is read (DejaVu's predictor):
-    x [T, D] -> relu(x · A) · B + b [T, G], A [D, r], B [r, G]. A unit is a group of `neurons` consecutive neurons
-    (1: single neurons). Fitted to the order of the "down" rule's unit scores, not to one keep share: a --keep
-    keeps the top share of its scores."""
+    """One layer's unit scores before any of its FFN bytes is read (DejaVu's predictor), from an FFN's normed input:
+    x [T, D] -> relu(x · A) · B + b [T, G], A [D, r], B [r, G]. `SparseFFNPolicy` gives layer l's predictor layer
+    l - 1's input (the first layer's, its own), so that layer l's groups are read while layer l - 1 computes. A
+    unit is a group of `neurons` consecutive neurons (1: single neurons). Fitted to the order of the "down" rule's
+    unit scores, not to one keep share: a --keep keeps the top share of its scores."""
 
     def __init__(self, d_model: int, units: int, rank: int, neurons: int = 1) -> None:
         super().__init__()
@@ -196,6 +199,9 @@ class SparseFFNPolicy(LoadPolicy):
     union: dict[int, list[torch.Tensor]] = field(default_factory=dict, init=False)
     # per pass and layer (predicted rule, gate and up computed): the share of the "down" rule's units kept, 0-d
     recall: list[torch.Tensor] = field(default_factory=list, init=False)
+    # layer -> its predictor's unit scores [T, G], from the layer before's FFN input (the predicted rule's
+    # look-ahead): made when that layer chose, used when this one does
+    _ahead: dict[int, torch.Tensor] = field(default_factory=dict, init=False)
 
     def __post_init__(self) -> None:
         if self.group_reads is not None and self.selection.rule == "predicted":
@@ -222,10 +228,18 @@ class SparseFFNPolicy(LoadPolicy):
             selection = NeuronSelection(selection.rule, selection.keep, self.groups[layer])
 
         def mask(x: torch.Tensor, gate: torch.Tensor | None, up: torch.Tensor | None) -> torch.Tensor:
-            chosen = selection
+            chosen, scores = selection, None
             if self.group_reads is not None and predictor is None and layer not in self.groups:
                 chosen = NeuronSelection(selection.rule, selection.keep, _consecutive(gate.shape[1], self.group_reads))
-            neurons, units = chosen.masks(gate, up, None if predictor is None else predictor(x))
+            if predictor is not None:
+                # Scored from the layer before's input where it had a predictor (the look-ahead), else from this
+                # one's (the first layer); then the next layer's scores from this input.
+                scores = self._ahead.pop(layer, None)
+                if scores is None:
+                    scores = predictor(x)
+                if (following := self.predictors.get(layer + 1)) is not None:
+                    self._ahead[layer + 1] = following(x)
+            neurons, units = chosen.masks(gate, up, scores)
             self.union.setdefault(layer, []).append(units.any(dim=0).float().mean())
             if predictor is not None and gate is not None:
                 oracle = _top_share(unit_scores(gate, up, predictor.neurons), selection.keep)
@@ -233,6 +247,17 @@ class SparseFFNPolicy(LoadPolicy):
             return neurons
 
         return mask
+
+    def begin_pass(self, start_pos: int, n_tokens: int) -> None:
+        self._ahead.clear()
+
+    def ahead_groups(self, layer: int) -> list[int] | None:
+        """The predicted rule's look-ahead: the groups some token of the pass keeps in `layer`, known once the layer
+        before has chosen (its predictor reads that layer's FFN input), sorted; None where not known yet."""
+        scores = self._ahead.get(layer)
+        if scores is None:
+            return None
+        return _top_share(scores, self.selection.keep).any(dim=0).nonzero().flatten().tolist()
 
     def union_fraction(self) -> float:
         """Mean over layers and passes of the share of units some token of the pass kept."""

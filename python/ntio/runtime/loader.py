@@ -128,8 +128,9 @@ class _Group:
 
 # Block parts a "rows" decision reads in part (so their whole-tensor checksums cannot be checked).
 _ROW_PARTS = ("ffn_gate", "ffn_up")
-# The `_checking` key of the read into the down-group scratch (staging slots are 0, 1, ...).
-_GROUP_SCRATCH = -1
+# The `_checking` keys of the reads into the two FFN group scratches, one for even layers and one for odd (staging
+# slots are 0, 1, ...).
+_GROUP_SCRATCH = (-1, -2)
 # Block parts not read whole, by decision kind.
 _PARTIAL_PARTS = {"all": (), "skip": (), "rows": _ROW_PARTS, "down_later": ("ffn_down",),
                   "ffn_later": ("ffn_gate", "ffn_up", "ffn_down")}
@@ -185,9 +186,11 @@ class LayerLoader:
         except OSError as e:
             raise read_error(e) from None
         self._reads = [_plan_layer(layout, i, verify) for i in range(cfg.n_layers)]
-        # A "down_later" layer's down groups land here (the largest layer's every group: a pass may keep them all).
+        # A "down_later" or "ffn_later" layer's FFN groups land in the scratch of its layer's parity, so that a
+        # layer's groups can be read ahead while the layer before multiplies its own (grown to the most a read asks).
         self._group_neurons: int | None = None if self.cuda else getattr(layout.file, "ffn_group_neurons", None)
-        self._group_scratch: np.ndarray | None = None
+        self._group_scratch: list[np.ndarray | None] = [None, None]
+        self._groups_ahead: dict[int, _GroupRead] = {}  # layer -> its FFN groups' read, submitted ahead
         self._group_copies: dict[int, tuple[int, list[int]]] = {}  # layer -> `_group_copy`
         self._row_group_sums: dict[str, list[int]] = {}  # gate/up tensor -> its row groups' checksums
         # Their reads take a reader of their own: the layer reads ahead queue on the main one, first in first out,
@@ -399,6 +402,12 @@ class LayerLoader:
         if self._current is not None:
             self.evict_group(self._current[0])
         self._dropped_group = None
+        for ahead in self._groups_ahead.values():  # read ahead for a layer that never computed: never used
+            try:
+                ahead.handle.wait()
+            except OSError:
+                pass
+        self._groups_ahead.clear()
         try:
             self._settle()
         finally:
@@ -524,15 +533,49 @@ class LayerLoader:
         return copy
 
     def _read_groups(self, layer: int, rows: bool, ids: list[int]) -> GroupedFFN:
-        """Groups `ids` of `layer`'s FFN, read now into the group scratch, valid until the next call: each group's
-        down [D, neurons] matrix from the store's group-major copy, and with `rows` the gate and up rows of each run
-        of consecutive groups from their dense tensors (each run read in whole pages around its rows). Every group's
-        bytes are checked against their checksum while they are multiplied, as a streamed layer's are: the forward
-        raises at its end if one fails, and the next call waits for them before it overwrites the scratch."""
+        """Groups `ids` of `layer`'s FFN, valid until the next read into its scratch: each group's down [D, neurons]
+        matrix from the store's group-major copy, and with `rows` the gate and up rows of each run of consecutive
+        groups from their dense tensors (each run read in whole pages around its rows). Read now, unless the policy
+        chose them ahead and they were read while the layer before computed (`_read_ahead`); then, with `rows`, the
+        next layer's groups are read ahead where the policy has chosen them. Every group's bytes are checked against
+        their checksum while they are multiplied, as a streamed layer's are: the forward raises at its end if one
+        fails, and the next read into the scratch waits for them."""
+        read = self._groups_ahead.pop(layer, None)
+        if read is not None and read.ids != ids:
+            try:  # chosen again otherwise since: never used
+                read.handle.wait()
+            except OSError:
+                pass
+            read = None
+        t0 = time.perf_counter()
+        if read is None:
+            read = self._submit_groups(layer, rows, ids)
+        self._wait(read.handle, landed=True)  # its checks run on while the groups are multiplied
+        self._checking[_GROUP_SCRATCH[layer % 2]] = read.handle
+        if self._forward is not None:
+            waited = time.perf_counter() - t0
+            self._forward.io_wait_s += waited
+            self._forward.io_busy_s += waited
+        if rows:
+            self._read_ahead(layer + 1)
+        return read.matrices()
+
+    def _read_ahead(self, layer: int) -> None:
+        """Submit `layer`'s FFN group read now, where it is a streamed "ffn_later" layer and the policy already knows
+        its groups (`LoadPolicy.ahead_groups`)."""
+        if layer >= len(self._reads) or layer in self._groups_ahead or layer in self._host:
+            return
+        ids = self.policy.ahead_groups(layer)
+        if (ids is not None and layer in self.groups[self._group_of[layer]].streamed
+                and self._decide(layer, 0).kind == "ffn_later"):
+            self._groups_ahead[layer] = self._submit_groups(layer, True, ids)
+
+    def _submit_groups(self, layer: int, rows: bool, ids: list[int]) -> _GroupRead:
+        """Start reading groups `ids` of `layer` into the scratch of its parity (see `_read_groups`)."""
         n, blocks = self._group_neurons, self.layout.blocks[layer]
         pieces: list[tuple[int, int, int]] = []  # (file offset, length, offset in the scratch), whole pages
         checks: list[Check] = []
-        placed = []  # per run: (first neuron, gate rows' and up rows' (offset in the scratch, length, shape))
+        runs = []  # per run: (first neuron, gate rows' and up rows' (offset in the scratch, length, shape))
         for first, stop in _runs(ids) if rows else []:
             parts = []
             for part in _ROW_PARTS:
@@ -546,8 +589,8 @@ class LayerLoader:
                     sums = self._row_sums(info.name)
                     checks += [(f"{info.name} group {g}", offset + i * group_bytes, at + i * group_bytes,
                                 group_bytes, sums[g]) for i, g in enumerate(range(first, stop))]
-                parts.append((at, length, ((stop - first) * n, info.shape[1])))
-            placed.append((first * n, *parts))
+                parts.append((at, length, ((stop - first) * n, info.shape[1]), info.qtype))
+            runs.append((first * n, *parts))
         down = blocks["ffn_down"]
         stride, sums = self._group_copy(layer)
         extents = self.layout.file.ffn_group_extents(layer, ids)
@@ -557,34 +600,21 @@ class LayerLoader:
             checks += [(f"{down.name} group {g}", offset, base + i * stride, length, sums[g])
                        for i, (g, (offset, length)) in enumerate(zip(ids, extents))]
         nbytes = base + len(ids) * stride
-        t0 = time.perf_counter()
-        self._settle(_GROUP_SCRATCH)  # the last groups' checks must pass before their bytes are overwritten
-        if self._group_scratch is None or len(self._group_scratch) < nbytes + _ALIGN:
-            self._group_scratch = np.empty(nbytes + _ALIGN, dtype=np.uint8)
-        buf = self._group_scratch[-self._group_scratch.ctypes.data % _ALIGN :][:nbytes]
+        scratch = layer % 2
+        self._settle(_GROUP_SCRATCH[scratch])  # its last groups' checks must pass before their bytes are overwritten
+        if self._group_scratch[scratch] is None or len(self._group_scratch[scratch]) < nbytes + _ALIGN:
+            self._group_scratch[scratch] = np.empty(nbytes + _ALIGN, dtype=np.uint8)
+        buf = self._group_scratch[scratch]
+        buf = buf[-buf.ctypes.data % _ALIGN :][:nbytes]
         if self._group_reader is None:
             self._group_reader = _core.Reader(self.layout.file.files, backend=self.reader.backend)
         try:
             handle = submit_into(self._group_reader, pieces, buf, checks)
         except OSError as e:
             raise read_error(e) from None
-        self._wait(handle, landed=True)  # its checks run on while the groups are multiplied: settled by the forward
-        self._checking[_GROUP_SCRATCH] = handle
-        if self._forward is not None:
-            waited = time.perf_counter() - t0
-            self._forward.io_wait_s += waited
-            self._forward.io_busy_s += waited
         self._count_read({layer: nbytes})
-        raw = torch.from_numpy(buf)
-
-        def matrix(at: int, length: int, shape: tuple[int, int], qtype: int) -> EncodedMatrix:
-            return EncodedMatrix(raw[at : at + length], qtype, shape)
-
-        gate, up = blocks["ffn_gate"].qtype, blocks["ffn_up"].qtype
-        return GroupedFFN(
-            down=[matrix(base + i * stride, length, (down.shape[0], n), down.qtype)
-                  for i, (_, length) in enumerate(extents)],
-            runs=[(first, matrix(*g, gate), matrix(*u, up)) for first, g, u in placed])
+        downs = [(base + i * stride, length, (down.shape[0], n), down.qtype) for i, (_, length) in enumerate(extents)]
+        return _GroupRead(ids, handle, torch.from_numpy(buf), downs, runs)
 
     def _row_sums(self, name: str) -> list[int]:
         """The checksums of the row groups of gate/up tensor `name`, asked of the store once."""
@@ -812,6 +842,25 @@ class LayerLoader:
     def _progress(self, what: str, done: int, total: int) -> None:
         if self.on_progress is not None:
             self.on_progress(what, done, total)
+
+
+@dataclass
+class _GroupRead:
+    """A read of some FFN groups of a layer into a group scratch (`LayerLoader._submit_groups`): where each matrix
+    lands, as (offset in the scratch, length, shape, type)."""
+
+    ids: list[int]
+    handle: _core.ReadHandle
+    raw: torch.Tensor  # the scratch's bytes
+    downs: list[tuple[int, int, tuple[int, int], int]]  # each group's down [D, neurons]
+    runs: list[tuple]  # per run of consecutive groups: (first neuron, its gate rows', its up rows')
+
+    def matrices(self) -> GroupedFFN:
+        def matrix(at: int, length: int, shape: tuple[int, int], qtype: int) -> EncodedMatrix:
+            return EncodedMatrix(self.raw[at : at + length], qtype, shape)
+
+        return GroupedFFN(down=[matrix(*d) for d in self.downs],
+                          runs=[(first, matrix(*gate), matrix(*up)) for first, gate, up in self.runs])
 
 
 def _runs(ids: list[int]) -> list[tuple[int, int]]:
