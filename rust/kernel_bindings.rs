@@ -8,8 +8,8 @@ use pyo3::prelude::*;
 use crate::buffer_bindings::Lent;
 use crate::buffers::{self, Access};
 use crate::kernels::{
-    self, Activations8, AttentionShape, BlockCache, BlockSettings, BlockWeights, ColumnGroup, Gate,
-    Isa, KernelError, Matrix, Prologue, QType, RopeKind,
+    self, Activations8, AttentionShape, BlockCache, BlockEnd, BlockSettings, BlockWeights,
+    ColumnGroup, Gate, Isa, KernelError, Matrix, Prologue, QType, RopeKind,
 };
 
 impl From<KernelError> for PyErr {
@@ -338,10 +338,11 @@ fn attend(
 /// [L, Hkv, capacity, hd] hold every block's, block i's the i-th (one block: [Hkv, capacity, hd]); the rotation
 /// and mask as in `attend`. h and the caches are written and must share no memory with each other or any other
 /// buffer. With `gate_up` (float32 [T, 2F], written, sharing no memory either), the last block stops after its
-/// FFN's gate/up products, written there: h then holds the residual stream after its attention.
+/// FFN's gate/up products, written there: h then holds the residual stream after its attention. With
+/// `attention_only`, the last block stops after its attention (its FFN matrices are not read).
 #[pyfunction]
 #[pyo3(signature = (h, d, layers, sequences, *, eps, n_heads, n_kv_heads, head_dim, rope_dim, neox, gate = "silu",
-                    isa = "best", int8 = true, gate_up = None))]
+                    isa = "best", int8 = true, gate_up = None, attention_only = false))]
 #[allow(clippy::too_many_arguments)]
 fn decoder_stack(
     py: Python<'_>,
@@ -359,7 +360,13 @@ fn decoder_stack(
     isa: &str,
     int8: bool,
     gate_up: Option<&Bound<'_, PyAny>>,
+    attention_only: bool,
 ) -> PyResult<()> {
+    if attention_only && gate_up.is_some() {
+        return Err(PyValueError::new_err(
+            "decoder_stack: gate_up and attention_only are two ends of a block: give one",
+        ));
+    }
     let settings = BlockSettings {
         eps,
         attention: attention_shape(n_heads, n_kv_heads, head_dim, rope_dim, neox),
@@ -410,15 +417,12 @@ fn decoder_stack(
                     mask: seq.mask.as_ref().map(|m| m.as_slice()),
                 })
                 .collect();
-            let gate_up = gate_up.as_ref().map(|g| g.as_mut_slice());
-            kernels::decoder_stack(
-                h.as_mut_slice(),
-                d,
-                &weights,
-                &mut caches,
-                settings,
-                gate_up,
-            )
+            let end = match &gate_up {
+                Some(g) => BlockEnd::GateUp(g.as_mut_slice()),
+                None if attention_only => BlockEnd::Attention,
+                None => BlockEnd::Whole,
+            };
+            kernels::decoder_stack(h.as_mut_slice(), d, &weights, &mut caches, settings, end)
         }
     })?;
     Ok(())

@@ -11,10 +11,11 @@ import torch
 import ntio
 from ntio.kernels import cpu_kernels, ops
 from ntio.kernels.ops import SequenceRows
-from ntio.models.layers import rope_tables
+from ntio.models.layers import attention, causal_mask, rope_tables
 from ntio.runtime.engine import Engine, Segment
 from ntio.runtime.kv_cache import KVCache
 from ntio.synth import SynthSpec, write_synthetic_gguf
+from references import rel_l2
 
 PROMPT = "The three primary colors are"
 
@@ -166,6 +167,34 @@ def test_a_stack_refuses_caches_of_another_depth_and_leaves_them_as_they_were(sm
         stack(kv.k[:2], kv.v[:2])
         written = (kv.k.view(torch.int32) != before)[:, :, 0].any(dim=(1, 2))  # per layer, position 0
         assert written.tolist() == [True, True] + [False] * (cfg.n_layers - 2)
+
+
+@torch.inference_mode()
+def test_a_stack_stops_its_last_block_after_attention_or_after_gate_and_up(smollm2_path):
+    """The ends of `ops.decoder_stack`'s last block: after its attention (`attention_only`) and after its gate/up
+    products (`gate_up`) h is the same residual stream, bit for bit, and the per-op path's attention within float
+    rounding; the gate/up products are the per-op path's too; both ends at once are refused."""
+    with ntio.load(smollm2_path, max_context=64) as m:
+        cfg, block = m.config, m.engine.layers.resident_blocks()[3]
+        rope = rope_tables(m.engine.globals.inv_freq, torch.arange(4))
+        h = torch.randn(4, cfg.d_model, generator=torch.Generator().manual_seed(0))
+
+        def stack(**end) -> torch.Tensor:
+            kv = KVCache(cfg, 16, torch.float32, "cpu")
+            rows = SequenceRows(slice(0, 4), kv.k[3], kv.v[3], 0, rope, causal_mask(0, 4, h.device))
+            return ops.decoder_stack(h, [block.kernel_args], [rows], cfg.rms_eps,
+                                     (cfg.n_heads, cfg.n_kv_heads, cfg.head_dim), neox=cfg.family.rope == "neox",
+                                     **end)
+
+        gate_up = torch.empty(4, 2 * cfg.d_ff)
+        attended, before_ffn = stack(attention_only=True), stack(gate_up=gate_up)
+        assert torch.equal(attended, before_ffn) and not torch.equal(attended, stack())
+        kv = KVCache(cfg, 16, torch.float32, "cpu")
+        want = h + attention(h, block, kv.k[3], kv.v[3], 0, rope, causal_mask(0, 4, h.device), cfg, cfg.family.rope)
+        assert rel_l2(attended, want) <= 1e-5
+        assert rel_l2(gate_up, ops.normed_linear(attended, block.ffn_norm, cfg.rms_eps, block.w_gate_up)) <= 1e-5
+        with pytest.raises(ValueError, match="gate_up and attention_only are two ends of a block: give one"):
+            stack(attention_only=True, gate_up=gate_up)
 
 
 @torch.inference_mode()

@@ -144,7 +144,8 @@ def column_groups_matmul(x: Buffer, t: int, k: int, width: int, groups: list[tup
 def decoder_stack(h: Buffer, d: int, layers: list[Layer],
                   sequences: list[tuple[Buffer, Buffer, int, int, Buffer, Buffer, Buffer | None, int]], *,
                   eps: float, n_heads: int, n_kv_heads: int, head_dim: int, rope_dim: int, neox: bool,
-                  gate: str = "silu", isa: str = "best", int8: bool = True) -> None:
+                  gate: str = "silu", isa: str = "best", int8: bool = True, gate_up: Buffer | None = None,
+                  attention_only: bool = False) -> None:
     """A stack of pre-norm decoder blocks over T new tokens of one or several sequences, h [T, D] float32 updated in
     place block after block (GIL released, no return to Python between blocks), each block
     h += Wo attn_sub_norm(attention(rope(Wqkv rms_norm(h) + qkv_bias))), then
@@ -154,7 +155,9 @@ def decoder_stack(h: Buffer, d: int, layers: list[Layer],
     h attend over that cache, with that rotation and mask, as in `attend`; their rows add up to T; each cache
     [L, Hkv, capacity, hd] holds every block's, block i's the i-th (one block: [Hkv, capacity, hd]). Every product
     runs once over all T rows, each row's arithmetic that of a call of its own. h and the caches share no memory
-    with each other or any other buffer; refusals name the buffer."""
+    with each other or any other buffer; refusals name the buffer. With gate_up (float32 [T, 2F]) the last block
+    stops after its FFN's gate/up products, written there; with attention_only, after its attention (its FFN
+    matrices are not read)."""
 def check_kernel_isa(name: str) -> None:
     """ValueError unless kernel set `name` (`best`, `amx`, `avx512`, `avxvnni`, `avx2`, `neon`, `scalar`) exists and
     this CPU runs it."""

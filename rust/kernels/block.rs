@@ -59,16 +59,27 @@ pub struct BlockCache<'a> {
     pub mask: Option<&'a [u8]>,
 }
 
-/// h [T, D] through the block, in place (see the module); `caches` in row order, their rows adding up to T. With
-/// `gate_up`, the block stops after its FFN's gate/up products, written there ([T, 2F]): h holds the residual
-/// stream after the attention, and the rest of the FFN is the caller's.
+/// Where a block stops (`decoder_stack`'s last one).
+pub enum BlockEnd<'o> {
+    /// After its FFN: the whole block.
+    Whole,
+    /// After its FFN's gate/up products, written here ([T, 2F]): h holds the residual stream after the attention,
+    /// and the rest of the FFN is the caller's (a sparse FFN's choice of neurons comes next).
+    GateUp(&'o mut [f32]),
+    /// After its attention: h holds the residual stream after it, and the FFN is the caller's (an FFN whose
+    /// matrices are read once its neurons are chosen).
+    Attention,
+}
+
+/// h [T, D] through the block, in place (see the module), up to `end`; `caches` in row order, their rows adding
+/// up to T.
 fn decoder_block<'a>(
     h: &mut [f32],
     d: usize,
     w: &BlockWeights<'a>,
     caches: &mut [BlockCache],
     s: BlockSettings,
-    gate_up_out: Option<&mut [f32]>,
+    end: BlockEnd,
 ) -> Result<(), KernelError> {
     if d == 0 || h.is_empty() || h.len() % d != 0 {
         return Err(KernelError::Mismatch(format!(
@@ -134,8 +145,10 @@ fn decoder_block<'a>(
     product(&attn, attn_width, attn_out, &[w.wo], &mut update)?;
     add(h, &update);
     let d_ff = w.gate_up.iter().map(|m| m.n).sum::<usize>() / 2;
-    if let Some(out) = gate_up_out {
-        return product(h, d, norm(w.ffn_norm), &w.gate_up, out);
+    match end {
+        BlockEnd::Whole => {}
+        BlockEnd::GateUp(out) => return product(h, d, norm(w.ffn_norm), &w.gate_up, out),
+        BlockEnd::Attention => return Ok(()),
     }
     let mut gate_up = vec![0f32; t * 2 * d_ff];
     product(h, d, norm(w.ffn_norm), &w.gate_up, &mut gate_up)?;
@@ -151,15 +164,14 @@ fn decoder_block<'a>(
 /// h [T, D] through `layers` in order, in place: `decoder_block` layer after layer, without a return to the caller
 /// between layers (a resident model's whole step in one call). Each of `caches` is a sequence's as in
 /// `decoder_block`, but its k and v hold every layer's cache, [L, Hkv, capacity, hd]: layer i takes the i-th.
-/// With `gate_up`, the last layer stops after its FFN's gate/up products, written there [T, 2F] (a sparse FFN's
-/// choice of neurons comes next, outside).
+/// The last layer stops at `end`, the others run whole.
 pub fn decoder_stack(
     h: &mut [f32],
     d: usize,
     layers: &[BlockWeights],
     caches: &mut [BlockCache],
     s: BlockSettings,
-    mut gate_up: Option<&mut [f32]>,
+    mut end: BlockEnd,
 ) -> Result<(), KernelError> {
     let a = s.attention;
     if layers.is_empty() {
@@ -211,7 +223,11 @@ pub fn decoder_stack(
             w,
             &mut layer_caches,
             s,
-            gate_up.take().filter(|_| last),
+            if last {
+                std::mem::replace(&mut end, BlockEnd::Whole)
+            } else {
+                BlockEnd::Whole
+            },
         )?;
     }
     Ok(())

@@ -45,7 +45,7 @@ mod rows;
 mod team;
 
 pub use attention::{attend, AttentionShape, RopeKind};
-pub use block::{decoder_stack, BlockCache, BlockSettings, BlockWeights};
+pub use block::{decoder_stack, BlockCache, BlockEnd, BlockSettings, BlockWeights};
 pub use column_groups::{column_groups_matmul, ColumnGroup};
 pub use dequant::dequantize;
 pub use interleave::permute_in_place;

@@ -414,7 +414,7 @@ class SequenceRows:
 
 def decoder_stack(h: torch.Tensor, layers: list[_core.Layer], sequences: Sequence[SequenceRows], eps: float,
                   heads: tuple[int, int, int], *, neox: bool, gate: str = "silu",
-                  gate_up: torch.Tensor | None = None) -> torch.Tensor:
+                  gate_up: torch.Tensor | None = None, attention_only: bool = False) -> torch.Tensor:
     """h [T, D] (not modified) through a stack of pre-norm blocks in one CPU kernel call (ntio._core.decoder_stack)
     -> [T, D]: each block h + attention(rms_norm(h)), then + gated FFN(rms_norm(.)), with the same products and
     attention as the per-op path, bit for bit, and no return to Python between blocks. layers: each block's
@@ -422,7 +422,8 @@ def decoder_stack(h: torch.Tensor, layers: list[_core.Layer], sequences: Sequenc
     each attending over its own cache [L, Hkv, capacity, hd], the stack's L layers in order (one block: [Hkv,
     capacity, hd]); the other arguments as in `normed_linear` and `cached_attention`. With `gate_up` (float32 [T, 2F],
     contiguous), the last block stops after its FFN's gate/up products, written there: the result is then the
-    residual stream after that block's attention."""
+    residual stream after that block's attention; with `attention_only`, the last block stops after its attention
+    (its FFN matrices are not read: they may view bytes never filled)."""
     choice = _kernels.get()
     n_heads, n_kv_heads, hd = heads
     out = h.clone(memory_format=torch.contiguous_format)
@@ -432,7 +433,8 @@ def decoder_stack(h: torch.Tensor, layers: list[_core.Layer], sequences: Sequenc
               for s in sequences]
     _core.decoder_stack(out.numpy(), h.shape[1], layers, caches, eps=eps, n_heads=n_heads, n_kv_heads=n_kv_heads,
                         head_dim=hd, rope_dim=2 * sequences[0].rope[0].shape[-1], neox=neox, gate=gate,
-                        isa=choice.isa, int8=choice.int8, gate_up=None if gate_up is None else gate_up.numpy())
+                        isa=choice.isa, int8=choice.int8, gate_up=None if gate_up is None else gate_up.numpy(),
+                        attention_only=attention_only)
     return out
 
 

@@ -397,10 +397,14 @@ def _ffn_of_groups(x: torch.Tensor, w: LayerWeights, cfg: ModelConfig, taps: dic
     ids = _kept_groups(keep, d_ff, neurons)
     read = w.ffn_groups.read(ids)
     gate, up = x.new_zeros((n_tokens, d_ff)), x.new_zeros((n_tokens, d_ff))
-    for first, gate_rows, up_rows in read.runs:
-        stop = first + gate_rows.shape[0]
-        gate[:, first:stop] = ops.linear(x, gate_rows)
-        up[:, first:stop] = ops.linear(x, up_rows)
+    # Each run's gate rows then its up rows, all runs in one product (one kernel call on the CPU): [T, 2 · kept].
+    products = ops.linear_concat(x, [m for _, gate_rows, up_rows in read.runs for m in (gate_rows, up_rows)])
+    at = 0
+    for first, gate_rows, _ in read.runs:
+        width = gate_rows.shape[0]
+        gate[:, first : first + width] = products[:, at : at + width]
+        up[:, first : first + width] = products[:, at + width : at + 2 * width]
+        at += 2 * width
     if taps is not None:
         taps["ffn_gate"] = gate
     gated = ops.GATES[cfg.ffn_gate](gate) * up
@@ -440,6 +444,10 @@ def pre_norm_block(
     its gate/up products."""
     if taps is None:
         rows = [SequenceRows(slice(0, h.shape[0]), k_cache, v_cache, start_pos, rope, mask)]
+        if w.ffn_groups is not None and w.ffn_groups.rows:
+            attended = _one_call_attention(h, w, rows, cfg, rope_kind)
+            if attended is not None:
+                return attended + _ffn_of_groups(rms_norm(attended, w.ffn_norm, cfg.rms_eps), w, cfg, None)
         if not w.whole_ffn:
             split = _one_call_to_gate_up(h, w, rows, cfg, rope_kind)
             if split is not None:
@@ -485,13 +493,22 @@ def _one_call_to_gate_up(h: torch.Tensor, w: LayerWeights, sequences: Sequence[S
                          rope_kind: str) -> tuple[torch.Tensor, torch.Tensor] | None:
     """The block's attention and its FFN's gate/up products as one CPU kernel call: (h after the attention [T, D],
     gate_up [T, 2F]), or None where it does not run as one."""
-    if (not ops.uses_cpu_block(h, sequences[0].k_cache) or w.kernel_args is None
-            or (w.ffn_groups is not None and w.ffn_groups.rows)):
-        return None  # (gate and up unread: the block's attention runs alone)
+    if not ops.uses_cpu_block(h, sequences[0].k_cache) or w.kernel_args is None:
+        return None
     gate_up = torch.empty((h.shape[0], 2 * w.w_down.shape[1]), dtype=torch.float32)
     h = ops.decoder_stack(h, [w.kernel_args], sequences, cfg.rms_eps, (cfg.n_heads, cfg.n_kv_heads, cfg.head_dim),
                           neox=rope_kind == "neox", gate=cfg.ffn_gate, gate_up=gate_up)
     return h, gate_up
+
+
+def _one_call_attention(h: torch.Tensor, w: LayerWeights, sequences: Sequence[SequenceRows], cfg: ModelConfig,
+                        rope_kind: str) -> torch.Tensor | None:
+    """h after the block's attention [T, D], as one CPU kernel call, or None where it does not run as one (its FFN
+    matrices are not read: `LayerWeights.ffn_groups.rows`)."""
+    if not ops.uses_cpu_block(h, sequences[0].k_cache) or w.kernel_args is None:
+        return None
+    return ops.decoder_stack(h, [w.kernel_args], sequences, cfg.rms_eps, (cfg.n_heads, cfg.n_kv_heads, cfg.head_dim),
+                             neox=rope_kind == "neox", gate=cfg.ffn_gate, attention_only=True)
 
 
 def _one_call(h: torch.Tensor, w: LayerWeights, sequences: Sequence[SequenceRows], cfg: ModelConfig,
