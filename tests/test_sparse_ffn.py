@@ -132,13 +132,14 @@ def test_the_predicted_rule_keeps_the_predictors_choice_from_the_ffn_input(smoll
     assert torch.equal(mask(seen["x"][:2], None, None), kept) and len(policy.recall) == 1
 
 
-def _masked_mlp(mlp, keep: float, group: int = 1):
+def _masked_mlp(mlp, keep: float, group: int = 1, rule: str = "down"):
     """transformers' SwiGLU MLP with each token keeping its ceil(keep * F / group) groups of `group` consecutive
-    neurons of largest Σ|silu(g) * u|."""
+    neurons of largest Σ|silu(g) * u| (the down rule) or Σ|silu(g)| (the gate rule)."""
 
     def forward(x):
-        a = mlp.act_fn(mlp.gate_proj(x)) * mlp.up_proj(x)  # [B, T, F]
-        score = a.abs().unflatten(-1, (-1, group)).sum(dim=-1)  # [B, T, F / group]
+        act = mlp.act_fn(mlp.gate_proj(x))
+        a = act * mlp.up_proj(x)  # [B, T, F]
+        score = (a if rule == "down" else act).abs().unflatten(-1, (-1, group)).sum(dim=-1)  # [B, T, F / group]
         top = score.topk(math.ceil(keep * score.shape[-1]), dim=-1).indices
         kept = torch.zeros_like(score).scatter_(-1, top, 1.0).repeat_interleave(group, dim=-1)
         return mlp.down_proj(a * kept)
@@ -226,6 +227,32 @@ def test_streamed_layers_read_only_the_kept_down_groups_and_give_transformers_lo
     want = hf_smollm2(torch.tensor([ids + [11]]), use_cache=False).logits[0]
     assert rel_l2(prompt, want[:-1]) <= 1e-4
     assert rel_l2(decode, want[-1]) <= 1e-4
+
+
+@torch.inference_mode()
+def test_the_gate_rule_reads_gate_whole_then_only_its_groups_up_rows_and_down_columns(grouped_smollm2, hf_smollm2,
+                                                                                       monkeypatch):
+    """All layers on disk, read without up and down (seed 002's order): each FFN computes gate whole, chooses its
+    tokens' groups by Σ|silu(gate)|, then reads their up rows and down groups: the logits are transformers' with
+    the same groups zeroed, and a step keeping every group reads the pages around the up rows and every down group
+    in place of the dense up and down, to the byte."""
+    from ntio.formats.store import StoreFile
+
+    prompt, decode, _ = _all_c_pass(grouped_smollm2, SparseFFNPolicy(NeuronSelection("gate", 0.5), group_reads=32))
+    ids = ntio.load(grouped_smollm2, max_context=64).encode_prompt(PROMPT)
+    for layer in hf_smollm2.model.layers:
+        monkeypatch.setattr(layer.mlp, "forward", _masked_mlp(layer.mlp, 0.5, group=32, rule="gate"))
+    want = hf_smollm2(torch.tensor([ids + [11]]), use_cache=False).logits[0]
+    assert rel_l2(prompt, want[:-1]) <= 1e-4
+    assert rel_l2(decode, want[-1]) <= 1e-4
+    _, _, read = _all_c_pass(grouped_smollm2, SparseFFNPolicy(NeuronSelection("gate", 1.0), group_reads=32))
+    _, _, expected = _all_c_pass(grouped_smollm2, None)
+    store = StoreFile(grouped_smollm2)
+    for layer in range(30):
+        up = store.tensors[f"blk.{layer}.ffn_up.weight"]
+        expected -= up.nbytes + store.tensors[f"blk.{layer}.ffn_down.weight"].nbytes
+        expected += -(-(up.offset + up.nbytes) // 4096) * 4096 - up.offset // 4096 * 4096 + 48 * 12288
+    assert read == expected
 
 
 def test_a_corrupt_down_group_fails_the_read_naming_it(grouped_smollm2, tmp_path):

@@ -31,22 +31,23 @@ if TYPE_CHECKING:
 @dataclass(frozen=True)
 class GroupedFFN:
     """The FFN matrices of some of a layer's neuron groups, as `FFNGroups.read` gives them: each group's down
-    [D, neurons] matrix, in the order asked; with `FFNGroups.rows`, per run of consecutive groups (first neuron,
-    its gate rows [m, D], its up rows [m, D])."""
+    [D, neurons] matrix, in the order asked; per run of consecutive groups, (first neuron, its rows [m, D] of each
+    of `FFNGroups.parts` in turn)."""
 
     down: list[EncodedMatrix]
-    runs: list[tuple[int, EncodedMatrix, EncodedMatrix]]
+    runs: list[tuple[int, list[EncodedMatrix]]]
 
 
 @dataclass(frozen=True)
 class FFNGroups:
-    """A layer's FFN matrices not read with it: its down matrix [D, F] (a load policy's "down_later" decision), or
-    with `rows` its gate, up and down matrices ("ffn_later"). The FFN reads the groups of `neurons` consecutive
-    neurons its tokens keep, once it knows them, and multiplies only those."""
+    """A layer's FFN matrices not read with it: its down matrix [D, F] and the matrices named in `parts`, read by
+    rows ("ffn_gate", "ffn_up"): a load policy's "down_later" (no parts), "up_later" (up) or "ffn_later" (gate
+    and up) decision. The FFN reads the groups of `neurons` consecutive neurons its tokens keep, once it knows
+    them, and multiplies only those."""
 
     neurons: int
     read: Callable[[list[int]], GroupedFFN]  # sorted group ids -> their matrices
-    rows: bool = False
+    parts: tuple[str, ...] = ()
 
 
 @dataclass
@@ -340,12 +341,12 @@ def gated_ffn(h: torch.Tensor, w: LayerWeights, cfg: ModelConfig, taps: dict[str
     With `w.ffn_rows`, only those neurons are computed and the others count as 0 (the down projection is whole);
     with `w.ffn_mask`, each token's down product takes only the neurons it keeps; with `w.ffn_groups`, the groups
     of down that some token keeps are read then, and the product runs over them alone (`ops.column_groups_linear`);
-    with `w.ffn_groups.rows`, the mask chooses from x alone and only the kept groups' gate and up rows are read and
-    computed too (`_ffn_of_groups`). taps["ffn_gate"] receives the gate pre-activations [T, F] (zeros for neurons
+    with `w.ffn_groups.parts`, only the kept groups' rows of those matrices are read and computed too, the mask
+    choosing before they are (`_ffn_of_groups`). taps["ffn_gate"] receives the gate pre-activations [T, F] (zeros for neurons
     not computed) when taps is given.
     """
     eps = cfg.rms_eps
-    if w.ffn_groups is not None and w.ffn_groups.rows:
+    if w.ffn_groups is not None and w.ffn_groups.parts:
         return _ffn_of_groups(rms_norm(h, w.ffn_norm, eps), w, cfg, taps)
     if w.ffn_rows is None:
         gate_up = ops.normed_linear(h, w.ffn_norm, eps, w.w_gate_up)  # [T, 2F]: gate | up
@@ -389,22 +390,26 @@ def _grouped_down(gated: torch.Tensor, ids: list[int], neurons: int, read: Group
 
 def _ffn_of_groups(x: torch.Tensor, w: LayerWeights, cfg: ModelConfig, taps: dict[str, torch.Tensor] | None
                    ) -> torch.Tensor:
-    """The FFN of a layer read without gate, up and down (`w.ffn_groups.rows`), from its normed input x [T, D]:
-    `w.ffn_mask` chooses each token's neurons from x alone, the groups some token keeps are read, and each token
-    computes its kept neurons (the others count as 0, as `gated_ffn` with the same mask computes them)."""
-    n_tokens, d_ff, neurons = x.shape[0], w.w_down.shape[1], w.ffn_groups.neurons
-    keep = None if w.ffn_mask is None else w.ffn_mask(x, None, None)  # [T, F] bool
-    ids = _kept_groups(keep, d_ff, neurons)
-    read = w.ffn_groups.read(ids)
-    gate, up = x.new_zeros((n_tokens, d_ff)), x.new_zeros((n_tokens, d_ff))
-    # Each run's gate rows then its up rows, all runs in one product (one kernel call on the CPU): [T, 2 · kept].
-    products = ops.linear_concat(x, [m for _, gate_rows, up_rows in read.runs for m in (gate_rows, up_rows)])
+    """The FFN of a layer read without up and down, or without gate, up and down (`w.ffn_groups.parts`), from its
+    normed input x [T, D]: `w.ffn_mask` chooses each token's neurons from x (and the gate products where gate was
+    read), the groups some token keeps are read, and each token computes its kept neurons (the others count as 0,
+    as `gated_ffn` with the same mask computes them)."""
+    n_tokens, d_ff, groups = x.shape[0], w.w_down.shape[1], w.ffn_groups
+    gate = up = None
+    if "ffn_gate" not in groups.parts:  # read with the layer
+        gate = ops.linear(x, ops.split_rows(w.w_gate_up, d_ff)[0])
+    keep = None if w.ffn_mask is None else w.ffn_mask(x, gate, None)  # [T, F] bool
+    ids = _kept_groups(keep, d_ff, groups.neurons)
+    read = groups.read(ids)
+    products = {part: x.new_zeros((n_tokens, d_ff)) for part in groups.parts}
+    # Every run's rows of every part read, in one product (one kernel call on the CPU): [T, parts · kept].
+    together = ops.linear_concat(x, [m for _, matrices in read.runs for m in matrices])
     at = 0
-    for first, gate_rows, _ in read.runs:
-        width = gate_rows.shape[0]
-        gate[:, first : first + width] = products[:, at : at + width]
-        up[:, first : first + width] = products[:, at + width : at + 2 * width]
-        at += 2 * width
+    for first, matrices in read.runs:
+        for part, m in zip(groups.parts, matrices):
+            products[part][:, first : first + m.shape[0]] = together[:, at : at + m.shape[0]]
+            at += m.shape[0]
+    gate, up = products.get("ffn_gate", gate), products["ffn_up"]
     if taps is not None:
         taps["ffn_gate"] = gate
     gated = ops.GATES[cfg.ffn_gate](gate) * up
@@ -412,7 +417,7 @@ def _ffn_of_groups(x: torch.Tensor, w: LayerWeights, cfg: ModelConfig, taps: dic
         gated = gated * keep
     if w.ffn_sub_norm is not None:
         gated = rms_norm(gated, w.ffn_sub_norm, cfg.rms_eps)
-    return _grouped_down(gated, ids, neurons, read)
+    return _grouped_down(gated, ids, groups.neurons, read)
 
 
 def _sparse_gate_up(x: torch.Tensor, w: LayerWeights) -> tuple[torch.Tensor, torch.Tensor]:
@@ -444,7 +449,7 @@ def pre_norm_block(
     its gate/up products."""
     if taps is None:
         rows = [SequenceRows(slice(0, h.shape[0]), k_cache, v_cache, start_pos, rope, mask)]
-        if w.ffn_groups is not None and w.ffn_groups.rows:
+        if w.ffn_groups is not None and w.ffn_groups.parts:
             attended = _one_call_attention(h, w, rows, cfg, rope_kind)
             if attended is not None:
                 return attended + _ffn_of_groups(rms_norm(attended, w.ffn_norm, cfg.rms_eps), w, cfg, None)
@@ -504,7 +509,7 @@ def _one_call_to_gate_up(h: torch.Tensor, w: LayerWeights, sequences: Sequence[S
 def _one_call_attention(h: torch.Tensor, w: LayerWeights, sequences: Sequence[SequenceRows], cfg: ModelConfig,
                         rope_kind: str) -> torch.Tensor | None:
     """h after the block's attention [T, D], as one CPU kernel call, or None where it does not run as one (its FFN
-    matrices are not read: `LayerWeights.ffn_groups.rows`)."""
+    matrices are not all read: `LayerWeights.ffn_groups.parts`)."""
     if not ops.uses_cpu_block(h, sequences[0].k_cache) or w.kernel_args is None:
         return None
     return ops.decoder_stack(h, [w.kernel_args], sequences, cfg.rms_eps, (cfg.n_heads, cfg.n_kv_heads, cfg.head_dim),

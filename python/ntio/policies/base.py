@@ -12,6 +12,9 @@ layer, or a streamed one needed at once, ahead = 0 and the layer computes next. 
     chosen each token's neurons, the FFN reads the groups of down its tokens keep from the store's group-major copy
     (`convert --layout ffn-groups`) and multiplies only those. The loader reads a resident layer whole whatever
     the answer (its down is in memory: the mask alone applies), and so where the file has no group copy.
+  * `UP_LATER`: the whole layer except its FFN up and down matrices. Once the attention and the gate products
+    are computed, `ffn_mask` chooses each token's groups from them (called with up = None), and the FFN reads the
+    up rows and the down groups of the groups its tokens keep (seed 002's order of reads).
   * `FFN_LATER`: the whole layer except its FFN gate, up and down matrices. Once the attention is computed,
     `ffn_mask` chooses each token's groups without them (called with gate = up = None), and the FFN reads the gate
     and up rows and the down groups of the groups its tokens keep, and computes only those. Where the policy knows
@@ -51,7 +54,7 @@ import torch
 
 @dataclass(frozen=True)
 class LoadDecision:
-    kind: str  # "all" | "skip" | "rows" | "down_later" | "ffn_later"
+    kind: str  # "all" | "skip" | "rows" | "down_later" | "up_later" | "ffn_later"
     rows: tuple[tuple[int, int], ...] = ()  # "rows": sorted, disjoint [start, stop) FFN neuron ranges
 
     @staticmethod
@@ -70,6 +73,7 @@ FFNMask = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 LOAD_ALL = LoadDecision("all")
 SKIP = LoadDecision("skip")
 DOWN_LATER = LoadDecision("down_later")
+UP_LATER = LoadDecision("up_later")
 FFN_LATER = LoadDecision("ffn_later")
 
 

@@ -42,7 +42,7 @@ import torch
 import torch.nn.functional as F
 
 from ntio.errors import ModelFormatError
-from ntio.policies.base import DOWN_LATER, FFN_LATER, LOAD_ALL, FFNMask, LoadDecision, LoadPolicy
+from ntio.policies.base import DOWN_LATER, FFN_LATER, LOAD_ALL, UP_LATER, FFNMask, LoadDecision, LoadPolicy
 
 RULES = ("down", "gate", "predicted")
 
@@ -181,8 +181,9 @@ class SparseFFNPolicy(LoadPolicy):
     """Has the FFN keep `selection`'s neurons (`groups`: per layer, else the selection's own; `predictors`: per
     layer, for the "predicted" rule, whose units are their groups). With `group_reads` (neurons per group of a
     store's FFN layout) the units are those groups and streamed layers are read in part: without down, whose kept
-    groups the FFN reads once gate and up are known ("down", "gate"), or without gate, up and down, whose kept
-    groups' rows and columns the FFN reads once the predictor has chosen them from its input ("predicted").
+    groups the FFN reads once gate and up are known ("down"); without up and down, whose kept groups' rows and
+    columns it reads once gate is known ("gate"); or without gate, up and down, whose kept groups' rows and
+    columns it reads once the predictor has chosen them from its input ("predicted").
     Without, every layer is read whole. Counts, per layer, the passes and the share of units the union of a
     pass's tokens kept; where gate and up are computed whole, how many of the "down" rule's units the predictors
     kept."""
@@ -213,8 +214,10 @@ class SparseFFNPolicy(LoadPolicy):
     def decide(self, layer: int, ahead: int) -> LoadDecision:
         if self.group_reads is None:
             return LOAD_ALL
-        if self.selection.rule != "predicted":
+        if self.selection.rule == "down":
             return DOWN_LATER
+        if self.selection.rule == "gate":
+            return UP_LATER
         return FFN_LATER if layer in self.predictors else LOAD_ALL
 
     def ffn_mask(self, layer: int) -> FFNMask | None:

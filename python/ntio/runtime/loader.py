@@ -133,7 +133,9 @@ _ROW_PARTS = ("ffn_gate", "ffn_up")
 _GROUP_SCRATCH = (-1, -2)
 # Block parts not read whole, by decision kind.
 _PARTIAL_PARTS = {"all": (), "skip": (), "rows": _ROW_PARTS, "down_later": ("ffn_down",),
-                  "ffn_later": ("ffn_gate", "ffn_up", "ffn_down")}
+                  "up_later": ("ffn_up", "ffn_down"), "ffn_later": ("ffn_gate", "ffn_up", "ffn_down")}
+# Decision kinds whose FFN groups are read once chosen, and the matrices of which each reads the groups' rows.
+_GROUP_ROWS = {"down_later": (), "up_later": ("ffn_up",), "ffn_later": _ROW_PARTS}
 
 
 def _plan_layer(layout: WeightLayout, layer: int, verify: bool) -> _LayerRead:
@@ -186,7 +188,7 @@ class LayerLoader:
         except OSError as e:
             raise read_error(e) from None
         self._reads = [_plan_layer(layout, i, verify) for i in range(cfg.n_layers)]
-        # A "down_later" or "ffn_later" layer's FFN groups land in the scratch of its layer's parity, so that a
+        # A "down_later", "up_later" or "ffn_later" layer's FFN groups land in the scratch of its layer's parity, so a
         # layer's groups can be read ahead while the layer before multiplies its own (grown to the most a read asks).
         self._group_neurons: int | None = None if self.cuda else getattr(layout.file, "ffn_group_neurons", None)
         self._group_scratch: list[np.ndarray | None] = [None, None]
@@ -516,11 +518,10 @@ class LayerLoader:
         return weights
 
     def _decide(self, layer: int, ahead: int) -> LoadDecision:
-        """The policy's decision for a streamed layer's read: "down_later" and "ffn_later" only where the file has
-        the FFN layout and the layer computes on the CPU (else the whole layer)."""
+        """The policy's decision for a streamed layer's read: "down_later", "up_later" and "ffn_later" only where the
+        file has the FFN layout and the layer computes on the CPU (else the whole layer)."""
         decision = self.policy.decide(layer, ahead)
-        later = decision.kind in ("down_later", "ffn_later")
-        return LOAD_ALL if later and self._group_neurons is None else decision
+        return LOAD_ALL if decision.kind in _GROUP_ROWS and self._group_neurons is None else decision
 
     def _group_copy(self, layer: int) -> tuple[int, list[int]]:
         """(stride, checksums) of `layer`'s down copy, asked of the index once: bytes between groups (a group in whole
@@ -532,12 +533,12 @@ class LayerLoader:
             self._group_copies[layer] = copy
         return copy
 
-    def _read_groups(self, layer: int, rows: bool, ids: list[int]) -> GroupedFFN:
+    def _read_groups(self, layer: int, parts: tuple[str, ...], ids: list[int]) -> GroupedFFN:
         """Groups `ids` of `layer`'s FFN, valid until the next read into its scratch: each group's down [D, neurons]
-        matrix from the store's group-major copy, and with `rows` the gate and up rows of each run of consecutive
-        groups from their dense tensors (each run read in whole pages around its rows). Read now, unless the policy
-        chose them ahead and they were read while the layer before computed (`_read_ahead`); then, with `rows`, the
-        next layer's groups are read ahead where the policy has chosen them. Every group's bytes are checked against
+        matrix from the store's group-major copy, and the rows of each run of consecutive groups of the matrices
+        in `parts` from their dense tensors (each run read in whole pages around its rows). Read now, unless the policy
+        chose them ahead and they were read while the layer before computed (`_read_ahead`); then the next layer's
+        groups are read ahead where the policy has chosen them. Every group's bytes are checked against
         their checksum while they are multiplied, as a streamed layer's are: the forward raises at its end if one
         fails, and the next read into the scratch waits for them."""
         read = self._groups_ahead.pop(layer, None)
@@ -549,15 +550,14 @@ class LayerLoader:
             read = None
         t0 = time.perf_counter()
         if read is None:
-            read = self._submit_groups(layer, rows, ids)
+            read = self._submit_groups(layer, parts, ids)
         self._wait(read.handle, landed=True)  # its checks run on while the groups are multiplied
         self._checking[_GROUP_SCRATCH[layer % 2]] = read.handle
         if self._forward is not None:
             waited = time.perf_counter() - t0
             self._forward.io_wait_s += waited
             self._forward.io_busy_s += waited
-        if rows:
-            self._read_ahead(layer + 1)
+        self._read_ahead(layer + 1)
         return read.matrices()
 
     def _read_ahead(self, layer: int) -> None:
@@ -568,17 +568,17 @@ class LayerLoader:
         ids = self.policy.ahead_groups(layer)
         if (ids is not None and layer in self.groups[self._group_of[layer]].streamed
                 and self._decide(layer, 0).kind == "ffn_later"):
-            self._groups_ahead[layer] = self._submit_groups(layer, True, ids)
+            self._groups_ahead[layer] = self._submit_groups(layer, _ROW_PARTS, ids)
 
-    def _submit_groups(self, layer: int, rows: bool, ids: list[int]) -> _GroupRead:
+    def _submit_groups(self, layer: int, parts: tuple[str, ...], ids: list[int]) -> _GroupRead:
         """Start reading groups `ids` of `layer` into the scratch of its parity (see `_read_groups`)."""
         n, blocks = self._group_neurons, self.layout.blocks[layer]
         pieces: list[tuple[int, int, int]] = []  # (file offset, length, offset in the scratch), whole pages
         checks: list[Check] = []
-        runs = []  # per run: (first neuron, gate rows' and up rows' (offset in the scratch, length, shape))
-        for first, stop in _runs(ids) if rows else []:
-            parts = []
-            for part in _ROW_PARTS:
+        runs = []  # per run: (first neuron, each part's rows (offset in the scratch, length, shape, type))
+        for first, stop in _runs(ids) if parts else []:
+            rows = []
+            for part in parts:
                 info = blocks[part]
                 offset, length = row_extent(self.layout.file, info.name, first * n, stop * n)
                 start = offset - offset % _ALIGN
@@ -589,8 +589,8 @@ class LayerLoader:
                     sums = self._row_sums(info.name)
                     checks += [(f"{info.name} group {g}", offset + i * group_bytes, at + i * group_bytes,
                                 group_bytes, sums[g]) for i, g in enumerate(range(first, stop))]
-                parts.append((at, length, ((stop - first) * n, info.shape[1]), info.qtype))
-            runs.append((first * n, *parts))
+                rows.append((at, length, ((stop - first) * n, info.shape[1]), info.qtype))
+            runs.append((first * n, rows))
         down = blocks["ffn_down"]
         stride, sums = self._group_copy(layer)
         extents = self.layout.file.ffn_group_extents(layer, ids)
@@ -668,7 +668,7 @@ class LayerLoader:
         if decision.kind == "skip":
             return []
         tensors = self.layout.blocks[layer]
-        if decision.kind in ("down_later", "ffn_later"):
+        if decision.kind in _GROUP_ROWS:
             return plan_subset_read(read.extents, [(info.offset, info.nbytes) for part, info in tensors.items()
                                                    if part not in _PARTIAL_PARTS[decision.kind]])
         if decision.rows[-1][1] > self.layout.cfg.d_ff:
@@ -767,10 +767,10 @@ class LayerLoader:
                 self._slot_weights[layer, pending.index] = weights
             if decision.kind == "rows":
                 weights = dataclasses.replace(weights, ffn_rows=decision.rows)
-            elif decision.kind in ("down_later", "ffn_later"):
-                rows = decision.kind == "ffn_later"
+            elif decision.kind in _GROUP_ROWS:
+                parts = _GROUP_ROWS[decision.kind]
                 weights = weights.choosing_ffn(ffn_groups=FFNGroups(
-                    self._group_neurons, functools.partial(self._read_groups, layer, rows), rows))
+                    self._group_neurons, functools.partial(self._read_groups, layer, parts), parts))
             self._blocks[layer] = weights
 
     def _to_device(self, group: int, index: int, layers: list[int]) -> torch.Tensor:
@@ -853,14 +853,14 @@ class _GroupRead:
     handle: _core.ReadHandle
     raw: torch.Tensor  # the scratch's bytes
     downs: list[tuple[int, int, tuple[int, int], int]]  # each group's down [D, neurons]
-    runs: list[tuple]  # per run of consecutive groups: (first neuron, its gate rows', its up rows')
+    runs: list[tuple[int, list[tuple]]]  # per run of consecutive groups: (first neuron, each part's rows)
 
     def matrices(self) -> GroupedFFN:
         def matrix(at: int, length: int, shape: tuple[int, int], qtype: int) -> EncodedMatrix:
             return EncodedMatrix(self.raw[at : at + length], qtype, shape)
 
         return GroupedFFN(down=[matrix(*d) for d in self.downs],
-                          runs=[(first, matrix(*gate), matrix(*up)) for first, gate, up in self.runs])
+                          runs=[(first, [matrix(*rows) for rows in parts]) for first, parts in self.runs])
 
 
 def _runs(ids: list[int]) -> list[tuple[int, int]]:
