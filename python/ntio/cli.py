@@ -258,8 +258,8 @@ def _sparse_options(f):
                           "|silu(gate)·up| (down), |silu(gate)| (gate), or scored from the FFN's input alone by "
                           "--ffn-predictors (predicted); the others count as 0. On a store with the FFN layout "
                           "(`ntio convert --layout ffn-groups`) a unit is one of its neuron groups, and only the "
-                          "groups kept are read (predicted: their gate and up rows too); else single neurons "
-                          "(predicted: the predictors' groups), every byte read")(f)
+                          "groups kept are read (gate: their up rows too; predicted: their gate and up rows too); "
+                          "else single neurons (predicted: the predictors' groups), every byte read")(f)
     return f
 
 

@@ -23,11 +23,11 @@ This module prices a rule in perplexity: the FFN computes exactly the kept neuro
 model file as it is, every byte is still read. On a store with the ffn-groups layout (`ntio convert --layout
 ffn-groups`: each down matrix also stored group-major, a group one quantization block of neurons, 32 or 256), the
 units are those groups and the policy reads less: each streamed layer is read without its down matrix
-(`DOWN_LATER`), and once gate and up are computed the FFN reads only the down groups its tokens keep; under the
-predicted rule, without gate, up and down (`FFN_LATER`): the FFN reads only the kept groups' gate and up rows
-(checked against the layout's checksum of each group's rows) and down groups, submitted as soon as the layer before
-has chosen them (`ahead_groups`), so they come off the disk while that layer computes.
-Kept neurons
+(`DOWN_LATER`), and once gate and up are computed the FFN reads only the down groups its tokens keep; under the gate
+rule, without up and down (`UP_LATER`): gate computed whole chooses, then the kept groups' up rows and down groups
+are read; under the predicted rule, without gate, up and down (`FFN_LATER`): the FFN reads only the kept groups'
+gate and up rows (checked against the layout's checksum of each group's rows) and down groups, submitted as soon as
+the layer before has chosen them (`ahead_groups`), so they come off the disk while that layer computes. Kept neurons
 of different tokens differ: a pass over T tokens computes each token with its own (as decoding it alone would) and
 reads the union; `SparseFFNPolicy.union_fraction` reports the share of units at least one token of the pass kept.
 """
