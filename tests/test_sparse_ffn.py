@@ -255,6 +255,27 @@ def test_the_gate_rule_reads_gate_whole_then_only_its_groups_up_rows_and_down_co
     assert read == expected
 
 
+def test_a_store_with_the_ffn_layout_plans_room_for_its_group_reads(grouped_smollm2, smollm2_path):
+    """Streamed from a store with the FFN layout, the plan's staging holds the two group scratches besides the slots
+    (each at least every group of the largest layer: its gate and up rows and its down copy's groups), up to the
+    rounding of the staging pool to whole 2 MiB pages; resident, neither has staging."""
+    from click.testing import CliRunner
+
+    from ntio.cli import main as cli
+    from ntio.formats.store import StoreFile
+
+    def staging(path, tiers: str) -> int:
+        result = CliRunner().invoke(cli, ["plan", str(path), "--tiers", tiers, "--json"])
+        assert result.exit_code == 0, result.output
+        return json.loads(result.output)["parts"]["staging"]
+
+    store = StoreFile(grouped_smollm2)
+    one_read = max(store.tensors[f"blk.{i}.ffn_gate.weight"].nbytes + store.tensors[f"blk.{i}.ffn_up.weight"].nbytes
+                   + 48 * 12288 for i in range(30))
+    assert staging(grouped_smollm2, "C") - staging(smollm2_path, "C") >= 2 * one_read - 2**21
+    assert staging(grouped_smollm2, "A") == staging(smollm2_path, "A") == 0
+
+
 def test_a_corrupt_down_group_fails_the_read_naming_it(grouped_smollm2, tmp_path):
     from ntio.errors import ModelFormatError
     from ntio.formats.store import StoreFile

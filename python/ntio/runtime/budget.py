@@ -5,8 +5,9 @@ like a layer), the token embedding (resident, or its rows read on demand), the K
 prefill runs in chunks of `engine.PREFILL_CHUNK` tokens or fewer, dequantized products in row chunks of
 `ops.SCRATCH_BYTES`, on CPU only where `ops.dequantizes` (types the kernels lack; chunks of more than
 `ops.KERNEL_ROWS` tokens with float32 activations, scalar kernels or dense weights), logits for the one position
-generation samples or `engine.LOGITS_BYTES` of scored positions at a time), the staging slots when anything streams,
-and the tier A/B layers. The Python interpreter and its libraries,
+generation samples or `engine.LOGITS_BYTES` of scored positions at a time), the staging slots when anything streams
+(with a store's FFN layout, on the CPU, the two scratches a sparse FFN reads its groups into beside them), and the
+tier A/B layers. The Python interpreter and its libraries,
 the parsed metadata and the tokenizer are already allocated when the default budget is measured
 (ntio.runtime.memory), so they are not in it.
 """
@@ -49,6 +50,9 @@ class MemoryNeeds:
     layers: list[int]  # bytes of each packed block buffer
     group_size: int
     staging_slots: int  # the group being computed + the groups read ahead
+    # The two FFN group scratches of a streamed sparse FFN (`loader.LayerLoader._submit_groups`): a store with the
+    # FFN layout is made for that, so they are planned whenever layers stream on the CPU from one (0: no layout)
+    group_scratch: int = 0
 
     def largest_group(self, tiers: list[str] | None = None) -> int:
         """Bytes of the largest group of streamed layers (every layer counts as streamed if tiers is None)."""
@@ -63,6 +67,7 @@ class MemoryNeeds:
         `loader.LayerLoader` cuts the head so)."""
         head_chunk = min(_aligned(self.head), self.largest_group()) if head_streamed else 0
         total = self.staging_slots * max(self.largest_group(tiers), head_chunk)
+        total += self.group_scratch if self.largest_group(tiers) else 0
         huge = _core.HUGE_PAGE  # pools this large are mapped in whole huge pages
         return -(-total // huge) * huge if total >= huge else total
 
@@ -91,7 +96,20 @@ def memory_needs(
     activations = scratch + 4 * tokens * per_token + logits
     layers = [layout.block_nbytes(i) + len(layout.blocks[i]) * _ALIGN for i in range(cfg.n_layers)]
     norms = layout.output_norm.n_elements * 4
-    return MemoryNeeds(norms, layout.head.nbytes, token_embd, kv, activations, layers, group_size, staging_slots)
+    neurons = None if cuda else getattr(layout.file, "ffn_group_neurons", None)
+    scratch = 0 if neurons is None else 2 * max(_group_read_bound(layout, i, neurons) for i in range(cfg.n_layers))
+    return MemoryNeeds(norms, layout.head.nbytes, token_embd, kv, activations, layers, group_size, staging_slots,
+                       scratch)
+
+
+def _group_read_bound(layout: WeightLayout, layer: int, neurons: int) -> int:
+    """The most one read of `layer`'s FFN groups takes in a group scratch: every group's down copy, and the gate and up
+    rows of at most one run per two groups (kept and dropped alternating), each run widened by up to a page at
+    either end."""
+    blocks, groups = layout.blocks[layer], layout.cfg.d_ff // neurons
+    (_, length), = layout.file.ffn_group_extents(layer, [0])
+    rows = sum(blocks[part].nbytes + 2 * _ALIGN * -(-groups // 2) for part in ("ffn_gate", "ffn_up") if part in blocks)
+    return groups * _aligned(length) + rows
 
 
 @dataclass(frozen=True)
