@@ -56,10 +56,11 @@ import ntio
 from bigger_than_ram import machine
 from ntio.fetch import resolve_model
 from ntio.formats.gguf_metadata import copy_metadata
-from ntio.formats.store import StoreFile, convert, group_neurons
+from ntio.formats.store import StoreFile, convert, widest_group_neurons
 from ntio.plots import check_figure_path, pyplot, save_png
 from ntio.policies.base import FFNMask, LoadPolicy
 from ntio.policies.sparse_ffn import RULES, NeuronSelection, SparseFFNPolicy, UnitPredictor, consecutive_groups
+from ntio.policies.sparse_ffn import fit_predictors as fit_unit_predictors
 
 ROOT = Path(__file__).resolve().parent.parent
 CTX = 512
@@ -160,10 +161,10 @@ def fit_predictors(recorder: Recorder, neurons: int, args: argparse.Namespace) -
     """One predictor per layer of units of `neurons` consecutive neurons, fitted on the recorded calibration tokens
     to the "down" rule's unit scores from the layer before's FFN input (the first layer's: its own), as `ntio
     calibrate --ffn-predictors` fits them."""
-    return {layer: UnitPredictor.fit(torch.cat(recorder.inputs[max(layer - 1, 0)]),
-                                     torch.cat(recorder.activations[layer]).float().unflatten(1, (-1, neurons)).sum(2),
-                                     args.predictor_rank, neurons, args.predictor_epochs)
-            for layer in recorder.inputs}
+    return fit_unit_predictors({layer: torch.cat(x).float() for layer, x in recorder.inputs.items()},
+                               {layer: torch.cat(a).float().unflatten(1, (-1, neurons)).sum(2)
+                                for layer, a in recorder.activations.items()},
+                               neurons, args.predictor_rank, args.predictor_epochs)
 
 
 def price_down_rows(name: str, args: argparse.Namespace, evaluation: str, dense: float) -> list[dict]:
@@ -297,7 +298,8 @@ def measure(name: str, args: argparse.Namespace) -> list[dict]:
                 row["union_by_pass_tokens"] = union_growth(m, policy, eval_ids, args.union_tokens)
                 print(json.dumps(row), flush=True)
                 rows.append(row)
-    neurons = group_neurons(m.file.tensor("blk.0.ffn_down.weight").qtype)
+    # The group size a grouped store of this model has (`ntio convert --layout ffn-groups`).
+    neurons = widest_group_neurons(m.file.tensor(f"blk.{i}.ffn_down.weight").qtype for i in range(m.config.n_layers))
     if args.streamed:  # the units a grouped store reads, priced with the groups given or not
         for rule in args.rules:
             for keep in args.keep:

@@ -572,15 +572,14 @@ def calibrate(corpus, prompts, answer_tokens, output, layers, skip_after, tokens
 def _ffn_unit_neurons(m) -> int:
     """Neurons per unit of the sparse FFN's predictors: the FFN layout's groups, else what `ntio convert --layout
     ffn-groups` would make of this file (one block of the widest down type)."""
-    from ntio.formats.store import group_neurons
+    from ntio.formats.store import widest_group_neurons
 
     if m.config.ffn_gate != "silu":
         raise OptionError("ffn_predictors", f"scores SwiGLU's silu(gate) · up; this model's gate is "
                                             f"{m.config.ffn_gate}")
     neurons = getattr(m.file, "ffn_group_neurons", None)
     if neurons is None:
-        blocks = m.loader.layout.blocks
-        neurons = max(group_neurons(blocks[i]["ffn_down"].qtype) for i in range(m.config.n_layers))
+        neurons = widest_group_neurons(block["ffn_down"].qtype for block in m.loader.layout.blocks)
     return neurons
 
 

@@ -225,17 +225,10 @@ fn check_copy(
     neurons: u64,
     header: &Header,
 ) -> std::result::Result<(), String> {
-    let t = manifest
-        .tensors
-        .iter()
-        .find(|t| t.name == copy.tensor)
-        .ok_or("no such tensor")?;
+    let t = layer_matrix(manifest, &copy.tensor)?;
     // The tensor passed its own checks: a known type, rows of whole blocks.
     let ggml = crate::gguf::ggml_type(t.ggml_type).ok_or("unknown type")?;
-    let width = t.shape[t.shape.len() - 1];
-    if t.layer.is_none() || t.shape.len() != 2 {
-        return Err("not a layer's matrix".into());
-    }
+    let width = t.shape[1];
     if neurons == 0 || neurons % ggml.block != 0 || width % neurons != 0 {
         return Err(format!(
             "{neurons} neurons a group are not whole {} blocks of {} dividing its {width} columns",
@@ -272,6 +265,22 @@ fn check_copy(
     Ok(())
 }
 
+/// The record of tensor `name`, a layer's matrix.
+fn layer_matrix<'m>(
+    manifest: &'m Manifest,
+    name: &str,
+) -> std::result::Result<&'m TensorRecord, String> {
+    let t = manifest
+        .tensors
+        .iter()
+        .find(|t| t.name == name)
+        .ok_or("no such tensor")?;
+    if t.layer.is_none() || t.shape.len() != 2 {
+        return Err("not a layer's matrix".into());
+    }
+    Ok(t)
+}
+
 /// Row groups must be what their tensor makes of `neurons`: a layer's matrix, its rows in whole groups, a checksum
 /// per group.
 fn check_row_groups(
@@ -279,14 +288,7 @@ fn check_row_groups(
     rows: &RowGroups,
     neurons: u64,
 ) -> std::result::Result<(), String> {
-    let t = manifest
-        .tensors
-        .iter()
-        .find(|t| t.name == rows.tensor)
-        .ok_or("no such tensor")?;
-    if t.layer.is_none() || t.shape.len() != 2 {
-        return Err("not a layer's matrix".into());
-    }
+    let t = layer_matrix(manifest, &rows.tensor)?;
     if neurons == 0 || t.rows % neurons != 0 {
         return Err(format!(
             "{neurons} neurons a group do not divide its {} rows",

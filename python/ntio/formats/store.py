@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -204,6 +204,12 @@ def group_neurons(qtype: gguf.GGMLQuantizationType) -> int:
     return FLOAT_GROUP_NEURONS if block == 1 else block
 
 
+def widest_group_neurons(down_types: Iterable[gguf.GGMLQuantizationType]) -> int:
+    """The one group size of a model's FFN layout: the widest block among its down matrices' types (`group_neurons`),
+    so that every layer's groups are whole blocks; 0 for none."""
+    return max((group_neurons(qtype) for qtype in down_types), default=0)
+
+
 def ffn_groups(data: np.ndarray, shape: tuple[int, ...], neurons: int) -> np.ndarray:
     """A down matrix's encoded bytes (row-major [D, F]) -> [G, group_bytes] uint8: group g holds neurons
     [g·n, (g+1)·n) of every row (n = `neurons`, whole blocks of its type), each row's blocks of them in turn, so each
@@ -240,7 +246,7 @@ def convert(source: str | os.PathLike[str], target: str | os.PathLike[str], prog
     groups = [globals_, *layers]
     downs = _down_matrices(layers, g.path) if layout == "ffn-groups" else []
     # One group size for every layer: the widest block of their down types (blocks of 1, 32 or 256 elements).
-    neurons = max((group_neurons(types[t.name]) for t in downs), default=0)
+    neurons = widest_group_neurons(types[t.name] for t in downs)
     copies = {t.name: _group_bytes(t, types[t.name], neurons) for t in downs}  # name -> (groups, group_bytes)
     # Gate and up are read in place (a group is a row range): the manifest records a checksum of each row group.
     gate_up = {t.name for layer in layers for t in layer if downs and t.name.endswith(_ROW_GROUPED)}

@@ -77,7 +77,7 @@ class LayerWeights:
     # keeps, the others counting as 0 in the down product (a load policy's sparse FFN, ntio.policies.sparse_ffn);
     # None: all.
     ffn_mask: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] | None = None
-    # Set where down (with `rows`, gate, up and down) was not read (those matrices then view bytes never filled):
+    # Set where down (and the matrices in its `parts`) was not read (those matrices then view bytes never filled):
     # its groups are read on demand.
     ffn_groups: FFNGroups | None = None
 
@@ -342,8 +342,8 @@ def gated_ffn(h: torch.Tensor, w: LayerWeights, cfg: ModelConfig, taps: dict[str
     with `w.ffn_mask`, each token's down product takes only the neurons it keeps; with `w.ffn_groups`, the groups
     of down that some token keeps are read then, and the product runs over them alone (`ops.column_groups_linear`);
     with `w.ffn_groups.parts`, only the kept groups' rows of those matrices are read and computed too, the mask
-    choosing before they are (`_ffn_of_groups`). taps["ffn_gate"] receives the gate pre-activations [T, F] (zeros for neurons
-    not computed) when taps is given.
+    choosing before they are (`_ffn_of_groups`). taps["ffn_gate"] receives the gate pre-activations [T, F] (zeros
+    for neurons not computed) when taps is given.
     """
     eps = cfg.rms_eps
     if w.ffn_groups is not None and w.ffn_groups.parts:

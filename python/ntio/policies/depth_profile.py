@@ -32,7 +32,7 @@ import torch
 from ntio.decoding.self_draft import Calibration, ExitHeadFit, check_exit_layers, distill_heads, fingerprint
 from ntio.errors import ModelFormatError, NtioError, OptionError
 from ntio.policies.base import LoadPolicy, Observation
-from ntio.policies.sparse_ffn import UnitPredictor, unit_recall, unit_scores
+from ntio.policies.sparse_ffn import fit_predictors, unit_recall, unit_scores
 
 # A corpus shorter than this cannot be split into a fit and a held-out part that say anything; the held-out part
 # also needs two windows (one fits the proxies, one is the profile's samples): `min_calibration_tokens`.
@@ -309,20 +309,18 @@ def fit_ffn_predictors(fit: dict[int, list[tuple[torch.Tensor, torch.Tensor]]],
     rule's units at each of FFN_RECALL_KEEPS, averaged over layers, on `held` -> a calibration's `ffn` payload.
     Layer l's predictor reads layer l - 1's FFN input (the first layer's, its own): its groups are known while
     layer l - 1 computes, so their reads go on meanwhile (ntio.policies.sparse_ffn)."""
-    layers, recall = {}, {keep: [] for keep in FFN_RECALL_KEEPS}
+    def joined(windows: dict) -> tuple[dict[int, torch.Tensor], dict[int, torch.Tensor]]:
+        return ({layer: torch.cat([x for x, _ in parts]).float() for layer, parts in windows.items()},
+                {layer: torch.cat([score for _, score in parts]) for layer, parts in windows.items()})
 
-    def inputs_and_scores(windows: dict, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        x = torch.cat([x for x, _ in windows[max(layer - 1, 0)]])
-        return x.float(), torch.cat([score for _, score in windows[layer]])
-
-    for layer in sorted(fit):
-        predictor = UnitPredictor.fit(*inputs_and_scores(fit, layer), FFN_RANK, neurons)
-        layers[str(layer)] = predictor.state()
-        x, scores = inputs_and_scores(held, layer)
-        predicted = predictor(x)
+    predictors = fit_predictors(*joined(fit), neurons, FFN_RANK)
+    inputs, scores = joined(held)
+    recall = {keep: [] for keep in FFN_RECALL_KEEPS}
+    for layer, predictor in predictors.items():
+        predicted = predictor(inputs[max(layer - 1, 0)])
         for keep in FFN_RECALL_KEEPS:
-            recall[keep].append(unit_recall(predicted, scores, keep))
-    return {"neurons": neurons, "rank": FFN_RANK, "layers": layers,
+            recall[keep].append(unit_recall(predicted, scores[layer], keep))
+    return {"neurons": neurons, "rank": FFN_RANK, "layers": {str(layer): p.state() for layer, p in predictors.items()},
             "recall": {str(keep): sum(v) / len(v) for keep, v in recall.items()}}
 
 

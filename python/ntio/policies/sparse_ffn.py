@@ -157,6 +157,15 @@ class UnitPredictor(torch.nn.Module):
         return predictor.eval().requires_grad_(False)
 
 
+def fit_predictors(inputs: dict[int, torch.Tensor], scores: dict[int, torch.Tensor], neurons: int, rank: int,
+                   epochs: int = 8) -> dict[int, UnitPredictor]:
+    """One predictor per layer of `scores` (layer -> the "down" rule's unit scores [N, G] of N calibration tokens),
+    each fitted to them from the layer before's FFN inputs (layer -> [N, D], the same tokens; the first layer's:
+    its own), as `SparseFFNPolicy` asks them."""
+    return {layer: UnitPredictor.fit(inputs[max(layer - 1, 0)], scores[layer], rank, neurons, epochs)
+            for layer in sorted(scores)}
+
+
 def unit_recall(predicted: torch.Tensor, oracle: torch.Tensor, keep: float) -> float:
     """The share of the units the "down" rule keeps (top `keep` of oracle [N, G], its unit scores) that the top
     `keep` of the predicted scores [N, G] keeps too."""
@@ -279,6 +288,8 @@ def load_predictors(ffn: dict | None, path: str, d_model: int, d_ff: int) -> tup
     if ffn is None:
         raise ModelFormatError(f"{path}: no sparse FFN predictors in it (`ntio calibrate --ffn-predictors` fits them)")
     neurons, predictors = int(ffn["neurons"]), {}
+    if not ffn["layers"]:
+        raise ModelFormatError(f"{path}: its sparse FFN payload holds no predictor")
     for layer, state in ffn["layers"].items():
         rank = state["down"].shape[0]
         if (tuple(state["down"].shape) != (rank, d_model) or tuple(state["up"].shape) != (d_ff // neurons, rank)

@@ -17,8 +17,9 @@ Every block, whatever its tier, is built from the same kind of buffer (one layer
 all tiers run the same ops on the same bytes: streamed and resident results are bit-identical.
 
 What each layer reads is its load policy's decision (ntio.policies), asked before the read is submitted: the whole
-layer (`DensePolicy`, the default), nothing (skip), or a subset of the FFN's gate/up rows. The policy's horizon is
-the read-ahead window, `prefetch_depth` groups of `group_size` layers. Stats count the bytes each layer really read.
+layer (`DensePolicy`, the default), nothing (skip), a subset of the FFN's gate/up rows, or the layer less some of its
+FFN matrices, whose kept neuron groups the FFN reads once it has chosen them (a sparse FFN on a store with the FFN
+layout: `_read_groups`). The policy's horizon is the read-ahead window, `prefetch_depth` groups of `group_size` layers. Stats count the bytes each layer really read.
 
 Interface (SPEC-006 §4.2): load_group / evict_group / prefetch_async / sync, num_groups, layers_per_group; and
 `block(layer)` for the engine. Reads that fail raise ModelFormatError (file truncated) or ModelIOError (EIO, ...),
@@ -30,8 +31,9 @@ checked against the store's xxh3-64 checksum on the reader's I/O thread: a misma
 group is computed on as soon as its bytes land, while they are hashed (hashing them first would put the hash
 between the disk and the compute), and every read a forward computed on must have passed its checks before the
 forward returns (`end_forward`) and before its slot is read into again: nothing computed from bad bytes is ever
-returned, so no token comes from them. A subset read
-verifies the tensors it reads whole; the partly read gate/up rows are not covered by a per-tensor checksum. Tensors
+returned, so no token comes from them. A "rows" read verifies the tensors it reads whole; its partly read gate/up
+rows are not covered by a per-tensor checksum. A sparse FFN's groups are checked against the FFN layout's checksum
+of each group, as a streamed layer's tensors are (settled by the forward). Tensors
 read in pieces (head chunks, embedding rows) are read once whole at start-up, a window at a time, checked against
 the store's checksum and hashed piece by piece; every later read of a piece is checked against its hash. GGUF files
 record no checksums (their structure is validated when parsed).
@@ -405,10 +407,7 @@ class LayerLoader:
             self.evict_group(self._current[0])
         self._dropped_group = None
         for ahead in self._groups_ahead.values():  # read ahead for a layer that never computed: never used
-            try:
-                ahead.handle.wait()
-            except OSError:
-                pass
+            _wait_unused(ahead.handle)
         self._groups_ahead.clear()
         try:
             self._settle()
@@ -542,11 +541,8 @@ class LayerLoader:
         their checksum while they are multiplied, as a streamed layer's are: the forward raises at its end if one
         fails, and the next read into the scratch waits for them."""
         read = self._groups_ahead.pop(layer, None)
-        if read is not None and read.ids != ids:
-            try:  # chosen again otherwise since: never used
-                read.handle.wait()
-            except OSError:
-                pass
+        if read is not None and read.ids != ids:  # chosen otherwise since: never used
+            _wait_unused(read.handle)
             read = None
         t0 = time.perf_counter()
         if read is None:
@@ -576,14 +572,17 @@ class LayerLoader:
         pieces: list[tuple[int, int, int]] = []  # (file offset, length, offset in the scratch), whole pages
         checks: list[Check] = []
         runs = []  # per run: (first neuron, each part's rows (offset in the scratch, length, shape, type))
+        used = 0  # bytes of the scratch the pieces so far fill
         for first, stop in _runs(ids) if parts else []:
             rows = []
             for part in parts:
                 info = blocks[part]
                 offset, length = row_extent(self.layout.file, info.name, first * n, stop * n)
                 start = offset - offset % _ALIGN
-                at = sum(p[1] for p in pieces) + offset - start
-                pieces.append((start, -(-(offset + length) // _ALIGN) * _ALIGN - start, at - offset + start))
+                span = -(-(offset + length) // _ALIGN) * _ALIGN - start
+                pieces.append((start, span, used))
+                at = used + offset - start  # where the rows land
+                used += span
                 group_bytes = length // (stop - first)
                 if self.verify:
                     sums = self._row_sums(info.name)
@@ -594,7 +593,7 @@ class LayerLoader:
         down = blocks["ffn_down"]
         stride, sums = self._group_copy(layer)
         extents = self.layout.file.ffn_group_extents(layer, ids)
-        base = sum(p[1] for p in pieces)
+        base = used
         pieces += [(offset, stride, base + i * stride) for i, (offset, _) in enumerate(extents)]
         if self.verify:
             checks += [(f"{down.name} group {g}", offset, base + i * stride, length, sums[g])
@@ -654,10 +653,7 @@ class LayerLoader:
         """Wait for dropped reads (long since landed, as a rule) so their slots can be reused; errors do not matter:
         no byte of a dropped read is ever computed on."""
         for p in self._dropped:
-            try:
-                p.handle.wait()
-            except OSError:
-                pass
+            _wait_unused(p.handle)
         self._dropped.clear()
 
     def _layer_extents(self, layer: int, decision: LoadDecision) -> list[tuple[int, int, int]]:
@@ -861,6 +857,14 @@ class _GroupRead:
 
         return GroupedFFN(down=[matrix(*d) for d in self.downs],
                           runs=[(first, [matrix(*rows) for rows in parts]) for first, parts in self.runs])
+
+
+def _wait_unused(handle: _core.ReadHandle) -> None:
+    """Wait for a read no byte of which is computed on, so its buffer can be reused: its errors do not matter."""
+    try:
+        handle.wait()
+    except OSError:
+        pass
 
 
 def _runs(ids: list[int]) -> list[tuple[int, int]]:
