@@ -37,7 +37,7 @@ use super::rows::{in_tiles, Activations, GroupKernel, Kernel, RowKernel, GROUP_R
 mod amx;
 mod interleaved;
 mod tiles;
-pub use interleaved::{q4_1_x8, q4_k_x8};
+pub use interleaved::{q4_1_x8, q4_k_x8, Q4K_TILE_MIN_ROWS};
 pub use tiles::{Q6K_TILE_MIN_ROWS, Q8_0_TILE_MIN_ROWS};
 
 /// Whether this CPU runs the kernels of this module.
@@ -1219,7 +1219,7 @@ macro_rules! k_format {
 
 // Q4_K's plain rows: passes over several activation rows regroup each eight rows into the interleaved layout
 // (`interleaved::q4_k_plain`).
-k_format!(blocks::Q4K, span_totals true, int_kernel |p| Kernel::Group(interleaved::q4_k_plain(p)), |b, g| bits32(
+k_format!(blocks::Q4K, span_totals true, int_kernel interleaved::q4_k_plain, |b, g| bits32(
     load32(b.add(16 + 32 * (g / 2))),
     4 * (g % 2),
     0x0F

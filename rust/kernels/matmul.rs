@@ -10,7 +10,7 @@ pub use super::activation::Gate;
 use super::blocks::{self, Dense, Format, GROUP};
 use super::dot;
 use super::q8::Q8Rows;
-use super::rows::{Activations, Kernel, RowKernel, GROUP_ROWS, MAX_T};
+use super::rows::{Activations, Kernel, RowKernel, GROUP_ROWS, MAX_T, WIDE_ROWS};
 use super::team::Team;
 
 /// Least work per task, in multiply-adds (weights x activation rows): ~10 us of integer kernel on one core. With
@@ -170,11 +170,11 @@ impl QType {
     fn interleaved_kernel(self, isa: Isa, activations: Activations8) -> Kernel {
         #[cfg(target_arch = "x86_64")]
         if activations == Activations8::Int8 && isa != Isa::Scalar && super::avx2::available() {
-            return Kernel::Group(if self == QType::Q4KX8 {
+            return if self == QType::Q4KX8 {
                 super::avx2::q4_k_x8(products(isa))
             } else {
-                super::avx2::q4_1_x8(products(isa))
-            });
+                Kernel::Group(super::avx2::q4_1_x8(products(isa)))
+            };
         }
         match self.plain().kernel(isa, activations) {
             Kernel::Row(kernel) => Kernel::Interleaved(kernel),
@@ -188,7 +188,10 @@ impl QType {
 /// Whether interleaved rows have kernels of their own under `isa` and `activations` (else each group is restored
 /// to rows first, slower than plain rows): where they do, resident matrices pay to take the layout.
 pub fn interleaved_kernels(isa: Isa, activations: Activations8) -> bool {
-    matches!(QType::Q4_1X8.kernel(isa, activations), Kernel::Group(_))
+    matches!(
+        QType::Q4_1X8.kernel(isa, activations),
+        Kernel::Group(_) | Kernel::Wide(_)
+    )
 }
 
 /// A block format every kernel set decodes (on x86-64: the AVX2 and AVX-512 decoders too).
@@ -277,8 +280,8 @@ pub enum Isa {
     /// where written, VNNI products elsewhere, AVX-512's or else AVX-VNNI's), AVX2 + FMA, NEON (aarch64: the
     /// integer kernels), else scalar.
     Best,
-    /// `Avx512` with AMX tiles in the integer kernels that have them (Q4_K's, in passes of 8 activation rows or
-    /// more; Q6_K's, of 5 or more; Q8_0's, of 9 or more); refused on a CPU without AMX, or where the OS does not
+    /// `Avx512` with AMX tiles in the integer kernels that have them (Q4_K's and Q6_K's, in passes of 5
+    /// activation rows or more; Q8_0's, of 9 or more); refused on a CPU without AMX, or where the OS does not
     /// grant this process the tile state.
     Amx,
     /// AVX-512 F/BW/VL float kernels where written (quantized types), the AVX2 integer kernels with AVX-512
@@ -556,6 +559,18 @@ pub fn quantized_matmul(
         let _ = span;
         None
     };
+    // Q4_K's AMX kernel takes them by pair of groups (`Q8Rows::pairs`) from Q4K_TILE_MIN_ROWS rows.
+    let pairs_from = |span: usize| -> Option<usize> {
+        #[cfg(target_arch = "x86_64")]
+        if int && products(isa) == super::avx2::Products::Amx {
+            return matrices
+                .iter()
+                .any(|m| m.qtype.span() == Some(span) && matches!(m.qtype, QType::Q4K | QType::Q4KX8))
+                .then_some(super::avx2::Q4K_TILE_MIN_ROWS);
+        }
+        let _ = span;
+        None
+    };
     // Blocks of up to MAX_T activation rows: each weight row meets every block of a tile while it is in L1 cache.
     let blocks: Vec<Activations> = x
         .chunks(MAX_T * k)
@@ -573,6 +588,9 @@ pub fn quantized_matmul(
                         let mut q8 = Q8Rows::in_spans(x, k, s);
                         if columns_from(s).is_some_and(|rows| x.len() / k >= rows) {
                             q8.add_token_columns();
+                        }
+                        if pairs_from(s).is_some_and(|rows| x.len() / k >= rows) {
+                            q8.add_group_pairs();
                         }
                         q8
                     })
@@ -649,17 +667,10 @@ pub fn quantized_matmul(
                     }
                 }
                 Kernel::Group(kernel) => {
-                    let mut y = [[0f32; GROUP_ROWS]; MAX_T];
-                    for c in (start..stop).step_by(GROUP_ROWS) {
-                        let count = (stop - c).min(GROUP_ROWS);
-                        let rows = &m.raw[(c - first) * row_bytes..][..count * row_bytes];
-                        for (bi, a) in blocks.iter().enumerate() {
-                            kernel(a, rows, row_bytes, &mut y);
-                            for (ti, lanes) in y[..a.t].iter().enumerate() {
-                                store(bi, ti, c, &lanes[..count], m.scale);
-                            }
-                        }
-                    }
+                    group_columns(kernel, m, row_bytes, first, start..stop, blocks, &store)
+                }
+                Kernel::Wide(kernel) => {
+                    group_columns(kernel, m, row_bytes, first, start..stop, blocks, &store)
                 }
             }
         }
@@ -674,8 +685,11 @@ pub fn quantized_matmul(
     let threads = team.threads();
     // Equal tasks of at least MIN_TASK_WORK multiply-adds, up to TASKS_PER_THREAD per thread.
     let tasks = (n * k * t / MIN_TASK_WORK).clamp(1, threads * TASKS_PER_THREAD);
-    // Whole groups of weight rows per task (where the matrices' sizes allow).
-    let per_task = n.div_ceil(tasks).next_multiple_of(GROUP_ROWS);
+    // Whole groups of weight rows per task (where the matrices' sizes allow), pairs of them for a wide kernel.
+    let wide = plan.iter().any(|(kernel, ..)| matches!(kernel, Kernel::Wide(_)));
+    let per_task = n
+        .div_ceil(tasks)
+        .next_multiple_of(if wide { WIDE_ROWS } else { GROUP_ROWS });
     if threads == 1 || per_task >= n {
         columns_fn(0..n);
     } else if !team.run(n.div_ceil(per_task), &|i| {
@@ -684,6 +698,31 @@ pub fn quantized_matmul(
         return Err(KernelError::Panicked);
     }
     Ok(())
+}
+
+/// Output columns `columns` of matrix `m` (its first output column `first`, rows of `row_bytes`) for every
+/// activation block, with a group kernel of W rows a call: `store(block, row, column, values, scale)` writes each
+/// call's outputs.
+fn group_columns<const W: usize>(
+    kernel: fn(&Activations, &[u8], usize, &mut [[f32; W]; MAX_T]),
+    m: &Matrix,
+    row_bytes: usize,
+    first: usize,
+    columns: std::ops::Range<usize>,
+    blocks: &[Activations],
+    store: &impl Fn(usize, usize, usize, &[f32], f32),
+) {
+    let mut y = [[0f32; W]; MAX_T];
+    for c in columns.clone().step_by(W) {
+        let count = (columns.end - c).min(W);
+        let rows = &m.raw[(c - first) * row_bytes..][..count * row_bytes];
+        for (bi, a) in blocks.iter().enumerate() {
+            kernel(a, rows, row_bytes, &mut y);
+            for (ti, lanes) in y[..a.t].iter().enumerate() {
+                store(bi, ti, c, &lanes[..count], m.scale);
+            }
+        }
+    }
 }
 
 /// The output base pointer, shared by the tasks of one call (each writes its own elements).

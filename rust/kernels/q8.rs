@@ -39,12 +39,25 @@ pub struct Q8Rows {
     /// The scales by token: tile t0.. of n rows at t0 · spans, as [spans, n].
     #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
     pub column_scales: Vec<f32>,
+    /// The codes by pair of 32-element groups (`add_group_pairs`, else empty), as AMX tiles of activations take
+    /// them for Q4_K: in chunks of up to PAIR_TOKENS rows, chunk c (rows 8c.., n of them) and pair h (groups 2h and
+    /// 2h + 1) one block-diagonal tile [PAIR_TILE_ROWS, 64] at (c · k / 64 + h) · PAIR_TILE_BYTES: row r < n
+    /// holds row 8c + r's codes of group 2h in bytes 0-31, row n + r its codes of group 2h + 1 in bytes 32-63,
+    /// zeros elsewhere. A product with two groups' weight codes so finds each (row, group) sum apart.
+    #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
+    pub pairs: Vec<i8>,
     span: usize,
     k: usize,
 }
 
 /// Activation rows per tile of `Q8Rows::columns`: the rows of an AMX tile.
 pub const COLUMN_TOKENS: usize = 16;
+
+/// Activation rows per chunk of `Q8Rows::pairs`: each tile holds two groups of each.
+pub const PAIR_TOKENS: usize = 8;
+/// Rows of a tile of `Q8Rows::pairs`, and bytes.
+pub const PAIR_TILE_ROWS: usize = 2 * PAIR_TOKENS;
+pub const PAIR_TILE_BYTES: usize = PAIR_TILE_ROWS * 2 * GROUP;
 
 /// Runs of 16 codes side by side in a tile of `Q8Rows::columns` of n rows: 2 up to 8 rows (two runs of 8
 /// columns), else 1.
@@ -111,6 +124,25 @@ impl Q8Rows {
                 }
                 for (si, &scale) in self.scales[(t0 + r) * spans..][..spans].iter().enumerate() {
                     scales[si * n + r] = scale;
+                }
+            }
+        }
+    }
+
+    /// Fills `pairs` (Q4_K's AMX kernel's layout of the codes).
+    #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
+    pub fn add_group_pairs(&mut self) {
+        let k = self.k;
+        let (t, pairs) = (self.codes.len() / k, k / (2 * GROUP));
+        self.pairs = vec![0; t.div_ceil(PAIR_TOKENS) * pairs * PAIR_TILE_BYTES];
+        for (c, chunk) in self.codes.chunks(PAIR_TOKENS * k).enumerate() {
+            let n = chunk.len() / k;
+            let tiles = self.pairs[c * pairs * PAIR_TILE_BYTES..].chunks_exact_mut(PAIR_TILE_BYTES);
+            for (h, tile) in tiles.take(pairs).enumerate() {
+                for (r, row) in chunk.chunks_exact(k).enumerate() {
+                    let (even, odd) = row[2 * GROUP * h..][..2 * GROUP].split_at(GROUP);
+                    tile[2 * GROUP * r..][..GROUP].copy_from_slice(even);
+                    tile[2 * GROUP * (n + r) + GROUP..][..GROUP].copy_from_slice(odd);
                 }
             }
         }
@@ -194,6 +226,7 @@ fn quantize_with(
         lane_sums,
         columns: Vec::new(),
         column_scales: Vec::new(),
+        pairs: Vec::new(),
         span,
         k,
     }

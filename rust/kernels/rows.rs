@@ -20,13 +20,22 @@ pub const GROUP_ROWS: usize = 8;
 /// Each output's arithmetic is its own lane's: it does not depend on count or on the other rows.
 pub type GroupKernel = fn(&Activations, &[u8], usize, &mut [[f32; GROUP_ROWS]; MAX_T]);
 
-/// How a matrix's output columns are computed: one weight row per call, or `GROUP_ROWS` of them.
+/// Weight rows a wide group kernel computes at once: two groups, one per half of an AVX-512 vector's lanes.
+pub const WIDE_ROWS: usize = 2 * GROUP_ROWS;
+
+/// As `GroupKernel`, up to `WIDE_ROWS` rows at once (1 <= count <= WIDE_ROWS).
+pub type WideKernel = fn(&Activations, &[u8], usize, &mut [[f32; WIDE_ROWS]; MAX_T]);
+
+/// How a matrix's output columns are computed: one weight row per call, or `GROUP_ROWS` or `WIDE_ROWS` of them.
 #[derive(Clone, Copy)]
 pub enum Kernel {
     Row(RowKernel),
     /// Only the AVX2 kernels have group kernels so far.
     #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
     Group(GroupKernel),
+    /// Only AMX's Q4_K kernels (`avx2::interleaved`) are wide.
+    #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
+    Wide(WideKernel),
     /// Rows stored interleaved by `GROUP_ROWS` (`interleave`): each group is restored to plain rows, then computed
     /// by the row kernel, so its outputs are the plain rows' bits.
     Interleaved(RowKernel),

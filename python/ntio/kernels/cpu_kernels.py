@@ -27,7 +27,7 @@ Kernel sets: `best` (the widest this CPU runs), `amx`, `avx512`, `avxvnni`, `avx
 environment variable NTIO_CPU_KERNELS forces one for an engine (`KernelChoice.from_env`), and a set the CPU lacks is
 refused. On x86 the 8-bit kernels are AVX2's; `best` and `avx512` give them AVX-512 VNNI's products where the CPU has
 them, `best` and `avxvnni` AVX-VNNI's (Intel client cores without AVX-512) where it has those instead, and `best` and
-`amx` AMX tiles to passes of several rows (Q4_K's of 8 or more, Q6_K's of 5, Q8_0's of 9) where the CPU has AMX,
+`amx` AMX tiles to passes of several rows (Q4_K's and Q6_K's of 5 or more, Q8_0's of 9) where the CPU has AMX,
 all with the same results bit for bit (`avx2` forces the AVX2 products).
 """
 

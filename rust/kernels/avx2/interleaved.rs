@@ -12,7 +12,8 @@
 use std::arch::x86_64::*;
 
 use super::super::blocks::{self, Format, GROUP};
-use super::super::rows::{in_tiles, Activations, GroupKernel, GROUP_ROWS, MAX_T};
+use super::super::q8::{PAIR_TILE_BYTES, PAIR_TILE_ROWS, PAIR_TOKENS};
+use super::super::rows::{in_tiles, Activations, GroupKernel, Kernel, GROUP_ROWS, MAX_T, WIDE_ROWS};
 use super::{
     amx, halves8, int_entries, prefetch, AvxVnni, IntDot, Madd, Products, Vnni, ROW_PREFETCH,
 };
@@ -142,41 +143,42 @@ const K_GROUP_BLOCK: usize = GROUP_ROWS * Q4K::BYTES;
 /// Groups of 32 per span.
 const K_SPAN_GROUPS: usize = Q4K::SPAN / GROUP;
 
-/// `pub fn $name(products: Products) -> GroupKernel`: `$vector(products)`, or for `Products::Amx` the body
-/// `$tiles` (no target features of its own, `#[inline(always)]`) compiled inside an entry point with AVX-512
-/// VNNI's features, which AMX's imply.
+/// `pub fn $name(products: Products) -> Kernel`: `Kernel::Group($vector(products))`, or for `Products::Amx` the
+/// wide kernel `$tiles` (no target features of its own, `#[inline(always)]`) compiled inside an entry point with
+/// AVX-512 VNNI's features, which AMX's imply.
 macro_rules! with_tiles {
     ($(#[$doc:meta])* $name:ident => $vector:ident, $tiles:path) => {
         $(#[$doc])*
-        pub fn $name(products: Products) -> GroupKernel {
+        pub fn $name(products: Products) -> Kernel {
             #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
-            unsafe fn tiles(a: &Activations, rows: &[u8], row_bytes: usize, y: &mut [[f32; GROUP_ROWS]; MAX_T]) {
+            unsafe fn tiles(a: &Activations, rows: &[u8], row_bytes: usize, y: &mut [[f32; WIDE_ROWS]; MAX_T]) {
                 // SAFETY: the caller's contract is the body's, on a CPU with AMX and AVX-512 VNNI.
                 unsafe { $tiles(a, rows, row_bytes, y) }
             }
 
             if products != Products::Amx {
-                return $vector(products);
+                return Kernel::Group($vector(products));
             }
             // SAFETY: `matmul` asks for AMX's products only where `Products::Amx.available()`.
-            |a, rows, row_bytes, y| unsafe { tiles(a, rows, row_bytes, y) }
+            Kernel::Wide(|a, rows, row_bytes, y| unsafe { tiles(a, rows, row_bytes, y) })
         }
     };
 }
 
 with_tiles!(
-    /// The integer group kernel of interleaved Q4_K rows (8-bit activations), with `products` (AMX's: tiles in
-    /// passes of at least TILE_MIN_ROWS activation rows, `k_rows_tiles`). Call only if `products.available()`.
-    q4_k_x8 => q4_k_x8_vector, k_rows_tiles
+    /// The integer kernel of interleaved Q4_K rows (8-bit activations), with `products`: a group kernel, or
+    /// with AMX's a wide one (tiles in passes of at least Q4K_TILE_MIN_ROWS activation rows, `k_wide_rows`).
+    /// Call only if `products.available()`.
+    q4_k_x8 => q4_k_x8_vector, k_wide_rows
 );
 
 with_tiles!(
-    /// The integer group kernel of plain Q4_K rows (as read from the file; 8-bit activations), with `products`:
+    /// The integer kernel of plain Q4_K rows (as read from the file; 8-bit activations), with `products`:
     /// passes of at least REGROUP_ROWS activation rows interleave each whole group of eight weight rows into
-    /// scratch (`regroup`) and compute it as `q4_k_x8` does; shorter passes, and groups of fewer rows, run the row
-    /// kernel (`int_row`). Both give the same bits (`SuperBlock::SPAN_TOTALS`). Call only if
+    /// scratch (`regroup`) and compute them as `q4_k_x8` does; shorter passes, and groups of fewer rows, run the
+    /// row kernel (`int_row`). Both give the same bits (`SuperBlock::SPAN_TOTALS`). Call only if
     /// `products.available()`.
-    q4_k_plain => q4_k_plain_vector, k_plain_rows::<Vnni, true>
+    q4_k_plain => q4_k_plain_vector, k_plain_rows::<Vnni, Tiles, WIDE_ROWS>
 );
 
 int_entries!(
@@ -205,7 +207,7 @@ int_entries!(
 const REGROUP_ROWS: usize = 2;
 
 thread_local! {
-    /// Each kernel thread's scratch for one regrouped group of rows (`k_plain_rows`).
+    /// Each kernel thread's scratch for the regrouped groups of one call (`k_plain_rows`).
     static REGROUPED: std::cell::Cell<Vec<u8>> = const { std::cell::Cell::new(Vec::new()) };
 }
 
@@ -221,34 +223,35 @@ unsafe fn k_plain_rows_vector<D: IntDot>(
     y: &mut [[f32; GROUP_ROWS]; MAX_T],
 ) {
     // SAFETY: the caller's contract.
-    unsafe { k_plain_rows::<D, false>(a, rows, row_bytes, y) }
+    unsafe { k_plain_rows::<D, D, GROUP_ROWS>(a, rows, row_bytes, y) }
 }
 
-/// `count` (1 to 8) plain Q4_K rows (`rows`: count · row_bytes bytes), in the layout's kernel (`k_rows`, or
-/// `k_rows_tiles` if TILES) or row by row (`int_row`); y[t][j] for row j.
+/// `count` (1 to W) plain Q4_K rows (`rows`: count · row_bytes bytes), whole groups of eight in the layout's
+/// kernel K, or row by row (`int_row` with D's products); y[t][j] for row j.
 ///
 /// # Safety
-/// The caller runs with D's features (TILES: AVX-512 VNNI's, on a CPU with AMX).
+/// The caller runs with D's and K's features.
 #[inline(always)]
-unsafe fn k_plain_rows<D: IntDot, const TILES: bool>(
+unsafe fn k_plain_rows<D: IntDot, K: KGroups<W>, const W: usize>(
     a: &Activations,
     rows: &[u8],
     row_bytes: usize,
-    y: &mut [[f32; GROUP_ROWS]; MAX_T],
+    y: &mut [[f32; W]; MAX_T],
 ) {
     let count = rows.len() / row_bytes;
-    if count == GROUP_ROWS && a.t >= REGROUP_ROWS {
+    if count % GROUP_ROWS == 0 && a.t >= REGROUP_ROWS {
+        let group_bytes = GROUP_ROWS * row_bytes;
         let mut mixed = REGROUPED.take();
         mixed.resize(rows.len(), 0);
-        // SAFETY: the caller runs with D's features, which include AVX2; `mixed` has the rows' size.
-        unsafe {
-            regroup(rows, row_bytes, &mut mixed);
-            if TILES {
-                k_rows_tiles(a, &mixed, row_bytes, y);
-            } else {
-                k_rows::<D>(a, &mixed, row_bytes, y);
-            }
+        for (rows, mixed) in rows
+            .chunks_exact(group_bytes)
+            .zip(mixed.chunks_exact_mut(group_bytes))
+        {
+            // SAFETY: the caller runs with D's features, which include AVX2; `mixed` has the rows' size.
+            unsafe { regroup(rows, row_bytes, mixed) };
         }
+        // SAFETY: the caller's contract; `mixed` holds whole groups.
+        unsafe { K::groups(a, &mixed, row_bytes, y) };
         REGROUPED.set(mixed);
         return;
     }
@@ -600,204 +603,334 @@ unsafe fn k_tile<D: IntDot, const R: usize>(
     R
 }
 
-/// Activation rows from which a pass over Q4_K rows takes AMX tiles (`Products::Amx`); fewer run `k_rows`.
-/// Measured on Qwen2.5-Coder-1.5B's Q4_K matrices (2 threads, Sapphire Rapids class VM, against VNNI's products,
-/// ms): tiles 51.3 / 54.7 / 58.7 / 66.6 / 77.8 at T = 4 / 6 / 8 / 10 / 16, VNNI 48.7 / 54.6 / 61.0 / 69.6 / 96.5
-/// (benches/RESULTS.md, twenty-fifth session).
-const TILE_MIN_ROWS: usize = 8;
-/// Activation rows per AMX tile pass (the rows of the activation and sum tiles).
-const TILE_TOKENS: usize = 16;
+/// Activation rows from which a pass over Q4_K rows takes AMX tiles (`Products::Amx`, `k_wide_rows`); fewer run
+/// `k_rows` with VNNI's products, a group of eight rows at a time. Measured on one 1536 x 1536 matrix of
+/// Qwen2.5-Coder-1.5B in cache (one thread, Sapphire Rapids class VM, µs, two runs each; benches/RESULTS.md,
+/// twenty-eighth session): tiles 120-130 / 133-135 / 142-151 at T = 4 / 5 / 6, VNNI 117-121 / 134-147 / 156-166.
+pub const Q4K_TILE_MIN_ROWS: usize = 5;
 
-/// `k_rows` with AMX tiles: passes of TILE_MIN_ROWS or more activation rows in tiles of up to TILE_TOKENS rows
-/// (`k_tile_amx`), fewer as `k_rows` with VNNI's products. The same bits either way.
-///
-/// # Safety
-/// As `k_rows`, with AVX-512 VNNI's features on a CPU with AMX (`amx::available()`).
-#[inline(always)]
-unsafe fn k_rows_tiles(
-    a: &Activations,
-    group: &[u8],
-    row_bytes: usize,
-    y: &mut [[f32; GROUP_ROWS]; MAX_T],
-) {
-    if a.t < TILE_MIN_ROWS {
+/// A kernel over whole interleaved groups of Q4_K rows, W rows a call (`groups`: W / 8 groups, or fewer at a
+/// matrix's end): y[t][j] for row j.
+trait KGroups<const W: usize> {
+    /// # Safety
+    /// `groups` holds whole groups of `a.k / 256` blocks; the caller runs with the kernel's features.
+    unsafe fn groups(a: &Activations, groups: &[u8], row_bytes: usize, y: &mut [[f32; W]; MAX_T]);
+}
+
+/// One group of eight rows with D's vector products (`k_rows`).
+impl<D: IntDot> KGroups<GROUP_ROWS> for D {
+    #[inline(always)]
+    unsafe fn groups(
+        a: &Activations,
+        groups: &[u8],
+        row_bytes: usize,
+        y: &mut [[f32; GROUP_ROWS]; MAX_T],
+    ) {
         // SAFETY: the caller's contract.
-        return unsafe { k_rows::<Vnni>(a, group, row_bytes, y) };
-    }
-    debug_assert!(
-        group.len() == GROUP_ROWS * row_bytes && row_bytes == a.k / Q4K::BLOCK * Q4K::BYTES
-    );
-    let mut t0 = 0;
-    while t0 < a.t {
-        let rows = (a.t - t0).min(TILE_TOKENS);
-        // SAFETY: the caller's contract, with t0 + rows <= t.
-        unsafe { k_tile_amx(a, group.as_ptr(), t0, rows, &mut y[t0..]) };
-        t0 += rows;
+        unsafe { k_rows::<D>(a, groups, row_bytes, y) }
     }
 }
 
-/// One span's tiles in memory: the weight codes of its four groups, two groups to a product (`codes[h]`: groups
-/// 2h and 2h + 1 as one [16, 64]-byte tile, block-diagonal: row c < 8 holds group 2h's elements 4c..4c + 4 of
-/// each of the eight weight rows, a code word's nibbles, in bytes 0-31, and row 8 + c group 2h + 1's in bytes
-/// 32-63; the other halves stay zero), and the products' integer sums ([product][activation row][group 2h's
-/// eight weight rows, then group 2h + 1's]).
+/// Two groups of eight rows with AMX's products (`k_wide_rows`).
+struct Tiles;
+
+impl KGroups<WIDE_ROWS> for Tiles {
+    #[inline(always)]
+    unsafe fn groups(
+        a: &Activations,
+        groups: &[u8],
+        row_bytes: usize,
+        y: &mut [[f32; WIDE_ROWS]; MAX_T],
+    ) {
+        // SAFETY: the caller's contract (AVX-512 VNNI's features on a CPU with AMX).
+        unsafe { k_wide_rows(a, groups, row_bytes, y) }
+    }
+}
+
+/// Up to two interleaved groups of Q4_K rows (`groups`: 8 or 16 rows): passes of Q4K_TILE_MIN_ROWS or more
+/// activation rows take AMX tiles, both groups at once (`k_tile_amx`, up to 2 · PAIR_TOKENS activation rows a
+/// tile pass), fewer run each group as `k_rows` with VNNI's products. The same bits either way.
+///
+/// # Safety
+/// As `k_rows`, for each group, with AVX-512 VNNI's features on a CPU with AMX (`amx::available()`).
+#[inline(always)]
+unsafe fn k_wide_rows(
+    a: &Activations,
+    groups: &[u8],
+    row_bytes: usize,
+    y: &mut [[f32; WIDE_ROWS]; MAX_T],
+) {
+    let group_bytes = GROUP_ROWS * row_bytes;
+    debug_assert!(
+        (groups.len() == group_bytes || groups.len() == 2 * group_bytes)
+            && row_bytes == a.k / Q4K::BLOCK * Q4K::BYTES
+    );
+    if a.t < Q4K_TILE_MIN_ROWS || a.q8_for(Q4K::SPAN).pairs.is_empty() {
+        let mut lanes = [[0f32; GROUP_ROWS]; MAX_T];
+        for (g, group) in groups.chunks_exact(group_bytes).enumerate() {
+            // SAFETY: the caller's contract.
+            unsafe { k_rows::<Vnni>(a, group, row_bytes, &mut lanes) };
+            for (y, lanes) in y.iter_mut().zip(&lanes[..a.t]) {
+                y[GROUP_ROWS * g..][..GROUP_ROWS].copy_from_slice(lanes);
+            }
+        }
+        return;
+    }
+    // A lone group is computed twice; its second copy's outputs are never stored.
+    let bases = [
+        groups.as_ptr(),
+        groups[groups.len() - group_bytes..].as_ptr(),
+    ];
+    for t0 in (0..a.t).step_by(2 * PAIR_TOKENS) {
+        let rows = (a.t - t0).min(2 * PAIR_TOKENS);
+        // SAFETY: the caller's contract, with t0 + rows <= t; `matmul` made the pairs for this pass.
+        unsafe { k_tile_amx(a, bases, t0, rows, &mut y[t0..]) };
+    }
+}
+
+/// One span's tiles in memory: the weight codes of its four groups, two groups to a product (`codes[hh]`: groups
+/// 2h and 2h + 1, h = 2sp + hh, of both groups of rows as one [16, 64]-byte tile: row c < 8 holds group 2h's
+/// elements 4c..4c + 4 of each of the sixteen weight rows, a code word's low nibbles, and row 8 + c those of group
+/// 2h + 1, its high nibbles), and the products' integer sums ([chunk][hh][activation tile row][weight row]: row
+/// r < n of a chunk of n activation rows is row r's group 2h, row n + r its group 2h + 1; `Q8Rows::pairs`).
 #[repr(C, align(64))]
 struct SpanTiles {
     codes: [[[u8; 64]; 16]; 2],
-    sums: [[[i32; 2 * GROUP_ROWS]; TILE_TOKENS]; 2],
+    sums: [[[[i32; WIDE_ROWS]; PAIR_TILE_ROWS]; 2]; 2],
 }
 
 thread_local! {
     /// Each kernel thread's two pipeline spans (`k_tile_amx`), kept from call to call rather than cleared at
-    /// every call (8 KB; a call over a 1536-long row has 12 spans): the codes' zero halves are never written, and
-    /// every other byte a step reads is written first.
+    /// every call (12 KB; a call over a 1536-long row has 12 spans): every byte a step reads is written first.
     static SPAN_TILES: std::cell::Cell<Option<Box<[SpanTiles; 2]>>> = const { std::cell::Cell::new(None) };
 }
 
-/// Span `sp` of the interleaved block at `block` as its two products' weight tiles in `codes`: group j = 2·hh +
-/// half of the span is block group 2h + half, h = 2sp + hh: the low (half 0) or high nibbles of code words 4 +
-/// 8h + c, row 8·half + c of tile hh, in its half `half`.
+/// Two float vectors of eight lanes as one of sixteen (`low` in lanes 0-7).
 ///
 /// # Safety
-/// The block must be whole; the caller runs with AVX2.
+/// The caller runs with AVX-512 F.
 #[inline(always)]
-unsafe fn unpack_span(block: *const u8, sp: usize, codes: &mut [[[u8; 64]; 16]; 2]) {
+unsafe fn join_ps(low: __m256, high: __m256) -> __m512 {
+    _mm512_castpd_ps(_mm512_insertf64x4::<1>(
+        _mm512_castpd256_pd512(_mm256_castps_pd(low)),
+        _mm256_castps_pd(high),
+    ))
+}
+
+/// Two integer vectors of eight lanes as one of sixteen (`low` in lanes 0-7).
+///
+/// # Safety
+/// The caller runs with AVX-512 F.
+#[inline(always)]
+unsafe fn join_si(low: __m256i, high: __m256i) -> __m512i {
+    _mm512_inserti64x4::<1>(_mm512_castsi256_si512(low), high)
+}
+
+/// Span `sp` of the interleaved blocks at `blocks` (the same block of both groups of rows) as its two products'
+/// weight tiles in `codes` (`SpanTiles`): the low and the high nibbles of code words 4 + 8h + c, h = 2sp + hh,
+/// of both groups side by side, rows c and 8 + c of tile hh.
+///
+/// # Safety
+/// The blocks must be whole; the caller runs with AVX-512 F and BW.
+#[inline(always)]
+unsafe fn unpack_span(blocks: [*const u8; 2], sp: usize, codes: &mut [[[u8; 64]; 16]; 2]) {
     if sp == 0 {
         // Once per block, as `k_tile` does.
-        prefetch(block.wrapping_add(ROW_PREFETCH), K_GROUP_BLOCK);
+        for block in blocks {
+            prefetch(block.wrapping_add(ROW_PREFETCH), K_GROUP_BLOCK);
+        }
     }
-    let low = _mm256_set1_epi8(0x0F);
+    let low = _mm512_set1_epi8(0x0F);
     for (hh, tile) in codes.iter_mut().enumerate() {
         for c in 0..8 {
-            // SAFETY: word 4 + 8h + c < 36 of the block; rows c and 8 + c of the tile, 32-byte aligned halves.
+            let w = 4 + 8 * (2 * sp + hh) + c;
+            // SAFETY: word w < 36 of both blocks; rows c and 8 + c of the tile, 64-byte aligned.
             unsafe {
-                let v = word(block, 4 + 8 * (2 * sp + hh) + c);
-                _mm256_store_si256(tile[c].as_mut_ptr().cast(), _mm256_and_si256(v, low));
-                let high = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
-                _mm256_store_si256(tile[8 + c][32..].as_mut_ptr().cast(), high);
+                let v = join_si(word(blocks[0], w), word(blocks[1], w));
+                _mm512_store_si512(tile[c].as_mut_ptr().cast(), _mm512_and_si512(v, low));
+                let high = _mm512_and_si512(_mm512_srli_epi16::<4>(v), low);
+                _mm512_store_si512(tile[8 + c].as_mut_ptr().cast(), high);
             }
         }
     }
 }
 
-/// y[0..rows] (lane r: weight row r) for activation rows t0..t0 + rows (rows <= TILE_TOKENS), as `k_tile`
-/// computes them: two groups' Σ q·x̂ for all rows at once in one `tdpbsud` (activation codes [rows, 64] signed,
-/// the two groups' weight codes block-diagonal [16, 16 · 4] unsigned: `SpanTiles`), then the same float steps as
-/// `k_tile` on the same exact integers, so the same bits.
+/// y[0..rows] (lanes 0-7: the rows of `bases[0]`'s group, 8-15: `bases[1]`'s) for activation rows t0..t0 + rows
+/// (rows <= 2 · PAIR_TOKENS, in chunks of PAIR_TOKENS), as `k_tile` computes them: for each pair of a span's
+/// groups, all sixteen weight rows' sums of both groups for a chunk of activation rows in one `tdpbsud` (activation
+/// codes block-diagonal [2n, 64] signed, `Q8Rows::pairs`; weight codes [16, 16 · 4] unsigned, `SpanTiles`), then
+/// the same float steps as `k_tile` on the same exact integers, so the same bits.
+///
+/// Every product's sums are whole: two groups of eight weight rows meet both groups of a chunk of activation
+/// rows, where one group of weight rows left half of each product's columns zero. Products and the stores of
+/// their sums cost about the same whatever the tile's rows (Sapphire Rapids class VM, ~5 ns and ~4.6 ns), so a
+/// pass of 8 activation rows takes half the tile instructions.
 ///
 /// Tile registers are not renamed: a span's products wait on the span before, its weight codes reach the tiles
 /// through memory (vector stores, then `tileloadd`) and so do its sums (`tilestored`, then vector loads). So the
 /// work is a pipeline over two scratch buffers: at step s, span s + 1's codes are unpacked, span s's tile
-/// instructions issued, and span s - 1's float steps run. Without it the pass took 1.2-1.3x as long at T = 4-16.
+/// instructions issued, and span s - 1's float steps run.
 ///
 /// # Safety
-/// `base` must point at one whole group of `a.k / 256` blocks; t0 + rows <= a.t; the caller runs with AVX-512
-/// VNNI's features on a CPU with AMX.
+/// `bases` must point at whole groups of `a.k / 256` blocks; t0 + rows <= a.t, t0 a multiple of PAIR_TOKENS, and
+/// the activations' pairs are made; the caller runs with AVX-512 VNNI's features on a CPU with AMX.
 #[inline(always)]
 unsafe fn k_tile_amx(
     a: &Activations,
-    base: *const u8,
+    bases: [*const u8; 2],
     t0: usize,
     rows: usize,
-    y: &mut [[f32; GROUP_ROWS]],
+    y: &mut [[f32; WIDE_ROWS]],
 ) {
     // SAFETY: t0 + rows <= t.
     let inputs = unsafe { SpanRows::from(a, t0) };
-    // Tiles 0 and 3: two groups' activation codes (rows of 64, k bytes apart); 1 and 4: their weight codes; 2
-    // and 5: their sums. Two sets, so that loading one product's operands does not wait on the other's product.
-    let (activations, weights, sums) = ((rows, 2 * GROUP), (2 * GROUP / 4, 64), (rows, 64));
+    let q8 = a.q8_for(Q4K::SPAN);
+    let pairs_per_row = a.k / (2 * GROUP);
+    // The chunks' activation rows: one chunk, or two.
+    let n = [rows.min(PAIR_TOKENS), rows.saturating_sub(PAIR_TOKENS)];
+    let chunks = if n[1] > 0 { 2 } else { 1 };
+    // Tiles 0 and 1: the span's two products' weight codes; 2 and 3: activation codes (one chunk: its pairs hh =
+    // 0 and 1; two chunks: chunk 0's and chunk 1's); 4 and 5: chunk 0's sums (hh = 0, 1), 6 and 7 chunk 1's.
+    // Activation codes and sums are [2n, 64] for a chunk of n rows; an unused tile has no shape.
+    let (weights, chunk) = ((16, 64), |n: usize| if n > 0 { (2 * n, 64) } else { (0, 0) });
     let config = amx::Config::new([
-        activations,
         weights,
-        sums,
-        activations,
         weights,
-        sums,
-        (0, 0),
-        (0, 0),
+        chunk(n[0]),
+        chunk(n[chunks - 1]),
+        chunk(n[0]),
+        chunk(n[0]),
+        chunk(n[1]),
+        chunk(n[1]),
     ]);
     let mut scratch = SPAN_TILES.take().unwrap_or_else(|| {
         let blank = || SpanTiles {
             codes: [[[0; 64]; 16]; 2],
-            sums: [[[0; 2 * GROUP_ROWS]; TILE_TOKENS]; 2],
+            sums: [[[[0; WIDE_ROWS]; PAIR_TILE_ROWS]; 2]; 2],
         };
         Box::new([blank(), blank()])
     });
     let tiles = &mut *scratch;
-    const SUMS_ROW: usize = 4 * 2 * GROUP_ROWS;
+    const TILE_ROW: usize = 64;
     for out in y[..rows].iter_mut() {
-        *out = [0.0; GROUP_ROWS];
+        *out = [0.0; WIDE_ROWS];
     }
+    // Chunk c's activation tile of pair h (`Q8Rows::pairs`).
+    let pair_tile = |c: usize, h: usize| {
+        let at = ((t0 / PAIR_TOKENS + c) * pairs_per_row + h) * PAIR_TILE_BYTES;
+        q8.pairs[at..][..PAIR_TILE_BYTES].as_ptr().cast::<u8>()
+    };
+    let block = |bi: usize| bases.map(|base| base.wrapping_add(bi * K_GROUP_BLOCK));
     // SAFETY (every tile instruction below): the caller's CPU has AMX; this configuration's shapes; the operands'
-    // bytes are inside the activation codes (rows rows of k from `codes`, groups bi · 8 + 4sp..) and `tiles`.
+    // bytes are inside the pairs' tiles and `tiles`.
     unsafe { config.load() };
     // Span i: i % 2 of block i / 2; its codes unpacked at step i - 1, its tile instructions at step i, its float
     // steps at step i + 1.
     let steps = a.k / Q4K::BLOCK * 2;
-    // SAFETY: step 0's block is the group's first.
-    unsafe { unpack_span(base, 0, &mut tiles[0].codes) };
+    // SAFETY: step 0's blocks are the groups' first.
+    unsafe { unpack_span(block(0), 0, &mut tiles[0].codes) };
     for step in 0..=steps {
         if step < steps {
-            let (bi, sp) = (step / 2, step % 2);
             if step + 1 < steps {
-                let (next_bi, next_sp) = ((step + 1) / 2, (step + 1) % 2);
-                // SAFETY: block next_bi of the group is inside it (the caller's contract).
+                // SAFETY: block (step + 1) / 2 of the groups is inside them (the caller's contract).
                 unsafe {
-                    let next = base.add(next_bi * K_GROUP_BLOCK);
-                    unpack_span(next, next_sp, &mut tiles[(step + 1) % 2].codes);
-                }
+                    unpack_span(block((step + 1) / 2), (step + 1) % 2, &mut tiles[(step + 1) % 2].codes)
+                };
             }
             let tiles = &mut tiles[step % 2];
+            // The span's first pair of groups.
+            let h = step * K_SPAN_GROUPS / 2;
+            let first_sums = tiles.sums.as_mut_ptr().cast::<u8>();
+            let sums = |c: usize, hh: usize| first_sums.wrapping_add((2 * c + hh) * PAIR_TILE_ROWS * TILE_ROW);
             // SAFETY: see above.
             unsafe {
-                let x = inputs
-                    .codes
-                    .add((bi * 8 + sp * K_SPAN_GROUPS) * GROUP)
-                    .cast::<u8>();
-                amx::load::<0>(x, a.k);
-                amx::load::<1>(tiles.codes[0].as_ptr().cast(), 64);
-                amx::zero::<2>();
-                amx::dot_signed_unsigned::<2, 0, 1>();
-                amx::load::<3>(x.add(2 * GROUP), a.k);
-                amx::load::<4>(tiles.codes[1].as_ptr().cast(), 64);
-                amx::zero::<5>();
-                amx::dot_signed_unsigned::<5, 3, 4>();
-                amx::store::<2>(tiles.sums[0].as_mut_ptr().cast(), SUMS_ROW);
-                amx::store::<5>(tiles.sums[1].as_mut_ptr().cast(), SUMS_ROW);
+                amx::load::<0>(tiles.codes[0].as_ptr().cast(), TILE_ROW);
+                amx::load::<1>(tiles.codes[1].as_ptr().cast(), TILE_ROW);
+                if chunks == 1 {
+                    amx::load::<2>(pair_tile(0, h), TILE_ROW);
+                    amx::load::<3>(pair_tile(0, h + 1), TILE_ROW);
+                    amx::zero::<4>();
+                    amx::dot_signed_unsigned::<4, 2, 0>();
+                    amx::zero::<5>();
+                    amx::dot_signed_unsigned::<5, 3, 1>();
+                    amx::store::<4>(sums(0, 0), TILE_ROW);
+                    amx::store::<5>(sums(0, 1), TILE_ROW);
+                } else {
+                    amx::load::<2>(pair_tile(0, h), TILE_ROW);
+                    amx::load::<3>(pair_tile(1, h), TILE_ROW);
+                    amx::zero::<4>();
+                    amx::dot_signed_unsigned::<4, 2, 0>();
+                    amx::zero::<6>();
+                    amx::dot_signed_unsigned::<6, 3, 0>();
+                    amx::load::<2>(pair_tile(0, h + 1), TILE_ROW);
+                    amx::load::<3>(pair_tile(1, h + 1), TILE_ROW);
+                    amx::zero::<5>();
+                    amx::dot_signed_unsigned::<5, 2, 1>();
+                    amx::zero::<7>();
+                    amx::dot_signed_unsigned::<7, 3, 1>();
+                    amx::store::<4>(sums(0, 0), TILE_ROW);
+                    amx::store::<5>(sums(0, 1), TILE_ROW);
+                    amx::store::<6>(sums(1, 0), TILE_ROW);
+                    amx::store::<7>(sums(1, 1), TILE_ROW);
+                }
             }
         }
         if step > 0 {
             let (bi, sp) = ((step - 1) / 2, (step - 1) % 2);
             let tiles = &tiles[(step - 1) % 2];
-            // SAFETY: block bi's words 0-3 (the caller's contract); the caller runs with AVX2.
-            let scales_of_block = unsafe { BlockScales::of(base.add(bi * K_GROUP_BLOCK)) };
-            // Each product's two groups' sub-scales, group 2h's in lanes 0-7, 2h + 1's in 8-15.
-            let mut scale = [_mm512_setzero_ps(); 2];
-            for (h, scale) in scale.iter_mut().enumerate() {
-                let g = sp * K_SPAN_GROUPS + 2 * h;
-                // SAFETY: the caller runs with AVX-512 F.
-                *scale = unsafe {
-                    let (low, high) = (scales_of_block.scale(g), scales_of_block.scale(g + 1));
-                    _mm512_castpd_ps(_mm512_insertf64x4::<1>(
-                        _mm512_castpd256_pd512(_mm256_castps_pd(low)),
-                        _mm256_castps_pd(high),
-                    ))
-                };
-            }
-            for (r, out) in y[..rows].iter_mut().enumerate() {
-                let mut total = _mm512_setzero_ps();
-                for (sums, scale) in tiles.sums.iter().zip(scale) {
-                    // SAFETY: row r < rows of the product's sums, stored at the step before; 64-byte aligned.
-                    let sum = unsafe { _mm512_load_si512(sums[r].as_ptr().cast()) };
-                    total = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), scale, total);
-                }
-                // The span's four groups, each weight row's in its lane (exact: integers below 2^24).
-                let total = _mm256_add_ps(
-                    _mm512_castps512_ps256(total),
-                    _mm256_castpd_ps(_mm512_extractf64x4_pd::<1>(_mm512_castps_pd(total))),
+            // SAFETY (this block): block bi's words 0-3 of both groups (the caller's contract); the caller runs
+            // with AVX-512 VNNI's features.
+            unsafe {
+                // (Not in a closure: a closure takes no target features, and its intrinsics would become calls.)
+                let [first, second] = block(bi);
+                let (first, second) = (BlockScales::of(first), BlockScales::of(second));
+                let (d, neg_dmin) = (
+                    join_ps(first.d, second.d),
+                    join_ps(first.neg_dmin, second.neg_dmin),
                 );
-                // SAFETY: r < rows; the caller runs with VNNI's features.
-                unsafe { inputs.end_span::<Vnni>(&scales_of_block, out, total, r, bi, sp) };
+                // The span's four groups' sub-scales and offset multipliers, sixteen weight rows each.
+                let mut scale = [_mm512_setzero_ps(); K_SPAN_GROUPS];
+                let mut mn = [_mm512_setzero_si512(); K_SPAN_GROUPS];
+                for j in 0..K_SPAN_GROUPS {
+                    let g = sp * K_SPAN_GROUPS + j;
+                    scale[j] = join_ps(first.scale(g), second.scale(g));
+                    mn[j] = join_si(
+                        byte_lanes(first.mn[g / 4], g % 4),
+                        byte_lanes(second.mn[g / 4], g % 4),
+                    );
+                }
+                for (c, &n) in n[..chunks].iter().enumerate() {
+                    for r in 0..n {
+                        let t = PAIR_TOKENS * c + r;
+                        // Σ sc·Σ q·x̂ over the span's groups, per weight row: exact integers in float32.
+                        let mut total = _mm512_setzero_ps();
+                        for (hh, sums) in tiles.sums[c].iter().enumerate() {
+                            for half in 0..2 {
+                                let sum = _mm512_load_si512(sums[half * n + r].as_ptr().cast());
+                                total = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), scale[2 * hh + half], total);
+                            }
+                        }
+                        // M = Σ mn·Σ x̂ (mn in the low 16 bits of each lane, |Σ codes| < 2^15).
+                        let code_sums = inputs
+                            .code_sums
+                            .add(t * inputs.groups + bi * 8 + sp * K_SPAN_GROUPS);
+                        let mut m = _mm512_setzero_si512();
+                        for (j, &mn) in mn.iter().enumerate() {
+                            m = _mm512_dpwssd_epi32(m, _mm512_set1_epi32(*code_sums.add(j)), mn);
+                        }
+                        let dx = _mm512_set1_ps(*inputs.scales.add(t * inputs.spans + bi * 2 + sp));
+                        // As `BlockScales::end_span`, on sixteen lanes.
+                        let out = y[t].as_mut_ptr();
+                        let acc = _mm512_loadu_ps(out);
+                        let acc = _mm512_fmadd_ps(total, _mm512_mul_ps(d, dx), acc);
+                        let acc = _mm512_fmadd_ps(
+                            _mm512_cvtepi32_ps(m),
+                            _mm512_mul_ps(neg_dmin, dx),
+                            acc,
+                        );
+                        _mm512_storeu_ps(out, acc);
+                    }
+                }
             }
         }
     }
