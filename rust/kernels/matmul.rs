@@ -565,7 +565,9 @@ pub fn quantized_matmul(
         if int && products(isa) == super::avx2::Products::Amx {
             return matrices
                 .iter()
-                .any(|m| m.qtype.span() == Some(span) && matches!(m.qtype, QType::Q4K | QType::Q4KX8))
+                .any(|m| {
+                    m.qtype.span() == Some(span) && matches!(m.qtype, QType::Q4K | QType::Q4KX8)
+                })
                 .then_some(super::avx2::Q4K_TILE_MIN_ROWS);
         }
         let _ = span;
@@ -686,7 +688,9 @@ pub fn quantized_matmul(
     // Equal tasks of at least MIN_TASK_WORK multiply-adds, up to TASKS_PER_THREAD per thread.
     let tasks = (n * k * t / MIN_TASK_WORK).clamp(1, threads * TASKS_PER_THREAD);
     // Whole groups of weight rows per task (where the matrices' sizes allow), pairs of them for a wide kernel.
-    let wide = plan.iter().any(|(kernel, ..)| matches!(kernel, Kernel::Wide(_)));
+    let wide = plan
+        .iter()
+        .any(|(kernel, ..)| matches!(kernel, Kernel::Wide(_)));
     let per_task = n
         .div_ceil(tasks)
         .next_multiple_of(if wide { WIDE_ROWS } else { GROUP_ROWS });

@@ -13,7 +13,9 @@ use std::arch::x86_64::*;
 
 use super::super::blocks::{self, Format, GROUP};
 use super::super::q8::{PAIR_TILE_BYTES, PAIR_TILE_ROWS, PAIR_TOKENS};
-use super::super::rows::{in_tiles, Activations, GroupKernel, Kernel, GROUP_ROWS, MAX_T, WIDE_ROWS};
+use super::super::rows::{
+    in_tiles, Activations, GroupKernel, Kernel, GROUP_ROWS, MAX_T, WIDE_ROWS,
+};
 use super::{
     amx, halves8, int_entries, prefetch, AvxVnni, IntDot, Madd, Products, Vnni, ROW_PREFETCH,
 };
@@ -792,7 +794,10 @@ unsafe fn k_tile_amx(
     // Tiles 0 and 1: the span's two products' weight codes; 2 and 3: activation codes (one chunk: its pairs hh =
     // 0 and 1; two chunks: chunk 0's and chunk 1's); 4 and 5: chunk 0's sums (hh = 0, 1), 6 and 7 chunk 1's.
     // Activation codes and sums are [2n, 64] for a chunk of n rows; an unused tile has no shape.
-    let (weights, chunk) = ((16, 64), |n: usize| if n > 0 { (2 * n, 64) } else { (0, 0) });
+    let (weights, chunk) = (
+        (16, 64),
+        |n: usize| if n > 0 { (2 * n, 64) } else { (0, 0) },
+    );
     let config = amx::Config::new([
         weights,
         weights,
@@ -832,16 +837,17 @@ unsafe fn k_tile_amx(
     for step in 0..=steps {
         if step < steps {
             if step + 1 < steps {
-                // SAFETY: block (step + 1) / 2 of the groups is inside them (the caller's contract).
-                unsafe {
-                    unpack_span(block((step + 1) / 2), (step + 1) % 2, &mut tiles[(step + 1) % 2].codes)
-                };
+                let next = step + 1;
+                // SAFETY: block next / 2 of the groups is inside them (the caller's contract).
+                unsafe { unpack_span(block(next / 2), next % 2, &mut tiles[next % 2].codes) };
             }
             let tiles = &mut tiles[step % 2];
             // The span's first pair of groups.
             let h = step * K_SPAN_GROUPS / 2;
             let first_sums = tiles.sums.as_mut_ptr().cast::<u8>();
-            let sums = |c: usize, hh: usize| first_sums.wrapping_add((2 * c + hh) * PAIR_TILE_ROWS * TILE_ROW);
+            let sums = |c: usize, hh: usize| {
+                first_sums.wrapping_add((2 * c + hh) * PAIR_TILE_ROWS * TILE_ROW)
+            };
             // SAFETY: see above.
             unsafe {
                 amx::load::<0>(tiles.codes[0].as_ptr().cast(), TILE_ROW);
@@ -907,7 +913,11 @@ unsafe fn k_tile_amx(
                         for (hh, sums) in tiles.sums[c].iter().enumerate() {
                             for half in 0..2 {
                                 let sum = _mm512_load_si512(sums[half * n + r].as_ptr().cast());
-                                total = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), scale[2 * hh + half], total);
+                                total = _mm512_fmadd_ps(
+                                    _mm512_cvtepi32_ps(sum),
+                                    scale[2 * hh + half],
+                                    total,
+                                );
                             }
                         }
                         // M = Σ mn·Σ x̂ (mn in the low 16 bits of each lane, |Σ codes| < 2^15).
