@@ -485,4 +485,37 @@ mod tests {
             }
         }
     }
+
+    /// Q4_K's AMX layout (`add_group_pairs`): for every chunk of rows and pair of groups, each row's two groups in
+    /// their block-diagonal places and zeros everywhere else, whatever the rows left for the last chunk.
+    #[test]
+    fn group_pairs_are_block_diagonal_tiles_of_the_codes() {
+        let k = 256;
+        for t in [1, 5, 8, 11, 16] {
+            let x: Vec<f32> = (0..t * k)
+                .map(|i| ((i * 7919 % 253) as f32) - 126.0)
+                .collect();
+            let mut q8 = Q8Rows::q8_k(&x, k, 128);
+            q8.add_group_pairs();
+            let pairs = k / (2 * GROUP);
+            assert_eq!(
+                q8.pairs.len(),
+                t.div_ceil(PAIR_TOKENS) * pairs * PAIR_TILE_BYTES
+            );
+            for (i, tile) in q8.pairs.chunks_exact(PAIR_TILE_BYTES).enumerate() {
+                let (c, h) = (i / pairs, i % pairs);
+                let n = (t - PAIR_TOKENS * c).min(PAIR_TOKENS);
+                let mut want = [0i8; PAIR_TILE_BYTES];
+                for r in 0..n {
+                    let row = PAIR_TOKENS * c + r;
+                    let even = q8.group(row, 2 * h);
+                    let odd = q8.group(row, 2 * h + 1);
+                    assert!(even.iter().chain(odd).any(|&code| code != 0));
+                    want[2 * GROUP * r..][..GROUP].copy_from_slice(even);
+                    want[2 * GROUP * (n + r) + GROUP..][..GROUP].copy_from_slice(odd);
+                }
+                assert_eq!(tile, &want[..], "t={t} chunk {c} pair {h}");
+            }
+        }
+    }
 }
