@@ -18,6 +18,11 @@ means quantizing it again: `--down-rows TYPE...` prices that, with a copy of the
 the transposed matrix quantized to TYPE (from the GGUF's values, by gguf-py) and turned back (float32), dense and
 with the down rule per neuron at the middle --keep.
 
+`--group-scores sum norm exact` prices ways of ranking the store's groups (one quantization block of down's
+neurons) under the down rule: the policy's own Σ |a| over a group; Σ |a_i| · ||down[:, i]||, the down matrix's
+column norms weighing each neuron; and ||down[:, g] · a_g||, each group's own contribution to the output (it needs
+every down byte, so it bounds what any ranking of one group at a time can do).
+
 Texts are this project's own, so no model saw them in training: calibration, the package's docstrings; evaluation,
 README.md. Prints one JSON object per measurement, then a summary object.
 
@@ -32,6 +37,7 @@ bytes per token, one line per rule (matplotlib: `pip install ntio[plot]`).
     python benches/sparse_ffn.py --model qwen2.5-coder-1.5b --rules down --keep 0.5 --groups 1 --down-rows Q8_0 Q5_0
     python benches/sparse_ffn.py --model smollm2-135m --rules down gate predicted --keep 0.5 0.3 --groups 1 \
         --calib-tokens 8192
+    python benches/sparse_ffn.py --rules down --groups --group-scores sum norm exact --union-tokens 4
     python benches/sparse_ffn.py --rules predicted --groups --streamed --rounds 2 --json sparse_ffn_predicted.json
     python benches/sparse_ffn.py --groups --union-tokens 4 --streamed --rounds 3 --json sparse_ffn.json \
         --plot sparse_ffn.png
@@ -59,7 +65,8 @@ from ntio.formats.gguf_metadata import copy_metadata
 from ntio.formats.store import StoreFile, convert, widest_group_neurons
 from ntio.plots import check_figure_path, pyplot, save_png
 from ntio.policies.base import FFNMask, LoadPolicy
-from ntio.policies.sparse_ffn import RULES, NeuronSelection, SparseFFNPolicy, UnitPredictor, consecutive_groups
+from ntio.policies.sparse_ffn import (RULES, NeuronSelection, SparseFFNPolicy, UnitPredictor, consecutive_groups,
+                                     unit_scores)
 from ntio.policies.sparse_ffn import fit_predictors as fit_unit_predictors
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -184,6 +191,55 @@ def price_down_rows(name: str, args: argparse.Namespace, evaluation: str, dense:
                 print(json.dumps(row), flush=True)
                 rows.append(row)
             m.close()
+    return rows
+
+
+class GroupScored(SparseFFNPolicy):
+    """The down rule over consecutive groups of `neurons`, each token's groups ranked by `score`: "sum" (Σ |a_i| over
+    the group, the policy's own), "norm" (Σ |a_i| · ||down[:, i]||, the down matrix's column norms weighing each
+    neuron) or "exact" (||down[:, g] · a_g||, each group's own contribution to the FFN's output: the best a
+    per-token ranking of one group at a time can do, and it needs every down byte). `downs`: layer -> down [D, F]."""
+
+    def __init__(self, downs: dict[int, torch.Tensor], neurons: int) -> None:
+        super().__init__(NeuronSelection("down", 1.0))
+        self.downs, self.neurons, self.score = downs, neurons, "sum"
+        self.norms = {layer: w.norm(dim=0) for layer, w in downs.items()}
+
+    def ffn_mask(self, layer: int) -> FFNMask:
+        n, w = self.neurons, self.downs[layer]
+        # Scores given per group, as a predictor's are.
+        ranking = NeuronSelection("predicted", self.selection.keep, consecutive_groups(w.shape[1], n))
+
+        def mask(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+            if self.score == "exact":
+                a = (F.silu(gate) * up).unflatten(1, (-1, n))  # [T, G, n]
+                score = torch.einsum("tgn,dgn->tgd", a, w.unflatten(1, (-1, n))).norm(dim=2)  # [T, G]
+            else:
+                score = unit_scores(gate, up * self.norms[layer] if self.score == "norm" else up, n)
+            return ranking.masks(None, None, score)[0]
+
+        return mask
+
+
+def price_group_scores(name: str, args: argparse.Namespace, evaluation: str, dense: float,
+                       neurons: int) -> list[dict]:
+    """Perplexity ratios of the down rule over the store's groups of `neurons`, each way of ranking them
+    (`GroupScored`, `--group-scores`), at every --keep."""
+    reader = gguf.GGUFReader(resolve_model(name))
+    downs = {int(t.name.split(".")[1]): torch.from_numpy(gguf.quants.dequantize(t.data, t.tensor_type))
+             for t in reader.tensors if t.name.endswith("ffn_down.weight")}  # [D, F] float32
+    policy = GroupScored(downs, neurons)
+    m = ntio.load(name, max_context=CTX, policy=policy, threads=args.threads)
+    rows = []
+    for keep in args.keep:
+        for score in args.group_scores:
+            policy.selection, policy.score = NeuronSelection("down", keep), score
+            ppl = m.perplexity(evaluation, ctx=CTX).perplexity
+            row = {"model": name, "rule": "down", "keep": keep, "unit": "consecutive", "neurons_per_unit": neurons,
+                   "group_score": score, "perplexity": ppl, "ratio": round(ppl / dense, 4)}
+            print(json.dumps(row), flush=True)
+            rows.append(row)
+    m.close()
     return rows
 
 
@@ -320,6 +376,8 @@ def measure(name: str, args: argparse.Namespace) -> list[dict]:
                     print(json.dumps(rows[-1]), flush=True)
     m.close()
     rows += price_down_rows(name, args, evaluation, dense)
+    if args.group_scores:
+        rows += price_group_scores(name, args, evaluation, dense, neurons)
     if args.streamed:
         quality = {(r["rule"], r["keep"], r["neurons_per_unit"]): r["ratio"] for r in rows
                    if r.get("unit") == "consecutive"}
@@ -337,6 +395,8 @@ def main() -> None:
     ap.add_argument("--union-tokens", type=int, nargs="+", default=[4, 16, 64], help="tokens per pass for the union")
     ap.add_argument("--down-rows", nargs="*", default=[], choices=["Q8_0", "Q5_1", "Q5_0", "Q4_1", "Q4_0"],
                     help="price down matrices stored as rows (transposed, quantized again) in these types")
+    ap.add_argument("--group-scores", nargs="*", default=[], choices=["sum", "norm", "exact"],
+                    help="price ways of ranking the store's groups under the down rule (GroupScored)")
     ap.add_argument("--eval-tokens", type=int, default=2048)
     ap.add_argument("--calib-tokens", type=int, default=2048)
     ap.add_argument("--predictor-rank", type=int, default=128)
