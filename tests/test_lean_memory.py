@@ -232,6 +232,19 @@ def _layout(path):
     return WeightLayout(g, ModelConfig.from_gguf(g))
 
 
+@pytest.mark.skipif(not KernelChoice(isa="best").takes_tiles, reason="needs a CPU with AMX")
+def test_amx_tiles_layouts_of_the_ffn_input_are_budgeted(smollm2_path):
+    """Under AMX tiles, a pass's 8-bit codes of the FFN's input are also laid out for them (Q4_K's by pair of groups,
+    2 bytes an element; Q6_K's and Q8_0's by token, 1): 3 bytes per element of each token's d_ff more in the plan
+    than under AVX-512's products, and the same with float32 activations, which take no tiles."""
+    layout = _layout(smollm2_path)
+    needs = {(isa, int8): memory_needs(layout, 512, torch.float32, 1, 2, 64, cuda=False,
+                                       kernels=KernelChoice(isa=isa, int8=int8))
+             for isa in ("amx", "avx512") for int8 in (True, False)}
+    assert needs["amx", True].activations - needs["avx512", True].activations == 64 * 3 * layout.cfg.d_ff
+    assert needs["amx", False].activations == needs["avx512", False].activations
+
+
 def test_a_cpu_forward_through_the_kernels_dequantizes_nothing_so_its_plan_holds_no_scratch(smollm2_path,
                                                                                             monkeypatch):
     """8-bit activations take any number of rows through the vector kernels; float32 ones, and the scalar fallback's
@@ -241,9 +254,13 @@ def test_a_cpu_forward_through_the_kernels_dequantizes_nothing_so_its_plan_holds
     choices = {"int8": KernelChoice(), "float32": KernelChoice(int8=False), "scalar": KernelChoice(isa="scalar")}
     needs = {(chunk, cuda, name): memory_needs(layout, 512, torch.float32, 1, 2, chunk, cuda=cuda, kernels=choice)
              for chunk in (rows, 2 * rows) for cuda in (False, True) for name, choice in choices.items()}
+    # (what AMX tiles' layouts of the FFN's input take per token, on CPU only: see the next test)
+    tiles = {name: 3 * layout.cfg.d_ff if choice.takes_tiles else 0 for name, choice in choices.items()}
     for name in choices:
-        assert needs[rows, True, name].activations - needs[rows, False, name].activations == ops.SCRATCH_BYTES
-    assert needs[2 * rows, True, "int8"].activations - needs[2 * rows, False, "int8"].activations == ops.SCRATCH_BYTES
+        assert (needs[rows, True, name].activations - needs[rows, False, name].activations
+                == ops.SCRATCH_BYTES - rows * tiles[name])
+    assert (needs[2 * rows, True, "int8"].activations - needs[2 * rows, False, "int8"].activations
+            == ops.SCRATCH_BYTES - 2 * rows * tiles["int8"])
     for name in ("float32", "scalar"):  # longer chunks dequantize
         assert needs[2 * rows, True, name].activations == needs[2 * rows, False, name].activations
     # and so do dense weights' (float32 activations in row kernels, which a GEMM beats)

@@ -82,6 +82,19 @@ class KernelChoice:
         return cls(isa, activations == "int8")
 
     @functools.cached_property
+    def takes_tiles(self) -> bool:
+        """Whether passes of several rows take AMX tiles (8-bit activations under `amx`, or under `best` on a CPU with
+        AMX), whose layouts of a product's activations take up to 3 bytes per element beside its 8-bit codes:
+        Q4_K's by pair of groups (2), Q6_K's and Q8_0's by token (1)."""
+        if not self.int8 or self.isa not in ("best", "amx"):
+            return False
+        try:
+            _core.check_kernel_isa("amx")
+        except ValueError:
+            return False
+        return True
+
+    @functools.cached_property
     def takes_long_passes(self) -> bool:
         """Whether products of more than ops.KERNEL_ROWS rows with quantized matrices (QUANTIZED_KERNEL_TYPES) run on
         these kernels rather than dequantizing: with 8-bit activations and vector kernels (the scalar fallback is

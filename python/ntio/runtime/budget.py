@@ -86,9 +86,11 @@ def memory_needs(
     tokens = min(capacity, prefill_chunk)
     # Floats a pass holds per token at its peak: the residual stream, the layer's input and its normed copy (the
     # kernels' prologue), attention's q/k/v, rotated q/k and outputs; in the FFN gate|up [2F], the gated copy [F] and
-    # its 8-bit codes [F/4]. Measured: a 480-token pass of SmolLM2 grew the RSS by ~38 KB a token beside its KV cache
-    # (this formula: 36 KB).
-    per_token = 4 * cfg.d_model + 2 * cfg.q_width + 3 * cfg.kv_width + 13 * cfg.d_ff // 4
+    # its 8-bit codes [F/4], and where the kernels take AMX tiles those codes laid out for them [3F/4]. Measured: a
+    # 480-token pass of SmolLM2 grew the RSS by ~38 KB a token beside its KV cache (this formula without the tiles'
+    # layouts: 36 KB).
+    tiles = 0 if cuda or not kernels.takes_tiles else 3 * cfg.d_ff // 4
+    per_token = 4 * cfg.d_model + 2 * cfg.q_width + 3 * cfg.kv_width + 13 * cfg.d_ff // 4 + tiles
     logits = max(4 * cfg.vocab_size, LOGITS_BYTES)
     # On CPU the kernels multiply on the encoded weights (with float32 activations, passes of up to KERNEL_ROWS
     # tokens): nothing is dequantized.
