@@ -541,36 +541,24 @@ pub fn quantized_matmul(
     spans.sort_unstable();
     spans.dedup();
     let affine = matrices.iter().any(|m| m.qtype.affine());
-    // The AMX kernels (Q6_K's, Q8_0's) take the activations by token (`Q8Rows::columns`) in passes of several
-    // rows: the fewest rows any of them takes tiles from, by activation span.
-    let columns_from = |span: usize| -> Option<usize> {
+    // The AMX kernels take the activations laid out for their tiles in passes of several rows: Q6_K's and Q8_0's
+    // by token (`Q8Rows::columns`), Q4_K's by pair of groups (`Q8Rows::pairs`). For one layout, the fewest rows any
+    // matrix of activation span `span` takes tiles from.
+    let tiles_from = |span: usize, by_pairs: bool| -> Option<usize> {
         #[cfg(target_arch = "x86_64")]
         if int && products(isa) == super::avx2::Products::Amx {
             return matrices
                 .iter()
                 .filter(|m| m.qtype.span() == Some(span))
-                .filter_map(|m| match m.qtype {
-                    QType::Q6K => Some(super::avx2::Q6K_TILE_MIN_ROWS),
-                    QType::Q8_0 => Some(super::avx2::Q8_0_TILE_MIN_ROWS),
+                .filter_map(|m| match (m.qtype, by_pairs) {
+                    (QType::Q6K, false) => Some(super::avx2::Q6K_TILE_MIN_ROWS),
+                    (QType::Q8_0, false) => Some(super::avx2::Q8_0_TILE_MIN_ROWS),
+                    (QType::Q4K | QType::Q4KX8, true) => Some(super::avx2::Q4K_TILE_MIN_ROWS),
                     _ => None,
                 })
                 .min();
         }
-        let _ = span;
-        None
-    };
-    // Q4_K's AMX kernel takes them by pair of groups (`Q8Rows::pairs`) from Q4K_TILE_MIN_ROWS rows.
-    let pairs_from = |span: usize| -> Option<usize> {
-        #[cfg(target_arch = "x86_64")]
-        if int && products(isa) == super::avx2::Products::Amx {
-            return matrices
-                .iter()
-                .any(|m| {
-                    m.qtype.span() == Some(span) && matches!(m.qtype, QType::Q4K | QType::Q4KX8)
-                })
-                .then_some(super::avx2::Q4K_TILE_MIN_ROWS);
-        }
-        let _ = span;
+        let _ = (span, by_pairs);
         None
     };
     // Blocks of up to MAX_T activation rows: each weight row meets every block of a tile while it is in L1 cache.
@@ -588,10 +576,11 @@ pub fn quantized_matmul(
                     .iter()
                     .map(|&s| {
                         let mut q8 = Q8Rows::in_spans(x, k, s);
-                        if columns_from(s).is_some_and(|rows| x.len() / k >= rows) {
+                        let rows = x.len() / k;
+                        if tiles_from(s, false).is_some_and(|from| rows >= from) {
                             q8.add_token_columns();
                         }
-                        if pairs_from(s).is_some_and(|rows| x.len() / k >= rows) {
+                        if tiles_from(s, true).is_some_and(|from| rows >= from) {
                             q8.add_group_pairs();
                         }
                         q8
