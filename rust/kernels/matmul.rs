@@ -173,7 +173,7 @@ impl QType {
             return if self == QType::Q4KX8 {
                 super::avx2::q4_k_x8(products(isa))
             } else {
-                Kernel::Group(super::avx2::q4_1_x8(products(isa)))
+                super::avx2::q4_1_x8(products(isa))
             };
         }
         match self.plain().kernel(isa, activations) {

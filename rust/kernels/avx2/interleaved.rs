@@ -1,8 +1,10 @@
 //! The AVX2 integer kernels of rows interleaved by eight (`interleave`: `QType::Q4_1X8`, `QType::Q4KX8`), for
 //! resident matrices: a group of eight weight rows is one linear stream, and every 32-byte load gives the same
 //! word of the eight rows (lane r: row r), so their scales unpack once for the eight and each row's products sum
-//! in its own lane, with nothing reduced across lanes. Plain Q4_K rows (streamed layers) take the same kernel in
-//! passes of several activation rows, each eight regrouped into the layout on the fly (`q4_k_plain`).
+//! in its own lane, with nothing reduced across lanes. With AVX-512 VNNI, Q4_1 takes two groups a call, one per
+//! half of a 512-bit vector (`wide_rows`); with AMX, Q4_K takes tiles over two groups (`k_wide_rows`). Plain Q4_K
+//! rows (streamed layers) take the same kernel in passes of several activation rows, each eight regrouped into the
+//! layout on the fly (`q4_k_plain`).
 //!
 //! Each gives the plain rows' kernel its bits. Per block (Q4_1) or span (Q4_K) and weight row, the plain kernel
 //! reduces the products to exact integers, as these do (in another order, which integers do not see); the float
@@ -30,10 +32,39 @@ const GROUP_BLOCK: usize = GROUP_ROWS * Q4_1::BYTES;
 /// block's elements 4c..4c + 4 and whose high nibbles are elements 16 + 4c..16 + 4c + 4.
 const CODE_WORDS: usize = 4;
 
+/// `pub fn $name(products: Products) -> Kernel`: `Kernel::Group($vector(products))`, or for the products that
+/// match `$wide_products` the wide kernel `$wide` (no target features of its own, `#[inline(always)]`) compiled
+/// inside an entry point with AVX-512 VNNI's features (which AMX's imply).
+macro_rules! with_wide {
+    ($(#[$doc:meta])* $name:ident => $vector:ident, $wide:path, $wide_products:pat) => {
+        $(#[$doc])*
+        pub fn $name(products: Products) -> Kernel {
+            #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+            unsafe fn wide(a: &Activations, rows: &[u8], row_bytes: usize, y: &mut [[f32; WIDE_ROWS]; MAX_T]) {
+                // SAFETY: the caller's contract is the body's, on a CPU with the products' features.
+                unsafe { $wide(a, rows, row_bytes, y) }
+            }
+
+            if !matches!(products, $wide_products) {
+                return Kernel::Group($vector(products));
+            }
+            // SAFETY: `matmul` asks for products only where `Products::available` says the CPU has their
+            // features, and the wide products' include AVX-512 VNNI's.
+            Kernel::Wide(|a, rows, row_bytes, y| unsafe { wide(a, rows, row_bytes, y) })
+        }
+    };
+}
+
+with_wide!(
+    /// The integer kernel of interleaved Q4_1 rows (8-bit activations), with `products`: a group kernel of eight
+    /// rows, or with AVX-512 VNNI's (or AMX's, which have no Q4_1 tiles) a wide one of sixteen (`wide_rows`).
+    /// Call only if `products.available()`.
+    q4_1_x8 => q4_1_x8_vector, wide_rows, Products::Avx512Vnni | Products::Amx
+);
+
 int_entries!(
-    /// The integer group kernel of interleaved Q4_1 rows (8-bit activations), with `products`. Call only if
-    /// `products.available()`.
-    pub q4_1_x8<> -> GroupKernel => rows(
+    /// `q4_1_x8` with vector products on one group of eight rows.
+    q4_1_x8_vector<> -> GroupKernel => rows(
         a: &Activations,
         group: &[u8],
         row_bytes: usize,
@@ -54,20 +85,210 @@ unsafe fn rows<D: IntDot>(
     y: &mut [[f32; GROUP_ROWS]; MAX_T],
 ) {
     debug_assert!(group.len() == GROUP_ROWS * row_bytes && row_bytes == a.k / GROUP * Q4_1::BYTES);
-    let base = group.as_ptr();
-    in_tiles!(a.t, y, |t0, out| tile::<D>(a, base, t0, out));
+    let bases = [group.as_ptr(); 2];
+    in_tiles!(a.t, y, |t0, out| tile::<D>(a, bases, t0, out));
 }
 
-/// y[0..R] (lane r: weight row r) for activation rows t0..t0 + R; returns R.
+/// Up to two interleaved groups of rows (`groups`: 8 or 16 rows), both at once in AVX-512 vectors (`Zmm`), in
+/// tiles of up to 8 activation rows; y[t][j] for row j. A lone group is computed twice; its second copy's outputs
+/// are never stored. Per activation row and block, twice the rows an instruction of the eight-row kernel takes.
 ///
 /// # Safety
-/// `base` must point at one whole group of `a.k / 32` blocks; t0 + R <= a.t; the caller runs with D's features.
+/// `groups` must be whole groups; the caller runs with AVX-512 VNNI's features.
 #[inline(always)]
-unsafe fn tile<D: IntDot, const R: usize>(
+unsafe fn wide_rows(
     a: &Activations,
-    base: *const u8,
+    groups: &[u8],
+    row_bytes: usize,
+    y: &mut [[f32; WIDE_ROWS]; MAX_T],
+) {
+    let group_bytes = GROUP_ROWS * row_bytes;
+    debug_assert!(
+        (groups.len() == group_bytes || groups.len() == 2 * group_bytes)
+            && row_bytes == a.k / GROUP * Q4_1::BYTES
+    );
+    let bases = [
+        groups.as_ptr(),
+        groups[groups.len() - group_bytes..].as_ptr(),
+    ];
+    in_tiles!(a.t, y, |t0, out| tile::<Zmm>(a, bases, t0, out));
+}
+
+/// The vectors of a Q4_1 tile, one weight row per 32-bit lane: one group's eight rows in AVX2 vectors with D's
+/// products (any `IntDot` D), or two groups' sixteen in AVX-512 vectors with VNNI's (`Zmm`, lanes 8-15 the
+/// second group's rows). The float steps are the same operations lane by lane in both, so both give the plain
+/// rows' bits.
+trait Q4_1Lanes {
+    /// A running sum of byte products, in `IntDot::add_products`' form.
+    type Int: Copy;
+    type Float: Copy;
+    /// One activation row's outputs, a float per lane.
+    type Out;
+    /// Groups of eight rows a call computes.
+    const GROUPS: usize;
+    fn zero_int() -> Self::Int;
+    fn zero_float() -> Self::Float;
+    /// (d, m) of each lane's row: word 0 of the block at byte `at` of each group (`bases`).
+    unsafe fn scales(bases: [*const u8; 2], at: usize) -> (Self::Float, Self::Float);
+    /// The code word at byte `at` of each group as (low nibbles, high nibbles).
+    unsafe fn nibbles(bases: [*const u8; 2], at: usize) -> (Self::Int, Self::Int);
+    /// `sum` + the products of codes `w` with the four activation bytes `x` in every lane.
+    unsafe fn add_products(sum: Self::Int, w: Self::Int, x: i32) -> Self::Int;
+    /// acc + float(sum)·(d·dx), lane by lane.
+    unsafe fn add_scaled(acc: Self::Float, sum: Self::Int, d: Self::Float, dx: f32) -> Self::Float;
+    /// macc + m·sx, lane by lane.
+    unsafe fn add_offset(macc: Self::Float, m: Self::Float, sx: f32) -> Self::Float;
+    /// acc + macc into `out`.
+    unsafe fn store(acc: Self::Float, macc: Self::Float, out: &mut Self::Out);
+}
+
+impl<D: IntDot> Q4_1Lanes for D {
+    type Int = __m256i;
+    type Float = __m256;
+    type Out = [f32; GROUP_ROWS];
+    const GROUPS: usize = 1;
+
+    #[inline(always)]
+    fn zero_int() -> __m256i {
+        // SAFETY: the kernels run with AVX2 (an `IntDot`'s features include it).
+        unsafe { _mm256_setzero_si256() }
+    }
+
+    #[inline(always)]
+    fn zero_float() -> __m256 {
+        // SAFETY: as `zero_int`.
+        unsafe { _mm256_setzero_ps() }
+    }
+
+    #[inline(always)]
+    unsafe fn scales(bases: [*const u8; 2], at: usize) -> (__m256, __m256) {
+        // SAFETY: the caller's block is whole.
+        halves8(unsafe { _mm256_loadu_si256(bases[0].add(at).cast()) })
+    }
+
+    #[inline(always)]
+    unsafe fn nibbles(bases: [*const u8; 2], at: usize) -> (__m256i, __m256i) {
+        // SAFETY: the caller's word is inside its block.
+        let word = unsafe { _mm256_loadu_si256(bases[0].add(at).cast()) };
+        let low = _mm256_set1_epi8(0x0F);
+        (
+            _mm256_and_si256(word, low),
+            _mm256_and_si256(_mm256_srli_epi16(word, 4), low),
+        )
+    }
+
+    #[inline(always)]
+    unsafe fn add_products(sum: __m256i, w: __m256i, x: i32) -> __m256i {
+        // SAFETY: the caller runs with D's features.
+        unsafe { D::add_products(sum, w, _mm256_set1_epi32(x)) }
+    }
+
+    #[inline(always)]
+    unsafe fn add_scaled(acc: __m256, sum: __m256i, d: __m256, dx: f32) -> __m256 {
+        // SAFETY: the caller runs with D's features.
+        let sum = _mm256_cvtepi32_ps(unsafe { D::widen(sum) });
+        _mm256_fmadd_ps(sum, _mm256_mul_ps(d, _mm256_set1_ps(dx)), acc)
+    }
+
+    #[inline(always)]
+    unsafe fn add_offset(macc: __m256, m: __m256, sx: f32) -> __m256 {
+        _mm256_fmadd_ps(m, _mm256_set1_ps(sx), macc)
+    }
+
+    #[inline(always)]
+    unsafe fn store(acc: __m256, macc: __m256, out: &mut [f32; GROUP_ROWS]) {
+        // SAFETY: `out` holds a float per lane.
+        unsafe { _mm256_storeu_ps(out.as_mut_ptr(), _mm256_add_ps(acc, macc)) }
+    }
+}
+
+/// Two groups of eight rows in AVX-512 vectors with AVX-512 VNNI's products (`Q4_1Lanes`).
+struct Zmm;
+
+impl Q4_1Lanes for Zmm {
+    type Int = __m512i;
+    type Float = __m512;
+    type Out = [f32; WIDE_ROWS];
+    const GROUPS: usize = 2;
+
+    #[inline(always)]
+    fn zero_int() -> __m512i {
+        // SAFETY: `Zmm` kernels run with AVX-512 F.
+        unsafe { _mm512_setzero_si512() }
+    }
+
+    #[inline(always)]
+    fn zero_float() -> __m512 {
+        // SAFETY: as `zero_int`.
+        unsafe { _mm512_setzero_ps() }
+    }
+
+    #[inline(always)]
+    unsafe fn scales(bases: [*const u8; 2], at: usize) -> (__m512, __m512) {
+        // SAFETY: the caller's blocks are whole.
+        let (d0, m0) = halves8(unsafe { _mm256_loadu_si256(bases[0].add(at).cast()) });
+        let (d1, m1) = halves8(unsafe { _mm256_loadu_si256(bases[1].add(at).cast()) });
+        // SAFETY: the caller runs with AVX-512 F.
+        unsafe { (join_ps(d0, d1), join_ps(m0, m1)) }
+    }
+
+    #[inline(always)]
+    unsafe fn nibbles(bases: [*const u8; 2], at: usize) -> (__m512i, __m512i) {
+        // SAFETY: the caller's words are inside their blocks, and it runs with AVX-512 F and BW.
+        unsafe {
+            let word = join_si(
+                _mm256_loadu_si256(bases[0].add(at).cast()),
+                _mm256_loadu_si256(bases[1].add(at).cast()),
+            );
+            let low = _mm512_set1_epi8(0x0F);
+            (
+                _mm512_and_si512(word, low),
+                _mm512_and_si512(_mm512_srli_epi16(word, 4), low),
+            )
+        }
+    }
+
+    #[inline(always)]
+    unsafe fn add_products(sum: __m512i, w: __m512i, x: i32) -> __m512i {
+        // SAFETY: the caller runs with AVX-512 VNNI.
+        unsafe { _mm512_dpbusd_epi32(sum, w, _mm512_set1_epi32(x)) }
+    }
+
+    #[inline(always)]
+    unsafe fn add_scaled(acc: __m512, sum: __m512i, d: __m512, dx: f32) -> __m512 {
+        // SAFETY: the caller runs with AVX-512 F.
+        unsafe {
+            _mm512_fmadd_ps(
+                _mm512_cvtepi32_ps(sum),
+                _mm512_mul_ps(d, _mm512_set1_ps(dx)),
+                acc,
+            )
+        }
+    }
+
+    #[inline(always)]
+    unsafe fn add_offset(macc: __m512, m: __m512, sx: f32) -> __m512 {
+        // SAFETY: the caller runs with AVX-512 F.
+        unsafe { _mm512_fmadd_ps(m, _mm512_set1_ps(sx), macc) }
+    }
+
+    #[inline(always)]
+    unsafe fn store(acc: __m512, macc: __m512, out: &mut [f32; WIDE_ROWS]) {
+        // SAFETY: `out` holds a float per lane; the caller runs with AVX-512 F.
+        unsafe { _mm512_storeu_ps(out.as_mut_ptr(), _mm512_add_ps(acc, macc)) }
+    }
+}
+
+/// y[0..R] (a float per lane of L: its weight rows) for activation rows t0..t0 + R; returns R.
+///
+/// # Safety
+/// `bases` must point at whole groups of `a.k / 32` blocks; t0 + R <= a.t; the caller runs with L's features.
+#[inline(always)]
+unsafe fn tile<L: Q4_1Lanes, const R: usize>(
+    a: &Activations,
+    bases: [*const u8; 2],
     t0: usize,
-    y: &mut [[f32; GROUP_ROWS]],
+    y: &mut [L::Out],
 ) -> usize {
     let q8 = a.q8_for(Q4_1::SPAN);
     let gs = a.k / GROUP;
@@ -80,29 +301,33 @@ unsafe fn tile<D: IntDot, const R: usize>(
             q8.sums.as_ptr().add(t0 * gs),
         )
     };
-    let low = _mm256_set1_epi8(0x0F);
-    let mut acc = [_mm256_setzero_ps(); R];
-    let mut macc = [_mm256_setzero_ps(); R];
+    let mut acc = [L::zero_float(); R];
+    let mut macc = [L::zero_float(); R];
+    // The first tile of a call reads the next call's groups (the rows that follow these in a task) into cache as
+    // it reads its own, block for block; past a lone group or a matrix's end the hint lands on other bytes, which
+    // is harmless. Resident SmolLM2's kernel pass (Sapphire Rapids class VM, in huge pages, three alternating
+    // processes each) ran 9.1-10.7 / 13.8-14.5 / 17.8-20.8 ms at T = 1 / 8 / 16 with it, 10.8-11.0 / 16.3-17.4 /
+    // 22.1-23.1 without; with AVX2's products 9.6-9.8 / 16.8-18.4 / 29.2-32.1 against 11.2-11.7 / 20.3-21.6 /
+    // 30.1-33.9. Prefetching 2 KB ahead of each group's own stream, or two calls ahead, did as well.
+    let next = bases[0].wrapping_add(L::GROUPS * gs * GROUP_BLOCK);
     for bi in 0..gs {
-        // SAFETY: block bi of the group is inside it (the caller's contract).
-        let block = unsafe { base.add(bi * GROUP_BLOCK) };
-        let (d, m) = halves8(unsafe { _mm256_loadu_si256(block.cast()) });
+        let block = bi * GROUP_BLOCK;
+        if t0 == 0 {
+            prefetch(
+                next.wrapping_add(L::GROUPS * block),
+                L::GROUPS * GROUP_BLOCK,
+            );
+        }
+        // SAFETY (both): block bi of each group is inside it (the caller's contract).
+        let (d, m) = unsafe { L::scales(bases, block) };
         // One code word at a time, met by the R activation rows in turn: R independent running sums, each
         // with its own chain of products, which the CPU overlaps (row by row, one chain of eight waited on
         // the last).
-        let mut int_sums = [_mm256_setzero_si256(); R];
+        let mut int_sums = [L::zero_int(); R];
         for c in 0..CODE_WORDS {
-            // SAFETY: word 1 + c of the block.
-            let word = unsafe { _mm256_loadu_si256(block.add(32 * (1 + c)).cast()) };
             // Elements 4c..4c + 4 of each row (low nibbles), then 16 + 4c.. (high).
-            let halves = [
-                (_mm256_and_si256(word, low), 4 * c),
-                (
-                    _mm256_and_si256(_mm256_srli_epi16(word, 4), low),
-                    16 + 4 * c,
-                ),
-            ];
-            for (w, at) in halves {
+            let (low, high) = unsafe { L::nibbles(bases, block + 32 * (1 + c)) };
+            for (w, at) in [(low, 4 * c), (high, 16 + 4 * c)] {
                 for (r, sum) in int_sums.iter_mut().enumerate() {
                     // The activation bytes this code vector meets, in every lane.
                     // SAFETY: group bi of activation row t0 + r holds 32 codes.
@@ -112,22 +337,24 @@ unsafe fn tile<D: IntDot, const R: usize>(
                             .cast::<i32>()
                             .read_unaligned()
                     };
-                    // SAFETY: the caller runs with D's features.
-                    *sum = unsafe { D::add_products(*sum, w, _mm256_set1_epi32(x)) };
+                    // SAFETY: the caller runs with L's features.
+                    *sum = unsafe { L::add_products(*sum, w, x) };
                 }
             }
         }
         for (r, sum) in int_sums.into_iter().enumerate() {
-            // SAFETY: as for the codes; one scale and sum per group (Q4_1's span is a group).
-            let (dx, sx) = unsafe { (*scales.add(r * gs + bi), *sums.add(r * gs + bi)) };
-            let sum = _mm256_cvtepi32_ps(unsafe { D::widen(sum) });
-            acc[r] = _mm256_fmadd_ps(sum, _mm256_mul_ps(d, _mm256_set1_ps(dx)), acc[r]);
-            macc[r] = _mm256_fmadd_ps(m, _mm256_set1_ps(sx), macc[r]);
+            // SAFETY: as for the codes; one scale and sum per group (Q4_1's span is a group). The caller runs
+            // with L's features.
+            unsafe {
+                let (dx, sx) = (*scales.add(r * gs + bi), *sums.add(r * gs + bi));
+                acc[r] = L::add_scaled(acc[r], sum, d, dx);
+                macc[r] = L::add_offset(macc[r], m, sx);
+            }
         }
     }
     for r in 0..R {
-        // SAFETY: y[r] holds GROUP_ROWS floats.
-        unsafe { _mm256_storeu_ps(y[r].as_mut_ptr(), _mm256_add_ps(acc[r], macc[r])) };
+        // SAFETY: the caller runs with L's features.
+        unsafe { L::store(acc[r], macc[r], &mut y[r]) };
     }
     R
 }
@@ -145,42 +372,20 @@ const K_GROUP_BLOCK: usize = GROUP_ROWS * Q4K::BYTES;
 /// Groups of 32 per span.
 const K_SPAN_GROUPS: usize = Q4K::SPAN / GROUP;
 
-/// `pub fn $name(products: Products) -> Kernel`: `Kernel::Group($vector(products))`, or for `Products::Amx` the
-/// wide kernel `$tiles` (no target features of its own, `#[inline(always)]`) compiled inside an entry point with
-/// AVX-512 VNNI's features, which AMX's imply.
-macro_rules! with_tiles {
-    ($(#[$doc:meta])* $name:ident => $vector:ident, $tiles:path) => {
-        $(#[$doc])*
-        pub fn $name(products: Products) -> Kernel {
-            #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
-            unsafe fn tiles(a: &Activations, rows: &[u8], row_bytes: usize, y: &mut [[f32; WIDE_ROWS]; MAX_T]) {
-                // SAFETY: the caller's contract is the body's, on a CPU with AMX and AVX-512 VNNI.
-                unsafe { $tiles(a, rows, row_bytes, y) }
-            }
-
-            if products != Products::Amx {
-                return Kernel::Group($vector(products));
-            }
-            // SAFETY: `matmul` asks for AMX's products only where `Products::Amx.available()`.
-            Kernel::Wide(|a, rows, row_bytes, y| unsafe { tiles(a, rows, row_bytes, y) })
-        }
-    };
-}
-
-with_tiles!(
+with_wide!(
     /// The integer kernel of interleaved Q4_K rows (8-bit activations), with `products`: a group kernel, or
     /// with AMX's a wide one (tiles in passes of at least Q4K_TILE_MIN_ROWS activation rows, `k_wide_rows`).
     /// Call only if `products.available()`.
-    q4_k_x8 => q4_k_x8_vector, k_wide_rows
+    q4_k_x8 => q4_k_x8_vector, k_wide_rows, Products::Amx
 );
 
-with_tiles!(
+with_wide!(
     /// The integer kernel of plain Q4_K rows (as read from the file; 8-bit activations), with `products`:
     /// passes of at least REGROUP_ROWS activation rows interleave each whole group of eight weight rows into
     /// scratch (`regroup`) and compute them as `q4_k_x8` does; shorter passes, and groups of fewer rows, run the
     /// row kernel (`int_row`). Both give the same bits (`SuperBlock::SPAN_TOTALS`). Call only if
     /// `products.available()`.
-    q4_k_plain => q4_k_plain_vector, k_plain_rows::<Vnni, Tiles, WIDE_ROWS>
+    q4_k_plain => q4_k_plain_vector, k_plain_rows::<Vnni, Tiles, WIDE_ROWS>, Products::Amx
 );
 
 int_entries!(
