@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 from ntio import _core
-from ntio.io import open_reader, read_into, slot_array, submit_into
+from ntio.io import HostArena, open_reader, read_into, slot_array, submit_into
 
 BACKENDS = ["io_uring", "pread", "buffered"]
 FILE_SIZE = 3 * (1 << 20) + 12345  # not a multiple of any block size
@@ -240,6 +240,22 @@ def test_pool_acquire_release_and_views():
     other = _core.StagingPool(1, 4096)
     with pytest.raises(_core.BufferError, match="another pool"):
         other.release(c)
+
+
+def test_host_arena_hands_out_aligned_pieces_that_keep_it_alive(data_file):
+    arena = HostArena(3 * _core.HUGE_PAGE)  # a mapping of its own, starting at a huge page
+    first, second = arena.take(10), arena.take(_core.HUGE_PAGE)
+    assert first.ctypes.data % _core.HUGE_PAGE == 0 and second.ctypes.data == first.ctypes.data + 4096
+    assert first.dtype == np.uint8 and second.shape == (_core.HUGE_PAGE,) and not second.any()
+    with pytest.raises(ValueError, match=r"host arena of 6291456 bytes: 4194304 more at 2101248 do not fit"):
+        arena.take(2 * _core.HUGE_PAGE)
+    last = arena.take(_core.HUGE_PAGE)  # what is left still fits
+    assert last.ctypes.data == second.ctypes.data + _core.HUGE_PAGE
+    del arena
+    gc.collect()
+    path, data = data_file
+    read_into(open_reader(path), [(0, 4096, 0)], last)  # the pieces outlive the arena object: a read lands in them
+    assert bytes(last[:4096]) == data[:4096]
 
 
 def test_concurrent_readers_from_python_threads(data_file, backend):

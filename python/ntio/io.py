@@ -4,6 +4,8 @@
   (io_uring + O_DIRECT, pread + O_DIRECT, buffered).
 - `slot_array(slot)` → a zero-copy `uint8` numpy view of a staging slot (`torch.from_numpy` for torch); the view
   keeps the slot object alive.
+- `HostArena(nbytes)` → host memory in transparent huge pages for bytes kept for a run (resident layers), handed out
+  in aligned pieces (`take`).
 - `read_into(reader, extents, dest)` / `submit_into(reader, extents, dest)` read into memory Python owns: a
   C-contiguous, writable numpy array or CPU torch tensor (pinned or not), or another buffer-protocol object
   (`bytearray`, ...). The buffer itself crosses into Rust, which checks it (`_core.BufferError` naming `dest`);
@@ -28,7 +30,7 @@ from ntio import _core
 Extent = tuple[int, int, int]
 Check = tuple[str, int, int, int, int]
 
-__all__ = ["Check", "Extent", "open_reader", "read_into", "slot_array", "submit_into"]
+__all__ = ["Check", "Extent", "HostArena", "open_reader", "read_into", "slot_array", "submit_into"]
 
 
 def open_reader(path: Any, backend: str | None = None, queue_depth: int = 32,
@@ -49,6 +51,35 @@ class _SlotView:
 def slot_array(slot: _core.Slot) -> np.ndarray:
     """A writable zero-copy `uint8` view of the whole slot."""
     return np.asarray(_SlotView(slot))
+
+
+class HostArena:
+    """`nbytes` of host memory for bytes read once and kept (resident layers, global tensors), in transparent huge
+    pages where the kernel has them: the memory of a one-slot `_core.StagingPool` (2 MiB-aligned, advised
+    MADV_HUGEPAGE, faulted in at once; 4 KiB pages otherwise), handed out in pieces aligned to `align` bytes.
+
+    Why: a decode step reads every resident byte, and in 4 KiB pages a SmolLM2 step touches ~24,000 of them, far more
+    than the TLB holds (a 2 MiB page covers 512). numpy advises huge pages only for its arrays of 4 MiB or more, and
+    a SmolLM2 layer is 2.2 MB. Measured on the Sapphire Rapids class VM (2 vCPU, THP on madvise, 2026-11-29), resident
+    decode with each layer in its own numpy array against the layers in one arena, three alternating pairs of
+    processes: SmolLM2 133-177 against 173-208 tok/s (each pair 12-35% faster in the arena), Qwen2.5-Coder-1.5B (its
+    35 MB layers already mostly in huge pages) 15.4-16.7 against 16.1-18.7 in two pairs. SmolLM2's kernel pass alone,
+    in one process: 11.1 against 9.9 ms at T = 1, 20.8 against 18.5 at T = 16. One arena for many pieces, because
+    each mapping rounds up to whole huge pages. Pieces keep the arena alive.
+    """
+
+    def __init__(self, nbytes: int, align: int = 4096) -> None:
+        self._memory = slot_array(_core.StagingPool(1, max(nbytes, 1)).acquire())
+        self._align = align
+        self._used = 0
+
+    def take(self, nbytes: int) -> np.ndarray:
+        """The next `nbytes` of the arena, at an `align` boundary."""
+        start = -(-self._used // self._align) * self._align
+        if start + nbytes > len(self._memory):
+            raise ValueError(f"host arena of {len(self._memory)} bytes: {nbytes} more at {start} do not fit")
+        self._used = start + nbytes
+        return self._memory[start:start + nbytes]
 
 
 def _buffer_of(dest: Any) -> Any:

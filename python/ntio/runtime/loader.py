@@ -53,7 +53,7 @@ import torch
 from ntio import _core
 from ntio.errors import ModelFormatError, NtioError, OptionError, read_error
 from ntio.formats.gguf_file import TensorInfo
-from ntio.io import Check, read_into, slot_array, submit_into
+from ntio.io import Check, HostArena, read_into, slot_array, submit_into
 from ntio.formats.model_file import extent_index, plan_layer_read, plan_subset_read, row_extent, tensor_checks
 from ntio.kernels.ops import EncodedMatrix
 from ntio.models.layers import FFNGroups, GroupedFFN, LayerWeights
@@ -66,6 +66,9 @@ from ntio.runtime.tiers import TierPlan
 from ntio.models.weights import BlockVectors, WeightLayout, decode_vectors, encoded_block
 
 _ALIGN = 4096  # staging offsets keep each layer's file alignment, so O_DIRECT lands in place
+# A global tensor kept on the CPU takes an arena of its own in huge pages from this size (at most 1/8 of it wasted
+# rounding up to a whole huge page); smaller ones are not worth a mapping.
+_KEPT_HUGE_MIN = 8 * _core.HUGE_PAGE
 _HASH_WINDOW = 32 << 20  # bytes read at a time when a tensor is verified whole to take its pieces' hashes
 
 # Default read-ahead: enough streamed groups to keep about this many bytes in flight, so that small layers (SmolLM2:
@@ -85,6 +88,11 @@ MIN_PREFETCH_DEPTH, MAX_PREFETCH_DEPTH = 1, 16
 # 3.63x plain at a read-ahead of 1 group, 5.06x at 8; SmolLM2 with its self-draft on prose 1.38x at 10, 1.72x at 29.
 # Under an automatic plan the RAM is better spent on resident layers, which save their reads altogether.
 DRAFTING_READ_AHEAD_BYTES = 256 << 20
+
+
+def _aligned(nbytes: int) -> int:
+    """nbytes rounded up to a multiple of _ALIGN."""
+    return -(-nbytes // _ALIGN) * _ALIGN
 
 
 def auto_prefetch_depth(group_bytes: int) -> int:
@@ -213,9 +221,12 @@ class LayerLoader:
         self._host: dict[int, torch.Tensor] = {}  # tier B layer buffers on CUDA
         resident = [i for i, t in enumerate(plan.tiers) if t == "A" or (t == "B" and not self.cuda)]
         host_only = [i for i, t in enumerate(plan.tiers) if t == "B" and self.cuda]
+        # On the CPU the resident layers stay where they are read: one arena in huge pages (`HostArena`).
+        arena = None if self.cuda else HostArena(sum(_aligned(self._reads[i].nbytes) for i in resident))
         for n, layer in enumerate(resident + host_only, 1):
             read = self._reads[layer]
-            buf = self._read_now(read.extents, read.nbytes, list(read.checks.values()))
+            into = None if arena is None else arena.take(read.nbytes)
+            buf = self._read_now(read.extents, read.nbytes, list(read.checks.values()), into)
             if layer in host_only:
                 self._host[layer] = buf.pin_memory()
             else:
@@ -230,12 +241,12 @@ class LayerLoader:
             offsets, end = {}, 0
             for layer in streamed:
                 offsets[layer] = end
-                end += -(-self._reads[layer].nbytes // _ALIGN) * _ALIGN
+                end += _aligned(self._reads[layer].nbytes)
             self.groups.append(_Group(layers, streamed, offsets, end))
         self._head_rows: dict[int, tuple[int, int]] = {}  # head unit -> its rows [start, stop) of the output head
         self._row_checksums: dict[str, list[int]] = {}  # tensor -> its rows' hashes, taken with the head's chunks
         if plan.head == "C":
-            chunk = max(-(-sum(self._reads[i].nbytes for i in g.layers) // _ALIGN) * _ALIGN for g in self.groups)
+            chunk = max(_aligned(sum(self._reads[i].nbytes for i in g.layers)) for g in self.groups)
             self._plan_head(layout.head, chunk)
         self._group_of = [g for g, grp in enumerate(self.groups) for _ in grp.layers]
         self._streamed_groups = [g for g, grp in enumerate(self.groups) if grp.streamed]
@@ -288,7 +299,7 @@ class LayerLoader:
             checks = {} if sums is None else {"output": (info.name, offset, at, nbytes, sums[k])}
             self._reads.append(_LayerRead([(offset, nbytes, at)], at + nbytes, {"output": at}, checks))
             self._head_rows[unit] = (start, stop)
-            self.groups.append(_Group([unit], [unit], {unit: 0}, -(-(at + nbytes) // _ALIGN) * _ALIGN))
+            self.groups.append(_Group([unit], [unit], {unit: 0}, _aligned(at + nbytes)))
 
     def piece_checksums(self, info: TensorInfo, *sizes: int) -> list[list[int]] | None:
         """For each size, the xxh3-64 of every piece of that many bytes of tensor `info` (the last maybe shorter), all
@@ -443,11 +454,14 @@ class LayerLoader:
         """The first n_layers' weights for as long as the caller keeps them: this loader's own for resident layers,
         else a copy read now (checked like any read); for a self-draft, which runs those layers for every token."""
         copies = []
+        missing = [layer for layer in range(n_layers) if layer not in self._resident]
+        arena = None if self.cuda else HostArena(sum(_aligned(self._reads[i].nbytes) for i in missing))
         for layer in range(n_layers):
             weights = self._resident.get(layer)
             if weights is None:
                 read = self._reads[layer]
-                buf = self._read_now(read.extents, read.nbytes, list(read.checks.values()))
+                into = None if arena is None else arena.take(read.nbytes)
+                buf = self._read_now(read.extents, read.nbytes, list(read.checks.values()), into)
                 weights = self._resident_weights(layer, buf.to(self.device))
             copies.append(weights)
         return copies
@@ -528,7 +542,7 @@ class LayerLoader:
         copy = self._group_copies.get(layer)
         if copy is None:
             (_, length), = self.layout.file.ffn_group_extents(layer, [0])
-            copy = -(-length // _ALIGN) * _ALIGN, self.layout.file.index.ffn_group_checksums(layer)
+            copy = _aligned(length), self.layout.file.index.ffn_group_checksums(layer)
             self._group_copies[layer] = copy
         return copy
 
@@ -579,7 +593,7 @@ class LayerLoader:
                 info = blocks[part]
                 offset, length = row_extent(self.layout.file, info.name, first * n, stop * n)
                 start = offset - offset % _ALIGN
-                span = -(-(offset + length) // _ALIGN) * _ALIGN - start
+                span = _aligned(offset + length) - start
                 pieces.append((start, span, used))
                 at = used + offset - start  # where the rows land
                 used += span
@@ -801,11 +815,19 @@ class LayerLoader:
         """One tensor's encoded bytes, read now into host memory (for the always-resident globals)."""
         head = info.offset % _ALIGN  # keep the file's alignment in memory so O_DIRECT reads land in place
         checks = tensor_checks(self.layout.file, [(info.name, head)]) if self.verify else []
-        return self._read_now([(info.offset, info.nbytes, head)], head + info.nbytes, checks)[head:]
+        nbytes = head + info.nbytes
+        # Kept on the CPU, in huge pages when that wastes little: each arena rounds up to whole huge pages.
+        into = HostArena(nbytes).take(nbytes) if not self.cuda and nbytes >= _KEPT_HUGE_MIN else None
+        return self._read_now([(info.offset, info.nbytes, head)], nbytes, checks, into)[head:]
 
-    def _read_now(self, extents: list[tuple[int, int, int]], nbytes: int, checks: list[Check]) -> torch.Tensor:
-        buf = np.empty(nbytes + _ALIGN, dtype=np.uint8)
-        buf = buf[-buf.ctypes.data % _ALIGN :][:nbytes]
+    def _read_now(self, extents: list[tuple[int, int, int]], nbytes: int, checks: list[Check],
+                  into: np.ndarray | None = None) -> torch.Tensor:
+        """Read `extents` (destination offsets into `nbytes` bytes, aligned to _ALIGN) into `into`, or into new
+        memory, and wait."""
+        buf = into
+        if buf is None:
+            buf = np.empty(nbytes + _ALIGN, dtype=np.uint8)
+            buf = buf[-buf.ctypes.data % _ALIGN :][:nbytes]
         try:
             read_into(self.reader, extents, buf, checks)
         except OSError as e:
