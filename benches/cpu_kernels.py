@@ -77,7 +77,7 @@ def load(model: str) -> list[tuple[T, tuple[int, int], torch.Tensor, torch.Tenso
 def in_huge_pages(raws: list[torch.Tensor]) -> list[torch.Tensor]:
     """Copies of `raws` in one `HostArena`: in huge pages, as the engine keeps resident layers (and reads streamed
     ones into its staging slots). In 4 KiB pages a pass ran ~10% slower at every T (SmolLM2, 2026-11-29)."""
-    arena = HostArena(sum(-(-raw.numel() // 4096) * 4096 for raw in raws))
+    arena = HostArena([raw.numel() for raw in raws])
     copies = []
     for raw in raws:
         copy = torch.from_numpy(arena.take(raw.numel()))

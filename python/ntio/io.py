@@ -4,7 +4,7 @@
   (io_uring + O_DIRECT, pread + O_DIRECT, buffered).
 - `slot_array(slot)` → a zero-copy `uint8` numpy view of a staging slot (`torch.from_numpy` for torch); the view
   keeps the slot object alive.
-- `HostArena(nbytes)` → host memory in transparent huge pages for bytes kept for a run (resident layers), handed out
+- `HostArena(pieces)` → host memory in transparent huge pages for bytes kept for a run (resident layers), handed out
   in aligned pieces (`take`).
 - `read_into(reader, extents, dest)` / `submit_into(reader, extents, dest)` read into memory Python owns: a
   C-contiguous, writable numpy array or CPU torch tensor (pinned or not), or another buffer-protocol object
@@ -54,7 +54,7 @@ def slot_array(slot: _core.Slot) -> np.ndarray:
 
 
 class HostArena:
-    """`nbytes` of host memory for bytes read once and kept (resident layers, global tensors), in transparent huge
+    """Host memory for bytes read once and kept (resident layers, global tensors), in transparent huge
     pages where the kernel has them: the memory of a one-slot `_core.StagingPool` (2 MiB-aligned, advised
     MADV_HUGEPAGE, faulted in at once; 4 KiB pages otherwise), handed out in pieces aligned to `align` bytes.
 
@@ -68,7 +68,9 @@ class HostArena:
     each mapping rounds up to whole huge pages. Pieces keep the arena alive.
     """
 
-    def __init__(self, nbytes: int, align: int = 4096) -> None:
+    def __init__(self, pieces: Sequence[int], align: int = 4096) -> None:
+        """An arena that holds pieces of these sizes (in bytes), taken in this order."""
+        nbytes = sum(-(-n // align) * align for n in pieces)
         self._memory = slot_array(_core.StagingPool(1, max(nbytes, 1)).acquire())
         self._align = align
         self._used = 0

@@ -1,6 +1,7 @@
 """The KV cache, and what it holds: the token id at each position and, per layer, which positions it computed.
 
-k, v: [n_layers, Hkv, capacity, hd], preallocated with torch.empty (on CPU, pages are committed only when written).
+k, v: [n_layers, Hkv, capacity, hd], preallocated: on a GPU with torch.empty, on the CPU in transparent huge pages
+(`kv_memory`), committed at once, as llama.cpp clears its cache at start.
 `partition(n, c)` lends that memory out as n caches of c positions (a server's slots), so that the KV memory the plan
 counted once is allocated once, also on a GPU, where an allocation is committed at once.
 `ids` are the tokens whose K/V the cache holds (positions 0 .. length-1); `crop(n)` forgets everything from
@@ -12,11 +13,29 @@ K/V there: `skipped[layer, pos]` is True, and attention in that layer masks the 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import torch
 
+from ntio.io import HostArena
 from ntio.models.config import ModelConfig
+
+
+def kv_memory(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V memory of `shape`: on the CPU one `HostArena` (huge pages, zeroed), elsewhere torch.empty.
+
+    Attention reads every cached key and value of a layer at each step, so in 4 KiB pages a long context costs a TLB
+    miss every 4 KiB; huge pages leave a handful. Measured on the Sapphire Rapids class VM (2 vCPU, 2026-11-29),
+    SmolLM2 resident, a ~2,300-token prompt, 48 tokens: decode 37.9-49.1 tok/s with torch.empty's 4 KiB pages against
+    55.8-58.5 in huge pages, prefill 417-426 against 499-538 tok/s (two alternating pairs of processes).
+    """
+    if torch.device(device).type != "cpu":
+        return torch.empty(shape, dtype=dtype, device=device), torch.empty(shape, dtype=dtype, device=device)
+    nbytes = math.prod(shape) * torch.empty(0, dtype=dtype).element_size()
+    arena = HostArena([nbytes, nbytes])
+    return tuple(torch.from_numpy(arena.take(nbytes)).view(dtype).view(shape) for _ in range(2))
 
 
 class KVCache:
@@ -26,7 +45,7 @@ class KVCache:
         new ones."""
         shape = (cfg.n_layers, cfg.n_kv_heads, capacity, cfg.head_dim)
         if memory is None:
-            memory = torch.empty(shape, dtype=dtype, device=device), torch.empty(shape, dtype=dtype, device=device)
+            memory = kv_memory(shape, dtype, device)
         self.k, self.v = memory
         self.cfg, self.capacity = cfg, capacity
         self.ids: list[int] = []

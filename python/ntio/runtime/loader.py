@@ -222,7 +222,7 @@ class LayerLoader:
         resident = [i for i, t in enumerate(plan.tiers) if t == "A" or (t == "B" and not self.cuda)]
         host_only = [i for i, t in enumerate(plan.tiers) if t == "B" and self.cuda]
         # On the CPU the resident layers stay where they are read: one arena in huge pages (`HostArena`).
-        arena = None if self.cuda else HostArena(sum(_aligned(self._reads[i].nbytes) for i in resident))
+        arena = None if self.cuda else HostArena([self._reads[i].nbytes for i in resident])
         for n, layer in enumerate(resident + host_only, 1):
             read = self._reads[layer]
             into = None if arena is None else arena.take(read.nbytes)
@@ -455,7 +455,7 @@ class LayerLoader:
         else a copy read now (checked like any read); for a self-draft, which runs those layers for every token."""
         copies = []
         missing = [layer for layer in range(n_layers) if layer not in self._resident]
-        arena = None if self.cuda else HostArena(sum(_aligned(self._reads[i].nbytes) for i in missing))
+        arena = None if self.cuda else HostArena([self._reads[i].nbytes for i in missing])
         for layer in range(n_layers):
             weights = self._resident.get(layer)
             if weights is None:
@@ -817,7 +817,7 @@ class LayerLoader:
         checks = tensor_checks(self.layout.file, [(info.name, head)]) if self.verify else []
         nbytes = head + info.nbytes
         # Kept on the CPU, in huge pages when that wastes little: each arena rounds up to whole huge pages.
-        into = HostArena(nbytes).take(nbytes) if not self.cuda and nbytes >= _KEPT_HUGE_MIN else None
+        into = HostArena([nbytes]).take(nbytes) if not self.cuda and nbytes >= _KEPT_HUGE_MIN else None
         return self._read_now([(info.offset, info.nbytes, head)], nbytes, checks, into)[head:]
 
     def _read_now(self, extents: list[tuple[int, int, int]], nbytes: int, checks: list[Check],
