@@ -90,8 +90,8 @@ unsafe fn rows<D: IntDot>(
 }
 
 /// Up to two interleaved groups of rows (`groups`: 8 or 16 rows), both at once in AVX-512 vectors (`Zmm`), in
-/// tiles of up to 8 activation rows; y[t][j] for row j. A lone group is computed twice; its second copy's outputs
-/// are never stored. Per activation row and block, twice the rows an instruction of the eight-row kernel takes.
+/// tiles of up to 8 activation rows; y[t][j] for row j (`pair_bases`: a lone group is computed twice). Per
+/// activation row and block, twice the rows an instruction of the eight-row kernel takes.
 ///
 /// # Safety
 /// `groups` must be whole groups; the caller runs with AVX-512 VNNI's features.
@@ -102,16 +102,20 @@ unsafe fn wide_rows(
     row_bytes: usize,
     y: &mut [[f32; WIDE_ROWS]; MAX_T],
 ) {
+    debug_assert!(row_bytes == a.k / GROUP * Q4_1::BYTES);
+    let bases = pair_bases(groups, row_bytes);
+    in_tiles!(a.t, y, |t0, out| tile::<Zmm>(a, bases, t0, out));
+}
+
+/// The first bytes of a wide call's two groups of rows (`groups`: one or two groups of eight rows of `row_bytes`):
+/// a lone group twice, so that it is computed twice and its second copy's outputs are never stored.
+fn pair_bases(groups: &[u8], row_bytes: usize) -> [*const u8; 2] {
     let group_bytes = GROUP_ROWS * row_bytes;
-    debug_assert!(
-        (groups.len() == group_bytes || groups.len() == 2 * group_bytes)
-            && row_bytes == a.k / GROUP * Q4_1::BYTES
-    );
-    let bases = [
+    debug_assert!(groups.len() == group_bytes || groups.len() == 2 * group_bytes);
+    [
         groups.as_ptr(),
         groups[groups.len() - group_bytes..].as_ptr(),
-    ];
-    in_tiles!(a.t, y, |t0, out| tile::<Zmm>(a, bases, t0, out));
+    ]
 }
 
 /// The vectors of a Q4_1 tile, one weight row per 32-bit lane: one group's eight rows in AVX2 vectors with D's
@@ -126,8 +130,16 @@ trait Q4_1Lanes {
     type Out;
     /// Groups of eight rows a call computes.
     const GROUPS: usize;
-    fn zero_int() -> Self::Int;
-    fn zero_float() -> Self::Float;
+    #[inline(always)]
+    fn zero_int() -> Self::Int {
+        // SAFETY: a SIMD vector of integers: any bits are a value.
+        unsafe { std::mem::zeroed() }
+    }
+    #[inline(always)]
+    fn zero_float() -> Self::Float {
+        // SAFETY: a SIMD vector of floats: any bits are a value (zeros are 0.0).
+        unsafe { std::mem::zeroed() }
+    }
     /// (d, m) of each lane's row: word 0 of the block at byte `at` of each group (`bases`).
     unsafe fn scales(bases: [*const u8; 2], at: usize) -> (Self::Float, Self::Float);
     /// The code word at byte `at` of each group as (low nibbles, high nibbles).
@@ -147,18 +159,6 @@ impl<D: IntDot> Q4_1Lanes for D {
     type Float = __m256;
     type Out = [f32; GROUP_ROWS];
     const GROUPS: usize = 1;
-
-    #[inline(always)]
-    fn zero_int() -> __m256i {
-        // SAFETY: the kernels run with AVX2 (an `IntDot`'s features include it).
-        unsafe { _mm256_setzero_si256() }
-    }
-
-    #[inline(always)]
-    fn zero_float() -> __m256 {
-        // SAFETY: as `zero_int`.
-        unsafe { _mm256_setzero_ps() }
-    }
 
     #[inline(always)]
     unsafe fn scales(bases: [*const u8; 2], at: usize) -> (__m256, __m256) {
@@ -210,18 +210,6 @@ impl Q4_1Lanes for Zmm {
     type Float = __m512;
     type Out = [f32; WIDE_ROWS];
     const GROUPS: usize = 2;
-
-    #[inline(always)]
-    fn zero_int() -> __m512i {
-        // SAFETY: `Zmm` kernels run with AVX-512 F.
-        unsafe { _mm512_setzero_si512() }
-    }
-
-    #[inline(always)]
-    fn zero_float() -> __m512 {
-        // SAFETY: as `zero_int`.
-        unsafe { _mm512_setzero_ps() }
-    }
 
     #[inline(always)]
     unsafe fn scales(bases: [*const u8; 2], at: usize) -> (__m512, __m512) {
@@ -867,14 +855,11 @@ unsafe fn k_wide_rows(
     row_bytes: usize,
     y: &mut [[f32; WIDE_ROWS]; MAX_T],
 ) {
-    let group_bytes = GROUP_ROWS * row_bytes;
-    debug_assert!(
-        (groups.len() == group_bytes || groups.len() == 2 * group_bytes)
-            && row_bytes == a.k / Q4K::BLOCK * Q4K::BYTES
-    );
+    debug_assert!(row_bytes == a.k / Q4K::BLOCK * Q4K::BYTES);
+    let bases = pair_bases(groups, row_bytes);
     if a.t < Q4K_TILE_MIN_ROWS || a.q8_for(Q4K::SPAN).pairs.is_empty() {
         let mut lanes = [[0f32; GROUP_ROWS]; MAX_T];
-        for (g, group) in groups.chunks_exact(group_bytes).enumerate() {
+        for (g, group) in groups.chunks_exact(GROUP_ROWS * row_bytes).enumerate() {
             // SAFETY: the caller's contract.
             unsafe { k_rows::<Vnni>(a, group, row_bytes, &mut lanes) };
             for (y, lanes) in y.iter_mut().zip(&lanes[..a.t]) {
@@ -883,11 +868,6 @@ unsafe fn k_wide_rows(
         }
         return;
     }
-    // A lone group is computed twice; its second copy's outputs are never stored.
-    let bases = [
-        groups.as_ptr(),
-        groups[groups.len() - group_bytes..].as_ptr(),
-    ];
     for t0 in (0..a.t).step_by(2 * PAIR_TOKENS) {
         let rows = (a.t - t0).min(2 * PAIR_TOKENS);
         // SAFETY: the caller's contract, with t0 + rows <= t; `matmul` made the pairs for this pass.
