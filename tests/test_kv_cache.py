@@ -126,3 +126,23 @@ def test_a_partition_is_pieces_of_the_caches_memory_that_do_not_overlap(model):
         assert all(end <= start for (_, end), (start, _) in zip(spans, spans[1:]))
     with pytest.raises(ValueError, match="do not fit"):
         kv.partition(3, 43)
+
+
+def test_cpu_memory_is_huge_page_aligned_zeros_and_kept_by_the_model(model):
+    """On the CPU, K and V of KV_HUGE_MIN bytes are pieces of one huge-page arena (`kv_memory`): a 2 MiB-aligned
+    start, zeros before any write, the shape and dtype asked; and the loader's resident layers share one arena too."""
+    from ntio import _core
+    from ntio.runtime.kv_cache import kv_memory
+
+    shape = (4, 8, 4096, 128)  # KV_HUGE_MIN bytes in float16
+    k, v = kv_memory(shape, torch.float16, "cpu")
+    assert k.shape == v.shape == shape and k.dtype == v.dtype == torch.float16
+    assert k.data_ptr() % _core.HUGE_PAGE == 0 and v.data_ptr() == k.data_ptr() + k.numel() * 2
+    assert not k.any() and not v.any()
+    k[3, 7, 4095, 127] = 1.0  # writable, and not v's memory
+    assert not v.any()
+    # The layers' bytes lie back to back in the arena, each at a 4096 boundary.
+    reads = model.loader._reads
+    starts = [model.loader._resident[i].w_down.raw.data_ptr() - reads[i].tensor_offsets["ffn_down"]
+              for i in range(model.config.n_layers)]
+    assert [b - a for a, b in zip(starts, starts[1:])] == [-(-r.nbytes // 4096) * 4096 for r in reads[:-1]]

@@ -1,7 +1,8 @@
 """The KV cache, and what it holds: the token id at each position and, per layer, which positions it computed.
 
-k, v: [n_layers, Hkv, capacity, hd], preallocated: on a GPU with torch.empty, on the CPU in transparent huge pages
-(`kv_memory`), committed at once, as llama.cpp clears its cache at start.
+k, v: [n_layers, Hkv, capacity, hd], preallocated (`kv_memory`): on a GPU with torch.empty; on the CPU a cache of
+KV_HUGE_MIN bytes or more in transparent huge pages, committed at once as llama.cpp clears its cache at start, and a
+smaller one with torch.empty, its pages committed only when written.
 `partition(n, c)` lends that memory out as n caches of c positions (a server's slots), so that the KV memory the plan
 counted once is allocated once, also on a GPU, where an allocation is committed at once.
 `ids` are the tokens whose K/V the cache holds (positions 0 .. length-1); `crop(n)` forgets everything from
@@ -22,18 +23,25 @@ from ntio.io import HostArena
 from ntio.models.config import ModelConfig
 
 
+# The least K + V bytes a CPU cache takes huge pages for (`kv_memory`).
+KV_HUGE_MIN = 64 << 20
+
+
 def kv_memory(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str
               ) -> tuple[torch.Tensor, torch.Tensor]:
-    """K and V memory of `shape`: on the CPU one `HostArena` (huge pages, zeroed), elsewhere torch.empty.
+    """K and V memory of `shape`: on the CPU, from KV_HUGE_MIN bytes for both, one `HostArena` (huge pages, zeroed);
+    else torch.empty.
 
     Attention reads every cached key and value of a layer at each step, so in 4 KiB pages a long context costs a TLB
     miss every 4 KiB; huge pages leave a handful. Measured on the Sapphire Rapids class VM (2 vCPU, 2026-11-29),
-    SmolLM2 resident, a ~2,300-token prompt, 48 tokens: decode 37.9-49.1 tok/s with torch.empty's 4 KiB pages against
-    55.8-58.5 in huge pages, prefill 417-426 against 499-538 tok/s (two alternating pairs of processes).
+    SmolLM2 resident, a ~2,300-token prompt in a cache of 4096 positions (189 MB), 48 tokens: decode 37.9-49.1 tok/s
+    with torch.empty's 4 KiB pages against 53.2-58.5 in huge pages, prefill 408-426 against 468-538 tok/s (four
+    alternating pairs of processes). A small cache spans few pages either way, and committed as written it leaves a
+    tight RAM budget the room its short prompts do not fill.
     """
-    if torch.device(device).type != "cpu":
-        return torch.empty(shape, dtype=dtype, device=device), torch.empty(shape, dtype=dtype, device=device)
     nbytes = math.prod(shape) * torch.empty(0, dtype=dtype).element_size()
+    if torch.device(device).type != "cpu" or 2 * nbytes < KV_HUGE_MIN:
+        return torch.empty(shape, dtype=dtype, device=device), torch.empty(shape, dtype=dtype, device=device)
     arena = HostArena([nbytes, nbytes])
     return tuple(torch.from_numpy(arena.take(nbytes)).view(dtype).view(shape) for _ in range(2))
 
