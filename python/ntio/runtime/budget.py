@@ -28,9 +28,7 @@ from ntio.errors import OptionError
 from ntio.runtime.memory import ram_room
 from ntio.runtime.tiers import TierPlan, format_size, parse_size, parse_tier_spec, plan_tiers
 from ntio.models.weights import WeightLayout
-from ntio.runtime.loader import auto_prefetch_depth, drafting_prefetch_depth
-
-_ALIGN = 4096
+from ntio.runtime.loader import ALIGN, aligned, auto_prefetch_depth, drafting_prefetch_depth
 
 # The KV cache's capacity when none is asked for: the model's context up to this many tokens (a 128k-context model's
 # full cache would take more than its weights), fewer when the budget cannot hold it.
@@ -59,21 +57,17 @@ class MemoryNeeds:
         largest = 0
         for start in range(0, len(self.layers), self.group_size):
             group = range(start, min(start + self.group_size, len(self.layers)))
-            largest = max(largest, sum(_aligned(self.layers[i]) for i in group if tiers is None or tiers[i] != "A"))
+            largest = max(largest, sum(aligned(self.layers[i]) for i in group if tiers is None or tiers[i] != "A"))
         return largest
 
     def staging(self, tiers: list[str] | None = None, head_streamed: bool = True) -> int:
         """The staging slots, each one largest group or head chunk (at most the largest group of all layers:
         `loader.LayerLoader` cuts the head so)."""
-        head_chunk = min(_aligned(self.head), self.largest_group()) if head_streamed else 0
+        head_chunk = min(aligned(self.head), self.largest_group()) if head_streamed else 0
         total = self.staging_slots * max(self.largest_group(tiers), head_chunk)
         total += self.group_scratch if self.largest_group(tiers) else 0
         huge = _core.HUGE_PAGE  # pools this large are mapped in whole huge pages
         return -(-total // huge) * huge if total >= huge else total
-
-
-def _aligned(n: int) -> int:
-    return -(-n // _ALIGN) * _ALIGN
 
 
 def memory_needs(
@@ -96,7 +90,7 @@ def memory_needs(
     # tokens): nothing is dequantized.
     scratch = ops.SCRATCH_BYTES if ops.dequantizes(tokens, layout.matrix_types(), kernels, cuda=cuda) else 0
     activations = scratch + 4 * tokens * per_token + logits
-    layers = [layout.block_nbytes(i) + len(layout.blocks[i]) * _ALIGN for i in range(cfg.n_layers)]
+    layers = [layout.block_nbytes(i) + len(layout.blocks[i]) * ALIGN for i in range(cfg.n_layers)]
     norms = layout.output_norm.n_elements * 4
     neurons = None if cuda else getattr(layout.file, "ffn_group_neurons", None)
     scratch = 0 if neurons is None else 2 * max(_group_read_bound(layout, i, neurons) for i in range(cfg.n_layers))
@@ -110,8 +104,8 @@ def _group_read_bound(layout: WeightLayout, layer: int, neurons: int) -> int:
     either end."""
     blocks, groups = layout.blocks[layer], layout.cfg.d_ff // neurons
     (_, length), = layout.file.ffn_group_extents(layer, [0])
-    rows = sum(blocks[part].nbytes + 2 * _ALIGN * -(-groups // 2) for part in ("ffn_gate", "ffn_up") if part in blocks)
-    return groups * _aligned(length) + rows
+    rows = sum(blocks[part].nbytes + 2 * ALIGN * -(-groups // 2) for part in ("ffn_gate", "ffn_up") if part in blocks)
+    return groups * aligned(length) + rows
 
 
 @dataclass(frozen=True)

@@ -39,7 +39,7 @@ def kv_memory(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device |
     alternating pairs of processes). A small cache spans few pages either way, and committed as written it leaves a
     tight RAM budget the room its short prompts do not fill.
     """
-    nbytes = math.prod(shape) * torch.empty(0, dtype=dtype).element_size()
+    nbytes = math.prod(shape) * dtype.itemsize
     if torch.device(device).type != "cpu" or 2 * nbytes < KV_HUGE_MIN:
         return torch.empty(shape, dtype=dtype, device=device), torch.empty(shape, dtype=dtype, device=device)
     arena = HostArena([nbytes, nbytes])

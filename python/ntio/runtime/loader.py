@@ -65,7 +65,7 @@ from ntio.runtime.timeline import Timeline
 from ntio.runtime.tiers import TierPlan
 from ntio.models.weights import BlockVectors, WeightLayout, decode_vectors, encoded_block
 
-_ALIGN = 4096  # staging offsets keep each layer's file alignment, so O_DIRECT lands in place
+ALIGN = 4096  # staging offsets keep each layer's file alignment, so O_DIRECT lands in place
 # A global tensor kept on the CPU takes an arena of its own in huge pages from this size (at most 1/8 of it wasted
 # rounding up to a whole huge page); smaller ones are not worth a mapping.
 _KEPT_HUGE_MIN = 8 * _core.HUGE_PAGE
@@ -90,9 +90,10 @@ MIN_PREFETCH_DEPTH, MAX_PREFETCH_DEPTH = 1, 16
 DRAFTING_READ_AHEAD_BYTES = 256 << 20
 
 
-def _aligned(nbytes: int) -> int:
-    """nbytes rounded up to a multiple of _ALIGN."""
-    return -(-nbytes // _ALIGN) * _ALIGN
+def aligned(nbytes: int) -> int:
+    """nbytes rounded up to a multiple of ALIGN (where the loader places each layer in a slot or arena; the memory
+    plan counts the same)."""
+    return -(-nbytes // ALIGN) * ALIGN
 
 
 def auto_prefetch_depth(group_bytes: int) -> int:
@@ -241,12 +242,12 @@ class LayerLoader:
             offsets, end = {}, 0
             for layer in streamed:
                 offsets[layer] = end
-                end += _aligned(self._reads[layer].nbytes)
+                end += aligned(self._reads[layer].nbytes)
             self.groups.append(_Group(layers, streamed, offsets, end))
         self._head_rows: dict[int, tuple[int, int]] = {}  # head unit -> its rows [start, stop) of the output head
         self._row_checksums: dict[str, list[int]] = {}  # tensor -> its rows' hashes, taken with the head's chunks
         if plan.head == "C":
-            chunk = max(_aligned(sum(self._reads[i].nbytes for i in g.layers)) for g in self.groups)
+            chunk = max(aligned(sum(self._reads[i].nbytes for i in g.layers)) for g in self.groups)
             self._plan_head(layout.head, chunk)
         self._group_of = [g for g, grp in enumerate(self.groups) for _ in grp.layers]
         self._streamed_groups = [g for g, grp in enumerate(self.groups) if grp.streamed]
@@ -285,7 +286,7 @@ class LayerLoader:
         # A chunk lands where its file offset falls in a 4 KiB block, as a layer's tensors do, so that O_DIRECT reads
         # it straight into the slot (at offset 0 of its slot it went through bounce windows and a copy: 1.8 GB/s
         # where layers read at 3.8, Qwen2.5-Coder-1.5B's 30 MB chunks). The margin keeps it within one slot.
-        rows = max(1, (chunk_bytes - _ALIGN + 1) // row_nbytes)
+        rows = max(1, (chunk_bytes - ALIGN + 1) // row_nbytes)
         tied_rows = self.plan.embedding == "C" and info is self.layout.token_embd
         hashed = self.piece_checksums(info, rows * row_nbytes, *([row_nbytes] if tied_rows else []))
         sums = None if hashed is None else hashed[0]
@@ -295,11 +296,11 @@ class LayerLoader:
             stop, unit = min(start + rows, info.shape[0]), len(self._reads)
             nbytes = (stop - start) * row_nbytes
             offset = info.offset + start * row_nbytes
-            at = offset % _ALIGN
+            at = offset % ALIGN
             checks = {} if sums is None else {"output": (info.name, offset, at, nbytes, sums[k])}
             self._reads.append(_LayerRead([(offset, nbytes, at)], at + nbytes, {"output": at}, checks))
             self._head_rows[unit] = (start, stop)
-            self.groups.append(_Group([unit], [unit], {unit: 0}, _aligned(at + nbytes)))
+            self.groups.append(_Group([unit], [unit], {unit: 0}, aligned(at + nbytes)))
 
     def piece_checksums(self, info: TensorInfo, *sizes: int) -> list[list[int]] | None:
         """For each size, the xxh3-64 of every piece of that many bytes of tensor `info` (the last maybe shorter), all
@@ -315,7 +316,7 @@ class LayerLoader:
         streams = [_core.Hasher() for _ in sizes]  # the piece being hashed, for sizes that do not divide the window
         for start in range(0, info.nbytes, window):
             n = min(window, info.nbytes - start)
-            head = (info.offset + start) % _ALIGN
+            head = (info.offset + start) % ALIGN
             data = self._read_now([(info.offset + start, n, head)], head + n, [])[head:].numpy()
             whole.update(data)
             for i, size in enumerate(sizes):
@@ -455,7 +456,7 @@ class LayerLoader:
         else a copy read now (checked like any read); for a self-draft, which runs those layers for every token."""
         copies = []
         missing = [layer for layer in range(n_layers) if layer not in self._resident]
-        arena = None if self.cuda else HostArena([self._reads[i].nbytes for i in missing])
+        arena = None if self.cuda or not missing else HostArena([self._reads[i].nbytes for i in missing])
         for layer in range(n_layers):
             weights = self._resident.get(layer)
             if weights is None:
@@ -542,7 +543,7 @@ class LayerLoader:
         copy = self._group_copies.get(layer)
         if copy is None:
             (_, length), = self.layout.file.ffn_group_extents(layer, [0])
-            copy = _aligned(length), self.layout.file.index.ffn_group_checksums(layer)
+            copy = aligned(length), self.layout.file.index.ffn_group_checksums(layer)
             self._group_copies[layer] = copy
         return copy
 
@@ -592,8 +593,8 @@ class LayerLoader:
             for part in parts:
                 info = blocks[part]
                 offset, length = row_extent(self.layout.file, info.name, first * n, stop * n)
-                start = offset - offset % _ALIGN
-                span = _aligned(offset + length) - start
+                start = offset - offset % ALIGN
+                span = aligned(offset + length) - start
                 pieces.append((start, span, used))
                 at = used + offset - start  # where the rows land
                 used += span
@@ -615,10 +616,10 @@ class LayerLoader:
         nbytes = base + len(ids) * stride
         scratch = layer % 2
         self._settle(_GROUP_SCRATCH[scratch])  # its last groups' checks must pass before their bytes are overwritten
-        if self._group_scratch[scratch] is None or len(self._group_scratch[scratch]) < nbytes + _ALIGN:
-            self._group_scratch[scratch] = np.empty(nbytes + _ALIGN, dtype=np.uint8)
+        if self._group_scratch[scratch] is None or len(self._group_scratch[scratch]) < nbytes + ALIGN:
+            self._group_scratch[scratch] = np.empty(nbytes + ALIGN, dtype=np.uint8)
         buf = self._group_scratch[scratch]
-        buf = buf[-buf.ctypes.data % _ALIGN :][:nbytes]
+        buf = buf[-buf.ctypes.data % ALIGN :][:nbytes]
         if self._group_reader is None:
             self._group_reader = _core.Reader(self.layout.file.files, backend=self.reader.backend)
         try:
@@ -813,7 +814,7 @@ class LayerLoader:
 
     def read_tensor(self, info: TensorInfo) -> torch.Tensor:
         """One tensor's encoded bytes, read now into host memory (for the always-resident globals)."""
-        head = info.offset % _ALIGN  # keep the file's alignment in memory so O_DIRECT reads land in place
+        head = info.offset % ALIGN  # keep the file's alignment in memory so O_DIRECT reads land in place
         checks = tensor_checks(self.layout.file, [(info.name, head)]) if self.verify else []
         nbytes = head + info.nbytes
         # Kept on the CPU, in huge pages when that wastes little: each arena rounds up to whole huge pages.
@@ -822,12 +823,12 @@ class LayerLoader:
 
     def _read_now(self, extents: list[tuple[int, int, int]], nbytes: int, checks: list[Check],
                   into: np.ndarray | None = None) -> torch.Tensor:
-        """Read `extents` (destination offsets into `nbytes` bytes, aligned to _ALIGN) into `into`, or into new
+        """Read `extents` (destination offsets into `nbytes` bytes, aligned to ALIGN) into `into`, or into new
         memory, and wait."""
         buf = into
         if buf is None:
-            buf = np.empty(nbytes + _ALIGN, dtype=np.uint8)
-            buf = buf[-buf.ctypes.data % _ALIGN :][:nbytes]
+            buf = np.empty(nbytes + ALIGN, dtype=np.uint8)
+            buf = buf[-buf.ctypes.data % ALIGN :][:nbytes]
         try:
             read_into(self.reader, extents, buf, checks)
         except OSError as e:
