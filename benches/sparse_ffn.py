@@ -19,9 +19,10 @@ the transposed matrix quantized to TYPE (from the GGUF's values, by gguf-py) and
 with the down rule per neuron at the middle --keep.
 
 `--group-scores sum norm exact` prices ways of ranking the store's groups (one quantization block of down's
-neurons) under the down rule: the policy's own Σ |a| over a group; Σ |a_i| · ||down[:, i]||, the down matrix's
-column norms weighing each neuron; and ||down[:, g] · a_g||, each group's own contribution to the output (it needs
-every down byte, so it bounds what any ranking of one group at a time can do).
+neurons) under the down rule: Σ |a| over a group, each neuron weighing 1; Σ |a_i| · ||down[:, i]||, the down
+matrix's column norms weighing each neuron (the policy's own, as this script runs it); and ||down[:, g] · a_g||, each
+group's own contribution to the output (it needs every down byte, so it bounds what any ranking of one group at a
+time can do).
 
 Texts are this project's own, so no model saw them in training: calibration, the package's docstrings; evaluation,
 README.md. Prints one JSON object per measurement, then a summary object.
@@ -62,7 +63,7 @@ import ntio
 from bigger_than_ram import machine
 from ntio.fetch import resolve_model
 from ntio.formats.gguf_metadata import copy_metadata
-from ntio.formats.store import StoreFile, convert, widest_group_neurons
+from ntio.formats.store import DownNorms, StoreFile, convert, widest_group_neurons
 from ntio.plots import check_figure_path, pyplot, save_png
 from ntio.policies.base import FFNMask, LoadPolicy
 from ntio.policies.sparse_ffn import (RULES, NeuronSelection, SparseFFNPolicy, UnitPredictor, consecutive_groups,
@@ -92,18 +93,21 @@ def first_tokens(m: ntio.LLM, text: str, n: int) -> str:
 
 
 class Recorder(LoadPolicy):
-    """Reads everything, keeps everything, and records every layer's FFN input x [T, D] and |silu(gate) * up|
-    [T, F], in float16 (a Qwen 1.5B layer's 8k calibration tokens take 170 MB so)."""
+    """Reads everything, keeps everything, and records every layer's FFN input x [T, D] and the down rule's neuron
+    scores |silu(gate) * up| * ||down[:, i]|| [T, F] (`down_norms`: layer -> [F]), in float16 (a Qwen 1.5B layer's
+    8k calibration tokens take 170 MB so)."""
 
-    def __init__(self) -> None:
+    def __init__(self, down_norms: DownNorms) -> None:
         super().__init__()
+        self.down_norms = down_norms
         self.inputs: dict[int, list[torch.Tensor]] = {}
         self.activations: dict[int, list[torch.Tensor]] = {}
 
     def ffn_mask(self, layer: int) -> FFNMask:
         def record(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
             self.inputs.setdefault(layer, []).append(x.half())
-            self.activations.setdefault(layer, []).append((F.silu(gate) * up).abs().half())
+            scores = (F.silu(gate) * up * self.down_norms(layer)).abs()
+            self.activations.setdefault(layer, []).append(scores.half())
             return torch.ones_like(gate, dtype=torch.bool)
 
         return record
@@ -181,8 +185,8 @@ def price_down_rows(name: str, args: argparse.Namespace, evaluation: str, dense:
         with tempfile.TemporaryDirectory() as tmp:
             path = with_requantized_down(resolve_model(name), Path(tmp) / "down-rows.gguf",
                                          gguf.GGMLQuantizationType[type_name])
-            policy = SparseFFNPolicy(NeuronSelection("down", 1.0))
-            m = ntio.load(path, max_context=CTX, policy=policy, threads=args.threads)
+            m = ntio.load(path, max_context=CTX, threads=args.threads)
+            policy = m.policy = SparseFFNPolicy(NeuronSelection("down", 1.0), down_norms=DownNorms(m.file))
             for k in (1.0, keep):
                 policy.selection = NeuronSelection("down", k)
                 ppl = m.perplexity(evaluation, ctx=CTX).perplexity
@@ -196,9 +200,10 @@ def price_down_rows(name: str, args: argparse.Namespace, evaluation: str, dense:
 
 class GroupScored(SparseFFNPolicy):
     """The down rule over consecutive groups of `neurons`, each token's groups ranked by `score`: "sum" (Σ |a_i| over
-    the group, the policy's own), "norm" (Σ |a_i| · ||down[:, i]||, the down matrix's column norms weighing each
-    neuron) or "exact" (||down[:, g] · a_g||, each group's own contribution to the FFN's output: the best a
-    per-token ranking of one group at a time can do, and it needs every down byte). `downs`: layer -> down [D, F]."""
+    the group, each neuron weighing 1), "norm" (Σ |a_i| · ||down[:, i]||, the down matrix's column norms weighing each
+    neuron: the policy's own with `down_norms`) or "exact" (||down[:, g] · a_g||, each group's own contribution to
+    the FFN's output: the best a per-token ranking of one group at a time can do, and it needs every down byte).
+    `downs`: layer -> down [D, F]."""
 
     def __init__(self, downs: dict[int, torch.Tensor], neurons: int) -> None:
         super().__init__(NeuronSelection("down", 1.0))
@@ -269,7 +274,7 @@ def price_reads(name: str, args: argparse.Namespace, quality: dict[tuple[str, fl
             for setting in [None, *settings]:
                 policy = None if setting is None else SparseFFNPolicy(
                     NeuronSelection(*setting), predictors=predictors if setting[0] == "predicted" else {},
-                    group_reads=neurons)
+                    group_reads=neurons, down_norms=DownNorms(StoreFile(store)))
                 runs.setdefault(setting, []).append(decode(store, policy, args))
     dense = runs[None]
     rows = [{"model": name, "rule": "dense", "neurons_per_unit": neurons, "tok_s": [r["tok_s"] for r in dense],
@@ -315,8 +320,9 @@ def plot(rows: list[dict], out: Path) -> None:
 
 
 def measure(name: str, args: argparse.Namespace) -> list[dict]:
-    policy = SparseFFNPolicy(NeuronSelection("down", 1.0))
-    m = ntio.load(name, max_context=CTX, policy=policy, threads=args.threads)
+    m = ntio.load(name, max_context=CTX, threads=args.threads)
+    norms = DownNorms(m.file)
+    policy = m.policy = SparseFFNPolicy(NeuronSelection("down", 1.0), down_norms=norms)
     d_ff = m.config.d_ff
     evaluation = first_tokens(m, (ROOT / "README.md").read_text(), args.eval_tokens)
     calibration = first_tokens(m, calibration_text(), args.calib_tokens)
@@ -327,7 +333,7 @@ def measure(name: str, args: argparse.Namespace) -> list[dict]:
     # (kind, neurons per unit, the units: one [G, size] for every layer, or per layer)
     units: list[tuple[str, int, torch.Tensor | None, dict[int, torch.Tensor]]] = [
         ("consecutive", size, consecutive_groups(d_ff, size), {}) for size in args.groups if d_ff % size == 0]
-    recorder = Recorder()
+    recorder = Recorder(norms)
     if args.clustered or "predicted" in args.rules:  # (the recorded calibration text)
         calibrating = ntio.load(name, max_context=CTX, policy=recorder, threads=args.threads)
         calibrating.perplexity(calibration, ctx=CTX)

@@ -67,6 +67,44 @@ def test_groups_are_kept_or_dropped_whole_by_their_summed_score():
         consecutive_groups(64, 48)
 
 
+def test_the_down_rule_weighs_each_neuron_by_its_down_columns_norm():
+    """With `down_norms`, a token keeps the groups of largest Σ|silu(g) · u| · ||down[:, i]||, and a predictor's
+    recall is counted against those; the gate rule ignores the norms."""
+    gen = torch.Generator().manual_seed(3)
+    gate, up, x = torch.randn(4, 64, generator=gen), torch.randn(4, 64, generator=gen), torch.randn(4, 8)
+    norms = torch.rand(64, generator=gen) * 4
+    weighed = NeuronSelection("down", 0.25, consecutive_groups(64, 8)).masks(gate, up * norms)[0]
+    plain = NeuronSelection("down", 0.25, consecutive_groups(64, 8)).masks(gate, up)[0]
+    assert not torch.equal(weighed, plain)
+    asked = []
+    policy = SparseFFNPolicy(NeuronSelection("down", 0.25), group_reads=8,
+                             down_norms=lambda layer: asked.append(layer) or norms)
+    assert torch.equal(policy.ffn_mask(5)(x, gate, up), weighed) and asked == [5]
+    policy.ffn_mask(5)(x, gate, up)
+    assert asked == [5]  # asked once per layer
+    policy.selection = NeuronSelection("gate", 0.25)
+    assert torch.equal(policy.ffn_mask(6)(x, gate, up), NeuronSelection("gate", 0.25, consecutive_groups(64, 8)
+                                                                        ).masks(gate, up)[0]) and asked == [5]
+    scores = unit_scores(gate, up, 8, norms)
+    assert torch.allclose(scores, (F.silu(gate) * up * norms).abs().view(4, 8, 8).sum(dim=2))
+
+    class Fixed(UnitPredictor):  # scores the 8 groups in a fixed order
+        def forward(self, x):
+            return torch.arange(8.0).expand(x.shape[0], -1)
+
+    policy = SparseFFNPolicy(NeuronSelection("predicted", 0.25), predictors={5: Fixed(8, 8, 2, 8)},
+                             down_norms=lambda layer: norms)
+    policy.ffn_mask(5)(x, gate, up)
+    want = _top_share_of(scores, 0.25)
+    assert policy.oracle_recall() == pytest.approx(float(want[:, 6:].sum() / want.sum()))
+
+
+def _top_share_of(score: torch.Tensor, keep: float) -> torch.Tensor:
+    """[T, G] bool: each row's ceil(keep · G) largest scores, by a full sort."""
+    order = score.argsort(dim=1, descending=True)[:, : math.ceil(keep * score.shape[1])]
+    return torch.zeros_like(score, dtype=torch.bool).scatter_(1, order, True)
+
+
 @pytest.mark.parametrize("rule, keep", [("sparse", 0.5), ("down", 0.0), ("gate", 1.5)])
 def test_bad_selections_are_refused(rule, keep):
     with pytest.raises(ValueError, match="sparse FFN (rule|keep)"):
@@ -132,14 +170,16 @@ def test_the_predicted_rule_keeps_the_predictors_choice_from_the_ffn_input(smoll
     assert torch.equal(mask(seen["x"][:2], None, None), kept) and len(policy.recall) == 1
 
 
-def _masked_mlp(mlp, keep: float, group: int = 1, rule: str = "down"):
+def _masked_mlp(mlp, keep: float, group: int = 1, rule: str = "down", weighed: bool = False):
     """transformers' SwiGLU MLP with each token keeping its ceil(keep * F / group) groups of `group` consecutive
-    neurons of largest Σ|silu(g) * u| (the down rule) or Σ|silu(g)| (the gate rule)."""
+    neurons of largest Σ|silu(g) * u| (the down rule; `weighed`: Σ|silu(g) * u| * ||down[:, i]||, transformers' own
+    down weights) or Σ|silu(g)| (the gate rule)."""
+    norms = mlp.down_proj.weight.norm(dim=0) if weighed else 1.0  # [F]
 
     def forward(x):
         act = mlp.act_fn(mlp.gate_proj(x))
         a = act * mlp.up_proj(x)  # [B, T, F]
-        score = (a if rule == "down" else act).abs().unflatten(-1, (-1, group)).sum(dim=-1)  # [B, T, F / group]
+        score = (a * norms if rule == "down" else act).abs().unflatten(-1, (-1, group)).sum(dim=-1)  # [B, T, G]
         top = score.topk(math.ceil(keep * score.shape[-1]), dim=-1).indices
         kept = torch.zeros_like(score).scatter_(-1, top, 1.0).repeat_interleave(group, dim=-1)
         return mlp.down_proj(a * kept)
@@ -209,11 +249,15 @@ def _flip_byte(path: Path, offset: int) -> None:
 def test_streamed_layers_read_only_the_kept_down_groups_and_give_transformers_logits(grouped_smollm2, hf_smollm2,
                                                                                      monkeypatch):
     """All layers on disk, read without down; each FFN reads the groups of 32 its tokens keep from the store's
-    group-major copy: the logits are transformers' with the same groups zeroed, and a decode step reads exactly
-    the kept groups' bytes less than one keeping all."""
+    group-major copy, ranked with each neuron weighed by the norm of its down column the store records: the logits
+    are transformers' with the same groups zeroed (ranked by its own down weights' norms), and a decode step reads
+    exactly the kept groups' bytes less than one keeping all."""
+    from ntio.formats.store import DownNorms, StoreFile
+
     def run(keep: float | None) -> tuple[torch.Tensor, torch.Tensor, int]:
-        return _all_c_pass(grouped_smollm2,
-                           None if keep is None else SparseFFNPolicy(NeuronSelection("down", keep), group_reads=32))
+        norms = DownNorms(StoreFile(grouped_smollm2))
+        return _all_c_pass(grouped_smollm2, None if keep is None else SparseFFNPolicy(
+            NeuronSelection("down", keep), group_reads=32, down_norms=norms))
 
     prompt, decode, read = run(0.5)
     _, _, read_all = run(1.0)
@@ -223,10 +267,13 @@ def test_streamed_layers_read_only_the_kept_down_groups_and_give_transformers_lo
     assert read_all - read == 30 * (48 - 24) * stride  # 24 of 48 groups not read
     ids = ntio.load(grouped_smollm2, max_context=64).encode_prompt(PROMPT)
     for layer in hf_smollm2.model.layers:
-        monkeypatch.setattr(layer.mlp, "forward", _masked_mlp(layer.mlp, 0.5, group=32))
+        monkeypatch.setattr(layer.mlp, "forward", _masked_mlp(layer.mlp, 0.5, group=32, weighed=True))
     want = hf_smollm2(torch.tensor([ids + [11]]), use_cache=False).logits[0]
     assert rel_l2(prompt, want[:-1]) <= 1e-4
     assert rel_l2(decode, want[-1]) <= 1e-4
+    for layer in hf_smollm2.model.layers:  # unweighed ranks choose other groups
+        monkeypatch.setattr(layer.mlp, "forward", _masked_mlp(layer.mlp, 0.5, group=32))
+    assert rel_l2(prompt, hf_smollm2(torch.tensor([ids]), use_cache=False).logits[0]) > 1e-3
 
 
 @torch.inference_mode()

@@ -19,7 +19,7 @@ from ntio.models.config import ModelConfig
 from ntio.errors import ModelFormatError, NtioError
 from ntio.formats.gguf_file import GGUFFile
 from ntio.formats.model_file import layer_extents, open_model_file, plan_layer_read, read_layer, row_extent, tensor_extent
-from ntio.formats.store import StoreFile, convert
+from ntio.formats.store import DOWN_NORMS, DownNorms, StoreFile, convert
 from ntio.synth import SynthSpec, write_synthetic_gguf
 
 Q = gguf.GGMLQuantizationType
@@ -284,8 +284,8 @@ def test_ffn_groups_hold_the_down_columns_as_whole_blocks(grouped):
         dense, store, want = StoreFile(dense_path), StoreFile(grouped_path), reference_tensors(gguf_path)
         neurons = 32 if qtype in (Q.F16, Q.BF16) else gguf.GGML_QUANT_SIZES[qtype][0]
         assert store.ffn_group_neurons == neurons and dense.ffn_group_neurons is None
-        assert store.tensors == dense.tensors
-        data_end = max(t.offset + t.nbytes for t in store.tensors.values())
+        assert {n: t for n, t in store.tensors.items() if n != DOWN_NORMS} == dense.tensors
+        data_end = max(t.offset + t.nbytes for t in dense.tensors.values())
         for layer in range(2):
             assert store.index.layer_extents(layer) == dense.index.layer_extents(layer)
             down = store.tensor(f"blk.{layer}.ffn_down.weight")
@@ -300,6 +300,31 @@ def test_ffn_groups_hold_the_down_columns_as_whole_blocks(grouped):
                 assert np.array_equal(store.ffn_group_bytes(layer, g), file_bytes(grouped_path, offset, length))
             with pytest.raises(ModelFormatError, match=f"no FFN group {groups} in layer {layer}"):
                 store.ffn_group_extents(layer, [groups])
+
+
+def test_the_ffn_layout_records_each_down_columns_norm(grouped, tmp_path):
+    """DOWN_NORMS holds, per layer, the L2 norm of each column of the down matrix as gguf-py dequantizes it, after
+    the group copies; `DownNorms` reads them from such a store and computes the same from a GGUF or a store
+    without them; a flipped byte in them is a checksum error naming the tensor."""
+    for (gguf_path, dense_path, grouped_path), qtype in zip(grouped, GROUPED_DOWN_TYPES):
+        store, want = StoreFile(grouped_path), reference_tensors(gguf_path)
+        info = store.tensor(DOWN_NORMS)
+        assert info.qtype == Q.F32 and info.shape == (2, 768) and DOWN_NORMS not in StoreFile(dense_path).tensors
+        (offset, length), = store.ffn_group_extents(1, [768 // store.ffn_group_neurons - 1])  # the last group
+        assert info.offset >= offset + length
+        stored = np.frombuffer(file_bytes(grouped_path, info.offset, info.nbytes), "<f4").reshape(2, 768)
+        for layer in range(2):
+            down = store.tensor(f"blk.{layer}.ffn_down.weight")
+            columns = np.linalg.norm(reference_dequantized(want[down.name], qtype, down.shape).astype(np.float64),
+                                     axis=0)
+            np.testing.assert_allclose(stored[layer], columns, rtol=1e-6)
+            for source in (store, StoreFile(dense_path), GGUFFile(gguf_path)):
+                np.testing.assert_allclose(DownNorms(source)(layer).numpy(), columns, rtol=1e-6)
+    bad = shutil.copy(grouped[0][2], tmp_path / "bad.ntio")
+    info = StoreFile(bad).tensor(DOWN_NORMS)
+    flip_byte(bad, info.offset + 5)
+    with pytest.raises(ModelFormatError, match=rf"bad\.ntio: checksum mismatch in tensor '{DOWN_NORMS}'"):
+        DownNorms(StoreFile(bad))(0)
 
 
 def test_ffn_group_corruption_names_the_group_and_a_store_without_groups_says_how(grouped, tmp_path):

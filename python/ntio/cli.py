@@ -255,11 +255,12 @@ def _sparse_options(f):
                      help="Share of its FFN units each token keeps, in (0, 1] (with --sparse-ffn; default 0.5)")(f)
     f = click.option("--sparse-ffn", type=click.Choice(["down", "gate", "predicted"]),
                      help="Sparse FFN: each token keeps the --keep share of its FFN units, those of largest "
-                          "|silu(gate)·up| (down), |silu(gate)| (gate), or scored from the FFN's input alone by "
-                          "--ffn-predictors (predicted); the others count as 0. On a store with the FFN layout "
-                          "(`ntio convert --layout ffn-groups`) a unit is one of its neuron groups, and only the "
-                          "groups kept are read (gate: their up rows too; predicted: their gate and up rows too); "
-                          "else single neurons (predicted: the predictors' groups), every byte read")(f)
+                          "|silu(gate)·up| times each neuron's down column norm (down), |silu(gate)| (gate), or "
+                          "scored from the FFN's input alone by --ffn-predictors (predicted); the others count as 0. "
+                          "On a store with the FFN layout (`ntio convert --layout ffn-groups`) a unit is one of its "
+                          "neuron groups, and only the groups kept are read (gate: their up rows too; predicted: "
+                          "their gate and up rows too); else single neurons (predicted: the predictors' groups), "
+                          "every byte read")(f)
     return f
 
 
@@ -273,6 +274,7 @@ def _sparse_policy(m, rule: str | None, keep: float | None, predictors: str | No
     if rule is None:
         return None
     from ntio.decoding.self_draft import Calibration, fingerprint
+    from ntio.formats.store import DownNorms
     from ntio.policies.sparse_ffn import NeuronSelection, SparseFFNPolicy, load_predictors
 
     if opts_depth["adaptive"] or opts_depth["cosine_skip"] is not None:
@@ -295,7 +297,7 @@ def _sparse_policy(m, rule: str | None, keep: float | None, predictors: str | No
             raise ModelFormatError(f"{predictors}: its predictors score groups of {scored} neurons, {m.path.name}'s "
                                    f"FFN layout has groups of {neurons} (calibrate on this file)")
     m.policy = SparseFFNPolicy(NeuronSelection(rule, 0.5 if keep is None else keep), predictors=fitted,
-                               group_reads=neurons, calibrated_recall=recall)
+                               group_reads=neurons, down_norms=DownNorms(m.file), calibrated_recall=recall)
     return m.policy
 
 
@@ -797,7 +799,8 @@ def plan(model, ctx_size, ram_budget, gpu_memory_budget, tiers, device, kv_dtype
               help="Encode float (F32/F16/BF16) matrices as this type (default: as they are); norms and biases stay")
 @click.option("--layout", type=click.Choice(["ffn-groups"]),
               help="Also write each layer's FFN down matrix group-major (one quantization block of neurons a group, "
-                   "blocks moved, not re-encoded), so that a sparse FFN reads the groups it keeps as one extent each")
+                   "blocks moved, not re-encoded), so that a sparse FFN reads the groups it keeps as one extent each, "
+                   "and the norm of each of its columns, which the sparse FFN's down rule weighs neurons by")
 def convert(model, output, matrix_type, layout) -> None:
     """Convert MODEL (a GGUF file, a Hugging Face checkpoint directory, or a name from `ntio fetch --list`) into an
     ntio store (layers contiguous and 4096-aligned, checksummed)."""

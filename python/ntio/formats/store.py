@@ -7,7 +7,8 @@ Layout (the Rust core parses it: `rust/store/`):
     [4096, ...)      global tensors, then layer 0's tensors, layer 1's, ...; every tensor 4096-aligned,
                      each layer's tensors back to back, so one layer is one extent
     [..., manifest)  with `--layout ffn-groups`: each layer's FFN down matrix again, group-major (`ffn_groups`);
-                     gate and up are read in place, a group a row range, checked by checksums of their row groups
+                     gate and up are read in place, a group a row range, checked by checksums of their row groups;
+                     then the global tensor `ffn_down_norms` (`DOWN_NORMS`): the norm of each down column
     [manifest, end)  JSON manifest: all GGUF metadata (tokenizer arrays and chat template included), the tensor
                      table (name, ggml type, shape, offset, nbytes, rows, layer, xxh3-64 checksum), the layer table
                      and "layouts": where the re-laid-out copies are
@@ -49,6 +50,10 @@ LAYOUTS = ("ffn-groups",)
 FLOAT_GROUP_NEURONS = 32
 # The matrices whose rows are an FFN layer's neurons, read a group of rows at a time with the ffn-groups layout.
 _ROW_GROUPED = (".ffn_gate.weight", ".ffn_up.weight")
+# The ffn-groups layout's [L, F] float32 global tensor: row l holds ||down[:, i]|| of each neuron i of layer l's down
+# matrix [D, F] (`down_column_norms`), which the sparse FFN's down rule weighs each neuron's activation by. Stored
+# because computing them needs every down byte, which a sparse FFN never reads whole.
+DOWN_NORMS = "ffn_down_norms"
 
 # progress(bytes_done, bytes_total)
 Progress = Callable[[int, int], None]
@@ -248,10 +253,13 @@ def convert(source: str | os.PathLike[str], target: str | os.PathLike[str], prog
     # One group size for every layer: the widest block of their down types (blocks of 1, 32 or 256 elements).
     neurons = widest_group_neurons(types[t.name] for t in downs)
     copies = {t.name: _group_bytes(t, types[t.name], neurons) for t in downs}  # name -> (groups, group_bytes)
+    norms_nbytes = 4 * len(downs) * downs[0].shape[1] if downs else 0  # DOWN_NORMS: [L, F] float32
     # Gate and up are read in place (a group is a row range): the manifest records a checksum of each row group.
     gate_up = {t.name for layer in layers for t in layer if downs and t.name.endswith(_ROW_GROUPED)}
     plan = [[sizes[t.name] for t in group] for group in groups]
-    offsets = _core.plan_store_layout(plan + [[size for n, size in copies.values() for _ in range(n)]])
+    after = [[size for n, size in copies.values() for _ in range(n)], [norms_nbytes]]
+    offsets = _core.plan_store_layout(plan + after)
+    norms_offset, = offsets.pop()
     copy_offsets = iter(offsets.pop())
     total = sum(t.nbytes for t in g.tensors.values())
     with replacing(target) as f:
@@ -274,9 +282,15 @@ def convert(source: str | os.PathLike[str], target: str | os.PathLike[str], prog
                 done += t.nbytes
                 if progress:
                     progress(done, total)
-        # The copies after every layer, written in file order once the layers are (the file grows front to back).
-        grouped = [_write_groups(f, _encoded(g.tensor_bytes(t.name), t, types[t.name]), t, neurons,
-                                 [next(copy_offsets) for _ in range(copies[t.name][0])]) for t in downs]
+        # The copies after every layer, written in file order once the layers are (the file grows front to back),
+        # then the norms of the down columns they hold.
+        grouped, norms = [], []
+        for t in downs:
+            data = _encoded(g.tensor_bytes(t.name), t, types[t.name])
+            grouped.append(_write_groups(f, data, t, neurons, [next(copy_offsets) for _ in range(copies[t.name][0])]))
+            norms.append(down_column_norms(data, types[t.name], t.shape))
+        if downs:
+            records.append(_write_norms(f, np.stack(norms), norms_offset))
         layer_table = []
         for layer_offsets, group in zip(offsets[1:], layers):
             end = layer_offsets[-1] + sizes[group[-1].name]
@@ -321,6 +335,46 @@ def _write_groups(f: BinaryIO, data: np.ndarray, t: TensorInfo, neurons: int, of
     stride = -(-groups.shape[1] // _core.STORE_ALIGNMENT) * _core.STORE_ALIGNMENT  # plan_store_layout's spacing
     return {"tensor": t.name, "offset": offsets[0], "group_bytes": groups.shape[1], "stride": stride,
             "checksums": [checksum(group) for group in groups]}
+
+
+def down_column_norms(data: np.ndarray, qtype: gguf.GGMLQuantizationType, shape: tuple[int, ...]) -> np.ndarray:
+    """A down matrix's encoded bytes (`qtype`, `shape` [D, F]) -> [F] float32: the L2 norm of each column, the
+    largest output a neuron of activation 1 adds (taken over its values as decoded, in float64)."""
+    values = quant.dequantize(torch.from_numpy(np.array(data)), qtype, shape).double()
+    return values.norm(dim=0).float().numpy()
+
+
+def _write_norms(f: BinaryIO, norms: np.ndarray, offset: int) -> dict[str, Any]:
+    """Write the [L, F] float32 `DOWN_NORMS` at `offset`: its record in the tensor table (a global)."""
+    data = norms.astype("<f4").view(np.uint8).reshape(-1)
+    f.seek(offset)
+    f.write(data)
+    return {"name": DOWN_NORMS, "ggml_type": int(gguf.GGMLQuantizationType.F32), "shape": list(norms.shape),
+            "offset": offset, "nbytes": data.nbytes, "rows": norms.shape[0], "layer": None,
+            "checksum": checksum(data)}
+
+
+class DownNorms:
+    """Per layer, the norm of each column of its FFN down matrix (`down_column_norms`): [F] float32 on the CPU. A
+    store with the ffn-groups layout holds them (`DOWN_NORMS`, read once and checked against its checksum); for
+    any other model file a layer's are computed from its down matrix the first time they are asked for (every
+    down byte read once more: fine where every byte is read anyway)."""
+
+    def __init__(self, model_file: ModelFileBase) -> None:
+        self.file = model_file
+        self._norms: dict[int, torch.Tensor] = {}
+
+    def __call__(self, layer: int) -> torch.Tensor:
+        if layer not in self._norms:
+            if DOWN_NORMS in self.file.tensors:
+                info = self.file.tensor(DOWN_NORMS)
+                stored = np.array(self.file.tensor_bytes(DOWN_NORMS)).view("<f4").reshape(info.shape)
+                self._norms.update(enumerate(torch.from_numpy(stored.astype(np.float32))))
+            else:
+                t = self.file.tensor(f"blk.{layer}.ffn_down.weight")
+                self._norms[layer] = torch.from_numpy(down_column_norms(self.file.tensor_bytes(t.name), t.qtype,
+                                                                        t.shape))
+        return self._norms[layer]
 
 
 def _row_groups(data: np.ndarray, t: TensorInfo, neurons: int) -> dict[str, Any]:

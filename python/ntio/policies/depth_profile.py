@@ -31,6 +31,7 @@ import torch
 
 from ntio.decoding.self_draft import Calibration, ExitHeadFit, check_exit_layers, distill_heads, fingerprint
 from ntio.errors import ModelFormatError, NtioError, OptionError
+from ntio.formats.store import DownNorms
 from ntio.policies.base import LoadPolicy, Observation
 from ntio.policies.sparse_ffn import fit_predictors, unit_recall, unit_scores
 
@@ -129,17 +130,19 @@ class LayerRecorder(LoadPolicy):
 
 class FFNRecorder(LayerRecorder):
     """A LayerRecorder that also keeps, for every layer, the FFN's normed input [T, D] (bfloat16) and the "down"
-    rule's scores of its units of `neurons` neurons [T, G] (ntio.policies.sparse_ffn.unit_scores): what the sparse
-    FFN's predictors are fitted to. Every neuron is kept."""
+    rule's scores of its units of `neurons` neurons [T, G] (ntio.policies.sparse_ffn.unit_scores, each neuron
+    weighed by its down column's norm, layer -> [F]: `down_norms`): what the sparse FFN's predictors are fitted
+    to. Every neuron is kept."""
 
-    def __init__(self, keep: Sequence[int], neurons: int) -> None:
+    def __init__(self, keep: Sequence[int], neurons: int, down_norms: Callable[[int], torch.Tensor]) -> None:
         super().__init__(keep)
-        self.neurons = neurons
+        self.neurons, self.down_norms = neurons, down_norms
         self.ffn: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def ffn_mask(self, layer: int):
         def record(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-            self.ffn[layer] = x.to(torch.bfloat16).cpu(), unit_scores(gate, up, self.neurons).cpu()
+            norms = self.down_norms(layer).to(up.device)
+            self.ffn[layer] = x.to(torch.bfloat16).cpu(), unit_scores(gate, up, self.neurons, norms).cpu()
             return torch.ones_like(gate, dtype=torch.bool)
 
         return record
@@ -226,7 +229,8 @@ def calibrate_depth(llm, text: str, probes: Sequence[int], n_tokens: int = 16384
     windows += [(a, min(a + ctx, len(ids))) for a in range(n_fit, len(ids), ctx)]
     windows = [(a, b) for a, b in windows if b - a >= 2]
     kept_layers = [*probes, skip_after, cfg.n_layers - 1]
-    recorder = LayerRecorder(kept_layers) if ffn_neurons is None else FFNRecorder(kept_layers, ffn_neurons)
+    recorder = (LayerRecorder(kept_layers) if ffn_neurons is None
+                else FFNRecorder(kept_layers, ffn_neurons, DownNorms(llm.file)))
     n_held = len(ids) - n_fit
     ffn_fit: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
     ffn_held: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
