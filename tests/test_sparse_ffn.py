@@ -276,6 +276,38 @@ def test_streamed_layers_read_only_the_kept_down_groups_and_give_transformers_lo
     assert rel_l2(prompt, hf_smollm2(torch.tensor([ids]), use_cache=False).logits[0]) > 1e-3
 
 
+@pytest.mark.parametrize("depth", [8, 1])
+@torch.inference_mode()
+def test_large_layer_reads_whose_groups_follow_go_through_a_shallow_queue(grouped_smollm2, monkeypatch, depth):
+    """A streamed layer read without down (its groups read once gate and up are known) goes through a reader of
+    GROUP_READ_QUEUE_DEPTH requests in flight where it alone fills them with whole requests (with requests of 256
+    KiB, SmolLM2's 1.6 MB reads fill one, not eight), so that the groups' reads do not wait behind the default
+    depth's; a dense pass, and the predicted rule's (its groups read while the layer before computes), read through
+    the default reader alone."""
+    from ntio import _core
+    from ntio.runtime import loader
+
+    class Fixed(UnitPredictor):  # scores the 48 groups of 32 neurons by a fixed order
+        def forward(self, x):
+            return torch.arange(48.0).expand(x.shape[0], -1)
+
+    down = SparseFFNPolicy(NeuronSelection("down", 0.5), group_reads=32)
+    predicted = SparseFFNPolicy(NeuronSelection("predicted", 0.5), group_reads=32,
+                                predictors={layer: Fixed(576, 48, 4, 32) for layer in range(30)})
+    monkeypatch.setattr(loader, "GROUP_READ_QUEUE_DEPTH", depth)
+    for policy in (down, None, predicted):
+        m = ntio.load(grouped_smollm2, max_context=64, policy=policy, tiers="C")
+        m.loader.reader = _core.Reader(m.loader.layout.file.files, request_size=256 << 10)
+        m.engine.forward(torch.tensor(m.encode_prompt(PROMPT)), 0)
+        shallow = m.loader._layers_before_groups
+        assert m.stats.last().bytes_read > 0
+        if policy is down and depth == 1:
+            assert shallow.queue_depth == 1
+        else:
+            assert shallow is None
+        m.close()
+
+
 @torch.inference_mode()
 def test_the_gate_rule_reads_gate_whole_then_only_its_groups_up_rows_and_down_columns(grouped_smollm2, hf_smollm2,
                                                                                        monkeypatch):

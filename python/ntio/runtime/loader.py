@@ -89,6 +89,18 @@ MIN_PREFETCH_DEPTH, MAX_PREFETCH_DEPTH = 1, 16
 # Under an automatic plan the RAM is better spent on resident layers, which save their reads altogether.
 DRAFTING_READ_AHEAD_BYTES = 256 << 20
 
+# Requests in flight for a streamed layer read whose FFN groups are read once part of the layer has computed
+# (`_GROUPS_AFTER_COMPUTE`), where the read alone fills them with whole requests (1 MiB): those groups' reads go to
+# the disk behind whatever is in flight, the next layers' reads among them, and the layer waits for them; at the
+# reader's default depth (32) that is up to 32 MiB ahead. Measured on the Sapphire Rapids class VM (virtio disk,
+# 2026-11-29), all-C from stores with the FFN layout, tok/s in alternating rounds (benches/RESULTS.md, thirtieth
+# session): Qwen2.5-Coder-1.5B (22 MB reads), 24 greedy tokens, four rounds: dense 2.62-2.82 (at depth 8:
+# 2.53-2.71), the down rule at keep 0.5 2.33-2.69 at depth 32, 2.80-3.13 at 4, 3.00-3.09 at 8. SmolLM2 (1.5 MB
+# reads, many layers in flight) lost at depth 8: the down rule at keep 0.5 went from 0.63x dense to 0.48x. The
+# predicted rule ("ffn_later"), whose groups are read while the layer before computes, lost too: Qwen at keep
+# 0.5, 1.45-1.63x dense at depth 32, 1.04-1.62x at 8.
+GROUP_READ_QUEUE_DEPTH = 8
+
 
 def aligned(nbytes: int) -> int:
     """nbytes rounded up to a multiple of ALIGN (where the loader places each layer in a slot or arena; the memory
@@ -147,6 +159,8 @@ _PARTIAL_PARTS = {"all": (), "skip": (), "rows": _ROW_PARTS, "down_later": ("ffn
                   "up_later": ("ffn_up", "ffn_down"), "ffn_later": ("ffn_gate", "ffn_up", "ffn_down")}
 # Decision kinds whose FFN groups are read once chosen, and the matrices of which each reads the groups' rows.
 _GROUP_ROWS = {"down_later": (), "up_later": ("ffn_up",), "ffn_later": _ROW_PARTS}
+# The decisions whose FFN groups are read once the layer has computed gate (and up): reads the layer waits for.
+_GROUPS_AFTER_COMPUTE = ("down_later", "up_later")
 
 
 def _plan_layer(layout: WeightLayout, layer: int, verify: bool) -> _LayerRead:
@@ -203,6 +217,7 @@ class LayerLoader:
         # layer's groups can be read ahead while the layer before multiplies its own (grown to the most a read asks).
         self._group_neurons: int | None = None if self.cuda else getattr(layout.file, "ffn_group_neurons", None)
         self._group_scratch: list[np.ndarray | None] = [None, None]
+        self._layers_before_groups: _core.Reader | None = None  # `_shallow_reader`
         self._groups_ahead: dict[int, _GroupRead] = {}  # layer -> its FFN groups' read, submitted ahead
         self._group_copies: dict[int, tuple[int, list[int]]] = {}  # layer -> `_group_copy`
         self._row_group_sums: dict[str, list[int]] = {}  # gate/up tensor -> its row groups' checksums
@@ -717,11 +732,21 @@ class LayerLoader:
         if self.cuda:
             self._copied[index].synchronize()  # the slot's previous H2D copy must be done before it is overwritten
         self._settle(index)  # the slot's previous bytes must be hashed before they are overwritten
+        shallow = (any(d.kind in _GROUPS_AFTER_COMPUTE for d in decisions.values())
+                   and sum(nbytes.values()) >= GROUP_READ_QUEUE_DEPTH * self.reader.request_size)
         try:
-            handle = self.reader.submit(extents, self._slots[index], checks)
+            handle = (self._shallow_reader() if shallow else self.reader).submit(extents, self._slots[index], checks)
         except OSError as e:
             raise read_error(e) from None
         return _PendingRead(index, handle, time.perf_counter(), decisions, nbytes)
+
+    def _shallow_reader(self) -> _core.Reader:
+        """The reader of large streamed layer reads whose FFN groups are read after part of the layer computes
+        (GROUP_READ_QUEUE_DEPTH), made once."""
+        if self._layers_before_groups is None:
+            self._layers_before_groups = _core.Reader(self.layout.file.files, backend=self.reader.backend,
+                                                      queue_depth=GROUP_READ_QUEUE_DEPTH)
+        return self._layers_before_groups
 
     def _wait(self, handle: _core.ReadHandle, landed: bool = False) -> None:
         """Wait for the read to end (its checks passed), or with `landed` only for its bytes to be in."""
