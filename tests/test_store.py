@@ -325,6 +325,13 @@ def test_the_ffn_layout_records_each_down_columns_norm(grouped, tmp_path):
     flip_byte(bad, info.offset + 5)
     with pytest.raises(ModelFormatError, match=rf"bad\.ntio: checksum mismatch in tensor '{DOWN_NORMS}'"):
         DownNorms(StoreFile(bad))(0)
+    # The same bytes as [768, 2]: sound as a tensor, not as a row of norms per layer.
+    turned = shutil.copy(grouped[0][2], tmp_path / "turned.ntio")
+    rewrite_manifest(turned, lambda m: next(t for t in m["tensors"] if t["name"] == DOWN_NORMS).update(
+        shape=[768, 2], rows=768))
+    with pytest.raises(ModelFormatError, match=rf"turned\.ntio: tensor '{DOWN_NORMS}' is F32 of shape \[768, 2\], "
+                                               r"not F32 with a row of 768 norms for layer 0's down matrix"):
+        DownNorms(StoreFile(turned))(0)
 
 
 def test_ffn_group_corruption_names_the_group_and_a_store_without_groups_says_how(grouped, tmp_path):

@@ -366,14 +366,19 @@ class DownNorms:
 
     def __call__(self, layer: int) -> torch.Tensor:
         if layer not in self._norms:
+            down = self.file.tensor(f"blk.{layer}.ffn_down.weight")
             if DOWN_NORMS in self.file.tensors:
                 info = self.file.tensor(DOWN_NORMS)
+                if info.qtype != gguf.GGMLQuantizationType.F32 or len(info.shape) != 2 or layer >= info.shape[0] or (
+                        info.shape[1] != down.shape[1]):
+                    raise ModelFormatError(f"{self.file.path}: tensor {DOWN_NORMS!r} is {info.qtype.name} of shape "
+                                           f"{list(info.shape)}, not F32 with a row of {down.shape[1]} norms for "
+                                           f"layer {layer}'s down matrix")
                 stored = np.array(self.file.tensor_bytes(DOWN_NORMS)).view("<f4").reshape(info.shape)
                 self._norms.update(enumerate(torch.from_numpy(stored.astype(np.float32))))
             else:
-                t = self.file.tensor(f"blk.{layer}.ffn_down.weight")
-                self._norms[layer] = torch.from_numpy(down_column_norms(self.file.tensor_bytes(t.name), t.qtype,
-                                                                        t.shape))
+                self._norms[layer] = torch.from_numpy(down_column_norms(self.file.tensor_bytes(down.name), down.qtype,
+                                                                        down.shape))
         return self._norms[layer]
 
 
