@@ -281,7 +281,7 @@ def test_streamed_layers_read_only_the_kept_down_groups_and_give_transformers_lo
 def test_large_layer_reads_whose_groups_follow_go_through_a_shallow_queue(grouped_smollm2, monkeypatch, depth):
     """A streamed layer read without down (its groups read once gate and up are known) goes through a reader of
     GROUP_READ_QUEUE_DEPTH requests in flight where it alone fills them with whole requests (with requests of 256
-    KiB, SmolLM2's 1.6 MB reads fill one, not eight), so that the groups' reads do not wait behind the default
+    KiB, SmolLM2's 1.7 MB reads fill one, not eight), so that the groups' reads do not wait behind the default
     depth's; a dense pass, and the predicted rule's (its groups read while the layer before computes), read through
     the default reader alone."""
     from ntio import _core

@@ -95,7 +95,7 @@ DRAFTING_READ_AHEAD_BYTES = 256 << 20
 # reader's default depth (32) that is up to 32 MiB ahead. Measured on the Sapphire Rapids class VM (virtio disk,
 # 2026-11-29), all-C from stores with the FFN layout, tok/s in alternating rounds (benches/RESULTS.md, thirtieth
 # session): Qwen2.5-Coder-1.5B (22 MB reads), 24 greedy tokens, four rounds: dense 2.62-2.82 (at depth 8:
-# 2.53-2.71), the down rule at keep 0.5 2.33-2.69 at depth 32, 2.80-3.13 at 4, 3.00-3.09 at 8. SmolLM2 (1.5 MB
+# 2.53-2.71), the down rule at keep 0.5 2.33-2.69 at depth 32, 2.80-3.13 at 4, 3.00-3.09 at 8. SmolLM2 (1.7 MB
 # reads, many layers in flight) lost at depth 8: the down rule at keep 0.5 went from 0.63x dense to 0.48x. The
 # predicted rule ("ffn_later"), whose groups are read while the layer before computes, lost too: Qwen at keep
 # 0.5, 1.45-1.63x dense at depth 32, 1.04-1.62x at 8.
