@@ -374,8 +374,9 @@ class DownNorms:
                     raise ModelFormatError(f"{self.file.path}: tensor {DOWN_NORMS!r} is {info.qtype.name} of shape "
                                            f"{list(info.shape)}, not F32 with a row of {down.shape[1]} norms for "
                                            f"layer {layer}'s down matrix")
-                stored = np.array(self.file.tensor_bytes(DOWN_NORMS)).view("<f4").reshape(info.shape)
-                self._norms.update(enumerate(torch.from_numpy(stored.astype(np.float32))))
+                # One copy out of the read-only map, as native float32 (the file's are little-endian).
+                stored = np.array(self.file.tensor_bytes(DOWN_NORMS)).view("<f4").astype(np.float32, copy=False)
+                self._norms.update(enumerate(torch.from_numpy(stored.reshape(info.shape))))
             else:
                 self._norms[layer] = torch.from_numpy(down_column_norms(self.file.tensor_bytes(down.name), down.qtype,
                                                                         down.shape))
