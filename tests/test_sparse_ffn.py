@@ -444,11 +444,26 @@ def test_the_predicted_rule_reads_only_its_groups_rows_and_columns_and_gives_tra
 
     fixed = {layer: _FixedOrder() for layer in range(30)}
     ahead: list[bool] = []  # per FFN read: whether its groups were read while the layer before computed
-    read_groups = LayerLoader._read_groups
+    events: list[str] = []  # group reads submitted ("s<layer>") and waited for ("w<layer>"), in order
+    read_groups, submit_groups, wait = LayerLoader._read_groups, LayerLoader._submit_groups, LayerLoader._wait
     monkeypatch.setattr(LayerLoader, "_read_groups", lambda self, layer, rows, ids: (
         ahead.append(layer in self._groups_ahead), read_groups(self, layer, rows, ids))[1])
+    group_reads: dict[int, tuple[int, object]] = {}  # id of a group read's handle -> its layer and the handle
+
+    def submitted(self, layer, parts, ids):
+        events.append(f"s{layer}")
+        read = submit_groups(self, layer, parts, ids)
+        group_reads[id(read.handle)] = layer, read.handle  # kept: no other handle takes its id
+        return read
+
+    monkeypatch.setattr(LayerLoader, "_submit_groups", submitted)
+    monkeypatch.setattr(LayerLoader, "_wait", lambda self, handle, landed=False: (
+        landed and id(handle) in group_reads and events.append(f"w{group_reads[id(handle)][0]}"),
+        wait(self, handle, landed))[1])
     _, _, read = run(SparseFFNPolicy(NeuronSelection("predicted", 0.5), predictors=fixed, group_reads=32))
     assert ahead == [False, *[True] * 29] * 2  # the prompt's pass, then the decode step's: all but layer 0
+    # Each layer's groups wait behind the next layer's, submitted as soon as they were chosen.
+    assert events == ["s0", *[e for layer in range(29) for e in (f"s{layer + 1}", f"w{layer}")], "w29"] * 2
     _, _, read_dense = run(None)
     store = StoreFile(grouped_smollm2)
     expected = read_dense

@@ -566,24 +566,28 @@ class LayerLoader:
         """Groups `ids` of `layer`'s FFN, valid until the next read into its scratch: each group's down [D, neurons]
         matrix from the store's group-major copy, and the rows of each run of consecutive groups of the matrices
         in `parts` from their dense tensors (each run read in whole pages around its rows). Read now, unless the policy
-        chose them ahead and they were read while the layer before computed (`_read_ahead`); then the next layer's
-        groups are read ahead where the policy has chosen them. Every group's bytes are checked against
+        chose them ahead and they were read while the layer before computed (`_read_ahead`). The next layer's
+        groups, where the policy has chosen them, are submitted before this read is waited for, so that the disk
+        always has the next layer's groups queued behind this layer's. Every group's bytes are checked against
         their checksum while they are multiplied, as a streamed layer's are: the forward raises at its end if one
         fails, and the next read into the scratch waits for them."""
         read = self._groups_ahead.pop(layer, None)
         if read is not None and read.ids != ids:  # chosen otherwise since: never used
             _wait_unused(read.handle)
             read = None
-        t0 = time.perf_counter()
         if read is None:
             read = self._submit_groups(layer, parts, ids)
+        # Submitted once the groups were known, not once this layer's landed: Qwen2.5-Coder-1.5B, predicted rule at
+        # keep 0.5, all layers on disk, ten alternating rounds: 3.12-5.04 tok/s (median 4.44) against 2.68-4.77
+        # (3.63) (benches/RESULTS.md, thirty-first session).
+        self._read_ahead(layer + 1)
+        t0 = time.perf_counter()
         self._wait(read.handle, landed=True)  # its checks run on while the groups are multiplied
         self._checking[_GROUP_SCRATCH[layer % 2]] = read.handle
         if self._forward is not None:
             waited = time.perf_counter() - t0
             self._forward.io_wait_s += waited
             self._forward.io_busy_s += waited
-        self._read_ahead(layer + 1)
         return read.matrices()
 
     def _read_ahead(self, layer: int) -> None:
