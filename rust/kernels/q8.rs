@@ -91,16 +91,30 @@ impl Q8Rows {
 
     /// x in spans of `span`, scales rounded to float16 if `f16_scales`. The activations of every product are
     /// quantized on the calling thread before the kernel threads start, so this is on the critical path: with
-    /// AVX2 the whole loop (codes, scales, sums) is compiled for it and vectorizes, the same bits as without.
+    /// AVX-512 (or AVX2) the whole loop (codes, scales, sums) is compiled for it, the same bits as without.
     fn quantize(x: &[f32], k: usize, span: usize, f16_scales: bool) -> Q8Rows {
-        // Whole spans of whole groups: the AVX2 encoder reads 32 elements at a time.
+        // Whole spans of whole groups (the AVX2 encoder reads 32 elements at a time); longer spans in eighths of
+        // whole runs of 16 codes, whose sums `quantize_with` adds up.
         assert!(span % GROUP == 0 && k % span == 0 && x.len() % k == 0);
+        assert!(span == GROUP || span % 128 == 0);
         #[cfg(target_arch = "x86_64")]
-        if is_x86_feature_detected!("avx2") {
-            // SAFETY: the CPU has AVX2.
-            return unsafe { quantize_avx2(x, k, span, f16_scales) };
+        {
+            if avx512_quantizer() {
+                // SAFETY: the CPU has AVX-512 F/BW/VL and F16C.
+                return unsafe { quantize_avx512(x, k, span, f16_scales) };
+            }
+            if is_x86_feature_detected!("avx2") {
+                // SAFETY: the CPU has AVX2.
+                return unsafe { quantize_avx2(x, k, span, f16_scales) };
+            }
         }
-        quantize_with(x, k, span, f16_scales, encode)
+        quantize_with(
+            x,
+            k,
+            span,
+            |q, d| encode_spans(x, f16_scales, q, d, encode),
+            sixteen_sums,
+        )
     }
 
     /// Fills `columns` and `column_scales` (the AMX kernels' layout of the codes).
@@ -173,51 +187,95 @@ impl Q8Rows {
 #[target_feature(enable = "avx2")]
 fn quantize_avx2(x: &[f32], k: usize, span: usize, f16_scales: bool) -> Q8Rows {
     // SAFETY: this function runs with AVX2.
-    quantize_with(x, k, span, f16_scales, |x, q| unsafe { encode_avx2(x, q) })
+    quantize_with(
+        x,
+        k,
+        span,
+        |q, d| encode_spans(x, f16_scales, q, d, |x, q| unsafe { encode_avx2(x, q) }),
+        sixteen_sums,
+    )
 }
 
-/// `Q8Rows::quantize` with `encode` for each span.
+/// Whether `quantize_avx512` runs here.
+#[cfg(target_arch = "x86_64")]
+fn avx512_quantizer() -> bool {
+    super::avx512::available() && is_x86_feature_detected!("f16c")
+}
+
+/// `Q8Rows::quantize` in AVX-512: sixteen elements a vector, float16 scales by F16C, the sums of codes by
+/// `vpsadbw`; the same bits as the portable build. 2.0-2.6x faster than AVX2's (0.29 against 0.76 ns an element
+/// at T = 8, k = 576, Sapphire Rapids VM): in a SmolLM2 pass over 8 rows, AVX2's took ~0.9 ms of ~14, while the
+/// second kernel thread waited.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,f16c")]
+fn quantize_avx512(x: &[f32], k: usize, span: usize, f16_scales: bool) -> Q8Rows {
+    // SAFETY (both): this function runs with AVX-512 F/BW/VL and F16C.
+    quantize_with(
+        x,
+        k,
+        span,
+        |q, d| unsafe { encode_avx512(x, f16_scales, q, d) },
+        |codes, sums| unsafe { sixteen_sums_avx512(codes, sums) },
+    )
+}
+
+/// The codes and scale of every span (as many as `scales`), span by span with `encode` (which returns d).
+#[inline(always)]
+fn encode_spans(
+    x: &[f32],
+    f16_scales: bool,
+    codes: &mut [i8],
+    scales: &mut [f32],
+    encode: impl Fn(&[f32], &mut [i8]) -> f32,
+) {
+    let span = x.len() / scales.len();
+    for ((x, q), scale) in x
+        .chunks_exact(span)
+        .zip(codes.chunks_exact_mut(span))
+        .zip(scales)
+    {
+        let d = encode(x, q);
+        *scale = if f16_scales { round_to_f16(d) } else { d };
+    }
+}
+
+/// `Q8Rows::quantize` with `encode` for the codes and scales of every span, and `sixteens` for the sums of every
+/// run of 16 codes, from which the sums per group and per eighth of a span follow.
 #[inline(always)]
 fn quantize_with(
     x: &[f32],
     k: usize,
     span: usize,
-    f16_scales: bool,
-    encode: impl Fn(&[f32], &mut [i8]) -> f32,
+    encode: impl FnOnce(&mut [i8], &mut [f32]),
+    sixteens: impl Fn(&[i8], &mut [i32]),
 ) -> Q8Rows {
     let mut codes = vec![0i8; x.len()];
     let mut scales = vec![0f32; x.len() / span];
-    let mut sums = vec![0f32; x.len() / GROUP];
-    let mut code_sums = vec![0i32; x.len() / GROUP];
-    // Only the kernels of longer spans read Σcodes per eighth of a span.
-    let mut lane_sums = vec![
-        0i32;
-        if span == GROUP {
-            0
-        } else {
-            x.len() / (span / 8)
-        }
-    ];
-    let spans = x.chunks_exact(span).zip(codes.chunks_exact_mut(span));
-    for (si, (x, q)) in spans.enumerate() {
-        let d = encode(x, q);
-        let d = if f16_scales { round_to_f16(d) } else { d };
-        scales[si] = d;
-        let at = si * (span / GROUP);
-        for (gi, g) in q.chunks_exact(GROUP).enumerate() {
-            let int_sum = code_sum(g);
-            sums[at + gi] = d * int_sum as f32;
-            code_sums[at + gi] = int_sum;
-        }
-        if !lane_sums.is_empty() {
-            let eighths = lane_sums[si * 8..][..8]
-                .iter_mut()
-                .zip(q.chunks_exact(span / 8));
-            for (sum, e) in eighths {
-                *sum = code_sum(e);
-            }
+    encode(&mut codes, &mut scales);
+    let mut by_16 = vec![0i32; x.len() / 16];
+    sixteens(&codes, &mut by_16);
+    let code_sums: Vec<i32> = by_16
+        .chunks_exact(GROUP / 16)
+        .map(|s| s[0] + s[1])
+        .collect();
+    let mut sums = vec![0f32; code_sums.len()];
+    let span_sums = sums
+        .chunks_exact_mut(span / GROUP)
+        .zip(code_sums.chunks_exact(span / GROUP));
+    for ((sums, code_sums), &d) in span_sums.zip(&scales) {
+        for (sum, &c) in sums.iter_mut().zip(code_sums) {
+            *sum = d * c as f32;
         }
     }
+    // Only the kernels of longer spans read Σcodes per eighth of a span.
+    let lane_sums = if span == GROUP {
+        Vec::new()
+    } else {
+        by_16
+            .chunks_exact(span / 8 / 16)
+            .map(|s| s.iter().sum())
+            .collect()
+    };
     Q8Rows {
         codes,
         scales,
@@ -229,6 +287,13 @@ fn quantize_with(
         pairs: Vec::new(),
         span,
         k,
+    }
+}
+
+/// Σcodes of each run of 16 codes (codes.len() a multiple of 16).
+fn sixteen_sums(codes: &[i8], sums: &mut [i32]) {
+    for (s, run) in sums.iter_mut().zip(codes.chunks_exact(16)) {
+        *s = code_sum(run);
     }
 }
 
@@ -295,6 +360,107 @@ unsafe fn encode_avx2(x: &[f32], q: &mut [i8]) -> f32 {
         unsafe { _mm256_storeu_si256(q.as_mut_ptr().add(i).cast(), bytes) };
     }
     d
+}
+
+/// `encode_spans` with `encode` in AVX-512 (same bits): sixteen elements a vector, and the scales of sixteen spans
+/// a vector (d = max|x| / 127, float16 rounding by F16C, 1 / d), so that no span waits on its own divisions.
+///
+/// # Safety
+/// The CPU must have AVX-512 F/BW/VL and F16C.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,f16c")]
+unsafe fn encode_avx512(x: &[f32], f16_scales: bool, codes: &mut [i8], scales: &mut [f32]) {
+    use std::arch::x86_64::*;
+    let span = x.len() / scales.len();
+    debug_assert!(span % 16 == 0 && codes.len() == x.len());
+    let load = |i: usize| {
+        // SAFETY: i + 16 <= x.len() at every call below.
+        unsafe { _mm512_loadu_ps(x.as_ptr().add(i)) }
+    };
+    // max|x| of each span: a NaN element as `vmaxps`'s first operand yields the second, so it is skipped.
+    for (si, scale) in scales.iter_mut().enumerate() {
+        let mut m = _mm512_setzero_ps();
+        for i in (si * span..(si + 1) * span).step_by(16) {
+            m = _mm512_max_ps(_mm512_abs_ps(load(i)), m);
+        }
+        *scale = _mm512_reduce_max_ps(m);
+    }
+    // d and 1 / d (0 for d = 0), sixteen spans at a time.
+    let mut inverses = vec![0f32; scales.len()];
+    for (d, id) in scales.chunks_mut(16).zip(inverses.chunks_mut(16)) {
+        let lanes = ((1u32 << d.len()) - 1) as __mmask16;
+        let v = _mm512_div_ps(
+            _mm512_maskz_loadu_ps(lanes, d.as_ptr()),
+            _mm512_set1_ps(127.0),
+        );
+        let nonzero = _mm512_cmp_ps_mask::<_CMP_NEQ_OQ>(v, _mm512_setzero_ps());
+        let inverse = _mm512_maskz_div_ps(nonzero, _mm512_set1_ps(1.0), v);
+        _mm512_mask_storeu_ps(id.as_mut_ptr(), lanes, inverse);
+        _mm512_mask_storeu_ps(d.as_mut_ptr(), lanes, v);
+        if f16_scales {
+            // Rounded by the conversion (ties to even); past float16's range, where it gives infinity, by
+            // `round_to_f16` (the rounded values stay below 65520).
+            let beyond = _mm512_cmp_ps_mask::<_CMP_GE_OQ>(v, _mm512_set1_ps(65520.0));
+            let rounded = _mm512_cvtph_ps(_mm512_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(v));
+            _mm512_mask_storeu_ps(d.as_mut_ptr(), lanes & !beyond, rounded);
+            if beyond != 0 {
+                for d in d.iter_mut().filter(|d| **d >= 65520.0) {
+                    *d = round_to_f16(*d);
+                }
+            }
+        }
+    }
+    // Rounding half away from zero is truncation after adding ±(0.5 - 2^-25) with y's sign: exact for every
+    // float (y + 0.49999997 rounds up to the next integer only from y's upper half, and for |y| >= 2^23 adds
+    // nothing); the clamp comes before the truncation, which `vcvttps2dq` does.
+    let below_half = _mm512_set1_epi32((0.5f32 - f32::EPSILON / 4.0).to_bits() as i32);
+    let sign = _mm512_set1_epi32(i32::MIN);
+    let (lo, hi) = (_mm512_set1_ps(-127.0), _mm512_set1_ps(127.0));
+    for (si, &id) in inverses.iter().enumerate() {
+        let id = _mm512_set1_ps(id);
+        for i in (si * span..(si + 1) * span).step_by(16) {
+            let y = _mm512_mul_ps(load(i), id);
+            // (y & sign) | 0.49999997's bits.
+            let nudge = _mm512_ternarylogic_epi32::<0xEA>(_mm512_castps_si512(y), sign, below_half);
+            let r = _mm512_add_ps(y, _mm512_castsi512_ps(nudge));
+            // NaN to 0 (as a float's cast does), then the clamp.
+            let r = _mm512_maskz_max_ps(_mm512_cmp_ps_mask::<_CMP_ORD_Q>(r, r), r, lo);
+            let q = _mm512_cvtsepi32_epi8(_mm512_cvttps_epi32(_mm512_min_ps(r, hi)));
+            // SAFETY: i + 16 <= codes.len().
+            unsafe { _mm_storeu_si128(codes.as_mut_ptr().add(i).cast(), q) };
+        }
+    }
+}
+
+/// `sixteen_sums` in AVX-512: 64 codes a vector, offset by 128 to bytes that `vpsadbw` adds up by eight.
+///
+/// # Safety
+/// The CPU must have AVX-512 F/BW.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw")]
+unsafe fn sixteen_sums_avx512(codes: &[i8], sums: &mut [i32]) {
+    use std::arch::x86_64::*;
+    let whole = codes.len() / 64 * 64;
+    let offset = _mm512_set1_epi8(i8::MIN);
+    // Dwords 0, 4, 8 and 12: the low halves of the four 16-byte sums (each in the even qword of its lane).
+    let low_dwords = _mm512_setr_epi32(0, 4, 8, 12, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0);
+    let bias = _mm_set1_epi32(16 * 128);
+    for i in (0..whole).step_by(64) {
+        // SAFETY: i + 64 <= codes.len().
+        let v = unsafe { _mm512_loadu_si512(codes.as_ptr().add(i).cast()) };
+        // Σ(code + 128) of each 8 bytes, in 8 qwords; then of each 16, in the even qword of each 128-bit lane.
+        let by_8 = _mm512_sad_epu8(_mm512_xor_si512(v, offset), _mm512_setzero_si512());
+        let by_16 = _mm512_add_epi64(by_8, _mm512_shuffle_epi32::<0x4E>(by_8));
+        let four = _mm512_castsi512_si128(_mm512_permutexvar_epi32(low_dwords, by_16));
+        // SAFETY: sums holds codes.len() / 16 values, so i / 16 + 4 <= sums.len().
+        unsafe {
+            _mm_storeu_si128(
+                sums.as_mut_ptr().add(i / 16).cast(),
+                _mm_sub_epi32(four, bias),
+            )
+        };
+    }
+    sixteen_sums(&codes[whole..], &mut sums[whole / 16..]);
 }
 
 /// One span's codes into `q`: q = round(x / d) with d = max|x| / 127 (0 when x is all zeros), ties away from
@@ -370,18 +536,21 @@ mod tests {
         assert_eq!(round_to_f16(0.0), 0.0);
     }
 
-    /// The vectorized rounding is `f32::round`'s, ties and near-ties included.
+    /// The vectorized rounding is `f32::round`'s, ties and near-ties included: every tie up to ±126.5 and the 32
+    /// floats on either side of each.
     #[test]
     fn codes_round_half_away_from_zero() {
         let mut x: Vec<f32> = (-254..=254).map(|i| i as f32 * 0.5).collect(); // every tie, max 127
-        x.extend([
-            0.5 - f32::EPSILON / 4.0,
-            -(0.5 - f32::EPSILON / 4.0),
-            126.49999,
-            -1.4999999,
-        ]);
-        x.resize(x.len().next_multiple_of(32), 0.0);
-        // One span, through this CPU's build (AVX2 where present), then the portable one.
+        for tie in (0..127).map(|n| n as f32 + 0.5) {
+            let (mut below, mut above) = (tie, tie);
+            for _ in 0..32 {
+                (below, above) = (below.next_down(), above.next_up());
+                x.extend([below, above, -below, -above]);
+            }
+        }
+        x.extend([126.49999, -1.4999999]);
+        x.resize(x.len().next_multiple_of(128), 0.0);
+        // One span, through this CPU's build (AVX-512 or AVX2 where present), then the portable one.
         let q8 = Q8Rows::q8_k(&x, x.len(), x.len());
         assert_eq!(q8.scales, [127.0 / 127.0]);
         for (c, v) in q8.codes.iter().zip(&x) {
@@ -421,14 +590,41 @@ mod tests {
         assert_eq!(q8.codes[..4], [127, -127, -127, 0]);
     }
 
-    /// This CPU's build (AVX2 where present) gives the portable codes and scales, on spans of every magnitude
-    /// and with infinities and NaNs among the values.
+    /// Every build this CPU runs (AVX2, AVX-512) gives the portable rows bit for bit (codes, scales, sums), for
+    /// every span length and both kinds of scale, on spans of every magnitude (float16 subnormals to past its
+    /// range) and with infinities, NaNs, zeros and scales whose inverse overflows among them.
     #[test]
-    fn every_build_gives_the_same_codes() {
+    fn every_build_gives_the_same_rows() {
+        let portable = |x: &[f32], k: usize, span: usize, f16: bool| {
+            quantize_with(
+                x,
+                k,
+                span,
+                |q, d| encode_spans(x, f16, q, d, encode),
+                sixteen_sums,
+            )
+        };
+        let mut builds: Vec<(&str, fn(&[f32], usize, usize, bool) -> Q8Rows)> = Vec::new();
+        #[cfg(target_arch = "x86_64")]
+        {
+            if is_x86_feature_detected!("avx2") {
+                // SAFETY: the CPU has AVX2.
+                builds.push(("avx2", |x, k, s, f| unsafe { quantize_avx2(x, k, s, f) }));
+            }
+            if avx512_quantizer() {
+                // SAFETY: the CPU has AVX-512 F/BW/VL and F16C.
+                builds.push(("avx512", |x, k, s, f| unsafe {
+                    quantize_avx512(x, k, s, f)
+                }));
+            }
+        }
+        let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
         let mut s = 11u64;
-        for span in 0..400 {
-            let scale = 2f32.powi(span % 60 - 40);
-            let mut x: Vec<f32> = (0..64)
+        for case in 0..240 {
+            let (span, f16) = ([GROUP, 128, 256][case % 3], case % 2 == 0);
+            let (t, k) = (1 + case % 3, 2 * span);
+            let scale = 2f32.powi(case as i32 % 73 - 42);
+            let mut x: Vec<f32> = (0..t * k)
                 .map(|_| {
                     s = s
                         .wrapping_mul(6364136223846793005)
@@ -436,20 +632,25 @@ mod tests {
                     ((s >> 40) as f32 / (1u64 << 23) as f32 - 1.0) * scale
                 })
                 .collect();
-            match span % 5 {
-                1 => x[span as usize % 64] = f32::NAN,
-                2 => x[span as usize % 64] = f32::INFINITY,
-                3 => x[..32].fill(0.0),
+            let at = case * 7 % x.len();
+            match case % 7 {
+                1 => x[at] = f32::NAN,
+                2 => x[at] = f32::INFINITY,
+                3 => x[at] = f32::NEG_INFINITY,
+                4 => x[..span].fill(0.0),
+                5 => x[..span].iter_mut().for_each(|v| *v *= 1e-30),
                 _ => {}
             }
-            let q8 = Q8Rows::q8_k(&x, 64, 64);
-            let mut plain = vec![0i8; 64];
-            assert_eq!(
-                encode(&x, &mut plain).to_bits(),
-                q8.scales[0].to_bits(),
-                "span {span}"
-            );
-            assert_eq!(plain, q8.codes, "span {span}");
+            let want = portable(&x, k, span, f16);
+            for (name, build) in &builds {
+                let got = build(&x, k, span, f16);
+                let what = format!("{name}, case {case} (span {span}, f16 {f16}, scale {scale:e})");
+                assert_eq!(got.codes, want.codes, "{what}");
+                assert_eq!(bits(&got.scales), bits(&want.scales), "{what}");
+                assert_eq!(bits(&got.sums), bits(&want.sums), "{what}");
+                assert_eq!(got.code_sums, want.code_sums, "{what}");
+                assert_eq!(got.lane_sums, want.lane_sums, "{what}");
+            }
         }
     }
 
