@@ -399,6 +399,19 @@ def test_missing_key_names_file_and_key(tmp_path: Path, drop: str, key: str) -> 
     assert key in str(e.value) and "missing.gguf" in str(e.value)
 
 
+@pytest.mark.parametrize("bad", ["Ġt", "Ġ t he", "Ġ q", "Ġ h"])
+def test_a_merge_that_is_not_two_tokens_is_named(tmp_path: Path, bad: str) -> None:
+    """A merge is two tokens of the vocabulary, one space apart, whose join is one too (not "Ġh"); else one line
+    names the file and the merge."""
+    md = _byte_level_metadata("gpt-2")
+    md["tokenizer.ggml.merges"] = md["tokenizer.ggml.merges"][:5] + [bad] + md["tokenizer.ggml.merges"][5:]
+    md["tokenizer.ggml.tokens"] = [t for t in md["tokenizer.ggml.tokens"] if t != "q"]
+    md["tokenizer.ggml.token_type"] = [3] + [1] * (len(md["tokenizer.ggml.tokens"]) - 1)
+    with pytest.raises(ModelFormatError) as e:
+        Tokenizer.from_gguf(GGUFFile(_write_gguf(tmp_path / "bad.gguf", md)))
+    assert "bad.gguf" in str(e.value) and f"tokenizer.ggml.merges[5] = {bad!r}" in str(e.value)
+
+
 def test_missing_scores_for_sentencepiece(tmp_path: Path) -> None:
     md = _sentencepiece_metadata()
     del md["tokenizer.ggml.scores"]

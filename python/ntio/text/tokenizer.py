@@ -313,15 +313,18 @@ class Tokenizer:
 
     @staticmethod
     def _byte_level(g: GGUFFile, vocab: dict[str, int]) -> tuple[_RustTokenizer, bool]:
-        merges = []
-        for i, line in enumerate(_metadata(g, "tokenizer.ggml.merges", list, items=str)):
-            pair = line.split(" ")
-            if len(pair) != 2 or any(part not in vocab for part in pair) or "".join(pair) not in vocab:
-                raise ModelFormatError(
-                    f"{g.path}: tokenizer.ggml.merges[{i}] = {line!r} is not two tokens of the vocabulary merging "
-                    "into a third"
-                )
-            merges.append((pair[0], pair[1]))
+        lines = _metadata(g, "tokenizer.ggml.merges", list, items=str)
+        # Checked in bulk (set operations), line by line only to name a bad one: Qwen2.5's 151,387 merges took
+        # 0.44 s one at a time, ~0.2 s so.
+        merges = [tuple(line.split(" ")) for line in lines]
+        if not (all(len(pair) == 2 for pair in merges) and vocab.keys() >= {part for pair in merges for part in pair}
+                and vocab.keys() >= {first + second for first, second in merges}):
+            i, line = next((i, line) for i, (line, pair) in enumerate(zip(lines, merges))
+                           if len(pair) != 2 or any(part not in vocab for part in pair) or "".join(pair) not in vocab)
+            raise ModelFormatError(
+                f"{g.path}: tokenizer.ggml.merges[{i}] = {line!r} is not two tokens of the vocabulary merging "
+                "into a third"
+            )
         pre, llama3_style = _byte_level_pre_tokenizer(g)
         backend = _RustTokenizer(BPE(vocab=vocab, merges=merges, ignore_merges=llama3_style))
         backend.pre_tokenizer = pre
