@@ -583,11 +583,15 @@ impl Products for Avx512 {
         odd: &mut [f32],
     ) {
         use std::arch::x86_64::*;
-        let load = |sums: &[f32]| -> [__m512; V] {
-            // SAFETY: 16 V floats; the loads run where the CPU has AVX-512F (inlined into this function).
-            std::array::from_fn(|c| unsafe { _mm512_loadu_ps(sums.as_ptr().add(16 * c)) })
-        };
-        let (mut even_acc, mut odd_acc) = (load(even), load(odd));
+        // The sums so far, in registers (a loop, not a closure: a closure would not inline the loads).
+        let (mut even_acc, mut odd_acc) = ([_mm512_setzero_ps(); V], [_mm512_setzero_ps(); V]);
+        for c in 0..V {
+            // SAFETY: 16 floats of each (16 V of them) at 16 c.
+            unsafe {
+                even_acc[c] = _mm512_loadu_ps(even.as_ptr().add(16 * c));
+                odd_acc[c] = _mm512_loadu_ps(odd.as_ptr().add(16 * c));
+            }
+        }
         let (n, row) = (p.len(), 16 * V);
         for j in (0..n).step_by(2) {
             // SAFETY (both): this function's features; rows of 16 V floats.
