@@ -73,7 +73,20 @@ impl Lent<u8> {
     }
 }
 
-impl<T: Item> Lent<T> {
+impl Lent<u16> {
+    /// Argument `name`: `obj` holding 16-bit floats of type `elem` (`Elem::F16` or `Elem::Bf16`), as their bits.
+    pub fn halves(
+        obj: &Bound<'_, PyAny>,
+        name: &'static str,
+        elem: buffers::Elem,
+        access: Access,
+    ) -> PyResult<Self> {
+        debug_assert_eq!(elem.size(), 2);
+        Self::acquire(obj, name, Some(elem), access)
+    }
+}
+
+impl<T> Lent<T> {
     fn acquire(
         obj: &Bound<'_, PyAny>,
         name: &'static str,

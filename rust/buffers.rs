@@ -10,6 +10,9 @@ use std::fmt;
 pub enum Elem {
     U8,
     F32,
+    F16,
+    /// bfloat16, which the buffer protocol has no format for: its bits, as 16-bit integers.
+    Bf16,
 }
 
 impl Elem {
@@ -17,6 +20,7 @@ impl Elem {
         match self {
             Elem::U8 => 1,
             Elem::F32 => 4,
+            Elem::F16 | Elem::Bf16 => 2,
         }
     }
 
@@ -25,6 +29,8 @@ impl Elem {
         match self {
             Elem::U8 => "uint8",
             Elem::F32 => "float32",
+            Elem::F16 => "float16",
+            Elem::Bf16 => "bfloat16 (as int16 bits: tensor.view(torch.int16))",
         }
     }
 
@@ -44,6 +50,8 @@ impl Elem {
         match self {
             Elem::U8 => code == b'B' && matches!(order, b'@' | b'=' | b'<' | b'>' | b'!'), // one byte: any order
             Elem::F32 => code == b'f' && native,
+            Elem::F16 => code == b'e' && native,
+            Elem::Bf16 => matches!(code, b'h' | b'H') && native,
         }
     }
 }
@@ -192,6 +200,18 @@ mod tests {
         }
         for format in [&b"b"[..], b"c", b"?", b"f", b"BB"] {
             assert!(!Elem::U8.matches(format), "{format:?}");
+        }
+        for format in [&b"e"[..], b"<e", b"=e"] {
+            assert!(Elem::F16.matches(format), "{format:?}");
+        }
+        for format in [&b"h"[..], b"H", b"<h", b"@H"] {
+            assert!(Elem::Bf16.matches(format), "{format:?}");
+        }
+        for format in [&b">e"[..], b"h", b"f", b"ee"] {
+            assert!(!Elem::F16.matches(format), "{format:?}");
+        }
+        for format in [&b">h"[..], b"e", b"i", b"B"] {
+            assert!(!Elem::Bf16.matches(format), "{format:?}");
         }
     }
 

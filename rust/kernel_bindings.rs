@@ -9,7 +9,7 @@ use crate::buffer_bindings::Lent;
 use crate::buffers::{self, Access};
 use crate::kernels::{
     self, Activations8, AttentionShape, BlockCache, BlockEnd, BlockSettings, BlockWeights,
-    ColumnGroup, Gate, Isa, KernelError, Matrix, Prologue, QType, RopeKind,
+    ColumnGroup, Gate, Isa, KernelError, KvCache, Matrix, Prologue, QType, RopeKind,
 };
 
 impl From<KernelError> for PyErr {
@@ -260,14 +260,15 @@ fn dequantize(
     Ok(())
 }
 
-/// Attention of T new tokens over one layer's float32 KV cache (`rust/kernels/attention.rs`): rotates the queries
-/// and keys of qkv [T, (Hq + 2 Hkv) hd] in place with cos, sin [T, rope_dim / 2], writes keys and values at
-/// positions start.. of cache_k, cache_v [Hkv, capacity, hd], and puts softmax(q·kᵀ / sqrt(hd)) · v in out
-/// [T, Hq hd]. mask: [T, start + T] uint8 (nonzero: may attend), or None (all positions). qkv, the caches and out
-/// must share no memory; each refusal names the buffer.
+/// Attention of T new tokens over one layer's KV cache (`rust/kernels/attention.rs`): rotates the queries and keys
+/// of qkv [T, (Hq + 2 Hkv) hd] in place with cos, sin [T, rope_dim / 2], writes keys and values at positions
+/// start.. of cache_k, cache_v [Hkv, capacity, hd], and puts softmax(q·kᵀ / sqrt(hd)) · v in out [T, Hq hd].
+/// mask: [T, start + T] uint8 (nonzero: may attend), or None (all positions). The caches hold `kv_dtype`
+/// (`float32`, `float16`, or `bfloat16` as int16 bits), the rest float32. qkv, the caches and out must share no
+/// memory; each refusal names the buffer.
 #[pyfunction]
 #[pyo3(signature = (qkv, cache_k, cache_v, capacity, start, cos, sin, mask, out, *, n_heads, n_kv_heads, head_dim,
-                    rope_dim, neox))]
+                    rope_dim, neox, kv_dtype = "float32"))]
 #[allow(clippy::too_many_arguments)]
 fn attend(
     py: Python<'_>,
@@ -285,10 +286,11 @@ fn attend(
     head_dim: usize,
     rope_dim: usize,
     neox: bool,
+    kv_dtype: &str,
 ) -> PyResult<()> {
     let qkv = Lent::<f32>::typed(qkv, "qkv", Access::Write)?;
-    let cache_k = Lent::<f32>::typed(cache_k, "cache_k", Access::Write)?;
-    let cache_v = Lent::<f32>::typed(cache_v, "cache_v", Access::Write)?;
+    let cache_k = LentCache::lend(cache_k, "cache_k", kv_dtype)?;
+    let cache_v = LentCache::lend(cache_v, "cache_v", kv_dtype)?;
     let out = Lent::<f32>::typed(out, "out", Access::Write)?;
     let cos = Lent::<f32>::typed(cos, "cos", Access::Read)?;
     let sin = Lent::<f32>::typed(sin, "sin", Access::Read)?;
@@ -306,11 +308,11 @@ fn attend(
     py.detach(|| {
         // SAFETY: the four written buffers share no byte (checked above), the read ones are only read; the
         // exports live until this function returns and the caller runs no Python code on them meanwhile.
-        let (qkv, k, v, out) = unsafe {
+        let (qkv, mut k, mut v, out) = unsafe {
             (
                 qkv.as_mut_slice(),
-                cache_k.as_mut_slice(),
-                cache_v.as_mut_slice(),
+                cache_k.cache(),
+                cache_v.cache(),
                 out.as_mut_slice(),
             )
         };
@@ -322,7 +324,9 @@ fn attend(
                 mask.as_ref().map(|m| m.as_slice()),
             )
         };
-        kernels::attend(qkv, k, v, capacity, start, cos, sin, mask, out, shape)
+        kernels::attend(
+            qkv, &mut k, &mut v, capacity, start, cos, sin, mask, out, shape,
+        )
     })?;
     Ok(())
 }
@@ -335,14 +339,14 @@ fn attend(
 /// `gate` names act (`silu` or `relu2`). layers: (attn_norm, qkv, qkv_bias, wo, ffn_norm, gate_up, down,
 /// attn_sub_norm, ffn_sub_norm) per block, matrices as in `quantized_matmul`. sequences: (cache_k, cache_v,
 /// capacity, start, cos, sin, mask or None, rows) each, in row order: the next `rows` rows of h, whose caches
-/// [L, Hkv, capacity, hd] hold every block's, block i's the i-th (one block: [Hkv, capacity, hd]); the rotation
-/// and mask as in `attend`. h and the caches are written and must share no memory with each other or any other
-/// buffer. With `gate_up` (float32 [T, 2F], written, sharing no memory either), the last block stops after its
-/// FFN's gate/up products, written there: h then holds the residual stream after its attention. With
-/// `attention_only`, the last block stops after its attention (its FFN matrices are not read).
+/// [L, Hkv, capacity, hd] hold every block's, block i's the i-th (one block: [Hkv, capacity, hd]); the rotation,
+/// mask and `kv_dtype` (every sequence's) as in `attend`. h and the caches are written and must share no memory
+/// with each other or any other buffer. With `gate_up` (float32 [T, 2F], written, sharing no memory either), the
+/// last block stops after its FFN's gate/up products, written there: h then holds the residual stream after its
+/// attention. With `attention_only`, the last block stops after its attention (its FFN matrices are not read).
 #[pyfunction]
 #[pyo3(signature = (h, d, layers, sequences, *, eps, n_heads, n_kv_heads, head_dim, rope_dim, neox, gate = "silu",
-                    isa = "best", int8 = true, gate_up = None, attention_only = false))]
+                    isa = "best", int8 = true, gate_up = None, attention_only = false, kv_dtype = "float32"))]
 #[allow(clippy::too_many_arguments)]
 fn decoder_stack(
     py: Python<'_>,
@@ -361,6 +365,7 @@ fn decoder_stack(
     int8: bool,
     gate_up: Option<&Bound<'_, PyAny>>,
     attention_only: bool,
+    kv_dtype: &str,
 ) -> PyResult<()> {
     if attention_only && gate_up.is_some() {
         return Err(PyValueError::new_err(
@@ -381,7 +386,7 @@ fn decoder_stack(
         .collect::<PyResult<Vec<_>>>()?;
     let sequences = sequences
         .iter()
-        .map(lend_sequence)
+        .map(|seq| lend_sequence(seq, kv_dtype))
         .collect::<PyResult<Vec<_>>>()?;
     let gate_up = gate_up
         .map(|g| Lent::<f32>::typed(g, "gate_up", Access::Write))
@@ -408,8 +413,8 @@ fn decoder_stack(
                 .iter()
                 .map(|seq| BlockCache {
                     rows: seq.rows,
-                    k: seq.k.as_mut_slice(),
-                    v: seq.v.as_mut_slice(),
+                    k: seq.k.cache(),
+                    v: seq.v.cache(),
                     capacity: seq.capacity,
                     start: seq.start,
                     cos: seq.cos.as_slice(),
@@ -541,8 +546,8 @@ type PySequence<'py> = (
 
 /// A `decoder_stack` sequence's buffers, exported.
 struct LentSequence {
-    k: Lent<f32>,
-    v: Lent<f32>,
+    k: LentCache,
+    v: LentCache,
     capacity: usize,
     start: usize,
     cos: Lent<f32>,
@@ -551,11 +556,11 @@ struct LentSequence {
     rows: usize,
 }
 
-fn lend_sequence(seq: &PySequence<'_>) -> PyResult<LentSequence> {
+fn lend_sequence(seq: &PySequence<'_>, kv_dtype: &str) -> PyResult<LentSequence> {
     let (k, v, capacity, start, cos, sin, mask, rows) = seq;
     Ok(LentSequence {
-        k: Lent::typed(k, "cache_k", Access::Write)?,
-        v: Lent::typed(v, "cache_v", Access::Write)?,
+        k: LentCache::lend(k, "cache_k", kv_dtype)?,
+        v: LentCache::lend(v, "cache_v", kv_dtype)?,
         capacity: *capacity,
         start: *start,
         cos: Lent::typed(cos, "cos", Access::Read)?,
@@ -566,6 +571,56 @@ fn lend_sequence(seq: &PySequence<'_>) -> PyResult<LentSequence> {
             .transpose()?,
         rows: *rows,
     })
+}
+
+/// Keys or values of a KV cache, lent for writing, in the cache's element type.
+enum LentCache {
+    F32(Lent<f32>),
+    F16(Lent<u16>),
+    Bf16(Lent<u16>),
+}
+
+impl LentCache {
+    /// Argument `name`, a cache of `kv_dtype` (`float32`, `float16`, or `bfloat16` as int16 bits).
+    fn lend(obj: &Bound<'_, PyAny>, name: &'static str, kv_dtype: &str) -> PyResult<LentCache> {
+        Ok(match kv_dtype {
+            "float32" => LentCache::F32(Lent::typed(obj, name, Access::Write)?),
+            "float16" => {
+                LentCache::F16(Lent::halves(obj, name, buffers::Elem::F16, Access::Write)?)
+            }
+            "bfloat16" => {
+                LentCache::Bf16(Lent::halves(obj, name, buffers::Elem::Bf16, Access::Write)?)
+            }
+            _ => {
+                return Err(PyValueError::new_err(format!(
+                    "unknown kv_dtype '{kv_dtype}' (choose float32, float16 or bfloat16)"
+                )))
+            }
+        })
+    }
+
+    /// (address, bytes) of the memory, for overlap checks.
+    fn range(&self) -> (usize, usize) {
+        match self {
+            LentCache::F32(c) => c.range(),
+            LentCache::F16(c) | LentCache::Bf16(c) => c.range(),
+        }
+    }
+
+    /// The memory as a cache to write.
+    ///
+    /// # Safety
+    /// As `Lent::as_mut_slice`.
+    unsafe fn cache(&self) -> KvCache<'_> {
+        // SAFETY: the caller's contract.
+        unsafe {
+            match self {
+                LentCache::F32(c) => KvCache::F32(c.as_mut_slice()),
+                LentCache::F16(c) => KvCache::F16(c.as_mut_slice()),
+                LentCache::Bf16(c) => KvCache::Bf16(c.as_mut_slice()),
+            }
+        }
+    }
 }
 
 /// 8-bit activations (integer products) or float32 ones.

@@ -11,7 +11,7 @@ import torch
 import ntio
 from ntio.kernels import cpu_kernels, ops
 from ntio.kernels.ops import SequenceRows
-from ntio.models.layers import attention, causal_mask, rope_tables
+from ntio.models.layers import attend, attention, causal_mask, rope_tables
 from ntio.runtime.engine import Engine, Segment
 from ntio.runtime.kv_cache import KVCache
 from ntio.synth import SynthSpec, write_synthetic_gguf
@@ -109,15 +109,16 @@ def test_qwen_draft_beside_its_target_shares_the_tokenizer(qwen15_path, qwen05_p
     assert draft.engine.kv.ids == target.engine.kv.ids == ids
 
 
-@pytest.mark.parametrize("cpu_activations", ["int8", "float32"])
+@pytest.mark.parametrize("cpu_activations, kv_dtype", [("int8", "float32"), ("float32", "float32"),
+                                                       ("int8", "float16"), ("int8", "bfloat16")])
 @torch.inference_mode()
-def test_one_call_blocks_equal_the_per_op_path(smollm2_path, qwen05_path, cpu_activations, monkeypatch):
+def test_one_call_blocks_equal_the_per_op_path(smollm2_path, qwen05_path, cpu_activations, kv_dtype, monkeypatch):
     """A resident model's layers as one kernel call (ops.decoder_stack), each decoder block as one kernel call
     (a stack of one) and the per-op path give the same logits bit for bit: the same products, bias add,
-    attention and residual adds in the same order. Llama (interleaved RoPE) and Qwen2 (NeoX RoPE, q/k/v bias), a
-    prefill of 7 tokens then single steps."""
+    attention and residual adds in the same order, over KV caches of each dtype. Llama (interleaved RoPE) and Qwen2
+    (NeoX RoPE, q/k/v bias), a prefill of 7 tokens then single steps."""
     for path in (smollm2_path, qwen05_path):
-        m = ntio.load(path, max_context=64, cpu_activations=cpu_activations)
+        m = ntio.load(path, max_context=64, cpu_activations=cpu_activations, kv_dtype=kv_dtype)
         ids = m.encode_prompt("The capital of France is")[:7]
 
         def run() -> list[torch.Tensor]:
@@ -146,6 +147,59 @@ def test_one_call_blocks_equal_the_per_op_path(smollm2_path, qwen05_path, cpu_ac
         m.close()
 
 
+@pytest.mark.parametrize("kv_dtype", [torch.float16, torch.bfloat16])
+@torch.inference_mode()
+def test_attention_over_a_16_bit_cache_is_torchs(smollm2_path, kv_dtype, monkeypatch):
+    """The CPU kernel's attention over a float16 / bfloat16 cache (`ops.cached_attention`, which widens it to
+    float32 a block at a time) against torch's ops over the same cache (assignment rounds the new keys and values,
+    SDPA reads the cache cast to float32): the caches afterwards are the same bits, the outputs the same within
+    float32 rounding. Three new rows after 300 cached positions (two of the kernel's chunks), causal."""
+    with ntio.load(smollm2_path, max_context=64) as m:
+        cfg, start, t = m.config, 300, 3
+        gen = torch.Generator().manual_seed(1)
+        qkv = torch.randn(t, cfg.q_width + 2 * cfg.kv_width, generator=gen)
+        cache = torch.randn(2, cfg.n_kv_heads, start + t + 5, cfg.head_dim, generator=gen).to(kv_dtype)
+        rope = rope_tables(m.engine.globals.inv_freq, torch.arange(start, start + t))
+        mask = causal_mask(start, t, qkv.device)
+
+        def run() -> tuple[torch.Tensor, torch.Tensor]:
+            k, v = cache.clone()
+            out = attend(qkv.clone(), k, v, start, rope, mask, cfg, cfg.family.rope)
+            return out, torch.stack([k, v])
+
+        assert ops.uses_cpu_attention(qkv, cache[0])
+        kernel, kernel_cache = run()
+        monkeypatch.setattr(ops, "uses_cpu_attention", lambda *args: False)
+        torchs, torchs_cache = run()
+        assert torch.equal(kernel_cache.view(torch.int16), torchs_cache.view(torch.int16))
+        assert not torch.equal(kernel_cache, cache)  # the new rows were written
+        assert rel_l2(kernel, torchs) <= 1e-6
+
+
+def test_the_attention_binding_refuses_a_cache_of_another_dtype(smollm2_path):
+    """`_core.attend` takes the caches in the kv_dtype it is told, and names the cache that is not, or the dtype it
+    does not know; nothing is computed."""
+    from ntio import _core
+
+    hq, hkv, hd = 2, 1, 4
+    qkv, out = torch.zeros(1, (hq + 2 * hkv) * hd), torch.zeros(1, hq * hd)
+    cos = sin = torch.ones(1, hd // 2)
+
+    def call(k: torch.Tensor, v: torch.Tensor, kv_dtype: str) -> None:
+        _core.attend(qkv.numpy(), k, v, 4, 0, cos.numpy(), sin.numpy(), None, out.numpy(), n_heads=hq,
+                     n_kv_heads=hkv, head_dim=hd, rope_dim=hd, neox=False, kv_dtype=kv_dtype)
+
+    halves, floats = torch.zeros(hkv, 4, hd, dtype=torch.float16), torch.zeros(hkv, 4, hd)
+    call(halves.numpy(), halves.clone().numpy(), "float16")
+    call(halves.view(torch.int16).numpy(), halves.clone().view(torch.int16).numpy(), "bfloat16")
+    with pytest.raises(ValueError, match='cache_k must hold float16 elements, got buffer format "f"'):
+        call(floats.numpy(), floats.clone().numpy(), "float16")
+    with pytest.raises(ValueError, match=r"cache_v must hold bfloat16 \(as int16 bits"):
+        call(halves.view(torch.int16).numpy(), halves.numpy(), "bfloat16")
+    with pytest.raises(ValueError, match="unknown kv_dtype 'float8' \\(choose float32, float16 or bfloat16\\)"):
+        call(floats.numpy(), floats.clone().numpy(), "float8")
+
+
 @torch.inference_mode()
 def test_a_stack_refuses_caches_of_another_depth_and_leaves_them_as_they_were(smollm2_path):
     """`ops.decoder_stack` takes one cache per block, [L, Hkv, capacity, hd]: other caches are refused with their
@@ -161,7 +215,8 @@ def test_a_stack_refuses_caches_of_another_depth_and_leaves_them_as_they_were(sm
                                      [SequenceRows(slice(0, 1), k, v, 0, rope, None)], cfg.rms_eps,
                                      (cfg.n_heads, cfg.n_kv_heads, cfg.head_dim), neox=False)
 
-        with pytest.raises(ValueError, match=rf"caches of \d+ and \d+ floats for 2 layers of \[{cfg.n_kv_heads}, 16,"):
+        with pytest.raises(ValueError,
+                           match=rf"caches of \d+ and \d+ elements for 2 layers of \[{cfg.n_kv_heads}, 16,"):
             stack(kv.k, kv.v)
         assert torch.equal(kv.k.view(torch.int32), before)
         stack(kv.k[:2], kv.v[:2])

@@ -145,14 +145,14 @@ def decoder_stack(h: Buffer, d: int, layers: list[Layer],
                   sequences: list[tuple[Buffer, Buffer, int, int, Buffer, Buffer, Buffer | None, int]], *,
                   eps: float, n_heads: int, n_kv_heads: int, head_dim: int, rope_dim: int, neox: bool,
                   gate: str = "silu", isa: str = "best", int8: bool = True, gate_up: Buffer | None = None,
-                  attention_only: bool = False) -> None:
+                  attention_only: bool = False, kv_dtype: str = "float32") -> None:
     """A stack of pre-norm decoder blocks over T new tokens of one or several sequences, h [T, D] float32 updated in
     place block after block (GIL released, no return to Python between blocks), each block
     h += Wo attn_sub_norm(attention(rope(Wqkv rms_norm(h) + qkv_bias))), then
     h += Wdown ffn_sub_norm(act(Wgate x) * (Wup x)), x = rms_norm(h), the sub-norms only where given (BitNet's) and
     act named by gate (`silu`, `relu2`). layers: one `Layer` per block, matrices as in `quantized_matmul`.
     sequences: (cache_k, cache_v, capacity, start, cos, sin, mask, rows) each, in row order: the next `rows` rows of
-    h attend over that cache, with that rotation and mask, as in `attend`; their rows add up to T; each cache
+    h attend over that cache, with that rotation, mask and kv_dtype, as in `attend`; their rows add up to T; each cache
     [L, Hkv, capacity, hd] holds every block's, block i's the i-th (one block: [Hkv, capacity, hd]). Every product
     runs once over all T rows, each row's arithmetic that of a call of its own. h and the caches share no memory
     with each other or any other buffer; refusals name the buffer. With gate_up (float32 [T, 2F]) the last block
@@ -163,12 +163,14 @@ def check_kernel_isa(name: str) -> None:
     this CPU runs it."""
 def attend(qkv: Buffer, cache_k: Buffer, cache_v: Buffer, capacity: int, start: int, cos: Buffer, sin: Buffer,
            mask: Buffer | None, out: Buffer, *, n_heads: int, n_kv_heads: int, head_dim: int, rope_dim: int,
-           neox: bool) -> None:
-    """Attention of T new tokens over one layer's float32 KV cache (GIL released): RoPE on qkv's queries and keys
+           neox: bool, kv_dtype: str = "float32") -> None:
+    """Attention of T new tokens over one layer's KV cache (GIL released): RoPE on qkv's queries and keys
     [T, (Hq + 2 Hkv) hd] in place (cos, sin [T, rope_dim/2]; pairs (2i, 2i+1), or (i, i + rope_dim/2) if neox),
     keys and values written at positions start.. of cache_k, cache_v [Hkv, capacity, hd], then out [T, Hq hd] =
     softmax(q k^T / sqrt(hd)) v over the start + T cached positions (mask [T, start + T] uint8, nonzero: may
-    attend; None: all). qkv, the caches and out must share no memory; refusals name the buffer."""
+    attend; None: all). The caches hold kv_dtype: float32, float16, or bfloat16 as its int16 bits (numpy has no
+    bfloat16); keys and values are rounded to it (to nearest, ties to even) and the arithmetic is float32. qkv, the
+    caches and out must share no memory; refusals name the buffer."""
 def dequantize(raw: Buffer, qtype: int, k: int, out: Buffer) -> None:
     """Rows of k elements of ggml type `qtype` encoded back to back in raw (uint8) -> out [rows, k] float32, the
     values gguf-py's dequantizer gives, bit for bit (GIL released). A size that is not whole rows, or an interleaved

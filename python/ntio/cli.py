@@ -100,7 +100,9 @@ def _plan_options(f):
                           "use), or per layer, e.g. A:0-9,C:10-29")(f)
     f = click.option("--device", default="cpu", show_default=True, help="Compute device: cpu, cuda, cuda:1, ...")(f)
     f = click.option("--kv-dtype", type=click.Choice(["float32", "float16", "bfloat16"]), default="float32",
-                     show_default=True, help="KV cache dtype")(f)
+                     show_default=True,
+                     help="KV cache dtype: float16 or bfloat16 halve its memory (keys and values rounded to it; "
+                          "attention computes in float32)")(f)
     f = click.option("--ctx-size", type=click.IntRange(min=1),
                      help="KV cache capacity in tokens (default: the model's context up to 4096, less when the "
                           "memory budget cannot hold its KV cache)")(f)

@@ -1,5 +1,5 @@
 //! One pre-norm decoder block (Llama / Qwen2 / BitNet shape) for a few tokens of one or several sequences, each
-//! over its own float32 KV cache, in one call:
+//! over its own KV cache (float32, float16 or bfloat16), in one call:
 //!
 //!   h += Wo · sub_norm(attention(rope(Wqkv · rms_norm(h) + bias)))
 //!   h += Wdown · sub_norm(act(Wgate · x) · (Wup · x)),  x = rms_norm(h)
@@ -14,6 +14,7 @@
 //! model's blocks one after another in one call, so a decode step crosses into Python once, not once per layer.
 
 use super::attention::{attend, AttentionShape};
+use super::kv::KvCache;
 use super::matmul::{quantized_matmul, Activations8, Gate, Isa, KernelError, Matrix, Prologue};
 
 /// A block's weights: norms [D], row-stacked matrices, Qwen2's q/k/v bias and BitNet's sub-norms.
@@ -50,8 +51,8 @@ pub struct BlockSettings {
 /// One sequence's KV cache of the block's layer and where its tokens go (see `attend`): the next `rows` rows of h.
 pub struct BlockCache<'a> {
     pub rows: usize,
-    pub k: &'a mut [f32],
-    pub v: &'a mut [f32],
+    pub k: KvCache<'a>,
+    pub v: KvCache<'a>,
     pub capacity: usize,
     pub start: usize,
     pub cos: &'a [f32],
@@ -124,8 +125,8 @@ fn decoder_block<'a>(
         let (attn_seq, attn_rest) = attn_rows.split_at_mut(cache.rows * attn_width);
         attend(
             qkv_seq,
-            cache.k,
-            cache.v,
+            &mut cache.k,
+            &mut cache.v,
             cache.capacity,
             cache.start,
             cache.cos,
@@ -189,7 +190,7 @@ pub fn decoder_stack(
         let per_layer = a.n_kv_heads * c.capacity * a.head_dim;
         if c.k.len() != layers.len() * per_layer || c.v.len() != c.k.len() {
             return Err(KernelError::Mismatch(format!(
-                "caches of {} and {} floats for {} layers of [{}, {}, {}]",
+                "caches of {} and {} elements for {} layers of [{}, {}, {}]",
                 c.k.len(),
                 c.v.len(),
                 layers.len(),
@@ -206,8 +207,8 @@ pub fn decoder_stack(
                 let per_layer = c.k.len() / layers.len();
                 BlockCache {
                     rows: c.rows,
-                    k: &mut c.k[i * per_layer..][..per_layer],
-                    v: &mut c.v[i * per_layer..][..per_layer],
+                    k: c.k.part(i * per_layer, per_layer),
+                    v: c.v.part(i * per_layer, per_layer),
                     capacity: c.capacity,
                     start: c.start,
                     cos: c.cos,

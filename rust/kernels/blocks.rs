@@ -7,6 +7,8 @@
 //!
 //! The dense types (F32, F16, BF16) are [`Dense`]: one element per "block", converted to float32 exactly.
 
+use super::halves::{bf16_value, f16_value};
+
 /// Elements per group: the unit the kernels decode codes in (every block is a whole number of groups).
 pub const GROUP: usize = 32;
 
@@ -52,17 +54,7 @@ pub trait Dense {
 /// branch but the select for inf/nan).
 #[inline(always)]
 pub(crate) fn f16_at(b: &[u8], at: usize) -> f32 {
-    let h = u32::from(u16::from_le_bytes([b[at], b[at + 1]]));
-    let (sign, em) = ((h & 0x8000) << 16, h & 0x7FFF);
-    // Normals and subnormals: the half's bits in float32's exponent/mantissa place, times 2^112 to rebias the
-    // exponent from 15 to 127 (exact: subnormal halves land on normal floats).
-    let finite = (f32::from_bits(em << 13) * f32::from_bits((127 + 112) << 23)).to_bits();
-    let magnitude = if em >= 0x7C00 {
-        em << 13 | 0x7F80_0000 // inf / nan: exponent all ones, payload kept
-    } else {
-        finite
-    };
-    f32::from_bits(sign | magnitude)
+    f16_value(u16::from_le_bytes([b[at], b[at + 1]]))
 }
 
 /// Group g of a nibble-packed 16-byte field (Q4_0/Q4_1/Q5_0/Q5_1, one group per block):
@@ -340,23 +332,6 @@ pub struct BF16;
 impl Dense for BF16 {
     const BYTES: usize = 2;
     fn get(row: &[u8], i: usize) -> f32 {
-        f32::from_bits(u32::from(u16::from_le_bytes([row[2 * i], row[2 * i + 1]])) << 16)
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn f16_matches_the_half_crate_for_every_value() {
-        for h in 0..=u16::MAX {
-            let ours = f16_at(&h.to_le_bytes(), 0);
-            let theirs = half::f16::from_bits(h).to_f32();
-            assert!(
-                ours.to_bits() == theirs.to_bits() || (ours.is_nan() && theirs.is_nan()),
-                "{h:#06x}"
-            );
-        }
+        bf16_value(u16::from_le_bytes([row[2 * i], row[2 * i + 1]]))
     }
 }

@@ -3,6 +3,7 @@
 //! Q8_0) and meet the weight codes in integer dot products; float32 activations remain as the reference path.
 //!
 //! - `blocks`: block layouts, scale decoding and scalar code decoding per type;
+//! - `halves`: float16 and bfloat16 to and from float32;
 //! - `q8`: activation quantization;
 //! - `dequant`: encoded rows decoded to float32 (embedding lookups);
 //! - `interleave`: rows interleaved by eight, word by word (the layout resident Q4_1 and Q4_K matrices take);
@@ -13,7 +14,8 @@
 //! - `neon`: NEON integer row kernels for the block-quantized types (aarch64; `sdot` selected at run time);
 //! - `exp`: e^x as one polynomial, the same bits scalar and vectorized;
 //! - `activation`: the FFN gate's activation over a row (SiLU through `exp`);
-//! - `attention`: RoPE, KV-cache writes and attention of a few new tokens (float32);
+//! - `kv`: KV caches of float32, float16 or bfloat16 elements;
+//! - `attention`: RoPE, KV-cache writes and attention of a few new tokens (float32 arithmetic over any `kv` cache);
 //! - `block`: a whole pre-norm decoder block (the products and attention above) in one call, or a stack of them;
 //! - `team`: the kernel threads, which the calling thread joins;
 //! - `memory_rate`: how fast those threads read RAM (a decode step's roofline);
@@ -35,7 +37,9 @@ mod column_groups;
 mod dequant;
 mod dot;
 mod exp;
+mod halves;
 mod interleave;
+mod kv;
 mod matmul;
 mod memory_rate;
 #[cfg(target_arch = "aarch64")]
@@ -49,6 +53,7 @@ pub use block::{decoder_stack, BlockCache, BlockEnd, BlockSettings, BlockWeights
 pub use column_groups::{column_groups_matmul, ColumnGroup};
 pub use dequant::dequantize;
 pub use interleave::permute_in_place;
+pub use kv::{KvCache, KvRows};
 pub use matmul::{
     interleaved_kernels, quantized_matmul, set_threads, threads, Activations8, Gate, Isa,
     KernelError, Matrix, Prologue, QType,

@@ -282,8 +282,8 @@ def attention(
 ) -> torch.Tensor:
     """Grouped-query self-attention of rms_norm(h). h: [T, D] -> [T, D]; writes K/V for start_pos..start_pos+T-1.
 
-    k_cache, v_cache: [Hkv, capacity, hd] for this layer; rope_kind: a key of ROPE_KINDS. A few tokens over a
-    float32 cache on the CPU take one kernel call (ops.cached_attention) for RoPE, the cache writes and attention.
+    k_cache, v_cache: [Hkv, capacity, hd] for this layer; rope_kind: a key of ROPE_KINDS. A few tokens on the CPU
+    take one kernel call (ops.cached_attention) for RoPE, the cache writes and attention.
     """
     attn = attend(_qkv(h, w, cfg), k_cache, v_cache, start_pos, rope, mask, cfg, rope_kind)
     return _attention_output(attn, w, cfg.rms_eps)
@@ -306,8 +306,8 @@ def attend(
     rope_kind: str,
 ) -> torch.Tensor:
     """RoPE on one sequence's new queries and keys, their K/V written at start_pos.. of its layer cache, and
-    attention over the cache: qkv [T, Q + 2 KV] -> [T, Hq hd]. A few tokens over a float32 cache on the CPU take
-    one kernel call (ops.cached_attention)."""
+    attention over the cache: qkv [T, Q + 2 KV] -> [T, Hq hd]. A few tokens on the CPU take one kernel call
+    (ops.cached_attention); elsewhere torch's ops, in the queries' dtype over the cache's contents."""
     n_tokens, end, hd = qkv.shape[0], start_pos + qkv.shape[0], cfg.head_dim
     if ops.uses_cpu_attention(qkv, k_cache):
         return ops.cached_attention(qkv, k_cache, v_cache, start_pos, rope, mask, (cfg.n_heads, cfg.n_kv_heads, hd),
