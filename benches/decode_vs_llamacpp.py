@@ -15,11 +15,13 @@ its weights at the RAM's rate.
 
     python benches/decode_vs_llamacpp.py [--model NAME|PATH] [--rounds 3] [--tokens 64] [--threads 2]
                                          [--summarize FILE --ctx-size 4096]   (a long context)
+                                         [--kv-dtype float32|float16|bfloat16]   (ntio's KV cache)
                                          [--llamacpp PYTHON]   (the peer's venv, built by build-llamacpp.sh)
 
 `--summarize FILE` asks each engine to summarize FILE's text instead of the short question: decode then attends
 over the whole text (tests/data/apache-2.0.txt is ~2,500 tokens). There the KV cache adds its own bytes to a step,
-stored differently by each engine (ntio float32, llama.cpp float16), beyond the weights' memory bound below.
+beyond the weights' memory bound below: llama.cpp's in float16 (its default), ntio's in `--kv-dtype` (float32 unless
+told; float16 stores what llama.cpp stores).
 """
 
 from __future__ import annotations
@@ -48,10 +50,10 @@ import json, sys
 import ntio
 from ntio.formats.model_file import open_model_file
 from ntio.kernels import cpu_kernels
-path, tiers, prompt = sys.argv[1], sys.argv[2], sys.argv[5]
+path, tiers, prompt, kv_dtype = sys.argv[1], sys.argv[2], sys.argv[5], sys.argv[7]
 tokens, threads, ctx = int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[6])
 cpu_kernels.set_threads(threads)
-m = ntio.load(path, max_context=ctx, tiers=tiers, threads=threads)
+m = ntio.load(path, max_context=ctx, tiers=tiers, threads=threads, kv_dtype=kv_dtype)
 chat = "tokenizer.chat_template" in open_model_file(path).metadata  # synthetic models have none: plain text
 c = m.generate(prompt, chat=chat, max_new_tokens=tokens)
 print(json.dumps({"decode_tok_s": c.decode_tok_s, "prefill_tok_s": c.prefill_tok_s,
@@ -91,6 +93,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--summarize", type=Path, help="ask for a summary of this file's text (a long context)")
     ap.add_argument("--ctx-size", type=int, default=1024, help="both engines' context")
+    ap.add_argument("--kv-dtype", choices=("float32", "float16", "bfloat16"), default="float32",
+                    help="ntio's KV cache dtype (llama.cpp's: float16)")
     ap.add_argument("--llamacpp", default=str(PEER_PYTHON), help="python of the llama-cpp-python venv")
     ap.add_argument("--plot", type=Path, help="draw the result into this PNG (benches/figures.py)")
     args = ap.parse_args()
@@ -98,7 +102,7 @@ def main() -> None:
         check_figure_path(args.plot)
     path = str(resolve_model(args.model))
     prompt = PROMPT if args.summarize is None else f"Summarize this text:\n\n{args.summarize.read_text()}"
-    ntio_args = [str(args.tokens), str(args.threads), prompt, str(args.ctx_size)]
+    ntio_args = [str(args.tokens), str(args.threads), prompt, str(args.ctx_size), args.kv_dtype]
     runs = {
         "ntio_resident": lambda: _last_json([sys.executable, "-c", _NTIO, path, "A", *ntio_args]),
         "ntio_all_c": lambda: _last_json([sys.executable, "-c", _NTIO, path, "C", *ntio_args]),
@@ -119,7 +123,8 @@ def main() -> None:
         print(json.dumps({"round": r, **row}), file=sys.stderr)
     summary = {"model": os.path.basename(path), "machine": platform.processor() or platform.machine(),
                "threads": args.threads, "tokens": args.tokens, "prompt": "question" if args.summarize is None else
-               f"summarize {args.summarize.name}", "ctx_size": args.ctx_size, "step_mb": step_bytes / 1e6,
+               f"summarize {args.summarize.name}", "ctx_size": args.ctx_size, "ntio_kv_dtype": args.kv_dtype,
+               "llamacpp_kv_dtype": "float16", "step_mb": step_bytes / 1e6,
                "rounds": rounds}
     for key in rounds[0]:
         summary[f"{key}_median"] = statistics.median(row[key] for row in rounds)
