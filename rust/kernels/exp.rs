@@ -23,8 +23,12 @@ pub fn exp(x: f32) -> f32 {
         .mul_add(r, 1.666_666_5e-1)
         .mul_add(r, 0.5);
     let y = p.mul_add(r * r, r) + 1.0;
-    // y is in [0.7, 1.5) and n in [-124, 127]: the sum of exponents stays a normal float.
-    let e = f32::from_bits(y.to_bits().wrapping_add((n as i32 as u32) << 23));
+    // y is in [0.7, 1.5) and n in [-124, 127]: the sum of exponents stays a normal float. n as an integer from the
+    // low bits of n + 1.5 · 2^23 (exact for |n| < 2^22), not `n as i32`, whose saturating conversion LLVM turns
+    // into one scalar conversion per lane.
+    const ROUNDER: f32 = 12_582_912.0;
+    let n_bits = (n + ROUNDER).to_bits().wrapping_sub(ROUNDER.to_bits());
+    let e = f32::from_bits(y.to_bits().wrapping_add(n_bits << 23));
     if low {
         0.0
     } else if high {
