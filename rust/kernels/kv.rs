@@ -22,6 +22,7 @@ pub enum KvRows<'a> {
 
 impl KvCache<'_> {
     /// Elements.
+    #[inline]
     pub(crate) fn len(&self) -> usize {
         match self {
             KvCache::F32(x) => x.len(),
@@ -30,6 +31,7 @@ impl KvCache<'_> {
     }
 
     /// Elements start..start + len (inside the cache).
+    #[inline]
     pub fn part(&mut self, start: usize, len: usize) -> KvCache<'_> {
         match self {
             KvCache::F32(x) => KvCache::F32(&mut x[start..][..len]),
@@ -54,6 +56,7 @@ impl KvCache<'_> {
     }
 
     /// The elements, to read.
+    #[inline]
     pub fn rows(&self) -> KvRows<'_> {
         match self {
             KvCache::F32(x) => KvRows::F32(x),
@@ -65,6 +68,7 @@ impl KvCache<'_> {
 
 impl<'a> KvRows<'a> {
     /// Elements.
+    #[inline]
     pub(crate) fn len(self) -> usize {
         match self {
             KvRows::F32(x) => x.len(),
@@ -72,7 +76,8 @@ impl<'a> KvRows<'a> {
         }
     }
 
-    /// Elements start..start + len (inside the cache).
+    /// Elements start..start + len (inside the cache). Always inlined: attention takes a part per block of positions.
+    #[inline(always)]
     pub fn part(self, start: usize, len: usize) -> KvRows<'a> {
         match self {
             KvRows::F32(x) => KvRows::F32(&x[start..][..len]),

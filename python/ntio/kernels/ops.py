@@ -371,8 +371,8 @@ def gated_linear(gate_up: torch.Tensor, w: EncodedMatrix, gate: str = "silu", no
 
 
 # The KV cache types the CPU attention kernel takes, by the names its binding takes. A 16-bit cache is widened to
-# float32 a block of positions at a time inside the kernel: SmolLM2 decoding after a 2,673-token prompt with a
-# float16 cache ran 22.9 tok/s through torch's ops, against 72.3 with a float32 cache through the kernel.
+# float32 a block of positions at a time inside the kernel: SmolLM2 decoding after a 2,250-token prompt with a
+# float16 cache ran 26-29 tok/s through torch's ops, 79-80 through the kernel (2026-11-30, benches/RESULTS.md).
 _KERNEL_KV_DTYPES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
 
 
