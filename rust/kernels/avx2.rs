@@ -36,6 +36,7 @@ use super::rows::{in_tiles, Activations, GroupKernel, Kernel, RowKernel, GROUP_R
 
 mod amx;
 mod interleaved;
+mod q6k_lanes;
 mod tiles;
 pub use interleaved::{q4_1_x8, q4_k_x8, Q4K_TILE_MIN_ROWS};
 pub use tiles::{Q6K_TILE_MIN_ROWS, Q8_0_TILE_MIN_ROWS};
@@ -1273,7 +1274,7 @@ impl SimdFormat for blocks::Q6K {
         if products == Products::Amx {
             return Kernel::Group(tiles::tiled::<blocks::Q6K>());
         }
-        Kernel::Row(int::<blocks::Q6K>(products))
+        q6k_lanes::q6_k(products)
     }
 }
 

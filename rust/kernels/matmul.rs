@@ -1168,6 +1168,55 @@ mod tests {
         }
     }
 
+    /// Q6_K at the bounds its exact span sums rely on (`SuperBlock::SPAN_TOTALS`; the lane kernels' 16-bit
+    /// pair-sums times sub-scales, and their offsets): every code q = +31 or -32, every sub-scale -128 or +127,
+    /// every activation code +127 or -127. Passes of any number of activation rows (the row kernel, the lanes of
+    /// eight or sixteen rows, AMX's tiles where present) give each row the one-row pass's bits, and Σ d·sc·q·x to
+    /// float32 rounding.
+    #[test]
+    fn q6_k_at_its_bounds_sums_exactly() {
+        let (n, k) = (16, 512);
+        for (fill, scale, q) in [
+            (0xFF, 0x80u8, 31.0f32),
+            (0x00, 0x80, -32.0),
+            (0xFF, 0x7F, 31.0),
+        ] {
+            let mut block = [fill; 210]; // ql and qh: every code c = 63 (q = 31) or 0 (q = -32)
+            block[192..208].fill(scale);
+            block[208..].copy_from_slice(&[0x00, 0x3C]); // d = 1 (float16)
+            let w = block.repeat(n * k / 256);
+            let sc = f32::from(scale as i8);
+            for sign in [1.0f32, -1.0] {
+                let exact = sign * sc * q * k as f32;
+                for isa in [Isa::Best, Isa::Avx2].into_iter().filter(|i| i.available()) {
+                    let product = |t: usize| {
+                        let mut out = vec![0f32; t * n];
+                        let (x, m) = (vec![sign; t * k], [Matrix::new(&w, QType::Q6K, n)]);
+                        let int8 = Activations8::Int8;
+                        quantized_matmul(&x, t, k, Prologue::default(), &m, &mut out, isa, int8)
+                            .unwrap();
+                        out
+                    };
+                    let one = product(1);
+                    assert!(
+                        one.iter().all(|y| (y - exact).abs() <= 1e-6 * exact.abs()),
+                        "{isa:?} {one:?} vs {exact}"
+                    );
+                    for t in [5, 6, 8, 16, 33] {
+                        let all = product(t);
+                        for (i, y) in all.iter().enumerate() {
+                            assert_eq!(
+                                y.to_bits(),
+                                one[i % n].to_bits(),
+                                "{isa:?} t={t} output {i}"
+                            );
+                        }
+                    }
+                }
+            }
+        }
+    }
+
     /// The products of `plain` and its interleaved layout `mixed` (n rows of k elements), each beside five Q4_0
     /// rows, are equal bit for bit (see `interleaved_rows_give_the_plain_rows_bits`).
     fn interleaved_products_agree(

@@ -477,8 +477,7 @@ unsafe fn row_pair(at: *const u8, row_bytes: usize, r: usize) -> __m256i {
 
 /// Eight plain rows (`rows`: 8 · row_bytes bytes, row_bytes a multiple of 16) into `out` (as many bytes) in the
 /// interleaved layout (`interleave`): word w of row r at byte 32w + 4r, whatever the block size (a group's block
-/// holds its rows' words in order). Four words of the eight rows at a time: a 4 x 4 transpose of 32-bit words in
-/// each 128-bit half (rows 0-3 in the low halves, 4-7 in the high ones).
+/// holds its rows' words in order), four words at a time (`words4`).
 ///
 /// # Safety
 /// The caller runs with AVX2; the sizes are as above.
@@ -497,27 +496,39 @@ unsafe fn regroup(rows: &[u8], row_bytes: usize, out: &mut [u8]) {
         );
         // SAFETY: bytes at..at + 16 of each of the eight rows, and 128 bytes from 8·at of `out`, are inside.
         unsafe {
-            let rows = src.add(at);
-            let (p0, p1, p2, p3) = (
-                row_pair(rows, row_bytes, 0),
-                row_pair(rows, row_bytes, 1),
-                row_pair(rows, row_bytes, 2),
-                row_pair(rows, row_bytes, 3),
-            );
-            // Words 0-1 and 2-3 of rows (0, 1) and (2, 3), then each word of the four rows (in both halves).
-            let (t0, t1) = (_mm256_unpacklo_epi32(p0, p1), _mm256_unpackhi_epi32(p0, p1));
-            let (t2, t3) = (_mm256_unpacklo_epi32(p2, p3), _mm256_unpackhi_epi32(p2, p3));
-            let words = [
-                _mm256_unpacklo_epi64(t0, t2),
-                _mm256_unpackhi_epi64(t0, t2),
-                _mm256_unpacklo_epi64(t1, t3),
-                _mm256_unpackhi_epi64(t1, t3),
-            ];
-            for (w, v) in words.into_iter().enumerate() {
+            for (w, v) in words4(src.add(at), row_bytes).into_iter().enumerate() {
                 _mm256_storeu_si256(dst.add(8 * at + 32 * w).cast(), v);
             }
         }
     }
+}
+
+/// Words 0-3 (16 bytes) of eight rows `stride` bytes apart from `at`, transposed: vector w holds word w of row r
+/// in lane r. A 4 x 4 transpose of 32-bit words in each 128-bit half (rows 0-3 in the low halves, 4-7 in the high
+/// ones).
+///
+/// # Safety
+/// The eight runs of 16 bytes are readable; the caller runs with AVX2.
+#[inline(always)]
+pub(super) unsafe fn words4(at: *const u8, stride: usize) -> [__m256i; 4] {
+    // SAFETY: the caller's contract.
+    let (p0, p1, p2, p3) = unsafe {
+        (
+            row_pair(at, stride, 0),
+            row_pair(at, stride, 1),
+            row_pair(at, stride, 2),
+            row_pair(at, stride, 3),
+        )
+    };
+    // Words 0-1 and 2-3 of rows (0, 1) and (2, 3), then each word of the four rows (in both halves).
+    let (t0, t1) = (_mm256_unpacklo_epi32(p0, p1), _mm256_unpackhi_epi32(p0, p1));
+    let (t2, t3) = (_mm256_unpacklo_epi32(p2, p3), _mm256_unpackhi_epi32(p2, p3));
+    [
+        _mm256_unpacklo_epi64(t0, t2),
+        _mm256_unpackhi_epi64(t0, t2),
+        _mm256_unpacklo_epi64(t1, t3),
+        _mm256_unpackhi_epi64(t1, t3),
+    ]
 }
 
 /// One interleaved group of eight Q4_K rows (`group`: 8 · row_bytes bytes, row_bytes = k / 256 · 144), in tiles

@@ -292,14 +292,8 @@ impl Tiled for Q6K {
         row_bytes: usize,
         y: &mut [[f32; GROUP_ROWS]; MAX_T],
     ) {
-        let mut column = [0f32; MAX_T];
-        for (j, row) in rows.chunks_exact(row_bytes).enumerate() {
-            // SAFETY: the caller runs with VNNI's features; `row` is one whole row.
-            unsafe { super::int_row::<Q6K, Vnni>(a, row, &mut column) };
-            for (y, v) in y.iter_mut().zip(&column[..a.t]) {
-                y[j] = *v;
-            }
-        }
+        // SAFETY: the caller runs with VNNI's features; `matmul` checked the sizes.
+        unsafe { super::q6k_lanes::lane_rows::<Vnni>(a, rows, row_bytes, y) }
     }
 }
 
