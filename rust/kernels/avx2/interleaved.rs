@@ -362,9 +362,9 @@ const K_SPAN_GROUPS: usize = Q4K::SPAN / GROUP;
 
 with_wide!(
     /// The integer kernel of interleaved Q4_K rows (8-bit activations), with `products`: a group kernel, or
-    /// with AMX's a wide one (tiles in passes of at least Q4K_TILE_MIN_ROWS activation rows, `k_wide_rows`).
-    /// Call only if `products.available()`.
-    q4_k_x8 => q4_k_x8_vector, k_wide_rows, Products::Amx
+    /// with AVX-512 VNNI's or AMX's a wide one of sixteen rows (`k_wide_rows`: AVX-512 vectors, or AMX tiles in
+    /// passes of at least Q4K_TILE_MIN_ROWS activation rows). Call only if `products.available()`.
+    q4_k_x8 => q4_k_x8_vector, k_wide_rows, Products::Avx512Vnni | Products::Amx
 );
 
 with_wide!(
@@ -373,7 +373,7 @@ with_wide!(
     /// scratch (`regroup`) and compute them as `q4_k_x8` does; shorter passes, and groups of fewer rows, run the
     /// row kernel (`int_row`). Both give the same bits (`SuperBlock::SPAN_TOTALS`). Call only if
     /// `products.available()`.
-    q4_k_plain => q4_k_plain_vector, k_plain_rows::<Vnni, Tiles, WIDE_ROWS>, Products::Amx
+    q4_k_plain => q4_k_plain_vector, k_plain_rows::<Vnni, TwoGroups, WIDE_ROWS>, Products::Avx512Vnni | Products::Amx
 );
 
 int_entries!(
@@ -546,8 +546,8 @@ unsafe fn k_rows<D: IntDot>(
     debug_assert!(
         group.len() == GROUP_ROWS * row_bytes && row_bytes == a.k / Q4K::BLOCK * Q4K::BYTES
     );
-    let base = group.as_ptr();
-    in_tiles!(a.t, y, |t0, out| k_tile::<D>(a, base, t0, out));
+    let bases = [group.as_ptr(); 2];
+    in_tiles!(a.t, y, |t0, out| k_tile::<D>(a, bases, t0, out));
 }
 
 /// Word `w` of an interleaved block at `block`: the eight rows' word w, lane r for row r.
@@ -631,42 +631,6 @@ impl BlockScales {
         // SAFETY: guaranteed by the caller.
         _mm256_cvtepi32_ps(unsafe { byte_lanes(self.sc[g / 4], g % 4) })
     }
-
-    /// One activation row's outputs (`out`, lane r: weight row r) after span `sp` of the block: out +=
-    /// total·(d·dx) then M·(-dmin·dx), with total = Σ sc·Σ q·x̂ over the span's groups (exact integers in float32),
-    /// M = Σ mn·Σ x̂ from the row's integer group sums (`sums`: the span's four), dx the row's scale for the span.
-    ///
-    /// # Safety
-    /// `sums` must point at 4 readable sums; the caller runs with D's features.
-    #[inline(always)]
-    unsafe fn end_span<D: IntDot>(
-        &self,
-        out: &mut [f32; GROUP_ROWS],
-        total: __m256,
-        sp: usize,
-        dx: f32,
-        sums: *const i32,
-    ) {
-        let dx = _mm256_set1_ps(dx);
-        let out = out.as_mut_ptr();
-        // SAFETY: `out` holds GROUP_ROWS floats; the rest is the caller's contract.
-        unsafe {
-            let acc = _mm256_loadu_ps(out);
-            let acc = _mm256_fmadd_ps(total, _mm256_mul_ps(self.d, dx), acc);
-            let mut m = _mm256_setzero_si256();
-            for j in 0..K_SPAN_GROUPS {
-                let g = sp * K_SPAN_GROUPS + j;
-                // mn (low 16 bits, high 16 zero) against Σcodes (|Σ| < 2^15: its low 16 bits, signed).
-                m = D::madd_into(
-                    m,
-                    _mm256_set1_epi32(*sums.add(j)),
-                    byte_lanes(self.mn[g / 4], g % 4),
-                );
-            }
-            let acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(m), _mm256_mul_ps(self.neg_dmin, dx), acc);
-            _mm256_storeu_ps(out, acc);
-        }
-    }
 }
 
 /// The 8-bit activations of a call from row t0 on, in Q4_K's spans: row t0 + r's codes, scales (one per span)
@@ -698,59 +662,332 @@ impl SpanRows {
         }
     }
 
-    /// Row r's outputs after span sp of block bi (`BlockScales::end_span` with the row's scale and group sums).
+    /// Row r's outputs after span sp of block bi: out += total·(d·dx) then M·(-dmin·dx), with total = Σ sc·Σ
+    /// q·x̂ over the span's groups (exact integers in float32), M = Σ mn·Σ x̂ from the row's integer group sums
+    /// (|Σ| < 2^15: their low 16 bits, signed, against mn in the low 16 bits of each lane), dx the row's scale for
+    /// the span.
     ///
     /// # Safety
-    /// Row t0 + r and block bi exist; the caller runs with D's features.
+    /// Row t0 + r and block bi exist; the caller runs with L's features.
     #[inline(always)]
-    unsafe fn end_span<D: IntDot>(
+    unsafe fn end_span<L: KLanes>(
         &self,
-        block: &BlockScales,
-        out: &mut [f32; GROUP_ROWS],
-        total: __m256,
-        r: usize,
-        bi: usize,
-        sp: usize,
+        block: &KScales<L>,
+        out: &mut L::Out,
+        total: L::Float,
+        (r, bi, sp): (usize, usize, usize),
     ) {
         // SAFETY: the caller's contract: one scale per span and row, 8 group sums per block and row.
         unsafe {
-            let dx = *self.scales.add(r * self.spans + bi * 2 + sp);
+            let dx = L::set1_ps(*self.scales.add(r * self.spans + bi * 2 + sp));
             let sums = self
                 .code_sums
                 .add(r * self.groups + bi * 8 + sp * K_SPAN_GROUPS);
-            block.end_span::<D>(out, total, sp, dx, sums);
+            let acc = L::fmadd(total, L::mul(block.d, dx), L::load(out));
+            let mut m = L::zero_int();
+            for j in 0..K_SPAN_GROUPS {
+                m = L::madd_into(m, *sums.add(j), block.mn[sp * K_SPAN_GROUPS + j]);
+            }
+            L::store(out, L::fmadd(L::cvt(m), L::mul(block.neg_dmin, dx), acc));
         }
     }
 }
 
-/// y[0..R] (lane r: weight row r) for activation rows t0..t0 + R; returns R.
+/// A block's scales in the lanes of L, unpacked once for all activation rows: d, -dmin, and each group's sub-scale
+/// (as floats) and offset multiplier mn (in the low 16 bits of each lane).
+struct KScales<L: KLanes> {
+    d: L::Float,
+    neg_dmin: L::Float,
+    scale: [L::Float; Q4K::BLOCK / GROUP],
+    mn: [L::Int; Q4K::BLOCK / GROUP],
+}
+
+/// The vectors of a Q4_K tile, one weight row per 32-bit lane: one group's eight rows in AVX2 vectors with D's
+/// products (any `IntDot` D), or two groups' sixteen in AVX-512 vectors with VNNI's (`Zmm`, lanes 8-15 the second
+/// group's rows). The integer sums and float steps are the same lane by lane in both, so both give the plain
+/// rows' bits.
+trait KLanes: Sized {
+    type Int: Copy;
+    type Float: Copy;
+    /// One activation row's outputs, a float per lane.
+    type Out;
+    /// Groups of eight rows a call computes.
+    const GROUPS: usize;
+    #[inline(always)]
+    fn zero_int() -> Self::Int {
+        // SAFETY: a SIMD vector of integers: any bits are a value.
+        unsafe { std::mem::zeroed() }
+    }
+    #[inline(always)]
+    fn zero_float() -> Self::Float {
+        // SAFETY: a SIMD vector of floats: any bits are a value (zeros are 0.0).
+        unsafe { std::mem::zeroed() }
+    }
+    /// The scales of the blocks at `blocks` (the same block of each group).
+    unsafe fn scales(blocks: [*const u8; 2]) -> KScales<Self>;
+    /// Word w of the blocks at `blocks` as (low nibbles, high nibbles).
+    unsafe fn nibbles(blocks: [*const u8; 2], w: usize) -> [Self::Int; 2];
+    /// `sum` + the products of codes `w` with the four activation bytes `x` in every lane
+    /// (`IntDot::add_products`' running form).
+    unsafe fn add_products(sum: Self::Int, w: Self::Int, x: i32) -> Self::Int;
+    /// total + float(sum)·scale, with `sum` the running sums `sums[..chains]` added as i32 lanes.
+    unsafe fn add_scaled(
+        total: Self::Float,
+        sums: [Self::Int; 2],
+        chains: usize,
+        scale: Self::Float,
+    ) -> Self::Float;
+    /// acc + the low 16 bits of x (in every lane) times those of `mv`.
+    unsafe fn madd_into(acc: Self::Int, x: i32, mv: Self::Int) -> Self::Int;
+    unsafe fn cvt(v: Self::Int) -> Self::Float;
+    unsafe fn fmadd(a: Self::Float, b: Self::Float, c: Self::Float) -> Self::Float;
+    unsafe fn mul(a: Self::Float, b: Self::Float) -> Self::Float;
+    unsafe fn set1_ps(v: f32) -> Self::Float;
+    unsafe fn load(out: &Self::Out) -> Self::Float;
+    unsafe fn store(out: &mut Self::Out, v: Self::Float);
+}
+
+impl<D: IntDot> KLanes for D {
+    type Int = __m256i;
+    type Float = __m256;
+    type Out = [f32; GROUP_ROWS];
+    const GROUPS: usize = 1;
+
+    #[inline(always)]
+    unsafe fn scales(blocks: [*const u8; 2]) -> KScales<D> {
+        // SAFETY: the caller's block is whole and it runs with D's features.
+        unsafe {
+            let s = BlockScales::of(blocks[0]);
+            let mut scales = KScales {
+                d: s.d,
+                neg_dmin: s.neg_dmin,
+                scale: [_mm256_setzero_ps(); Q4K::BLOCK / GROUP],
+                mn: [_mm256_setzero_si256(); Q4K::BLOCK / GROUP],
+            };
+            // (A loop, not closures: a closure takes no target features, and its intrinsics would become calls.)
+            for g in 0..Q4K::BLOCK / GROUP {
+                scales.scale[g] = s.scale(g);
+                scales.mn[g] = byte_lanes(s.mn[g / 4], g % 4);
+            }
+            scales
+        }
+    }
+
+    #[inline(always)]
+    unsafe fn nibbles(blocks: [*const u8; 2], w: usize) -> [__m256i; 2] {
+        // SAFETY: the caller's word is inside its block.
+        let v = unsafe { word(blocks[0], w) };
+        let low = _mm256_set1_epi8(0x0F);
+        [
+            _mm256_and_si256(v, low),
+            _mm256_and_si256(_mm256_srli_epi16(v, 4), low),
+        ]
+    }
+
+    #[inline(always)]
+    unsafe fn add_products(sum: __m256i, w: __m256i, x: i32) -> __m256i {
+        // SAFETY: the caller runs with D's features.
+        unsafe { D::add_products(sum, w, _mm256_set1_epi32(x)) }
+    }
+
+    #[inline(always)]
+    unsafe fn add_scaled(
+        total: __m256,
+        [even, odd]: [__m256i; 2],
+        chains: usize,
+        scale: __m256,
+    ) -> __m256 {
+        // SAFETY: the caller runs with D's features.
+        let sum = unsafe {
+            if chains == 2 {
+                _mm256_add_epi32(D::widen(even), D::widen(odd))
+            } else {
+                D::widen(even)
+            }
+        };
+        _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), scale, total)
+    }
+
+    #[inline(always)]
+    unsafe fn madd_into(acc: __m256i, x: i32, mv: __m256i) -> __m256i {
+        // SAFETY: the caller runs with D's features.
+        unsafe { D::madd_into(acc, _mm256_set1_epi32(x), mv) }
+    }
+
+    #[inline(always)]
+    unsafe fn cvt(v: __m256i) -> __m256 {
+        _mm256_cvtepi32_ps(v)
+    }
+
+    #[inline(always)]
+    unsafe fn fmadd(a: __m256, b: __m256, c: __m256) -> __m256 {
+        _mm256_fmadd_ps(a, b, c)
+    }
+
+    #[inline(always)]
+    unsafe fn mul(a: __m256, b: __m256) -> __m256 {
+        _mm256_mul_ps(a, b)
+    }
+
+    #[inline(always)]
+    unsafe fn set1_ps(v: f32) -> __m256 {
+        _mm256_set1_ps(v)
+    }
+
+    #[inline(always)]
+    unsafe fn load(out: &[f32; GROUP_ROWS]) -> __m256 {
+        // SAFETY: a float per lane.
+        unsafe { _mm256_loadu_ps(out.as_ptr()) }
+    }
+
+    #[inline(always)]
+    unsafe fn store(out: &mut [f32; GROUP_ROWS], v: __m256) {
+        // SAFETY: a float per lane.
+        unsafe { _mm256_storeu_ps(out.as_mut_ptr(), v) }
+    }
+}
+
+impl KLanes for Zmm {
+    type Int = __m512i;
+    type Float = __m512;
+    type Out = [f32; WIDE_ROWS];
+    const GROUPS: usize = 2;
+
+    #[inline(always)]
+    unsafe fn scales(blocks: [*const u8; 2]) -> KScales<Zmm> {
+        // SAFETY: the caller's blocks are whole and it runs with AVX-512 VNNI's features.
+        unsafe {
+            let (first, second) = (BlockScales::of(blocks[0]), BlockScales::of(blocks[1]));
+            let mut scales = KScales {
+                d: join_ps(first.d, second.d),
+                neg_dmin: join_ps(first.neg_dmin, second.neg_dmin),
+                scale: [_mm512_setzero_ps(); Q4K::BLOCK / GROUP],
+                mn: [_mm512_setzero_si512(); Q4K::BLOCK / GROUP],
+            };
+            // (A loop, not closures, as for eight rows.)
+            for g in 0..Q4K::BLOCK / GROUP {
+                scales.scale[g] = join_ps(first.scale(g), second.scale(g));
+                let (low, high) = (
+                    byte_lanes(first.mn[g / 4], g % 4),
+                    byte_lanes(second.mn[g / 4], g % 4),
+                );
+                scales.mn[g] = join_si(low, high);
+            }
+            scales
+        }
+    }
+
+    #[inline(always)]
+    unsafe fn nibbles(blocks: [*const u8; 2], w: usize) -> [__m512i; 2] {
+        // SAFETY: the caller's words are inside their blocks, and it runs with AVX-512 F and BW.
+        unsafe {
+            let v = join_si(word(blocks[0], w), word(blocks[1], w));
+            let low = _mm512_set1_epi8(0x0F);
+            [
+                _mm512_and_si512(v, low),
+                _mm512_and_si512(_mm512_srli_epi16(v, 4), low),
+            ]
+        }
+    }
+
+    #[inline(always)]
+    unsafe fn add_products(sum: __m512i, w: __m512i, x: i32) -> __m512i {
+        // SAFETY: the caller runs with AVX-512 VNNI.
+        unsafe { _mm512_dpbusd_epi32(sum, w, _mm512_set1_epi32(x)) }
+    }
+
+    #[inline(always)]
+    unsafe fn add_scaled(
+        total: __m512,
+        [even, odd]: [__m512i; 2],
+        chains: usize,
+        scale: __m512,
+    ) -> __m512 {
+        // SAFETY: the caller runs with AVX-512 F.
+        unsafe {
+            let sum = if chains == 2 {
+                _mm512_add_epi32(even, odd)
+            } else {
+                even
+            };
+            _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), scale, total)
+        }
+    }
+
+    #[inline(always)]
+    unsafe fn madd_into(acc: __m512i, x: i32, mv: __m512i) -> __m512i {
+        // SAFETY: the caller runs with AVX-512 VNNI.
+        unsafe { _mm512_dpwssd_epi32(acc, _mm512_set1_epi32(x), mv) }
+    }
+
+    #[inline(always)]
+    unsafe fn cvt(v: __m512i) -> __m512 {
+        // SAFETY: the caller runs with AVX-512 F.
+        unsafe { _mm512_cvtepi32_ps(v) }
+    }
+
+    #[inline(always)]
+    unsafe fn fmadd(a: __m512, b: __m512, c: __m512) -> __m512 {
+        // SAFETY: the caller runs with AVX-512 F.
+        unsafe { _mm512_fmadd_ps(a, b, c) }
+    }
+
+    #[inline(always)]
+    unsafe fn mul(a: __m512, b: __m512) -> __m512 {
+        // SAFETY: the caller runs with AVX-512 F.
+        unsafe { _mm512_mul_ps(a, b) }
+    }
+
+    #[inline(always)]
+    unsafe fn set1_ps(v: f32) -> __m512 {
+        // SAFETY: the caller runs with AVX-512 F.
+        unsafe { _mm512_set1_ps(v) }
+    }
+
+    #[inline(always)]
+    unsafe fn load(out: &[f32; WIDE_ROWS]) -> __m512 {
+        // SAFETY: a float per lane; the caller runs with AVX-512 F.
+        unsafe { _mm512_loadu_ps(out.as_ptr()) }
+    }
+
+    #[inline(always)]
+    unsafe fn store(out: &mut [f32; WIDE_ROWS], v: __m512) {
+        // SAFETY: a float per lane; the caller runs with AVX-512 F.
+        unsafe { _mm512_storeu_ps(out.as_mut_ptr(), v) }
+    }
+}
+
+/// y[0..R] (a float per lane of L: its weight rows) for activation rows t0..t0 + R; returns R.
 ///
 /// # Safety
-/// `base` must point at one whole group of `a.k / 256` blocks; t0 + R <= a.t; the caller runs with D's features.
+/// `bases` must point at whole groups of `a.k / 256` blocks (`pair_bases`); t0 + R <= a.t; the caller runs with
+/// L's features.
 #[inline(always)]
-unsafe fn k_tile<D: IntDot, const R: usize>(
+unsafe fn k_tile<L: KLanes, const R: usize>(
     a: &Activations,
-    base: *const u8,
+    bases: [*const u8; 2],
     t0: usize,
-    y: &mut [[f32; GROUP_ROWS]],
+    y: &mut [L::Out],
 ) -> usize {
     // SAFETY: t0 + R <= t.
     let rows = unsafe { SpanRows::from(a, t0) };
     let (codes, gs) = (rows.codes, a.k / GROUP);
-    let low = _mm256_set1_epi8(0x0F);
     // Each row's accumulator lives in y (touched twice a span), leaving the registers to the span's sums.
     for out in y[..R].iter_mut() {
-        *out = [0.0; GROUP_ROWS];
+        // SAFETY: the caller runs with L's features.
+        unsafe { L::store(out, L::zero_float()) };
     }
     for bi in 0..a.k / Q4K::BLOCK {
-        // SAFETY: block bi of the group is inside it (the caller's contract).
-        let block = unsafe { base.add(bi * K_GROUP_BLOCK) };
-        prefetch(block.wrapping_add(ROW_PREFETCH), K_GROUP_BLOCK);
-        // SAFETY: the block's words 0-3; the caller runs with AVX2.
-        let scales_of_block = unsafe { BlockScales::of(block) };
+        // SAFETY: block bi of each group is inside it (the caller's contract).
+        let blocks = bases.map(|base| unsafe { base.add(bi * K_GROUP_BLOCK) });
+        for block in &blocks[..L::GROUPS] {
+            prefetch(block.wrapping_add(ROW_PREFETCH), K_GROUP_BLOCK);
+        }
+        // SAFETY: the blocks' words 0-3; the caller runs with L's features.
+        let scales_of_block = unsafe { L::scales(blocks) };
         for sp in 0..Q4K::BLOCK / Q4K::SPAN {
             // Σ sc·Σ q·x̂ over the span's groups, per row: exact integers in float32.
-            let mut totals = [_mm256_setzero_ps(); R];
+            let mut totals = [L::zero_float(); R];
             // Two groups at a time, g = 2h and 2h + 1: the low and high nibbles of code words 4 + 8h + c
             // (c = 0..8), each word met by the R activation rows in turn: 2R independent running sums, which the
             // CPU overlaps (a row's eight products depend on each other). One group at a time ran at 0.7x: LLVM
@@ -760,14 +997,10 @@ unsafe fn k_tile<D: IntDot, const R: usize>(
                 // With few rows, each row's eight products go into two chains (even and odd c), so that the
                 // latency of one chain of eight does not bound the group.
                 let chains = if R < 4 { 2 } else { 1 };
-                let mut sums = [[[_mm256_setzero_si256(); 2]; R]; 2];
+                let mut sums = [[[L::zero_int(); 2]; R]; 2];
                 for c in 0..8 {
-                    // SAFETY: word 4 + 8h + c < 36 of the block.
-                    let v = unsafe { word(block, 4 + 8 * h + c) };
-                    let w = [
-                        _mm256_and_si256(v, low),
-                        _mm256_and_si256(_mm256_srli_epi16(v, 4), low),
-                    ];
+                    // SAFETY: word 4 + 8h + c < 36 of the blocks.
+                    let w = unsafe { L::nibbles(blocks, 4 + 8 * h + c) };
                     for r in 0..R {
                         for (half, sums) in sums.iter_mut().enumerate() {
                             // Elements 4c..4c + 4 of group 2h + half of activation row t0 + r, in every lane.
@@ -778,31 +1011,23 @@ unsafe fn k_tile<D: IntDot, const R: usize>(
                                     .cast::<i32>()
                                     .read_unaligned()
                             };
-                            // SAFETY: the caller runs with D's features.
+                            // SAFETY: the caller runs with L's features.
                             let sum = &mut sums[r][c % chains];
-                            *sum = unsafe { D::add_products(*sum, w[half], _mm256_set1_epi32(x)) };
+                            *sum = unsafe { L::add_products(*sum, w[half], x) };
                         }
                     }
                 }
                 for (half, sums) in sums.into_iter().enumerate() {
-                    // SAFETY: the caller runs with D's features, which include AVX2.
-                    let scale = unsafe { scales_of_block.scale(2 * h + half) };
-                    for ([even, odd], total) in sums.into_iter().zip(&mut totals) {
-                        // SAFETY: the caller runs with D's features.
-                        let sum = unsafe {
-                            if chains == 2 {
-                                _mm256_add_epi32(D::widen(even), D::widen(odd))
-                            } else {
-                                D::widen(even)
-                            }
-                        };
-                        *total = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), scale, *total);
+                    let scale = scales_of_block.scale[2 * h + half];
+                    for (sums, total) in sums.into_iter().zip(&mut totals) {
+                        // SAFETY: the caller runs with L's features.
+                        *total = unsafe { L::add_scaled(*total, sums, chains, scale) };
                     }
                 }
             }
             for (r, total) in totals.into_iter().enumerate() {
-                // SAFETY: r < R; the caller runs with D's features.
-                unsafe { rows.end_span::<D>(&scales_of_block, &mut y[r], total, r, bi, sp) };
+                // SAFETY: r < R; the caller runs with L's features.
+                unsafe { rows.end_span::<L>(&scales_of_block, &mut y[r], total, (r, bi, sp)) };
             }
         }
     }
@@ -837,10 +1062,10 @@ impl<D: IntDot> KGroups<GROUP_ROWS> for D {
     }
 }
 
-/// Two groups of eight rows with AMX's products (`k_wide_rows`).
-struct Tiles;
+/// Two groups of eight rows at once (`k_wide_rows`).
+struct TwoGroups;
 
-impl KGroups<WIDE_ROWS> for Tiles {
+impl KGroups<WIDE_ROWS> for TwoGroups {
     #[inline(always)]
     unsafe fn groups(
         a: &Activations,
@@ -848,17 +1073,19 @@ impl KGroups<WIDE_ROWS> for Tiles {
         row_bytes: usize,
         y: &mut [[f32; WIDE_ROWS]; MAX_T],
     ) {
-        // SAFETY: the caller's contract (AVX-512 VNNI's features on a CPU with AMX).
+        // SAFETY: the caller's contract (AVX-512 VNNI's features).
         unsafe { k_wide_rows(a, groups, row_bytes, y) }
     }
 }
 
-/// Up to two interleaved groups of Q4_K rows (`groups`: 8 or 16 rows): passes of Q4K_TILE_MIN_ROWS or more
-/// activation rows take AMX tiles, both groups at once (`k_tile_amx`, up to 2 · PAIR_TOKENS activation rows a
-/// tile pass), fewer run each group as `k_rows` with VNNI's products. The same bits either way.
+/// Up to two interleaved groups of Q4_K rows (`groups`: 8 or 16 rows; `pair_bases`: a lone group is computed
+/// twice), both at once: with AMX's products (where `matmul` laid out the activations for the tiles,
+/// `Q8Rows::pairs`) passes of Q4K_TILE_MIN_ROWS or more activation rows take AMX tiles (`k_tile_amx`, up to 2 ·
+/// PAIR_TOKENS activation rows a tile pass), other passes AVX-512 vectors (`k_tile` with `Zmm`). The same bits
+/// either way.
 ///
 /// # Safety
-/// As `k_rows`, for each group, with AVX-512 VNNI's features on a CPU with AMX (`amx::available()`).
+/// As `k_rows`, for each group, with AVX-512 VNNI's features (on a CPU with AMX where the tiles are taken).
 #[inline(always)]
 unsafe fn k_wide_rows(
     a: &Activations,
@@ -869,14 +1096,8 @@ unsafe fn k_wide_rows(
     debug_assert!(row_bytes == a.k / Q4K::BLOCK * Q4K::BYTES);
     let bases = pair_bases(groups, row_bytes);
     if a.t < Q4K_TILE_MIN_ROWS || a.q8_for(Q4K::SPAN).pairs.is_empty() {
-        let mut lanes = [[0f32; GROUP_ROWS]; MAX_T];
-        for (g, group) in groups.chunks_exact(GROUP_ROWS * row_bytes).enumerate() {
-            // SAFETY: the caller's contract.
-            unsafe { k_rows::<Vnni>(a, group, row_bytes, &mut lanes) };
-            for (y, lanes) in y.iter_mut().zip(&lanes[..a.t]) {
-                y[GROUP_ROWS * g..][..GROUP_ROWS].copy_from_slice(lanes);
-            }
-        }
+        // The tiles' contract: `bases` point at whole groups.
+        in_tiles!(a.t, y, |t0, out| k_tile::<Zmm>(a, bases, t0, out));
         return;
     }
     for t0 in (0..a.t).step_by(2 * PAIR_TOKENS) {
