@@ -263,12 +263,14 @@ fn dequantize(
 /// Attention of T new tokens over one layer's KV cache (`rust/kernels/attention.rs`): rotates the queries and keys
 /// of qkv [T, (Hq + 2 Hkv) hd] in place with cos, sin [T, rope_dim / 2], writes keys and values at positions
 /// start.. of cache_k, cache_v [Hkv, capacity, hd], and puts softmax(q·kᵀ / sqrt(hd)) · v in out [T, Hq hd].
-/// mask: [T, start + T] uint8 (nonzero: may attend), or None (all positions). The caches hold `kv_dtype`
+/// mask: [T, start + T] uint8 (nonzero: may attend), or None (all positions). parents: the new tokens' token tree
+/// (a list of T ints: -1 for the root, then each token's parent, an earlier one), or None (a sequence): each token
+/// then gets the bits a one-token step at its position after its branch gets. The caches hold `kv_dtype`
 /// (`float32`, `float16`, or `bfloat16` as int16 bits), the rest float32. qkv, the caches and out must share no
 /// memory; each refusal names the buffer.
 #[pyfunction]
 #[pyo3(signature = (qkv, cache_k, cache_v, capacity, start, cos, sin, mask, out, *, n_heads, n_kv_heads, head_dim,
-                    rope_dim, neox, kv_dtype = "float32"))]
+                    rope_dim, neox, kv_dtype = "float32", parents = None))]
 #[allow(clippy::too_many_arguments)]
 fn attend(
     py: Python<'_>,
@@ -287,6 +289,7 @@ fn attend(
     rope_dim: usize,
     neox: bool,
     kv_dtype: &str,
+    parents: Option<Vec<i64>>,
 ) -> PyResult<()> {
     let qkv = Lent::<f32>::typed(qkv, "qkv", Access::Write)?;
     let cache_k = LentCache::lend(cache_k, "cache_k", kv_dtype)?;
@@ -325,7 +328,17 @@ fn attend(
             )
         };
         kernels::attend(
-            qkv, &mut k, &mut v, capacity, start, cos, sin, mask, out, shape,
+            qkv,
+            &mut k,
+            &mut v,
+            capacity,
+            start,
+            cos,
+            sin,
+            mask,
+            parents.as_deref(),
+            out,
+            shape,
         )
     })?;
     Ok(())
@@ -338,9 +351,9 @@ fn attend(
 /// h += Wdown · ffn_sub_norm(act(Wgate · x) · (Wup · x)), x = rms_norm(h); the sub-norms are optional (BitNet's),
 /// `gate` names act (`silu` or `relu2`). layers: (attn_norm, qkv, qkv_bias, wo, ffn_norm, gate_up, down,
 /// attn_sub_norm, ffn_sub_norm) per block, matrices as in `quantized_matmul`. sequences: (cache_k, cache_v,
-/// capacity, start, cos, sin, mask or None, rows) each, in row order: the next `rows` rows of h, whose caches
-/// [L, Hkv, capacity, hd] hold every block's, block i's the i-th (one block: [Hkv, capacity, hd]); the rotation,
-/// mask and `kv_dtype` (every sequence's) as in `attend`. h and the caches are written and must share no memory
+/// capacity, start, cos, sin, mask or None, parents or None, rows) each, in row order: the next `rows` rows of h,
+/// whose caches [L, Hkv, capacity, hd] hold every block's, block i's the i-th (one block: [Hkv, capacity, hd]); the
+/// rotation, mask, parents and `kv_dtype` (every sequence's) as in `attend`. h and the caches are written and must share no memory
 /// with each other or any other buffer. With `gate_up` (float32 [T, 2F], written, sharing no memory either), the
 /// last block stops after its FFN's gate/up products, written there: h then holds the residual stream after its
 /// attention. With `attention_only`, the last block stops after its attention (its FFN matrices are not read).
@@ -420,6 +433,7 @@ fn decoder_stack(
                     cos: seq.cos.as_slice(),
                     sin: seq.sin.as_slice(),
                     mask: seq.mask.as_ref().map(|m| m.as_slice()),
+                    parents: seq.parents.as_deref(),
                 })
                 .collect();
             let end = match &gate_up {
@@ -532,7 +546,7 @@ impl LentLayer {
 }
 
 /// One sequence of a `decoder_stack` call as Python passes it: (cache_k, cache_v, capacity, start, cos, sin, mask or
-/// None, rows).
+/// None, parents or None, rows).
 type PySequence<'py> = (
     Bound<'py, PyAny>,
     Bound<'py, PyAny>,
@@ -541,6 +555,7 @@ type PySequence<'py> = (
     Bound<'py, PyAny>,
     Bound<'py, PyAny>,
     Option<Bound<'py, PyAny>>,
+    Option<Vec<i64>>,
     usize,
 );
 
@@ -553,11 +568,12 @@ struct LentSequence {
     cos: Lent<f32>,
     sin: Lent<f32>,
     mask: Option<Lent<u8>>,
+    parents: Option<Vec<i64>>,
     rows: usize,
 }
 
 fn lend_sequence(seq: &PySequence<'_>, kv_dtype: &str) -> PyResult<LentSequence> {
-    let (k, v, capacity, start, cos, sin, mask, rows) = seq;
+    let (k, v, capacity, start, cos, sin, mask, parents, rows) = seq;
     Ok(LentSequence {
         k: LentCache::lend(k, "cache_k", kv_dtype)?,
         v: LentCache::lend(v, "cache_v", kv_dtype)?,
@@ -569,6 +585,7 @@ fn lend_sequence(seq: &PySequence<'_>, kv_dtype: &str) -> PyResult<LentSequence>
             .as_ref()
             .map(|m| Lent::typed(m, "mask", Access::Read))
             .transpose()?,
+        parents: parents.clone(),
         rows: *rows,
     })
 }

@@ -17,6 +17,7 @@ from ntio.decoding.generation import Sampler, SamplingParams
 from ntio.decoding.speculative import (PREFERRED_LOOKUP, RETRY_PASSES, Draft, Drafters, DraftLength, DraftTree, Extra,
                                       PassCost, PromptLookup, grow, sample_chain, verify)
 from ntio.errors import NtioError, OptionError
+from ntio.kernels import ops
 from ntio.models.layers import causal_mask, token_positions, tree_depths
 
 PROMPTS = [
@@ -83,11 +84,25 @@ def test_greedy_with_the_qwen_draft_model_is_token_for_token_plain_greedy(qwen15
 
 # A token tree under the root (node 0): parents[i] is node i's parent.
 TREE = [-1, 0, 1, 2, 0, 4, 1, 6, 6, 3, 9, 5]
+# As the bench's trees are: a chain of 8 and two more choices at each of its steps, as leaves.
+LEAVES = [-1, 0, 1, 2, 3, 4, 5, 6, 7, 0, 1, 1, 0, 3, 3, 2, 2, 4, 4, 5, 5, 6, 7, 7, 6]
 
 
-def _branch(node: int) -> list[int]:
-    """The nodes from the root's child down to `node` in TREE."""
-    return [] if node == 0 else _branch(TREE[node]) + [node]
+def _branch(node: int, tree: list[int] = TREE) -> list[int]:
+    """The nodes from the root's child down to `node` in `tree`."""
+    return [] if node == 0 else _branch(tree[node], tree) + [node]
+
+
+def test_the_kernels_find_a_tree_in_its_mask():
+    """The tree a mask describes (`ops.tree_parents`), which the CPU kernels take to follow positions: a tree's
+    parents; None for a sequence, and for a mask that hides a position from a token but not from its parent."""
+    assert ops.tree_parents(causal_mask(5, len(TREE), "cpu", TREE), 5) == TREE
+    assert ops.tree_parents(causal_mask(5, len(LEAVES), "cpu", LEAVES), 5) == LEAVES
+    assert ops.tree_parents(causal_mask(5, 4, "cpu", [-1, 0, 1, 2]), 5) is None
+    assert ops.tree_parents(causal_mask(5, 4, "cpu"), 5) is None
+    skipped = causal_mask(5, len(TREE), "cpu", TREE).clone()
+    skipped[10, 5 + 3] = False  # node 3, an ancestor of node 10 (and of its parent, 9), hidden from node 10 alone
+    assert ops.tree_parents(skipped, 5) is None
 
 
 def test_tree_positions_and_mask_follow_the_ancestry():
@@ -100,22 +115,34 @@ def test_tree_positions_and_mask_follow_the_ancestry():
         causal_mask(0, 3, "cpu", [-1, 2, 0])
 
 
-def test_a_tree_pass_gives_each_node_the_logits_of_decoding_its_branch(smollm2):
-    """Each node of a 12-node tree, verified in one pass, gets bit for bit the logits that decoding the tokens of
-    its branch one at a time gives; keeping a branch leaves the K/V that decoding it writes, and the next step's
-    logits are those of the sequential run."""
+@pytest.mark.parametrize("tree, extra", [(TREE, 0), (TREE, 6), (LEAVES, 0), (LEAVES, 6)])
+def test_a_tree_pass_gives_each_node_the_logits_of_decoding_its_branch(smollm2, tree, extra):
+    """Each node of a tree, verified in one pass, gets bit for bit the logits that decoding the tokens of its
+    branch one at a time gives, whichever cache slots it and its ancestors sit in (each at root + its index, not at
+    its position). Roots at the prompt's end and `extra` tokens later."""
+    e = smollm2.engine
+    ids = smollm2.encode_prompt(PROMPTS[2], chat=True) + smollm2.encode_prompt(PROMPTS[0])[:extra]
+    tokens = smollm2.encode_prompt(" ".join(PROMPTS))[: len(tree)]
+    e.forward(torch.tensor(ids[:-1]), 0)
+    root = len(ids) - 1
+    tree_tokens = [ids[-1]] + tokens[1:]
+    rows = e.forward(torch.tensor(tree_tokens), root, all_logits=True, parents=tree)
+    assert e.kv.length == root + 1  # only the root is a valid position until a branch is kept
+    for node in range(len(tree)):
+        branch = [tree_tokens[i] for i in [0, *_branch(node, tree)]]
+        sequential = [e.forward(torch.tensor([t]), root + i) for i, t in enumerate(branch)][-1]
+        assert torch.equal(rows[node], sequential), f"node {node}"
+
+
+def test_a_kept_branch_leaves_what_decoding_it_writes(smollm2):
+    """Keeping a branch of a verified tree leaves the K/V that decoding it writes, and the next step's logits are
+    those of the sequential run."""
     e = smollm2.engine
     ids = smollm2.encode_prompt(PROMPTS[2], chat=True)
     tokens = smollm2.encode_prompt(" ".join(PROMPTS))[: len(TREE)]
     e.forward(torch.tensor(ids[:-1]), 0)
     root = len(ids) - 1
     tree_tokens = [ids[-1]] + tokens[1:]
-    rows = e.forward(torch.tensor(tree_tokens), root, all_logits=True, parents=TREE)
-    assert e.kv.length == root + 1  # only the root is a valid position until a branch is kept
-    for node in range(len(TREE)):
-        branch = [tree_tokens[i] for i in [0, *_branch(node)]]
-        sequential = [e.forward(torch.tensor([t]), root + i) for i, t in enumerate(branch)][-1]
-        assert torch.equal(rows[node], sequential), f"node {node}"
     # Keep the branch to node 10 (nodes 1, 2, 3, 9, 10: slots move) and step once more.
     kept = _branch(10)
     e.forward(torch.tensor(tree_tokens), root, all_logits=True, parents=TREE)

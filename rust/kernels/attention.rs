@@ -9,6 +9,11 @@
 //! - cache_k, cache_v [Hkv, capacity, hd], each of any `KvCache` type: new keys and values rounded to it;
 //! - cos, sin [T, R/2]: the rotation of each new position;
 //! - mask [T, L] (1: may attend), or none: every query attends to all L positions;
+//! - parents [T], or none: the new tokens are a token tree (speculative verification): row i's parent is row
+//!   parents[i] < i (-1 for row 0, the root, at slot start), and row i sits at position start + depth(i) but in
+//!   cache slot start + i. Its positions start + 1 .. start + depth(i) are then its ancestors' slots and its own,
+//!   and the arithmetic follows positions, not slots (`Visible`): a node gets the bits a one-token step at its
+//!   position gets after its branch, whichever slot it and its ancestors sit in;
 //! - out [T, Hq hd].
 //!
 //! Numerics: float32, scores scaled by 1/sqrt(hd), softmax with the row maximum subtracted (as torch's SDPA);
@@ -69,6 +74,7 @@ pub fn attend(
     cos: &[f32],
     sin: &[f32],
     mask: Option<&[u8]>,
+    parents: Option<&[i64]>,
     out: &mut [f32],
     s: AttentionShape,
 ) -> Result<(), KernelError> {
@@ -111,6 +117,10 @@ pub fn attend(
             t * end
         ));
     }
+    let visible = match parents {
+        None => None,
+        Some(parents) => Some(Visible::of_tree(parents, t, start)?),
+    };
     if out.len() != t * hq * hd {
         return mismatch(format!(
             "out has {} floats, [{t}, {}] needs {}",
@@ -132,9 +142,10 @@ pub fn attend(
         }
     }
     let (qkv, cache_k, cache_v) = (&*qkv, cache_k.rows(), cache_v.rows());
-    // Where keys or values are 16-bit, each task widens a block of them at a time into scratch of its own.
-    let scratch = match (cache_k, cache_v) {
-        (KvRows::F32(_), KvRows::F32(_)) => 0,
+    // Where keys or values are 16-bit, each task widens a block of them at a time into scratch of its own; so it
+    // assembles a block that runs from the cache into a tree row's gathered positions.
+    let scratch = match (cache_k, cache_v, &visible) {
+        (KvRows::F32(_), KvRows::F32(_), None) => 0,
         _ => BLOCK * hd,
     };
     // Tasks: (KV head, chunk of positions, part of its group of query heads). Each writes, for every new row and
@@ -163,6 +174,8 @@ pub fn attend(
         let values = cache_v.part((kv * capacity + first) * hd, n * hd);
         let mut scores = vec![0f32; heads.len() * n];
         let mut block = vec![0f32; scratch];
+        // A tree row's gathered positions of this chunk (`Visible`): keys, values and mask.
+        let mut gathered = Gathered::default();
         for ti in 0..t {
             // SAFETY: the partials of (kv, c, ti) and these heads (inside the buffer's hkv * chunks * t * group *
             // part) are this task's alone.
@@ -172,13 +185,32 @@ pub fn attend(
                     heads.len() * part,
                 )
             };
+            let row_mask = mask.map(|m| &m[ti * end..][..end]);
+            // Positions first.. of the row: the cache's slots up to `head`, then (a tree row off its first chain)
+            // its ancestors' slots and its own, gathered.
+            let (head, tail) = match &visible {
+                None => (n, 0),
+                Some(v) => v.split(ti, first, n),
+            };
+            let (tail_keys, tail_values, mask) = match &visible {
+                Some(v) if tail > 0 => {
+                    let slots = v.tail(ti, first, head, tail);
+                    let heads_mask = row_mask.map(|m| (&m[first..][..head], m));
+                    gathered.fill((cache_k, cache_v), kv * capacity, slots, hd, heads_mask);
+                    let mask = row_mask.map(|_| &gathered.mask[..]);
+                    (&gathered.keys[..], &gathered.values[..], mask)
+                }
+                _ => (&[][..], &[][..], row_mask.map(|m| &m[first..][..head])),
+            };
             let x = Chunk {
                 hd,
                 queries: &qkv[ti * width + (kv * group + heads.start) * hd..][..heads.len() * hd],
-                keys,
-                values,
-                mask: mask.map(|m| &m[ti * end + first..][..n]),
-                scores: &mut scores,
+                keys: keys.part(0, head * hd),
+                values: values.part(0, head * hd),
+                tail_keys,
+                tail_values,
+                mask,
+                scores: &mut scores[..heads.len() * (head + tail)],
                 block: &mut block,
                 out,
             };
@@ -201,15 +233,119 @@ pub fn attend(
     Ok(())
 }
 
+/// Where the rows of a token tree attend (`attend`'s parents): each row's slots of its positions start + 1 ..
+/// start + depth (its ancestors' below the root, then its own), and whether those are the slots of the same
+/// numbers (a row on the tree's first chain, rows 0, 1, 2, ... each the child of the last).
+struct Visible {
+    start: usize,
+    /// Row i's slots at paths[offsets[i]..offsets[i + 1]].
+    paths: Vec<usize>,
+    offsets: Vec<usize>,
+    in_place: Vec<bool>,
+}
+
+impl Visible {
+    fn of_tree(parents: &[i64], t: usize, start: usize) -> Result<Visible, KernelError> {
+        let bad = parents.len() != t
+            || parents[0] != -1
+            || parents[1..]
+                .iter()
+                .enumerate()
+                .any(|(i, &p)| p < 0 || p > i as i64);
+        if bad {
+            return Err(KernelError::Mismatch(format!(
+                "parents {parents:?}: T = {t} entries, -1 for row 0 and an earlier row for every other"
+            )));
+        }
+        let (mut paths, mut offsets, mut in_place) = (vec![], vec![0, 0], vec![true]);
+        for (i, &parent) in parents.iter().enumerate().skip(1) {
+            let parent = parent as usize;
+            let from = paths.len();
+            paths.extend_from_within(offsets[parent]..offsets[parent + 1]);
+            paths.push(start + i);
+            offsets.push(paths.len());
+            in_place.push(
+                paths[from..]
+                    .iter()
+                    .enumerate()
+                    .all(|(j, &slot)| slot == start + 1 + j),
+            );
+        }
+        Ok(Visible {
+            start,
+            paths,
+            offsets,
+            in_place,
+        })
+    }
+
+    /// Row ti's positions in the chunk of `n` cache slots from `first`: (head, tail), `head` of them the cache's
+    /// own slots first.., then `tail` of the row's gathered ones. A row in place takes the chunk's slots as they
+    /// are (the mask hides what is not its own).
+    fn split(&self, ti: usize, first: usize, n: usize) -> (usize, usize) {
+        if self.in_place[ti] {
+            return (n, 0);
+        }
+        let end = self.start + 1 + self.offsets[ti + 1] - self.offsets[ti]; // the row's positions: 0..end
+        let len = end.saturating_sub(first).min(n);
+        let head = (self.start + 1).saturating_sub(first).min(len);
+        (head, len - head)
+    }
+
+    /// The slots of row ti's positions first + head .. first + head + tail (`split`), all past start.
+    fn tail(&self, ti: usize, first: usize, head: usize, tail: usize) -> &[usize] {
+        &self.paths[self.offsets[ti] + first + head - self.start - 1..][..tail]
+    }
+}
+
+/// A tree row's gathered positions in one chunk (`Visible`), as float32: keys and values [positions, hd], and the
+/// mask of all the row's positions in the chunk where there is one.
+#[derive(Default)]
+struct Gathered {
+    keys: Vec<f32>,
+    values: Vec<f32>,
+    mask: Vec<u8>,
+}
+
+impl Gathered {
+    /// One KV head's (its rows from element base · hd) keys and values at `slots`, and with `mask` (the row's
+    /// mask over the chunk's first `head` slots, and over all slots) the mask of those positions then of `slots`.
+    fn fill(
+        &mut self,
+        (cache_k, cache_v): (KvRows, KvRows),
+        base: usize,
+        slots: &[usize],
+        hd: usize,
+        mask: Option<(&[u8], &[u8])>,
+    ) {
+        for (cache, dst) in [(cache_k, &mut self.keys), (cache_v, &mut self.values)] {
+            dst.resize(slots.len() * hd, 0.0);
+            for (&slot, row) in slots.iter().zip(dst.chunks_exact_mut(hd)) {
+                // SAFETY: the portable build's widening runs anywhere.
+                unsafe { widen_into::<Portable>(cache.part((base + slot) * hd, hd), row) };
+            }
+        }
+        if let Some((head, row)) = mask {
+            self.mask.clear();
+            self.mask.extend_from_slice(head);
+            self.mask.extend(slots.iter().map(|&slot| row[slot]));
+        }
+    }
+}
+
 /// One chunk of a KV head's cache [n positions] and the query heads of its group: queries [group, hd], the
-/// chunk's keys and values [n, hd], which of its positions the queries may attend (mask [n], nonzero: may; none:
-/// all); `scores` [group, n] and `block` [BLOCK, hd] (empty where keys and values are float32) are scratch; `out`
-/// [group, hd + 2] receives each head's partial softmax (see `chunk_query`).
+/// chunk's keys and values [n, hd] (the cache's own slots, then a tree row's gathered ones), which of its positions
+/// the queries may attend (mask [n], nonzero: may; none: all); `scores` [group, n] and `block` [BLOCK, hd] (empty
+/// where keys and values are float32 and none are gathered) are scratch; `out` [group, hd + 2] receives each
+/// head's partial softmax (see `chunk_query`).
 struct Chunk<'a> {
     hd: usize,
     queries: &'a [f32],
     keys: KvRows<'a>,
     values: KvRows<'a>,
+    /// Keys and values of the positions after those of `keys` and `values`, gathered (a tree row's, `Visible`).
+    tail_keys: &'a [f32],
+    tail_values: &'a [f32],
     mask: Option<&'a [u8]>,
     scores: &'a mut [f32],
     block: &'a mut [f32],
@@ -303,27 +439,48 @@ trait Products {
     }
 }
 
-/// A block of a chunk's keys or values as float32: the cache's own elements where they are float32, else widened
-/// into `scratch` (exactly, so every build reads the same floats).
+/// Positions b..b + m of a chunk's keys or values as float32 rows: `head`'s (the cache's own elements where they
+/// are float32, else widened into `scratch`, exactly, so every build reads the same floats), then `tail`'s (a tree
+/// row's gathered positions, float32 already; a block that runs from one into the other is assembled in
+/// `scratch`).
 ///
 /// # Safety
 /// The CPU has P's features.
 #[inline(always)]
-unsafe fn widened<'s, P: Products>(rows: KvRows<'s>, scratch: &'s mut [f32]) -> &'s [f32] {
+unsafe fn block_rows<'s, P: Products>(
+    (head, tail): (KvRows<'s>, &'s [f32]),
+    (b, m, hd): (usize, usize, usize),
+    scratch: &'s mut [f32],
+) -> &'s [f32] {
+    let cached = head.len() / hd;
+    if b >= cached {
+        return &tail[(b - cached) * hd..][..m * hd];
+    }
+    let own = m.min(cached - b);
+    if let (KvRows::F32(x), true) = (head, own == m) {
+        return &x[b * hd..][..m * hd];
+    }
+    let (front, back) = scratch[..m * hd].split_at_mut(own * hd);
+    // SAFETY: the caller's contract.
+    unsafe { widen_into::<P>(head.part(b * hd, own * hd), front) };
+    back.copy_from_slice(&tail[..(m - own) * hd]);
+    &scratch[..m * hd]
+}
+
+/// `rows` as float32 into `dst` (as long), exactly.
+///
+/// # Safety
+/// The CPU has P's features.
+#[inline(always)]
+unsafe fn widen_into<P: Products>(rows: KvRows, dst: &mut [f32]) {
     match rows {
-        KvRows::F32(x) => x,
-        KvRows::F16(h) => {
-            let out = &mut scratch[..h.len()];
-            // SAFETY: the caller's contract.
-            unsafe { P::widen_f16(h, out) };
-            out
-        }
+        KvRows::F32(x) => dst.copy_from_slice(x),
+        // SAFETY: the caller's contract.
+        KvRows::F16(h) => unsafe { P::widen_f16(h, dst) },
         KvRows::Bf16(h) => {
-            let out = &mut scratch[..h.len()];
-            for (o, &b) in out.iter_mut().zip(h) {
+            for (o, &b) in dst.iter_mut().zip(h) {
                 *o = bf16_value(b);
             }
-            out
         }
     }
 }
@@ -353,12 +510,22 @@ fn partial_softmax<P: Products, const V: usize>(x: Chunk) {
         queries,
         keys,
         values,
+        tail_keys,
+        tail_values,
         mask,
         scores,
         block,
         out,
     } = x;
-    let n = keys.len() / hd;
+    let n = (keys.len() + tail_keys.len()) / hd;
+    if n == 0 {
+        // A tree row whose positions end before the chunk: nothing allowed.
+        for o in out.chunks_exact_mut(hd + 2) {
+            o.fill(0.0);
+            o[hd] = f32::NEG_INFINITY;
+        }
+        return;
+    }
     let scale = 1.0 / (hd as f32).sqrt();
     // Blocks of BLOCK positions, every head's products over one block before the next, so that its keys and values
     // are read from L1 (a chunk's are 64 KB each at hd = 64, past L1) once for all the heads.
@@ -366,7 +533,7 @@ fn partial_softmax<P: Products, const V: usize>(x: Chunk) {
         let m = BLOCK.min(n - b);
         // SAFETY (both): `chunk_query` runs this build where the CPU has its features, with rows of hd = 16 V
         // floats.
-        let keys = unsafe { widened::<P>(keys.part(b * hd, m * hd), block) };
+        let keys = unsafe { block_rows::<P>((keys, tail_keys), (b, m, hd), block) };
         for (q, s) in queries.chunks_exact(hd).zip(scores.chunks_exact_mut(n)) {
             unsafe { P::scores::<V>(q, keys, &mut s[b..][..m]) };
         }
@@ -409,7 +576,7 @@ fn partial_softmax<P: Products, const V: usize>(x: Chunk) {
     for b in (0..n).step_by(BLOCK) {
         let m = BLOCK.min(n - b);
         // SAFETY: as for the keys.
-        let values = unsafe { widened::<P>(values.part(b * hd, m * hd), block) };
+        let values = unsafe { block_rows::<P>((values, tail_values), (b, m, hd), block) };
         for ((p, o), odd) in scores
             .chunks_exact(n)
             .zip(out.chunks_exact_mut(hd + 2))
@@ -855,6 +1022,8 @@ mod tests {
                         queries: &queries,
                         keys: keys.rows(),
                         values: values.rows(),
+                        tail_keys: &[],
+                        tail_values: &[],
                         mask,
                         scores: &mut scores,
                         block: &mut block,
@@ -886,6 +1055,7 @@ mod tests {
     }
 
     /// Keys or values in one of the types, converted by the half crate (independent of `halves`).
+    #[derive(Clone)]
     struct Stored {
         dtype: Dtype,
         floats: Vec<f32>,
@@ -1007,6 +1177,7 @@ mod tests {
             &cos,
             &sin,
             Some(&mask),
+            None,
             &mut out,
             s,
         )
@@ -1145,6 +1316,7 @@ mod tests {
                     &x.cos[ti * half..][..half],
                     &x.sin[ti * half..][..half],
                     Some(&mask),
+                    None,
                     &mut alone,
                     SHAPE,
                 )
@@ -1159,6 +1331,135 @@ mod tests {
                 );
             }
         }
+    }
+
+    /// A token tree's rows in one call (`parents`) each get the bits of decoding its branch one token at a time
+    /// (each step a call of its own, at its position, no mask): trees with branches off the first chain at every
+    /// depth, roots where the tree's slots cross a block of 32 and a chunk, head sizes the vector builds take and
+    /// one they do not, caches of each type. Without `parents` (the mask alone) rows off the first chain differ.
+    #[test]
+    fn a_tree_row_gets_the_bits_of_decoding_its_branch() {
+        let trees: [&[i64]; 2] = [
+            &[-1, 0, 1, 2, 0, 4, 1, 6, 6, 3, 9, 5],
+            &[
+                -1, 0, 1, 2, 3, 4, 5, 6, 7, 0, 1, 1, 0, 3, 3, 2, 2, 4, 4, 5, 5, 6, 7, 7, 6,
+            ],
+        ];
+        let depth = |parents: &[i64], mut i: usize| {
+            let mut d = 0;
+            while parents[i] >= 0 {
+                (i, d) = (parents[i] as usize, d + 1);
+            }
+            d
+        };
+        let mut differ = 0;
+        for (head_dim, start, dtype) in [
+            (64, 40, Dtype::F32),
+            (128, 250, Dtype::F16),
+            (8, 29, Dtype::Bf16),
+        ] {
+            let s = AttentionShape {
+                n_heads: 6,
+                n_kv_heads: 2,
+                head_dim,
+                rope_dim: head_dim.min(16),
+                rope: RopeKind::Neox,
+            };
+            let (hq, half) = (s.n_heads, s.rope_dim / 2);
+            let width = (hq + 2 * s.n_kv_heads) * head_dim;
+            // The rotation of position p.
+            let angles = |p: usize| (0..half).map(move |k| 0.01 * p as f32 * (k + 1) as f32);
+            for (tree, parents) in trees.iter().enumerate() {
+                let t = parents.len();
+                let capacity = start + t + 3;
+                let x = Inputs::draw(s, t, capacity, 21 + tree as u64, dtype);
+                let rotation = |rows: &mut dyn Iterator<Item = usize>| -> (Vec<f32>, Vec<f32>) {
+                    rows.flat_map(|i| angles(start + depth(parents, i)))
+                        .map(|a| (a.cos(), a.sin()))
+                        .unzip()
+                };
+                let (cos, sin) = rotation(&mut (0..t));
+                let ancestry = |i: usize, j: usize| {
+                    let mut a = i as i64;
+                    while a > j as i64 {
+                        a = parents[a as usize];
+                    }
+                    a == j as i64
+                };
+                let mask: Vec<u8> = (0..t * (start + t))
+                    .map(|e| {
+                        let (i, slot) = (e / (start + t), e % (start + t));
+                        u8::from(slot < start || ancestry(i, slot - start))
+                    })
+                    .collect();
+                let tree_pass = |with_parents: bool| {
+                    let (mut qkv, mut k, mut v) =
+                        (x.qkv.clone(), x.cache_k.clone(), x.cache_v.clone());
+                    let mut out = vec![0f32; t * hq * head_dim];
+                    let parents = with_parents.then_some(*parents);
+                    let (mut k, mut v) = (k.cache(), v.cache());
+                    attend(
+                        &mut qkv,
+                        &mut k,
+                        &mut v,
+                        capacity,
+                        start,
+                        &cos,
+                        &sin,
+                        Some(&mask),
+                        parents,
+                        &mut out,
+                        s,
+                    )
+                    .unwrap();
+                    out
+                };
+                let (with, without) = (tree_pass(true), tree_pass(false));
+                for i in 0..t {
+                    // The branch from the root to row i, one call a token, on a fresh copy of the cache.
+                    let mut branch = vec![i];
+                    while let Some(&b) = branch.last().filter(|&&b| b != 0) {
+                        branch.push(parents[b] as usize);
+                    }
+                    branch.reverse();
+                    let (mut k, mut v) = (x.cache_k.clone(), x.cache_v.clone());
+                    let mut alone = vec![0f32; hq * head_dim];
+                    for (d, &node) in branch.iter().enumerate() {
+                        let mut row = x.qkv[node * width..][..width].to_vec();
+                        let (cos, sin) = rotation(&mut std::iter::once(node));
+                        let (mut k, mut v) = (k.cache(), v.cache());
+                        attend(
+                            &mut row,
+                            &mut k,
+                            &mut v,
+                            capacity,
+                            start + d,
+                            &cos,
+                            &sin,
+                            None,
+                            None,
+                            &mut alone,
+                            s,
+                        )
+                        .unwrap();
+                    }
+                    let bits = |out: &[f32]| -> Vec<u32> {
+                        out[i * hq * head_dim..][..hq * head_dim]
+                            .iter()
+                            .map(|a| a.to_bits())
+                            .collect()
+                    };
+                    let alone: Vec<u32> = alone.iter().map(|a| a.to_bits()).collect();
+                    assert_eq!(
+                        bits(&with),
+                        alone,
+                        "tree {tree}, row {i}, hd {head_dim}, start {start}, {dtype:?}"
+                    );
+                    differ += usize::from(bits(&without) != alone);
+                }
+            }
+        }
+        assert!(differ > 0, "the mask alone gave every row its bits too");
     }
 
     /// How the tasks fall to threads changes nothing: one thread and three give the same bits, over a cache of
@@ -1201,8 +1502,10 @@ mod tests {
         let mut qkv = vec![0f32; 16];
         let mut out = vec![0f32; 8];
         let c = [1f32, 1.0];
-        assert!(attend(&mut qkv, &mut k, &mut v, 4, 3, &c, &c, None, &mut out, s).is_ok());
-        let bad = attend(&mut qkv, &mut k, &mut v, 4, 4, &c, &c, None, &mut out, s); // past capacity
+        assert!(attend(&mut qkv, &mut k, &mut v, 4, 3, &c, &c, None, None, &mut out, s).is_ok());
+        let bad = attend(
+            &mut qkv, &mut k, &mut v, 4, 4, &c, &c, None, None, &mut out, s,
+        ); // past capacity
         assert!(matches!(bad, Err(KernelError::Mismatch(_))));
         let bad = attend(
             &mut qkv,
@@ -1213,9 +1516,33 @@ mod tests {
             &c,
             &c,
             Some(&[1, 1]),
+            None,
             &mut out,
             s,
         ); // mask [1, 1]
         assert!(matches!(bad, Err(KernelError::Mismatch(_))));
+        // One new row: its parents must be [-1]; two rows' can be [-1, 0] only.
+        for parents in [&[0][..], &[-1, -1], &[-1, 1], &[-1]] {
+            let two = parents.len() == 2;
+            let (mut qkv, mut out) = (
+                vec![0f32; 16 * (1 + usize::from(two))],
+                vec![0f32; 8 * (1 + usize::from(two))],
+            );
+            let c = vec![1f32; 2 * (1 + usize::from(two))];
+            let got = attend(
+                &mut qkv,
+                &mut k,
+                &mut v,
+                4,
+                2,
+                &c,
+                &c,
+                None,
+                Some(parents),
+                &mut out,
+                s,
+            );
+            assert_eq!(got.is_ok(), parents == [-1], "{parents:?}");
+        }
     }
 }

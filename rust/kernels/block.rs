@@ -58,6 +58,7 @@ pub struct BlockCache<'a> {
     pub cos: &'a [f32],
     pub sin: &'a [f32],
     pub mask: Option<&'a [u8]>,
+    pub parents: Option<&'a [i64]>,
 }
 
 /// Where a block stops (`decoder_stack`'s last one).
@@ -132,6 +133,7 @@ fn decoder_block<'a>(
             cache.cos,
             cache.sin,
             cache.mask,
+            cache.parents,
             attn_seq,
             a,
         )?;
@@ -214,6 +216,7 @@ pub fn decoder_stack(
                     cos: c.cos,
                     sin: c.sin,
                     mask: c.mask,
+                    parents: c.parents,
                 }
             })
             .collect();

@@ -403,8 +403,36 @@ def cached_attention(qkv: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
     _core.attend(qkv.numpy(), _cache_array(k_cache), _cache_array(v_cache), k_cache.shape[1], start_pos,
                  cos.contiguous().numpy(), sin.contiguous().numpy(), mask_u8, out.numpy(), n_heads=n_heads,
                  n_kv_heads=n_kv_heads, head_dim=hd, rope_dim=2 * cos.shape[-1], neox=neox,
-                 kv_dtype=_KERNEL_KV_DTYPES[k_cache.dtype])
+                 kv_dtype=_KERNEL_KV_DTYPES[k_cache.dtype], parents=tree_parents(mask, start_pos))
     return out
+
+
+def tree_parents(mask: torch.Tensor | None, start_pos: int) -> list[int] | None:
+    """The token tree that a mask [T, start_pos + T] of new tokens describes (`layers.causal_mask` with parents):
+    each token's parent, the last earlier new token it attends (-1 for the root). None where the new tokens are a
+    sequence (each attends every earlier one), or where the mask is no tree's (a position hidden from a token but
+    not from its parent: a skipped layer's).
+
+    The kernels then give each tree token the bits that decoding its branch one token at a time gives: its keys and
+    values sit in slot start_pos + i, not at its position, and the kernels' sums follow positions
+    (`rust/kernels/attention.rs`). A token's parent hidden from it alone (its layer skipped, adaptive depth) reads
+    as no ancestor: that token then attends what it should, but its sums count one position fewer than decoding's
+    and round differently."""
+    if mask is None or mask.shape[0] < 2:
+        return None
+    region = mask[:, start_pos:]  # [T, T]
+    n = region.shape[0]
+    order = torch.arange(n, device=mask.device)
+    earlier = region & (order[None, :] < order[:, None])
+    if torch.equal(earlier, order[None, :] < order[:, None]):
+        return None  # a sequence
+    parents = torch.where(earlier, order[None, :], -1).amax(dim=1)
+    own = region[order, order]
+    inherited = torch.cat((region[:1], region[parents[1:]]))  # row 0: its own row (it has no parent)
+    inherited[order, order] = True
+    if parents[0] != -1 or not bool(own.all()) or not torch.equal(region, inherited):
+        return None
+    return parents.tolist()
 
 
 def uses_cpu_block(h: torch.Tensor, k_cache: torch.Tensor) -> bool:
@@ -442,7 +470,8 @@ def decoder_stack(h: torch.Tensor, layers: list[_core.Layer], sequences: Sequenc
     out = h.clone(memory_format=torch.contiguous_format)
     caches = [(_cache_array(s.k_cache), _cache_array(s.v_cache), s.k_cache.shape[-2], s.start_pos,
                s.rope[0].contiguous().numpy(), s.rope[1].contiguous().numpy(),
-               None if s.mask is None else s.mask.contiguous().view(torch.uint8).numpy(), s.rows.stop - s.rows.start)
+               None if s.mask is None else s.mask.contiguous().view(torch.uint8).numpy(),
+               tree_parents(s.mask, s.start_pos), s.rows.stop - s.rows.start)
               for s in sequences]
     _core.decoder_stack(out.numpy(), h.shape[1], layers, caches, eps=eps, n_heads=n_heads, n_kv_heads=n_kv_heads,
                         head_dim=hd, rope_dim=2 * sequences[0].rope[0].shape[-1], neox=neox, gate=gate,
