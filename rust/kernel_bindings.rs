@@ -353,10 +353,11 @@ fn attend(
 /// attn_sub_norm, ffn_sub_norm) per block, matrices as in `quantized_matmul`. sequences: (cache_k, cache_v,
 /// capacity, start, cos, sin, mask or None, parents or None, rows) each, in row order: the next `rows` rows of h,
 /// whose caches [L, Hkv, capacity, hd] hold every block's, block i's the i-th (one block: [Hkv, capacity, hd]); the
-/// rotation, mask, parents and `kv_dtype` (every sequence's) as in `attend`. h and the caches are written and must share no memory
-/// with each other or any other buffer. With `gate_up` (float32 [T, 2F], written, sharing no memory either), the
-/// last block stops after its FFN's gate/up products, written there: h then holds the residual stream after its
-/// attention. With `attention_only`, the last block stops after its attention (its FFN matrices are not read).
+/// rotation, mask, parents and `kv_dtype` (every sequence's) as in `attend`. h and the caches are written and must
+/// share no memory with each other or any other buffer. With `gate_up` (float32 [T, 2F], written, sharing no memory
+/// either), the last block stops after its FFN's gate/up products, written there: h then holds the residual stream
+/// after its attention. With `attention_only`, the last block stops after its attention (its FFN matrices are not
+/// read).
 #[pyfunction]
 #[pyo3(signature = (h, d, layers, sequences, *, eps, n_heads, n_kv_heads, head_dim, rope_dim, neox, gate = "silu",
                     isa = "best", int8 = true, gate_up = None, attention_only = false, kv_dtype = "float32"))]
