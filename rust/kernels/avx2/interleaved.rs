@@ -118,16 +118,15 @@ fn pair_bases(groups: &[u8], row_bytes: usize) -> [*const u8; 2] {
     ]
 }
 
-/// The vectors of a Q4_1 tile, one weight row per 32-bit lane: one group's eight rows in AVX2 vectors with D's
-/// products (any `IntDot` D), or two groups' sixteen in AVX-512 vectors with VNNI's (`Zmm`, lanes 8-15 the
-/// second group's rows). The float steps are the same operations lane by lane in both, so both give the plain
-/// rows' bits.
-trait Q4_1Lanes {
-    /// A running sum of byte products, in `IntDot::add_products`' form.
+/// The vectors of the kernels that keep one weight row per 32-bit lane (Q4_1's and Q4_K's interleaved rows, Q6_K's
+/// decoded ones): one group's eight rows in AVX2 vectors with D's products (any `IntDot` D), or two groups' sixteen
+/// in AVX-512 vectors with VNNI's (`Zmm`, lanes 8-15 the second group's rows). Each kernel's steps are the same
+/// operations lane by lane in both, so both give the plain rows' bits.
+pub(super) trait Lanes {
     type Int: Copy;
     type Float: Copy;
     /// One activation row's outputs, a float per lane.
-    type Out;
+    type Out: Default;
     /// Groups of eight rows a call computes.
     const GROUPS: usize;
     #[inline(always)]
@@ -140,6 +139,27 @@ trait Q4_1Lanes {
         // SAFETY: a SIMD vector of floats: any bits are a value (zeros are 0.0).
         unsafe { std::mem::zeroed() }
     }
+}
+
+impl<D: IntDot> Lanes for D {
+    type Int = __m256i;
+    type Float = __m256;
+    type Out = [f32; GROUP_ROWS];
+    const GROUPS: usize = 1;
+}
+
+/// Two groups of eight rows in AVX-512 vectors with AVX-512 VNNI's products (`Lanes`).
+pub(super) struct Zmm;
+
+impl Lanes for Zmm {
+    type Int = __m512i;
+    type Float = __m512;
+    type Out = [f32; WIDE_ROWS];
+    const GROUPS: usize = 2;
+}
+
+/// A Q4_1 tile's steps in the lanes of `Lanes` (its running sums of byte products in `IntDot::add_products`' form).
+trait Q4_1Lanes: Lanes {
     /// (d, m) of each lane's row: word 0 of the block at byte `at` of each group (`bases`).
     unsafe fn scales(bases: [*const u8; 2], at: usize) -> (Self::Float, Self::Float);
     /// The code word at byte `at` of each group as (low nibbles, high nibbles).
@@ -155,11 +175,6 @@ trait Q4_1Lanes {
 }
 
 impl<D: IntDot> Q4_1Lanes for D {
-    type Int = __m256i;
-    type Float = __m256;
-    type Out = [f32; GROUP_ROWS];
-    const GROUPS: usize = 1;
-
     #[inline(always)]
     unsafe fn scales(bases: [*const u8; 2], at: usize) -> (__m256, __m256) {
         // SAFETY: the caller's block is whole.
@@ -202,15 +217,7 @@ impl<D: IntDot> Q4_1Lanes for D {
     }
 }
 
-/// Two groups of eight rows in AVX-512 vectors with AVX-512 VNNI's products (`Q4_1Lanes`).
-struct Zmm;
-
 impl Q4_1Lanes for Zmm {
-    type Int = __m512i;
-    type Float = __m512;
-    type Out = [f32; WIDE_ROWS];
-    const GROUPS: usize = 2;
-
     #[inline(always)]
     unsafe fn scales(bases: [*const u8; 2], at: usize) -> (__m512, __m512) {
         // SAFETY: the caller's blocks are whole.
@@ -702,27 +709,8 @@ struct KScales<L: KLanes> {
     mn: [L::Int; Q4K::BLOCK / GROUP],
 }
 
-/// The vectors of a Q4_K tile, one weight row per 32-bit lane: one group's eight rows in AVX2 vectors with D's
-/// products (any `IntDot` D), or two groups' sixteen in AVX-512 vectors with VNNI's (`Zmm`, lanes 8-15 the second
-/// group's rows). The integer sums and float steps are the same lane by lane in both, so both give the plain
-/// rows' bits.
-trait KLanes: Sized {
-    type Int: Copy;
-    type Float: Copy;
-    /// One activation row's outputs, a float per lane.
-    type Out;
-    /// Groups of eight rows a call computes.
-    const GROUPS: usize;
-    #[inline(always)]
-    fn zero_int() -> Self::Int {
-        // SAFETY: a SIMD vector of integers: any bits are a value.
-        unsafe { std::mem::zeroed() }
-    }
-    #[inline(always)]
-    fn zero_float() -> Self::Float {
-        // SAFETY: a SIMD vector of floats: any bits are a value (zeros are 0.0).
-        unsafe { std::mem::zeroed() }
-    }
+/// A Q4_K tile's steps in the lanes of `Lanes`: the integer sums and float steps of the plain rows' kernel.
+trait KLanes: Lanes + Sized {
     /// The scales of the blocks at `blocks` (the same block of each group).
     unsafe fn scales(blocks: [*const u8; 2]) -> KScales<Self>;
     /// Word w of the blocks at `blocks` as (low nibbles, high nibbles).
@@ -748,11 +736,6 @@ trait KLanes: Sized {
 }
 
 impl<D: IntDot> KLanes for D {
-    type Int = __m256i;
-    type Float = __m256;
-    type Out = [f32; GROUP_ROWS];
-    const GROUPS: usize = 1;
-
     #[inline(always)]
     unsafe fn scales(blocks: [*const u8; 2]) -> KScales<D> {
         // SAFETY: the caller's block is whole and it runs with D's features.
@@ -848,11 +831,6 @@ impl<D: IntDot> KLanes for D {
 }
 
 impl KLanes for Zmm {
-    type Int = __m512i;
-    type Float = __m512;
-    type Out = [f32; WIDE_ROWS];
-    const GROUPS: usize = 2;
-
     #[inline(always)]
     unsafe fn scales(blocks: [*const u8; 2]) -> KScales<Zmm> {
         // SAFETY: the caller's blocks are whole and it runs with AVX-512 VNNI's features.

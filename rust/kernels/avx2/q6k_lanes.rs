@@ -17,7 +17,7 @@ use super::super::blocks::{self, Format};
 use super::super::rows::{
     in_tiles, Activations, GroupKernel, Kernel, GROUP_ROWS, MAX_T, WIDE_ROWS,
 };
-use super::interleaved::words4;
+use super::interleaved::{words4, Lanes, Zmm};
 use super::{int_entries, prefetch, AvxVnni, IntDot, Madd, Products, Vnni};
 
 type Q6K = blocks::Q6K;
@@ -281,19 +281,10 @@ unsafe fn decode<const G: usize>(
     }
 }
 
-/// The vectors of a lane kernel: one group's eight rows in AVX2 vectors with D's products (any `IntDot` D), or two
-/// groups' sixteen in AVX-512 vectors with VNNI's (`Zmm`). The same integers and float steps lane by lane in both.
-trait Q6Lanes {
-    type Int: Copy;
+/// The Q6_K lane kernel's steps in the lanes of `Lanes`: the row kernel's integers and float steps.
+trait Q6Lanes: Lanes {
     /// The decoded blocks it reads.
     type Block;
-    /// One activation row's outputs, a float per lane.
-    type Out: Default;
-    #[inline(always)]
-    fn zero() -> Self::Int {
-        // SAFETY: a SIMD vector of integers: any bits are a value.
-        unsafe { std::mem::zeroed() }
-    }
     /// Word w (`Block::codes`), sub-block s's multipliers (`scales`) or offsets (`offsets`) of `block`.
     fn word(block: &Self::Block, w: usize) -> Self::Int;
     fn scales(block: &Self::Block, s: usize) -> Self::Int;
@@ -309,9 +300,7 @@ trait Q6Lanes {
 }
 
 impl<D: IntDot> Q6Lanes for D {
-    type Int = __m256i;
     type Block = LaneBlock<1>;
-    type Out = [f32; GROUP_ROWS];
 
     #[inline(always)]
     fn word(block: &LaneBlock<1>, w: usize) -> __m256i {
@@ -364,13 +353,8 @@ impl<D: IntDot> Q6Lanes for D {
     }
 }
 
-/// Two groups of eight rows in AVX-512 vectors with AVX-512 VNNI's products (`Q6Lanes`).
-struct Zmm;
-
 impl Q6Lanes for Zmm {
-    type Int = __m512i;
     type Block = LaneBlock<2>;
-    type Out = [f32; WIDE_ROWS];
 
     #[inline(always)]
     fn word(block: &LaneBlock<2>, w: usize) -> __m512i {
@@ -455,7 +439,7 @@ unsafe fn tile<L: Q6Lanes, const R: usize>(
     let chains = if R < 4 { 2 } else { 1 };
     for (bi, block) in lanes.iter().enumerate() {
         for sp in 0..Q6K::BLOCK / Q6K::SPAN {
-            let mut sums = [[L::zero(); 2]; R];
+            let mut sums = [[L::zero_int(); 2]; R];
             for s in sp * SPAN_SUBS..(sp + 1) * SPAN_SUBS {
                 let mv = L::scales(block, s);
                 for c in 0..SUB / 4 {
