@@ -54,6 +54,7 @@ macro_rules! with_wide {
         }
     };
 }
+pub(super) use with_wide;
 
 with_wide!(
     /// The integer kernel of interleaved Q4_1 rows (8-bit activations), with `products`: a group kernel of eight
@@ -139,6 +140,11 @@ pub(super) trait Lanes {
         // SAFETY: a SIMD vector of floats: any bits are a value (zeros are 0.0).
         unsafe { std::mem::zeroed() }
     }
+    /// The interleaved code word at byte `at` of each group (`bases`) as (low nibbles, high nibbles).
+    unsafe fn nibbles(bases: [*const u8; 2], at: usize) -> (Self::Int, Self::Int);
+    /// `sum` + the products of codes `w` with the four activation bytes `x` in every lane (`IntDot::add_products`'
+    /// running form).
+    unsafe fn add_products(sum: Self::Int, w: Self::Int, x: i32) -> Self::Int;
 }
 
 impl<D: IntDot> Lanes for D {
@@ -146,40 +152,6 @@ impl<D: IntDot> Lanes for D {
     type Float = __m256;
     type Out = [f32; GROUP_ROWS];
     const GROUPS: usize = 1;
-}
-
-/// Two groups of eight rows in AVX-512 vectors with AVX-512 VNNI's products (`Lanes`).
-pub(super) struct Zmm;
-
-impl Lanes for Zmm {
-    type Int = __m512i;
-    type Float = __m512;
-    type Out = [f32; WIDE_ROWS];
-    const GROUPS: usize = 2;
-}
-
-/// A Q4_1 tile's steps in the lanes of `Lanes` (its running sums of byte products in `IntDot::add_products`' form).
-trait Q4_1Lanes: Lanes {
-    /// (d, m) of each lane's row: word 0 of the block at byte `at` of each group (`bases`).
-    unsafe fn scales(bases: [*const u8; 2], at: usize) -> (Self::Float, Self::Float);
-    /// The code word at byte `at` of each group as (low nibbles, high nibbles).
-    unsafe fn nibbles(bases: [*const u8; 2], at: usize) -> (Self::Int, Self::Int);
-    /// `sum` + the products of codes `w` with the four activation bytes `x` in every lane.
-    unsafe fn add_products(sum: Self::Int, w: Self::Int, x: i32) -> Self::Int;
-    /// acc + float(sum)·(d·dx), lane by lane.
-    unsafe fn add_scaled(acc: Self::Float, sum: Self::Int, d: Self::Float, dx: f32) -> Self::Float;
-    /// macc + m·sx, lane by lane.
-    unsafe fn add_offset(macc: Self::Float, m: Self::Float, sx: f32) -> Self::Float;
-    /// acc + macc into `out`.
-    unsafe fn store(acc: Self::Float, macc: Self::Float, out: &mut Self::Out);
-}
-
-impl<D: IntDot> Q4_1Lanes for D {
-    #[inline(always)]
-    unsafe fn scales(bases: [*const u8; 2], at: usize) -> (__m256, __m256) {
-        // SAFETY: the caller's block is whole.
-        halves8(unsafe { _mm256_loadu_si256(bases[0].add(at).cast()) })
-    }
 
     #[inline(always)]
     unsafe fn nibbles(bases: [*const u8; 2], at: usize) -> (__m256i, __m256i) {
@@ -196,6 +168,58 @@ impl<D: IntDot> Q4_1Lanes for D {
     unsafe fn add_products(sum: __m256i, w: __m256i, x: i32) -> __m256i {
         // SAFETY: the caller runs with D's features.
         unsafe { D::add_products(sum, w, _mm256_set1_epi32(x)) }
+    }
+}
+
+/// Two groups of eight rows in AVX-512 vectors with AVX-512 VNNI's products (`Lanes`).
+pub(super) struct Zmm;
+
+impl Lanes for Zmm {
+    type Int = __m512i;
+    type Float = __m512;
+    type Out = [f32; WIDE_ROWS];
+    const GROUPS: usize = 2;
+
+    #[inline(always)]
+    unsafe fn nibbles(bases: [*const u8; 2], at: usize) -> (__m512i, __m512i) {
+        // SAFETY: the caller's words are inside their blocks, and it runs with AVX-512 F and BW.
+        unsafe {
+            let word = join_si(
+                _mm256_loadu_si256(bases[0].add(at).cast()),
+                _mm256_loadu_si256(bases[1].add(at).cast()),
+            );
+            let low = _mm512_set1_epi8(0x0F);
+            (
+                _mm512_and_si512(word, low),
+                _mm512_and_si512(_mm512_srli_epi16(word, 4), low),
+            )
+        }
+    }
+
+    #[inline(always)]
+    unsafe fn add_products(sum: __m512i, w: __m512i, x: i32) -> __m512i {
+        // SAFETY: the caller runs with AVX-512 VNNI.
+        unsafe { _mm512_dpbusd_epi32(sum, w, _mm512_set1_epi32(x)) }
+    }
+}
+
+/// A Q4_1 tile's steps in the lanes of `Lanes` (its running sums of byte products in `IntDot::add_products`' form).
+trait Q4_1Lanes: Lanes {
+    /// (d, m) of each lane's row: word 0 of the block at byte `at` of each group (`bases`).
+    unsafe fn scales(bases: [*const u8; 2], at: usize) -> (Self::Float, Self::Float);
+    /// acc + float(sum)·(d·dx), lane by lane.
+    unsafe fn add_scaled(acc: Self::Float, sum: Self::Int, d: Self::Float, dx: f32) -> Self::Float;
+    /// macc + m·sx, lane by lane.
+    unsafe fn add_offset(macc: Self::Float, m: Self::Float, sx: f32) -> Self::Float;
+    /// acc + macc into `out`.
+    unsafe fn store(acc: Self::Float, macc: Self::Float, out: &mut Self::Out);
+}
+
+impl<D: IntDot> Q4_1Lanes for D {
+    #[inline(always)]
+    unsafe fn scales(bases: [*const u8; 2], at: usize) -> (__m256, __m256) {
+        // SAFETY: the caller's block is whole.
+        halves8(unsafe { _mm256_loadu_si256(bases[0].add(at).cast()) })
     }
 
     #[inline(always)]
@@ -225,28 +249,6 @@ impl Q4_1Lanes for Zmm {
         let (d1, m1) = halves8(unsafe { _mm256_loadu_si256(bases[1].add(at).cast()) });
         // SAFETY: the caller runs with AVX-512 F.
         unsafe { (join_ps(d0, d1), join_ps(m0, m1)) }
-    }
-
-    #[inline(always)]
-    unsafe fn nibbles(bases: [*const u8; 2], at: usize) -> (__m512i, __m512i) {
-        // SAFETY: the caller's words are inside their blocks, and it runs with AVX-512 F and BW.
-        unsafe {
-            let word = join_si(
-                _mm256_loadu_si256(bases[0].add(at).cast()),
-                _mm256_loadu_si256(bases[1].add(at).cast()),
-            );
-            let low = _mm512_set1_epi8(0x0F);
-            (
-                _mm512_and_si512(word, low),
-                _mm512_and_si512(_mm512_srli_epi16(word, 4), low),
-            )
-        }
-    }
-
-    #[inline(always)]
-    unsafe fn add_products(sum: __m512i, w: __m512i, x: i32) -> __m512i {
-        // SAFETY: the caller runs with AVX-512 VNNI.
-        unsafe { _mm512_dpbusd_epi32(sum, w, _mm512_set1_epi32(x)) }
     }
 
     #[inline(always)]
@@ -713,11 +715,6 @@ struct KScales<L: KLanes> {
 trait KLanes: Lanes + Sized {
     /// The scales of the blocks at `blocks` (the same block of each group).
     unsafe fn scales(blocks: [*const u8; 2]) -> KScales<Self>;
-    /// Word w of the blocks at `blocks` as (low nibbles, high nibbles).
-    unsafe fn nibbles(blocks: [*const u8; 2], w: usize) -> [Self::Int; 2];
-    /// `sum` + the products of codes `w` with the four activation bytes `x` in every lane
-    /// (`IntDot::add_products`' running form).
-    unsafe fn add_products(sum: Self::Int, w: Self::Int, x: i32) -> Self::Int;
     /// total + float(sum)·scale, with `sum` the running sums `sums[..chains]` added as i32 lanes.
     unsafe fn add_scaled(
         total: Self::Float,
@@ -754,23 +751,6 @@ impl<D: IntDot> KLanes for D {
             }
             scales
         }
-    }
-
-    #[inline(always)]
-    unsafe fn nibbles(blocks: [*const u8; 2], w: usize) -> [__m256i; 2] {
-        // SAFETY: the caller's word is inside its block.
-        let v = unsafe { word(blocks[0], w) };
-        let low = _mm256_set1_epi8(0x0F);
-        [
-            _mm256_and_si256(v, low),
-            _mm256_and_si256(_mm256_srli_epi16(v, 4), low),
-        ]
-    }
-
-    #[inline(always)]
-    unsafe fn add_products(sum: __m256i, w: __m256i, x: i32) -> __m256i {
-        // SAFETY: the caller runs with D's features.
-        unsafe { D::add_products(sum, w, _mm256_set1_epi32(x)) }
     }
 
     #[inline(always)]
@@ -853,25 +833,6 @@ impl KLanes for Zmm {
             }
             scales
         }
-    }
-
-    #[inline(always)]
-    unsafe fn nibbles(blocks: [*const u8; 2], w: usize) -> [__m512i; 2] {
-        // SAFETY: the caller's words are inside their blocks, and it runs with AVX-512 F and BW.
-        unsafe {
-            let v = join_si(word(blocks[0], w), word(blocks[1], w));
-            let low = _mm512_set1_epi8(0x0F);
-            [
-                _mm512_and_si512(v, low),
-                _mm512_and_si512(_mm512_srli_epi16(v, 4), low),
-            ]
-        }
-    }
-
-    #[inline(always)]
-    unsafe fn add_products(sum: __m512i, w: __m512i, x: i32) -> __m512i {
-        // SAFETY: the caller runs with AVX-512 VNNI.
-        unsafe { _mm512_dpbusd_epi32(sum, w, _mm512_set1_epi32(x)) }
     }
 
     #[inline(always)]
@@ -978,7 +939,8 @@ unsafe fn k_tile<L: KLanes, const R: usize>(
                 let mut sums = [[[L::zero_int(); 2]; R]; 2];
                 for c in 0..8 {
                     // SAFETY: word 4 + 8h + c < 36 of the blocks.
-                    let w = unsafe { L::nibbles(blocks, 4 + 8 * h + c) };
+                    let (low, high) = unsafe { L::nibbles(blocks, 32 * (4 + 8 * h + c)) };
+                    let w = [low, high];
                     for r in 0..R {
                         for (half, sums) in sums.iter_mut().enumerate() {
                             // Elements 4c..4c + 4 of group 2h + half of activation row t0 + r, in every lane.

@@ -17,7 +17,7 @@ use super::super::blocks::{self, Format};
 use super::super::rows::{
     in_tiles, Activations, GroupKernel, Kernel, GROUP_ROWS, MAX_T, WIDE_ROWS,
 };
-use super::interleaved::{words4, Lanes, Zmm};
+use super::interleaved::{with_wide, words4, Lanes, Zmm};
 use super::{int_entries, prefetch, AvxVnni, IntDot, Madd, Products, Vnni};
 
 type Q6K = blocks::Q6K;
@@ -71,28 +71,13 @@ thread_local! {
     static WIDE_LANES: std::cell::Cell<Vec<LaneBlock<2>>> = const { std::cell::Cell::new(Vec::new()) };
 }
 
-/// The integer kernel of plain Q6_K rows (8-bit activations), with `products`: a group kernel of eight rows in
-/// lanes, or with AVX-512 VNNI's a wide one of sixteen (`wide_rows`). Passes of fewer than Q6K_LANES_MIN_ROWS
-/// activation rows, and groups of fewer than eight rows, run the row kernel (`int_row`); the same bits either way.
-/// Call only if `products.available()` (not for AMX's, whose Q6_K kernel is `tiles::tiled`).
-pub fn q6_k(products: Products) -> Kernel {
-    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
-    unsafe fn wide(
-        a: &Activations,
-        rows: &[u8],
-        row_bytes: usize,
-        y: &mut [[f32; WIDE_ROWS]; MAX_T],
-    ) {
-        // SAFETY: the caller's contract is the body's, on a CPU with AVX-512 VNNI.
-        unsafe { wide_rows(a, rows, row_bytes, y) }
-    }
-
-    if products != Products::Avx512Vnni {
-        return Kernel::Group(q6_k_lanes(products));
-    }
-    // SAFETY: `matmul` asks for products only where `Products::available` says the CPU has their features.
-    Kernel::Wide(|a, rows, row_bytes, y| unsafe { wide(a, rows, row_bytes, y) })
-}
+with_wide!(
+    /// The integer kernel of plain Q6_K rows (8-bit activations), with `products`: a group kernel of eight rows in
+    /// lanes, or with AVX-512 VNNI's a wide one of sixteen (`wide_rows`). Passes of fewer than Q6K_LANES_MIN_ROWS
+    /// activation rows, and groups of fewer than eight rows, run the row kernel (`int_row`); the same bits either
+    /// way. Call only if `products.available()` (not for AMX's, whose Q6_K kernel is `tiles::tiled`).
+    q6_k => q6_k_lanes, wide_rows, Products::Avx512Vnni
+);
 
 int_entries!(
     /// `q6_k` with vector products on one group of eight rows.
