@@ -595,14 +595,8 @@ unsafe fn int_group_rows<F: SimdFormat, D: IntDot>(
         std::array::from_fn(|j| rows[j.min(count - 1) * row_bytes..].as_ptr());
     // The eight rows are read as eight interleaved streams, which the hardware prefetchers follow poorly (the
     // rows are not in cache in a decode step): each block's iteration prefetches its share of the bytes after
-    // `rows`, where the next group's rows usually are. (A prefetch never faults, wherever it points.)
-    let ahead = Prefetch {
-        from: rows.as_ptr().wrapping_add(rows.len()),
-        per_block: rows
-            .len()
-            .div_ceil(a.k / GROUP)
-            .next_multiple_of(CACHE_LINE),
-    };
+    // `rows`, where the next group's rows usually are.
+    let ahead = Prefetch::after(rows, a.k / GROUP);
     // The tiles' contract: `ptrs` point at rows of row_bytes = k / 32 blocks.
     in_tiles!(a.t, y, |t0, out| int_group_tile::<F, D>(
         a, &ptrs, t0, out, ahead
@@ -636,18 +630,43 @@ pub(super) fn prefetch(p: *const u8, bytes: usize) {
     }
 }
 
-/// Bytes to prefetch while a group computes: `per_block` bytes from `from` per weight block.
+/// Bytes to prefetch while a call computes: `per_block` bytes from `from` per weight block of the call's rows.
 #[derive(Clone, Copy)]
-struct Prefetch {
+pub(super) struct Prefetch {
     from: *const u8,
     per_block: usize,
 }
 
 impl Prefetch {
+    /// The bytes after `rows` (a call's rows, `blocks` weight blocks long), where the next call's rows usually are
+    /// (a prefetch never faults, wherever it points): as many as `rows` has, a share per block.
+    pub(super) fn after(rows: &[u8], blocks: usize) -> Prefetch {
+        Prefetch {
+            from: rows.as_ptr_range().end,
+            per_block: rows.len().div_ceil(blocks).next_multiple_of(CACHE_LINE),
+        }
+    }
+
     /// Prefetches the share of block `bi`.
     #[target_feature(enable = "avx2,fma,f16c")]
     fn block(self, bi: usize) {
         prefetch(self.from.wrapping_add(bi * self.per_block), self.per_block);
+    }
+
+    /// Prefetches part j of `parts` (whole cache lines) of block bi's share: a kernel whose block is many steps
+    /// spreads its prefetches over them, so that a burst of them never stalls its loads.
+    #[inline(always)]
+    pub(super) fn part(self, bi: usize, j: usize, parts: usize) {
+        let lines = self.per_block / CACHE_LINE;
+        let (first, last) = (lines * j / parts, lines * (j + 1) / parts);
+        // SAFETY: a prefetch is a hint (`prefetch`); every kernel set here has AVX2.
+        unsafe {
+            prefetch(
+                self.from
+                    .wrapping_add(bi * self.per_block + first * CACHE_LINE),
+                (last - first) * CACHE_LINE,
+            )
+        };
     }
 }
 

@@ -18,7 +18,7 @@ use super::super::rows::{
     in_tiles, Activations, GroupKernel, Kernel, GROUP_ROWS, MAX_T, WIDE_ROWS,
 };
 use super::interleaved::{with_wide, words4, Lanes, Zmm};
-use super::{int_entries, prefetch, AvxVnni, IntDot, Madd, Products, Vnni};
+use super::{int_entries, AvxVnni, IntDot, Madd, Prefetch, Products, Vnni};
 
 type Q6K = blocks::Q6K;
 /// Codes per sub-block (one int8 scale each), and sub-blocks per block.
@@ -33,11 +33,11 @@ const SCALES_AT: usize = 192;
 const D_AT: usize = 208;
 
 /// Activation rows from which a pass decodes its rows into lanes; fewer run the row kernel. Decoding a call's rows
-/// costs about what the row kernel spends on a few activation rows: Qwen2.5-Coder-1.5B's kernel pass with lanes
-/// from 2 rows against the row kernel (Sapphire Rapids class VM without AMX, 2 threads, cache-cold, medians of 5)
-/// took 1.23 / 1.16 / 1.13 / 1.00 / 0.86 / 0.78 of its time at T = 2 / 3 / 4 / 6 / 8 / 16 (benches/RESULTS.md,
-/// thirty-fourth session). AMX's tiles take Q6_K from 5 rows (`tiles`), so with AMX this is never reached.
-pub const Q6K_LANES_MIN_ROWS: usize = 6;
+/// costs about what the row kernel spends on a few activation rows: Qwen2.5-Coder-1.5B's Q6_K matrices with lanes
+/// from 2 rows against the row kernel (Sapphire Rapids class VM without AMX, 2 threads, cache-cold, medians of 9)
+/// took 1.49 / 1.23 / 1.09 / 0.92 of its time at T = 2 / 3 / 4 / 5 (benches/RESULTS.md, thirty-fifth session).
+/// AMX's tiles take Q6_K from 5 rows too (`tiles`), so with AMX this is never reached.
+pub const Q6K_LANES_MIN_ROWS: usize = 5;
 
 /// One block of G groups of eight weight rows as the lane kernels read it: in each entry, 32 bytes per group, lane
 /// r of part g (bytes 4r..4r + 4) for row r of group g.
@@ -117,7 +117,8 @@ pub(super) unsafe fn lane_rows<D: IntDot>(
     // SAFETY: `rows` is one whole group; the caller runs with D's features, which include AVX2.
     unsafe { decode_groups(rows, row_bytes, &mut lanes) };
     // The tiles' contract: `lanes` holds the group's blocks.
-    in_tiles!(a.t, y, |t0, out| tile::<D>(a, &lanes, t0, out));
+    let ahead = Prefetch::after(rows, lanes.len());
+    in_tiles!(a.t, y, |t0, out| tile::<D>(a, &lanes, ahead, t0, out));
     LANES.set(lanes);
 }
 
@@ -149,7 +150,8 @@ unsafe fn wide_rows(
     // SAFETY: `rows` is two whole groups; the caller runs with AVX-512 VNNI's features.
     unsafe { decode_groups(rows, row_bytes, &mut lanes) };
     // The tiles' contract: `lanes` holds both groups' blocks.
-    in_tiles!(a.t, y, |t0, out| tile::<Zmm>(a, &lanes, t0, out));
+    let ahead = Prefetch::after(rows, lanes.len());
+    in_tiles!(a.t, y, |t0, out| tile::<Zmm>(a, &lanes, ahead, t0, out));
     WIDE_LANES.set(lanes);
 }
 
@@ -165,11 +167,7 @@ unsafe fn decode_groups<const G: usize>(
 ) {
     debug_assert!(rows.len() == G * GROUP_ROWS * row_bytes);
     lanes.resize(row_bytes / Q6K::BYTES, LaneBlock::EMPTY);
-    // The rows are 8G streams, which the hardware prefetchers follow poorly: each block decoded prefetches its
-    // share of the bytes after `rows`, where the next call's rows usually are (a prefetch never faults).
-    let (next, share) = (rows.as_ptr_range().end, G * GROUP_ROWS * Q6K::BYTES);
     for (bi, lane) in lanes.iter_mut().enumerate() {
-        prefetch(next.wrapping_add(bi * share), share);
         for g in 0..G {
             // SAFETY: block bi of group g's eight rows is inside `rows`; the caller runs with AVX2.
             unsafe {
@@ -393,7 +391,11 @@ impl Q6Lanes for Zmm {
     }
 }
 
-/// y[0..R] (a float per lane of L: its weight rows) for activation rows t0..t0 + R; returns R.
+/// y[0..R] (a float per lane of L: its weight rows) for activation rows t0..t0 + R; returns R. The first tile of
+/// a call prefetches the next call's rows (`ahead`), a sixteenth of a block's share per sub-block: the rows are 8G
+/// streams, which the hardware prefetchers follow poorly, and their bytes come while the products run, not while
+/// the next call decodes. Qwen2.5-Coder-1.5B's Q6_K matrices took 0.85 / 0.80 / 0.85 of the time they had taken at
+/// T = 6 / 8 / 16 when each block decoded prefetched its share at once (benches/RESULTS.md, thirty-fifth session).
 ///
 /// # Safety
 /// `lanes` holds the rows' a.k / 256 blocks; t0 + R <= a.t; the caller runs with L's features.
@@ -401,6 +403,7 @@ impl Q6Lanes for Zmm {
 unsafe fn tile<L: Q6Lanes, const R: usize>(
     a: &Activations,
     lanes: &[L::Block],
+    ahead: Prefetch,
     t0: usize,
     y: &mut [L::Out],
 ) -> usize {
@@ -426,6 +429,9 @@ unsafe fn tile<L: Q6Lanes, const R: usize>(
         for sp in 0..Q6K::BLOCK / Q6K::SPAN {
             let mut sums = [[L::zero_int(); 2]; R];
             for s in sp * SPAN_SUBS..(sp + 1) * SPAN_SUBS {
+                if t0 == 0 {
+                    ahead.part(bi, s, SUBS);
+                }
                 let mv = L::scales(block, s);
                 for c in 0..SUB / 4 {
                     let w = SUB / 4 * s + c;
