@@ -17,7 +17,7 @@ use super::super::blocks::{self, Format};
 use super::super::rows::{
     in_tiles, Activations, GroupKernel, Kernel, GROUP_ROWS, MAX_T, WIDE_ROWS,
 };
-use super::interleaved::{with_wide, words4, Lanes, Zmm};
+use super::interleaved::{dpwssd, with_wide, words4, Lanes, Zmm};
 use super::{int_entries, AvxVnni, IntDot, Madd, Prefetch, Products, Vnni};
 
 type Q6K = blocks::Q6K;
@@ -360,13 +360,13 @@ impl Q6Lanes for Zmm {
     #[inline(always)]
     unsafe fn scaled(sum: __m512i, w: __m512i, x: i32, mv: __m512i) -> __m512i {
         // SAFETY: the caller runs with AVX-512 BW and VNNI.
-        unsafe { _mm512_dpwssd_epi32(sum, _mm512_maddubs_epi16(w, _mm512_set1_epi32(x)), mv) }
+        unsafe { dpwssd(sum, _mm512_maddubs_epi16(w, _mm512_set1_epi32(x)), mv) }
     }
 
     #[inline(always)]
     unsafe fn offset(sum: __m512i, sx: i32, ov: __m512i) -> __m512i {
         // SAFETY: the caller runs with AVX-512 VNNI.
-        unsafe { _mm512_dpwssd_epi32(sum, _mm512_set1_epi32(sx), ov) }
+        unsafe { dpwssd(sum, _mm512_set1_epi32(sx), ov) }
     }
 
     #[inline(always)]
