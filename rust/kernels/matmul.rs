@@ -1202,7 +1202,7 @@ mod tests {
                         one.iter().all(|y| (y - exact).abs() <= 1e-6 * exact.abs()),
                         "{isa:?} {one:?} vs {exact}"
                     );
-                    for t in [5, 6, 8, 16, 33] {
+                    for t in [3, 4, 5, 6, 8, 16, 33] {
                         let all = product(t);
                         for (i, y) in all.iter().enumerate() {
                             assert_eq!(

@@ -4,8 +4,10 @@
 //!
 //! The row kernel (`int_row`) decodes a row's codes again for every tile of activation rows, and ends each span
 //! of every (weight row, activation row) pair with a reduction across lanes. Here each block of the rows is
-//! decoded once a call into scratch (`LaneBlock`): word w holds codes 4w..4w + 4 of each row, so one product meets
-//! every row's four codes with four activation bytes in every lane, and each pair's span sum stays in its lane.
+//! decoded once a call into scratch (`LaneBlock`), then met by every activation row while it is in L1: word w holds
+//! codes 4w..4w + 4 of each row, so one product meets every row's four codes with four activation bytes in every
+//! lane, and each pair's span sum stays in its lane. (Decoding a call's blocks first and then running its tiles
+//! over them took 1.08 of the time at T = 5 to 16: benches/RESULTS.md, thirty-fifth session.)
 //! That sum is the row kernel's exact integer I = Σ sc·Σ c·x̂ - 32·Σ sc·Σx̂ (stored codes c = q + 32): the 16-bit
 //! pair-sums of byte products times the sub-scales, then the offset against the activations' sixteen-element
 //! sums. Its float step is the row kernel's, tot += float(I)·(d·dx), lane by lane, so each output has the row
@@ -34,10 +36,10 @@ const D_AT: usize = 208;
 
 /// Activation rows from which a pass decodes its rows into lanes; fewer run the row kernel. Decoding a call's rows
 /// costs about what the row kernel spends on a few activation rows: Qwen2.5-Coder-1.5B's Q6_K matrices with lanes
-/// from 2 rows against the row kernel (Sapphire Rapids class VM without AMX, 2 threads, cache-cold, medians of 9)
-/// took 1.49 / 1.23 / 1.09 / 0.92 of its time at T = 2 / 3 / 4 / 5 (benches/RESULTS.md, thirty-fifth session).
-/// AMX's tiles take Q6_K from 5 rows too (`tiles`), so with AMX this is never reached.
-pub const Q6K_LANES_MIN_ROWS: usize = 5;
+/// from 2 rows against the row kernel (Sapphire Rapids class VM without AMX, 2 threads, cache-cold, medians of 15)
+/// took 1.21 / 0.99 / 0.87 of its time at T = 2 / 3 / 4 (benches/RESULTS.md, thirty-fifth session). With AMX,
+/// passes of Q6K_TILE_MIN_ROWS rows or more take its tiles instead (`tiles`).
+pub const Q6K_LANES_MIN_ROWS: usize = 4;
 
 /// One block of G groups of eight weight rows as the lane kernels read it: in each entry, 32 bytes per group, lane
 /// r of part g (bytes 4r..4r + 4) for row r of group g.
@@ -65,10 +67,10 @@ impl<const G: usize> LaneBlock<G> {
 }
 
 thread_local! {
-    /// Each kernel thread's decoded blocks of one call (2.8 KB a block and group), kept from call to call: a call
-    /// writes every block it reads.
-    static LANES: std::cell::Cell<Vec<LaneBlock<1>>> = const { std::cell::Cell::new(Vec::new()) };
-    static WIDE_LANES: std::cell::Cell<Vec<LaneBlock<2>>> = const { std::cell::Cell::new(Vec::new()) };
+    /// Each kernel thread's decoded block (2.8 KB a group), kept from call to call: a call writes every entry it
+    /// reads.
+    static LANE: std::cell::Cell<Option<Box<LaneBlock<1>>>> = const { std::cell::Cell::new(None) };
+    static WIDE_LANE: std::cell::Cell<Option<Box<LaneBlock<2>>>> = const { std::cell::Cell::new(None) };
 }
 
 with_wide!(
@@ -113,13 +115,15 @@ pub(super) unsafe fn lane_rows<D: IntDot>(
         }
         return;
     }
-    let mut lanes = LANES.take();
-    // SAFETY: `rows` is one whole group; the caller runs with D's features, which include AVX2.
-    unsafe { decode_groups(rows, row_bytes, &mut lanes) };
-    // The tiles' contract: `lanes` holds the group's blocks.
-    let ahead = Prefetch::after(rows, lanes.len());
-    in_tiles!(a.t, y, |t0, out| tile::<D>(a, &lanes, ahead, t0, out));
-    LANES.set(lanes);
+    let mut lane = LANE.take().unwrap_or_else(|| Box::new(LaneBlock::EMPTY));
+    let ahead = Prefetch::after(rows, row_bytes / Q6K::BYTES);
+    for bi in 0..row_bytes / Q6K::BYTES {
+        // SAFETY: `rows` is one whole group; the caller runs with D's features, which include AVX2.
+        unsafe { decode_block(rows, row_bytes, bi, &mut lane) };
+        // The tiles' contract: `lane` holds the group's block bi.
+        in_tiles!(a.t, y, |t0, out| tile::<D>(a, &lane, bi, ahead, t0, out));
+    }
+    LANE.set(Some(lane));
 }
 
 /// Up to two groups of plain Q6_K rows (`rows`: up to 16 rows), two whole groups at once in AVX-512 vectors
@@ -146,36 +150,38 @@ unsafe fn wide_rows(
         }
         return;
     }
-    let mut lanes = WIDE_LANES.take();
-    // SAFETY: `rows` is two whole groups; the caller runs with AVX-512 VNNI's features.
-    unsafe { decode_groups(rows, row_bytes, &mut lanes) };
-    // The tiles' contract: `lanes` holds both groups' blocks.
-    let ahead = Prefetch::after(rows, lanes.len());
-    in_tiles!(a.t, y, |t0, out| tile::<Zmm>(a, &lanes, ahead, t0, out));
-    WIDE_LANES.set(lanes);
+    let mut lane = WIDE_LANE
+        .take()
+        .unwrap_or_else(|| Box::new(LaneBlock::EMPTY));
+    let ahead = Prefetch::after(rows, row_bytes / Q6K::BYTES);
+    for bi in 0..row_bytes / Q6K::BYTES {
+        // SAFETY: `rows` is two whole groups; the caller runs with AVX-512 VNNI's features.
+        unsafe { decode_block(rows, row_bytes, bi, &mut lane) };
+        // The tiles' contract: `lane` holds both groups' block bi.
+        in_tiles!(a.t, y, |t0, out| tile::<Zmm>(a, &lane, bi, ahead, t0, out));
+    }
+    WIDE_LANE.set(Some(lane));
 }
 
-/// G whole groups of eight rows (`rows`) into `lanes`, a block an entry.
+/// Block bi of G whole groups of eight rows (`rows`) into `lane`.
 ///
 /// # Safety
-/// `rows` holds 8G rows of `row_bytes`; the caller runs with AVX2.
+/// `rows` holds 8G rows of `row_bytes`, bi < row_bytes / 210; the caller runs with AVX2.
 #[inline(always)]
-unsafe fn decode_groups<const G: usize>(
+unsafe fn decode_block<const G: usize>(
     rows: &[u8],
     row_bytes: usize,
-    lanes: &mut Vec<LaneBlock<G>>,
+    bi: usize,
+    lane: &mut LaneBlock<G>,
 ) {
     debug_assert!(rows.len() == G * GROUP_ROWS * row_bytes);
-    lanes.resize(row_bytes / Q6K::BYTES, LaneBlock::EMPTY);
-    for (bi, lane) in lanes.iter_mut().enumerate() {
-        for g in 0..G {
-            // SAFETY: block bi of group g's eight rows is inside `rows`; the caller runs with AVX2.
-            unsafe {
-                let b = rows
-                    .as_ptr()
-                    .add(g * GROUP_ROWS * row_bytes + bi * Q6K::BYTES);
-                decode(b, row_bytes, g, lane);
-            }
+    for g in 0..G {
+        // SAFETY: block bi of group g's eight rows is inside `rows`; the caller runs with AVX2.
+        unsafe {
+            let b = rows
+                .as_ptr()
+                .add(g * GROUP_ROWS * row_bytes + bi * Q6K::BYTES);
+            decode(b, row_bytes, g, lane);
         }
     }
 }
@@ -391,18 +397,20 @@ impl Q6Lanes for Zmm {
     }
 }
 
-/// y[0..R] (a float per lane of L: its weight rows) for activation rows t0..t0 + R; returns R. The first tile of
-/// a call prefetches the next call's rows (`ahead`), a sixteenth of a block's share per sub-block: the rows are 8G
-/// streams, which the hardware prefetchers follow poorly, and their bytes come while the products run, not while
-/// the next call decodes. Qwen2.5-Coder-1.5B's Q6_K matrices took 0.85 / 0.80 / 0.85 of the time they had taken at
-/// T = 6 / 8 / 16 when each block decoded prefetched its share at once (benches/RESULTS.md, thirty-fifth session).
+/// Block bi's products added into y[0..R] (a float per lane of L: its weight rows; set to zero at block 0) for
+/// activation rows t0..t0 + R; returns R. The first tile prefetches the next call's rows (`ahead`), a sixteenth of
+/// a block's share per sub-block: the rows are 8G streams, which the hardware prefetchers follow poorly, and their
+/// bytes come while the products run. Qwen2.5-Coder-1.5B's Q6_K matrices took 0.85 / 0.80 / 0.85 of the time they
+/// had taken at T = 6 / 8 / 16 when the decoding of each block prefetched its share at once (benches/RESULTS.md,
+/// thirty-fifth session).
 ///
 /// # Safety
-/// `lanes` holds the rows' a.k / 256 blocks; t0 + R <= a.t; the caller runs with L's features.
+/// `block` holds the rows' block bi; t0 + R <= a.t; the caller runs with L's features.
 #[inline(always)]
 unsafe fn tile<L: Q6Lanes, const R: usize>(
     a: &Activations,
-    lanes: &[L::Block],
+    block: &L::Block,
+    bi: usize,
     ahead: Prefetch,
     t0: usize,
     y: &mut [L::Out],
@@ -419,51 +427,51 @@ unsafe fn tile<L: Q6Lanes, const R: usize>(
         )
     };
     // Each row's accumulator lives in y (touched once a span), leaving the registers to the span's sums.
-    for out in y[..R].iter_mut() {
-        *out = L::Out::default();
+    if bi == 0 {
+        for out in y[..R].iter_mut() {
+            *out = L::Out::default();
+        }
     }
     // With few rows, each row's products go into two chains (even and odd words), so that one chain's latency
     // does not bound the span.
     let chains = if R < 4 { 2 } else { 1 };
-    for (bi, block) in lanes.iter().enumerate() {
-        for sp in 0..Q6K::BLOCK / Q6K::SPAN {
-            let mut sums = [[L::zero_int(); 2]; R];
-            for s in sp * SPAN_SUBS..(sp + 1) * SPAN_SUBS {
-                if t0 == 0 {
-                    ahead.part(bi, s, SUBS);
-                }
-                let mv = L::scales(block, s);
-                for c in 0..SUB / 4 {
-                    let w = SUB / 4 * s + c;
-                    let wv = L::word(block, w);
-                    for (r, sums) in sums.iter_mut().enumerate() {
-                        // Activation bytes 4w..4w + 4 of block bi of row t0 + r, in every lane.
-                        // SAFETY: inside row t0 + r's k codes.
-                        let x = unsafe {
-                            codes
-                                .add(r * k + bi * Q6K::BLOCK + 4 * w)
-                                .cast::<i32>()
-                                .read_unaligned()
-                        };
-                        let sum = &mut sums[c % chains];
-                        // SAFETY: the caller runs with L's features.
-                        *sum = unsafe { L::scaled(*sum, wv, x, mv) };
-                    }
+    for sp in 0..Q6K::BLOCK / Q6K::SPAN {
+        let mut sums = [[L::zero_int(); 2]; R];
+        for s in sp * SPAN_SUBS..(sp + 1) * SPAN_SUBS {
+            if t0 == 0 {
+                ahead.part(bi, s, SUBS);
+            }
+            let mv = L::scales(block, s);
+            for c in 0..SUB / 4 {
+                let w = SUB / 4 * s + c;
+                let wv = L::word(block, w);
+                for (r, sums) in sums.iter_mut().enumerate() {
+                    // Activation bytes 4w..4w + 4 of block bi of row t0 + r, in every lane.
+                    // SAFETY: inside row t0 + r's k codes.
+                    let x = unsafe {
+                        codes
+                            .add(r * k + bi * Q6K::BLOCK + 4 * w)
+                            .cast::<i32>()
+                            .read_unaligned()
+                    };
+                    let sum = &mut sums[c % chains];
+                    // SAFETY: the caller runs with L's features.
+                    *sum = unsafe { L::scaled(*sum, wv, x, mv) };
                 }
             }
-            for s in sp * SPAN_SUBS..(sp + 1) * SPAN_SUBS {
-                let ov = L::offsets(block, s);
-                for (r, [sum, _]) in sums.iter_mut().enumerate() {
-                    // SAFETY: sub-block bi · 16 + s of row t0 + r's k / 16 sums; the caller runs with L's features.
-                    *sum = unsafe { L::offset(*sum, *sub_sums.add(r * subs + bi * SUBS + s), ov) };
-                }
+        }
+        for s in sp * SPAN_SUBS..(sp + 1) * SPAN_SUBS {
+            let ov = L::offsets(block, s);
+            for (r, [sum, _]) in sums.iter_mut().enumerate() {
+                // SAFETY: sub-block bi · 16 + s of row t0 + r's k / 16 sums; the caller runs with L's features.
+                *sum = unsafe { L::offset(*sum, *sub_sums.add(r * subs + bi * SUBS + s), ov) };
             }
-            for (r, [even, odd]) in sums.into_iter().enumerate() {
-                // SAFETY: one scale per span and row; the caller runs with L's features.
-                unsafe {
-                    let i = if chains == 2 { L::add(even, odd) } else { even };
-                    L::end_span(&mut y[r], i, block, *scales.add(r * spans + bi * 2 + sp));
-                }
+        }
+        for (r, [even, odd]) in sums.into_iter().enumerate() {
+            // SAFETY: one scale per span and row; the caller runs with L's features.
+            unsafe {
+                let i = if chains == 2 { L::add(even, odd) } else { even };
+                L::end_span(&mut y[r], i, block, *scales.add(r * spans + bi * 2 + sp));
             }
         }
     }
