@@ -19,10 +19,11 @@ layers are read. `--against FILE` adds the 8-bit pass (first `--isa`) of another
 extension file, a copy of another commit's `python/ntio/_core.abi3.so` with the same Python interface (kernel type
 ids, `quantized_matmul`), loaded beside this one in the same process (`int8_against_ms`; this build's time over it,
 `int8_vs_against`): two builds side by side without a process's noise between them. Both must take the same layout
-and give equal outputs (Q4_K's changed at ad3f836, when it took the interleaved layout). Prints JSON.
+and give equal outputs (Q4_K's changed at ad3f836, when it took the interleaved layout). `--types Q6_K ...` keeps
+only the matrices of those GGUF types: one type's share of the pass. Prints JSON.
 
     python benches/cpu_kernels.py [--model NAME|PATH] [--threads 2] [--repeats 7] [--rows 1 8 16] [--isa best avx2]
-                                  [--layout resident|file] [--against OTHER_CORE.so]
+                                  [--layout resident|file] [--against OTHER_CORE.so] [--types Q6_K ...]
 """
 
 from __future__ import annotations
@@ -116,6 +117,8 @@ def main() -> None:
                          "file: as read")
     ap.add_argument("--against", type=Path,
                     help="another build's _core extension file: its 8-bit pass beside this one's")
+    ap.add_argument("--types", nargs="+", metavar="TYPE",
+                    help="only the matrices of these GGUF types (e.g. Q6_K): one type's share of the pass")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     cpu_kernels.set_threads(args.threads)
@@ -129,11 +132,15 @@ def main() -> None:
             raise SystemExit(f"--against {args.against}: its kernels take another layout of resident rows")
         against.set_kernel_threads(args.threads)
     mats = load(args.model) if args.model else build()
+    if args.types:
+        mats = [m for m in mats if m[0].name in args.types]
+        if not mats:
+            raise SystemExit(f"--types {' '.join(args.types)}: the model has no matrix of these types")
     layouts = {False: [(q, shape, raw) for (q, shape, _, _), raw in zip(mats, in_huge_pages([m[2] for m in mats]))],
                True: interleaved(mats) if args.layout == "resident" else None}
     evict = torch.zeros(128 << 20, dtype=torch.uint8)  # written before each pass: last-level caches hold <= 32 MB
     result = {"model": args.model or "synthetic SmolLM2-shaped Q4_1", "threads": args.threads, "isa": args.isa,
-              "repeats": args.repeats, "layout": args.layout, "against": args.against and str(args.against),
+              "repeats": args.repeats, "layout": args.layout, "against": args.against and str(args.against), "types": args.types,
               "matrices": len(mats),
               "encoded_mb": round(sum(m[2].numel() for m in mats) / 1e6, 1), "rows": {}}
     for t in args.rows:
@@ -188,7 +195,7 @@ def main() -> None:
         for t, row in result["rows"].items():
             row["int8_vs_t1"] = round(row["int8_ms"] / one["int8_ms"], 2)
     # sanity: the 8-bit and float32-activation passes compute nearly the same thing
-    qtype, shape, raw, _ = mats[2]
+    qtype, shape, raw, _ = mats[min(2, len(mats) - 1)]
     x = torch.randn(1, shape[1])
     want = cpu_kernels.quantized_linear(x, raw, qtype, shape, int8=False)
     result["int8_vs_float_rel_err"] = float((cpu_kernels.quantized_linear(x, raw, qtype, shape) - want).norm()
