@@ -140,8 +140,8 @@ def main() -> None:
                True: interleaved(mats) if args.layout == "resident" else None}
     evict = torch.zeros(128 << 20, dtype=torch.uint8)  # written before each pass: last-level caches hold <= 32 MB
     result = {"model": args.model or "synthetic SmolLM2-shaped Q4_1", "threads": args.threads, "isa": args.isa,
-              "repeats": args.repeats, "layout": args.layout, "against": args.against and str(args.against), "types": args.types,
-              "matrices": len(mats),
+              "repeats": args.repeats, "layout": args.layout, "against": args.against and str(args.against),
+              "types": args.types, "matrices": len(mats),
               "encoded_mb": round(sum(m[2].numel() for m in mats) / 1e6, 1), "rows": {}}
     for t in args.rows:
         xs = {k: torch.randn(t, k) for k in {s[1] for _, s, _, _ in mats}}
