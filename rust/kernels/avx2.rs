@@ -648,9 +648,9 @@ impl Prefetch {
     }
 
     /// Prefetches the share of block `bi`.
-    #[target_feature(enable = "avx2,fma,f16c")]
-    fn block(self, bi: usize) {
-        prefetch(self.from.wrapping_add(bi * self.per_block), self.per_block);
+    #[inline(always)]
+    pub(super) fn block(self, bi: usize) {
+        self.part(bi, 0, 1);
     }
 
     /// Prefetches part j of `parts` (whole cache lines) of block bi's share: a kernel whose block is many steps

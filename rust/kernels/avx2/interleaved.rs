@@ -88,7 +88,8 @@ unsafe fn rows<D: IntDot>(
 ) {
     debug_assert!(group.len() == GROUP_ROWS * row_bytes && row_bytes == a.k / GROUP * Q4_1::BYTES);
     let bases = [group.as_ptr(); 2];
-    in_tiles!(a.t, y, |t0, out| tile::<D>(a, bases, t0, out));
+    let ahead = Prefetch::after(group, a.k / GROUP);
+    in_tiles!(a.t, y, |t0, out| tile::<D>(a, bases, ahead, t0, out));
 }
 
 /// Up to two interleaved groups of rows (`groups`: 8 or 16 rows), both at once in AVX-512 vectors (`Zmm`), in
@@ -106,7 +107,8 @@ unsafe fn wide_rows(
 ) {
     debug_assert!(row_bytes == a.k / GROUP * Q4_1::BYTES);
     let bases = pair_bases(groups, row_bytes);
-    in_tiles!(a.t, y, |t0, out| tile::<Zmm>(a, bases, t0, out));
+    let ahead = Prefetch::after(groups, a.k / GROUP);
+    in_tiles!(a.t, y, |t0, out| tile::<Zmm>(a, bases, ahead, t0, out));
 }
 
 /// The first bytes of a wide call's two groups of rows (`groups`: one or two groups of eight rows of `row_bytes`):
@@ -129,8 +131,6 @@ pub(super) trait Lanes {
     type Float: Copy;
     /// One activation row's outputs, a float per lane.
     type Out: Default;
-    /// Groups of eight rows a call computes.
-    const GROUPS: usize;
     #[inline(always)]
     fn zero_int() -> Self::Int {
         // SAFETY: a SIMD vector of integers: any bits are a value.
@@ -152,7 +152,6 @@ impl<D: IntDot> Lanes for D {
     type Int = __m256i;
     type Float = __m256;
     type Out = [f32; GROUP_ROWS];
-    const GROUPS: usize = 1;
 
     #[inline(always)]
     unsafe fn nibbles(bases: [*const u8; 2], at: usize) -> (__m256i, __m256i) {
@@ -179,7 +178,6 @@ impl Lanes for Zmm {
     type Int = __m512i;
     type Float = __m512;
     type Out = [f32; WIDE_ROWS];
-    const GROUPS: usize = 2;
 
     #[inline(always)]
     unsafe fn nibbles(bases: [*const u8; 2], at: usize) -> (__m512i, __m512i) {
@@ -285,6 +283,7 @@ impl Q4_1Lanes for Zmm {
 unsafe fn tile<L: Q4_1Lanes, const R: usize>(
     a: &Activations,
     bases: [*const u8; 2],
+    ahead: Prefetch,
     t0: usize,
     y: &mut [L::Out],
 ) -> usize {
@@ -301,20 +300,16 @@ unsafe fn tile<L: Q4_1Lanes, const R: usize>(
     };
     let mut acc = [L::zero_float(); R];
     let mut macc = [L::zero_float(); R];
-    // The first tile of a call reads the next call's groups (the rows that follow these in a task) into cache as
-    // it reads its own, block for block; past a lone group or a matrix's end the hint lands on other bytes, which
-    // is harmless. Resident SmolLM2's kernel pass (Sapphire Rapids class VM, in huge pages, three alternating
+    // The first tile of a call reads the next call's groups (`ahead`: the rows that follow these in a task) into
+    // cache as it reads its own, block for block; past a matrix's end the hint lands on other bytes, which is
+    // harmless. Resident SmolLM2's kernel pass (Sapphire Rapids class VM, in huge pages, three alternating
     // processes each) ran 9.1-10.7 / 13.8-14.5 / 17.8-20.8 ms at T = 1 / 8 / 16 with it, 10.8-11.0 / 16.3-17.4 /
     // 22.1-23.1 without; with AVX2's products 9.6-9.8 / 16.8-18.4 / 29.2-32.1 against 11.2-11.7 / 20.3-21.6 /
     // 30.1-33.9. Prefetching 2 KB ahead of each group's own stream, or two calls ahead, did as well.
-    let next = bases[0].wrapping_add(L::GROUPS * gs * GROUP_BLOCK);
     for bi in 0..gs {
         let block = bi * GROUP_BLOCK;
         if t0 == 0 {
-            prefetch(
-                next.wrapping_add(L::GROUPS * block),
-                L::GROUPS * GROUP_BLOCK,
-            );
+            ahead.block(bi);
         }
         // SAFETY (both): block bi of each group is inside it (the caller's contract).
         let (d, m) = unsafe { L::scales(bases, block) };
