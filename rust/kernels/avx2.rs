@@ -11,7 +11,8 @@
 //! - integer group kernels (`int_group`, the legacy 32-element types): the same products for eight weight rows
 //!   at once, each row's integer sum in its own lane (lane j: row j) so that the float work is shared by the
 //!   eight rows: for one activation row, eight product vectors reduced across lanes; for tiles of two or more,
-//!   each block's eight rows transposed into lanes once and met by every activation row;
+//!   each block's eight rows transposed into lanes once and met by every activation row; with AVX-512 VNNI,
+//!   sixteen rows at once in 512-bit lanes (`legacy_lanes`);
 //! - in both, affine types multiply their unsigned codes directly and add m·Σx̂; so do the symmetric types stored
 //!   with an offset (Q4_0, Q5_0: c = q + 8 or 16, and m = -offset·d; Q6_K: c = q + 32, its -32·scale·Σx taken
 //!   off each span's integer sum); Q8_0 goes through the sign trick (|w| times x with w's sign), two more
@@ -36,6 +37,7 @@ use super::rows::{in_tiles, Activations, GroupKernel, Kernel, RowKernel, GROUP_R
 
 mod amx;
 mod interleaved;
+mod legacy_lanes;
 mod q6k_lanes;
 mod tiles;
 pub use interleaved::{q4_1_x8, q4_k_x8, Q4K_TILE_MIN_ROWS};
@@ -94,6 +96,13 @@ pub trait IntDot {
     unsafe fn add_products(sum: __m256i, wu: __m256i, x: __m256i) -> __m256i;
     /// A running sum of `add_products` as i32 lanes.
     unsafe fn widen(sum: __m256i) -> __m256i;
+    /// Two running sums of `add_products` as one, in the same form (which holds their products together as it
+    /// would hold them added into one sum).
+    #[inline(always)]
+    unsafe fn add_sums(a: __m256i, b: __m256i) -> __m256i {
+        // SAFETY: the caller runs with Self's features, which include AVX2's.
+        unsafe { _mm256_add_epi32(a, b) }
+    }
     /// The largest weight code whose products a running sum of `add_products` holds over a whole block (32
     /// codes against 8-bit activations), as a group tile transposed into lanes (`int_group_lanes_tile`) adds
     /// them: any byte for 32-bit sums, 4-bit codes for `Madd`'s 16-bit pair-sums (8 · 2 · 15 · 127 < 2^15).
@@ -122,6 +131,12 @@ impl IntDot for Madd {
     #[inline]
     unsafe fn widen(sum: __m256i) -> __m256i {
         _mm256_madd_epi16(sum, _mm256_set1_epi16(1))
+    }
+
+    #[target_feature(enable = "avx2,fma,f16c")]
+    #[inline]
+    unsafe fn add_sums(a: __m256i, b: __m256i) -> __m256i {
+        _mm256_add_epi16(a, b)
     }
 }
 
@@ -1114,6 +1129,9 @@ macro_rules! legacy_format {
                 $(if products == Products::Amx {
                     return Kernel::Group($tiles);
                 })?
+                if matches!(products, Products::Avx512Vnni | Products::Amx) {
+                    return legacy_lanes::wide::<$t>();
+                }
                 Kernel::Group(int_group::<$t>(products))
             }
         }
