@@ -11,8 +11,8 @@
 //! - integer group kernels (`int_group`, the legacy 32-element types): the same products for eight weight rows
 //!   at once, each row's integer sum in its own lane (lane j: row j) so that the float work is shared by the
 //!   eight rows: for one activation row, eight product vectors reduced across lanes; for tiles of two or more,
-//!   each block's eight rows transposed into lanes once and met by every activation row; with AVX-512 VNNI,
-//!   sixteen rows at once in 512-bit lanes (`legacy_lanes`);
+//!   each block's eight rows transposed into lanes once and met by every activation row (`legacy_lanes`); with
+//!   AVX-512 VNNI, sixteen rows at once in 512-bit lanes for every tile;
 //! - in both, affine types multiply their unsigned codes directly and add m·Σx̂; so do the symmetric types stored
 //!   with an offset (Q4_0, Q5_0: c = q + 8 or 16, and m = -offset·d; Q6_K: c = q + 32, its -32·scale·Σx taken
 //!   off each span's integer sum); Q8_0 goes through the sign trick (|w| times x with w's sign), two more
@@ -104,7 +104,7 @@ pub trait IntDot {
         unsafe { _mm256_add_epi32(a, b) }
     }
     /// The largest weight code whose products a running sum of `add_products` holds over a whole block (32
-    /// codes against 8-bit activations), as a group tile transposed into lanes (`int_group_lanes_tile`) adds
+    /// codes against 8-bit activations), as a group tile transposed into lanes (`legacy_lanes::tile`) adds
     /// them: any byte for 32-bit sums, 4-bit codes for `Madd`'s 16-bit pair-sums (8 · 2 · 15 · 127 < 2^15).
     const LANES_MAX_CODE: u8;
 }
@@ -686,7 +686,7 @@ impl Prefetch {
 }
 
 /// y[0..R] (lane j: weight row j) for activation rows t0..t0 + R; returns R. Tiles of two or more rows transpose
-/// each block's codes into lanes where D's sums hold F's codes (`int_group_lanes_tile`); the others reduce each
+/// each block's codes into lanes where D's sums hold F's codes (`legacy_lanes::tile`); the others reduce each
 /// row's products across lanes (`int_group_reduced_tile`), which one row alone does at less cost. Both give every
 /// row's block sum as the same exact integer and do the same float steps after it, so the choice never changes a
 /// bit.
@@ -703,133 +703,10 @@ unsafe fn int_group_tile<F: SimdFormat, D: IntDot, const R: usize>(
 ) -> usize {
     // SAFETY (both): the caller's contract.
     if F::MAX_CODE <= D::LANES_MAX_CODE && R >= 2 {
-        unsafe { int_group_lanes_tile::<F, D, R>(a, ptrs, t0, y, ahead) }
+        unsafe { legacy_lanes::tile::<F, D, R>(a, ptrs, t0, y, ahead) }
     } else {
         unsafe { int_group_reduced_tile::<F, D, R>(a, ptrs, t0, y, ahead) }
     }
-}
-
-/// `int_group_tile` with each block's eight code vectors transposed (`lanes8`) so that lane j holds weight row j's
-/// codes 4i..4i + 4 in vector i: each activation row then meets a block in eight products whose activation
-/// operand is one 4-byte word broadcast, and its row sums build up in their own lanes, with nothing reduced
-/// across lanes. The transposition (24 shuffles a block) is shared by the tile's rows; from two rows on it costs
-/// less than reducing eight vectors per row (SmolLM2's products in file layout, VNNI, 2 threads: 1.03x at T = 2,
-/// 1.47x at T = 8, 1.87x at T = 16; forced on for one row as well, 0.92-0.99x at T = 1, hence R >= 2). Signed
-/// codes (Q8_0) go in as w + 128 and 128·Σx comes off each sum.
-///
-/// # Safety
-/// As `int_group_tile`; D's running sums hold a block's products (F::MAX_CODE <= D::LANES_MAX_CODE).
-#[inline(always)]
-unsafe fn int_group_lanes_tile<F: SimdFormat, D: IntDot, const R: usize>(
-    a: &Activations,
-    ptrs: &[*const u8; GROUP_ROWS],
-    t0: usize,
-    y: &mut [[f32; GROUP_ROWS]],
-    ahead: Prefetch,
-) -> usize {
-    let q8 = a.q8_for(F::SPAN);
-    let gs = a.k / GROUP;
-    let unsigned = F::AFFINE || F::OFFSET > 0;
-    // Activation row t0 + r's codes (gs groups of 32), and its scales, sums and code sums (one per group), start
-    // r · gs groups on.
-    // SAFETY: `matmul` quantized t rows of k codes (gs of the others each) in spans of 32, and t0 + R <= t.
-    let (codes, scales, sums, code_sums) = unsafe {
-        (
-            q8.codes.as_ptr().add(t0 * a.k),
-            q8.scales.as_ptr().add(t0 * gs),
-            q8.sums.as_ptr().add(t0 * gs),
-            q8.code_sums.as_ptr().add(t0 * gs),
-        )
-    };
-    let mut acc = [_mm256_setzero_ps(); R];
-    let mut macc = [_mm256_setzero_ps(); R]; // offsets·Σx̂ (unsigned codes)
-    for bi in 0..gs {
-        ahead.block(bi);
-        let off = bi * F::BYTES;
-        // SAFETY: block bi of every row is inside it (the caller's contract).
-        let (d, m) = unsafe { legacy_scales8(ptrs, off) };
-        let m = if F::OFFSET > 0 {
-            _mm256_mul_ps(d, _mm256_set1_ps(-f32::from(F::OFFSET)))
-        } else {
-            m
-        };
-        let mut w = [_mm256_setzero_si256(); GROUP_ROWS];
-        for (j, w) in w.iter_mut().enumerate() {
-            // SAFETY: as above.
-            let row_codes = unsafe { F::group_codes(ptrs[j].add(off)) };
-            *w = if unsigned {
-                row_codes
-            } else {
-                _mm256_xor_si256(row_codes, _mm256_set1_epi8(i8::MIN))
-            };
-        }
-        let lanes = lanes8(w);
-        let mut int_sums = [_mm256_setzero_si256(); R];
-        for (i, &wl) in lanes.iter().enumerate() {
-            for (r, sum) in int_sums.iter_mut().enumerate() {
-                // SAFETY: group bi of activation row t0 + r holds 32 codes.
-                let x = unsafe {
-                    codes
-                        .add((r * gs + bi) * GROUP + 4 * i)
-                        .cast::<i32>()
-                        .read_unaligned()
-                };
-                // SAFETY: the caller runs with D's features.
-                *sum = unsafe { D::add_products(*sum, wl, _mm256_set1_epi32(x)) };
-            }
-        }
-        for (r, sum) in int_sums.into_iter().enumerate() {
-            let at = r * gs + bi;
-            // SAFETY: as for the codes.
-            let (dx, sx, cx) = unsafe { (*scales.add(at), *sums.add(at), *code_sums.add(at)) };
-            let sum = unsafe { D::widen(sum) };
-            let sum = if unsigned {
-                sum
-            } else {
-                _mm256_sub_epi32(sum, _mm256_set1_epi32(cx << 7))
-            };
-            acc[r] = _mm256_fmadd_ps(
-                _mm256_cvtepi32_ps(sum),
-                _mm256_mul_ps(d, _mm256_set1_ps(dx)),
-                acc[r],
-            );
-            if unsigned {
-                macc[r] = _mm256_fmadd_ps(m, _mm256_set1_ps(sx), macc[r]);
-            }
-        }
-    }
-    for r in 0..R {
-        // SAFETY: y[r] holds GROUP_ROWS floats.
-        unsafe { _mm256_storeu_ps(y[r].as_mut_ptr(), _mm256_add_ps(acc[r], macc[r])) };
-    }
-    R
-}
-
-/// Eight rows' 32 codes (w[j]: row j, 4-byte word i = codes 4i..4i + 4) transposed by 4-byte words: vector i of
-/// the result holds word i of every row (lane j: row j).
-#[target_feature(enable = "avx2,fma,f16c")]
-fn lanes8(w: [__m256i; GROUP_ROWS]) -> [__m256i; GROUP_ROWS] {
-    // Within each 128-bit half: pairs of rows by words, then quads of rows by pairs of words. lo32[p]: words 0, 1
-    // (and 4, 5) of rows 2p, 2p + 1; hi32[p]: words 2, 3 (6, 7).
-    let lo32 = [0, 2, 4, 6].map(|j| _mm256_unpacklo_epi32(w[j], w[j + 1]));
-    let hi32 = [0, 2, 4, 6].map(|j| _mm256_unpackhi_epi32(w[j], w[j + 1]));
-    // quad[q][h]: word h (and h + 4 in the high half) of rows 4q..4q + 4.
-    let quad = [0, 2].map(|p| {
-        [
-            _mm256_unpacklo_epi64(lo32[p], lo32[p + 1]),
-            _mm256_unpackhi_epi64(lo32[p], lo32[p + 1]),
-            _mm256_unpacklo_epi64(hi32[p], hi32[p + 1]),
-            _mm256_unpackhi_epi64(hi32[p], hi32[p + 1]),
-        ]
-    });
-    std::array::from_fn(|i| {
-        let (a, b) = (quad[0][i % 4], quad[1][i % 4]);
-        if i < 4 {
-            _mm256_permute2x128_si256(a, b, 0x20)
-        } else {
-            _mm256_permute2x128_si256(a, b, 0x31)
-        }
-    })
 }
 
 /// `int_group_tile` reducing each activation row's eight product vectors across lanes (`reduce8`).

@@ -216,11 +216,13 @@ impl Lanes for Zmm {
     }
 }
 
-/// A Q4_1 tile's steps in the lanes of `Lanes` (its running sums of byte products in `IntDot::add_products`' form).
-trait Q4_1Lanes: Lanes {
-    /// (d, m) of each lane's row: word 0 of the block at byte `at` of each group (`bases`).
-    unsafe fn scales(bases: [*const u8; 2], at: usize) -> (Self::Float, Self::Float);
-    /// acc + float(sum)·(d·dx), lane by lane.
+/// The float steps of a legacy format's blocks in the lanes of `Lanes` (Q4_1's interleaved rows here, every legacy
+/// format's plain rows transposed into lanes in `legacy_lanes`), the plain rows' group kernel's: per block and
+/// activation row acc + float(sum)·(d·dx) and macc + m·sx, then acc + macc, lane by lane.
+pub(super) trait LegacyLanes: Lanes {
+    /// A running sum of `add_products` as i32 lanes (`IntDot::widen`).
+    unsafe fn widen(sum: Self::Int) -> Self::Int;
+    /// acc + float(sum)·(d·dx), lane by lane (`sum`: i32 lanes).
     unsafe fn add_scaled(acc: Self::Float, sum: Self::Int, d: Self::Float, dx: f32) -> Self::Float;
     /// macc + m·sx, lane by lane.
     unsafe fn add_offset(macc: Self::Float, m: Self::Float, sx: f32) -> Self::Float;
@@ -228,18 +230,20 @@ trait Q4_1Lanes: Lanes {
     unsafe fn store(acc: Self::Float, macc: Self::Float, out: &mut Self::Out);
 }
 
-impl<D: IntDot> Q4_1Lanes for D {
+impl<D: IntDot> LegacyLanes for D {
     #[inline(always)]
-    unsafe fn scales(bases: [*const u8; 2], at: usize) -> (__m256, __m256) {
-        // SAFETY: the caller's block is whole.
-        halves8(unsafe { _mm256_loadu_si256(bases[0].add(at).cast()) })
+    unsafe fn widen(sum: __m256i) -> __m256i {
+        // SAFETY: the caller runs with D's features.
+        unsafe { D::widen(sum) }
     }
 
     #[inline(always)]
     unsafe fn add_scaled(acc: __m256, sum: __m256i, d: __m256, dx: f32) -> __m256 {
-        // SAFETY: the caller runs with D's features.
-        let sum = _mm256_cvtepi32_ps(unsafe { D::widen(sum) });
-        _mm256_fmadd_ps(sum, _mm256_mul_ps(d, _mm256_set1_ps(dx)), acc)
+        _mm256_fmadd_ps(
+            _mm256_cvtepi32_ps(sum),
+            _mm256_mul_ps(d, _mm256_set1_ps(dx)),
+            acc,
+        )
     }
 
     #[inline(always)]
@@ -254,14 +258,10 @@ impl<D: IntDot> Q4_1Lanes for D {
     }
 }
 
-impl Q4_1Lanes for Zmm {
+impl LegacyLanes for Zmm {
     #[inline(always)]
-    unsafe fn scales(bases: [*const u8; 2], at: usize) -> (__m512, __m512) {
-        // SAFETY: the caller's blocks are whole.
-        let (d0, m0) = halves8(unsafe { _mm256_loadu_si256(bases[0].add(at).cast()) });
-        let (d1, m1) = halves8(unsafe { _mm256_loadu_si256(bases[1].add(at).cast()) });
-        // SAFETY: the caller runs with AVX-512 F.
-        unsafe { (join_ps(d0, d1), join_ps(m0, m1)) }
+    unsafe fn widen(sum: __m512i) -> __m512i {
+        sum
     }
 
     #[inline(always)]
@@ -286,6 +286,31 @@ impl Q4_1Lanes for Zmm {
     unsafe fn store(acc: __m512, macc: __m512, out: &mut [f32; WIDE_ROWS]) {
         // SAFETY: `out` holds a float per lane; the caller runs with AVX-512 F.
         unsafe { _mm512_storeu_ps(out.as_mut_ptr(), _mm512_add_ps(acc, macc)) }
+    }
+}
+
+/// The scales of Q4_1's interleaved blocks in the lanes of `Lanes`.
+trait Q4_1Lanes: LegacyLanes {
+    /// (d, m) of each lane's row: word 0 of the block at byte `at` of each group (`bases`).
+    unsafe fn scales(bases: [*const u8; 2], at: usize) -> (Self::Float, Self::Float);
+}
+
+impl<D: IntDot> Q4_1Lanes for D {
+    #[inline(always)]
+    unsafe fn scales(bases: [*const u8; 2], at: usize) -> (__m256, __m256) {
+        // SAFETY: the caller's block is whole.
+        halves8(unsafe { _mm256_loadu_si256(bases[0].add(at).cast()) })
+    }
+}
+
+impl Q4_1Lanes for Zmm {
+    #[inline(always)]
+    unsafe fn scales(bases: [*const u8; 2], at: usize) -> (__m512, __m512) {
+        // SAFETY: the caller's blocks are whole.
+        let (d0, m0) = halves8(unsafe { _mm256_loadu_si256(bases[0].add(at).cast()) });
+        let (d1, m1) = halves8(unsafe { _mm256_loadu_si256(bases[1].add(at).cast()) });
+        // SAFETY: the caller runs with AVX-512 F.
+        unsafe { (join_ps(d0, d1), join_ps(m0, m1)) }
     }
 }
 
@@ -354,7 +379,7 @@ unsafe fn tile<L: Q4_1Lanes, const R: usize>(
             // SAFETY: as for the codes; one scale and sum per group (Q4_1's span is a group). The caller runs
             // with L's features.
             unsafe {
-                let sum = L::add_sums(int_sums[0][r], int_sums[1][r]);
+                let sum = L::widen(L::add_sums(int_sums[0][r], int_sums[1][r]));
                 let (dx, sx) = (*scales.add(r * gs + bi), *sums.add(r * gs + bi));
                 acc[r] = L::add_scaled(acc[r], sum, d, dx);
                 macc[r] = L::add_offset(macc[r], m, sx);

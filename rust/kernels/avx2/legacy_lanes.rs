@@ -1,15 +1,27 @@
-//! The group kernel of the legacy formats' plain rows (blocks of 32: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0) with AVX-512
-//! VNNI: sixteen weight rows a call, each block's codes transposed into the lanes of 512-bit vectors (lane j: row
-//! j), so that an activation row meets sixteen rows' block in eight products and one float step, where the
-//! eight-row kernel (`int_group_rows`) takes twice as many of each. Every lane does that kernel's steps: the same
-//! exact integer block sum, then the same float operations in the same order, so the bits are the same.
+//! The legacy formats' plain rows (blocks of 32: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0) transposed into vector lanes, lane
+//! j for weight row j: eight rows in AVX2 vectors with any `IntDot`'s products (the group kernel `int_group_rows`,
+//! for tiles of two or more activation rows), or sixteen in AVX-512 vectors with VNNI's (`wide`, for every tile).
+//!
+//! Each block's code vectors are transposed by 4-byte words so that vector i holds codes 4i..4i + 4 of every row:
+//! an activation row then meets the block in eight products whose activation operand is one 4-byte word broadcast,
+//! and its row sums build up in their own lanes, with nothing reduced across lanes. The transposition (24 shuffles
+//! a block and vector) is shared by the tile's activation rows. With eight rows it costs less than reducing eight
+//! vectors per activation row from two rows on (SmolLM2's products in file layout, VNNI, 2 threads: 1.03x at T =
+//! 2, 1.47x at T = 8, 1.87x at T = 16; forced on for one row as well, 0.92-0.99x at T = 1); with sixteen, where
+//! each product and float step serves twice the rows, one activation row took 0.96-1.03 of the time of two
+//! eight-row reductions (Q8_0, Q4_1, Q5_0, one thread, 2048 rows in cache; benches/RESULTS.md, thirty-sixth
+//! session), so the wide kernel transposes for every tile. Signed codes (Q8_0) go in as w + 128, and 128·Σx
+//! comes off each sum.
+//!
+//! Every lane does the plain rows' kernel's steps: the same exact integer block sum, then the same float steps
+//! (`LegacyLanes`) in the same order, so the bits are the same at either width and whichever tile computes a row.
 
 use std::arch::x86_64::*;
 
 use super::super::blocks::GROUP;
 use super::super::rows::{in_tiles, Activations, Kernel, GROUP_ROWS, MAX_T, WIDE_ROWS};
-use super::interleaved::{join_ps, join_si};
-use super::{legacy_scales8, Prefetch, SimdFormat};
+use super::interleaved::{join_ps, join_si, LegacyLanes, Zmm};
+use super::{legacy_scales8, IntDot, Prefetch, SimdFormat};
 
 /// The integer kernel of F's plain rows with AVX-512 VNNI's products (`Products::Avx512Vnni`, or AMX's for a
 /// format without AMX tiles), sixteen rows a call. Call only if those products are available.
@@ -48,23 +60,24 @@ unsafe fn rows16<F: SimdFormat>(
         std::array::from_fn(|j| rows[j.min(count - 1) * row_bytes..].as_ptr());
     let ahead = Prefetch::after(rows, a.k / GROUP);
     // The tiles' contract: `ptrs` point at rows of k / 32 blocks.
-    in_tiles!(a.t, y, |t0, out| tile::<F>(a, &ptrs, t0, out, ahead));
+    in_tiles!(a.t, y, |t0, out| tile::<F, Zmm>(a, &ptrs, t0, out, ahead));
 }
 
-/// y[0..R] (lane j: weight row j) for activation rows t0..t0 + R; returns R. Signed codes (Q8_0) go in as w + 128,
-/// and 128·Σx comes off each sum, as in `int_group_lanes_tile`.
+/// y[0..R] (lane j: weight row j) for activation rows t0..t0 + R; returns R. The first tile of a call prefetches
+/// the next call's rows (`ahead`), block for block.
 ///
 /// # Safety
-/// Each of `ptrs` must point at an encoded row of `a.k / 32` blocks of `F`; t0 + R <= a.t; the caller runs with
-/// AVX-512 VNNI's features.
+/// `ptrs` holds L::ROWS pointers, each at an encoded row of `a.k / 32` blocks of `F`; t0 + R <= a.t; L's running
+/// sums hold a block's products (F::MAX_CODE <= L::MAX_CODE); the caller runs with L's features.
 #[inline(always)]
-unsafe fn tile<F: SimdFormat, const R: usize>(
+pub(super) unsafe fn tile<F: SimdFormat, L: GroupLanes, const R: usize>(
     a: &Activations,
-    ptrs: &[*const u8; WIDE_ROWS],
+    ptrs: &[*const u8],
     t0: usize,
-    y: &mut [[f32; WIDE_ROWS]],
+    y: &mut [L::Out],
     ahead: Prefetch,
 ) -> usize {
+    debug_assert!(ptrs.len() == L::ROWS && F::MAX_CODE <= L::MAX_CODE);
     let q8 = a.q8_for(F::SPAN);
     let gs = a.k / GROUP;
     let unsigned = F::AFFINE || F::OFFSET > 0;
@@ -79,51 +92,28 @@ unsafe fn tile<F: SimdFormat, const R: usize>(
             q8.code_sums.as_ptr().add(t0 * gs),
         )
     };
-    let halves: [&[*const u8; GROUP_ROWS]; 2] = [
-        ptrs[..GROUP_ROWS].try_into().expect("eight rows"),
-        ptrs[GROUP_ROWS..].try_into().expect("eight rows"),
-    ];
-    let mut acc = [_mm512_setzero_ps(); R];
-    let mut macc = [_mm512_setzero_ps(); R]; // offsets·Σx̂ (unsigned codes)
+    let mut acc = [L::zero_float(); R];
+    let mut macc = [L::zero_float(); R]; // offsets·Σx̂ (unsigned codes)
     for bi in 0..gs {
-        // The first tile of a call reads the next call's rows into cache as it reads its own, block for block.
         if t0 == 0 {
             ahead.block(bi);
         }
         let off = bi * F::BYTES;
-        // SAFETY (all three): block bi of every row is inside it (the caller's contract).
-        let (d, m) = unsafe {
-            let ((d0, m0), (d1, m1)) = (
-                legacy_scales8(halves[0], off),
-                legacy_scales8(halves[1], off),
-            );
-            (join_ps(d0, d1), join_ps(m0, m1))
-        };
+        // SAFETY (all in this block): block bi of every row is inside it (the caller's contract); the caller
+        // runs with L's features.
+        let (d, m) = unsafe { L::scales(ptrs, off) };
         let m = if F::OFFSET > 0 {
-            _mm512_mul_ps(d, _mm512_set1_ps(-f32::from(F::OFFSET)))
+            unsafe { L::scale(d, -f32::from(F::OFFSET)) }
         } else {
             m
         };
-        // w[j]: row j's codes in the low half, row 8 + j's in the high half (a loop, not a closure: a closure
-        // here is compiled without the entry's features, its intrinsics as calls).
-        let mut w = [_mm512_setzero_si512(); GROUP_ROWS];
+        // A loop, not `from_fn`: a closure here is compiled without the entry's features, its intrinsics as calls.
+        let mut w = [L::zero_int(); GROUP_ROWS];
         for (j, w) in w.iter_mut().enumerate() {
-            // SAFETY: as above.
-            let codes = unsafe {
-                join_si(
-                    F::group_codes(ptrs[j].add(off)),
-                    F::group_codes(ptrs[GROUP_ROWS + j].add(off)),
-                )
-            };
-            *w = if unsigned {
-                codes
-            } else {
-                _mm512_xor_si512(codes, _mm512_set1_epi8(i8::MIN))
-            };
+            *w = unsafe { L::codes::<F>(ptrs, off, j) };
         }
-        // SAFETY: the caller runs with AVX-512 F.
-        let lanes = unsafe { lanes16(w) };
-        let mut int_sums = [_mm512_setzero_si512(); R];
+        let lanes = unsafe { L::transpose(w) };
+        let mut int_sums = [L::zero_int(); R];
         for (i, &wl) in lanes.iter().enumerate() {
             for (r, sum) in int_sums.iter_mut().enumerate() {
                 // SAFETY: group bi of activation row t0 + r holds 32 codes.
@@ -133,60 +123,209 @@ unsafe fn tile<F: SimdFormat, const R: usize>(
                         .cast::<i32>()
                         .read_unaligned()
                 };
-                *sum = _mm512_dpbusd_epi32(*sum, wl, _mm512_set1_epi32(x));
+                *sum = unsafe { L::add_products(*sum, wl, x) };
             }
         }
         for (r, sum) in int_sums.into_iter().enumerate() {
             let at = r * gs + bi;
-            // SAFETY: as for the codes.
-            let (dx, sx, cx) = unsafe { (*scales.add(at), *sums.add(at), *code_sums.add(at)) };
-            let sum = if unsigned {
-                sum
-            } else {
-                _mm512_sub_epi32(sum, _mm512_set1_epi32(cx << 7))
-            };
-            acc[r] = _mm512_fmadd_ps(
-                _mm512_cvtepi32_ps(sum),
-                _mm512_mul_ps(d, _mm512_set1_ps(dx)),
-                acc[r],
-            );
-            if unsigned {
-                macc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(sx), macc[r]);
+            // SAFETY: as for the codes; the caller runs with L's features.
+            unsafe {
+                let (dx, sx, cx) = (*scales.add(at), *sums.add(at), *code_sums.add(at));
+                let sum = L::widen(sum);
+                let sum = if unsigned { sum } else { L::sub(sum, cx << 7) };
+                acc[r] = L::add_scaled(acc[r], sum, d, dx);
+                if unsigned {
+                    macc[r] = L::add_offset(macc[r], m, sx);
+                }
             }
         }
     }
     for r in 0..R {
-        // SAFETY: y[r] holds WIDE_ROWS floats.
-        unsafe { _mm512_storeu_ps(y[r].as_mut_ptr(), _mm512_add_ps(acc[r], macc[r])) };
+        // SAFETY: the caller runs with L's features.
+        unsafe { L::store(acc[r], macc[r], &mut y[r]) };
     }
     R
 }
 
-/// `lanes8` in each 256-bit half: sixteen rows' 32 codes (w[j]: row j in the low half, row 8 + j in the high
-/// half, 4-byte word i = codes 4i..4i + 4) transposed by 4-byte words, vector i of the result holding word i of
-/// every row (lane j: row j).
-#[target_feature(enable = "avx2,avx512f")]
-#[inline]
-fn lanes16(w: [__m512i; GROUP_ROWS]) -> [__m512i; GROUP_ROWS] {
-    {
-        // Within each 128-bit quarter, as `lanes8`: lo32[p] holds words 0, 1 (4, 5) of rows 2p, 2p + 1 (and of
-        // 8 + 2p, 9 + 2p in the high half); hi32[p] words 2, 3 (6, 7).
-        let lo32 = [0, 2, 4, 6].map(|j| _mm512_unpacklo_epi32(w[j], w[j + 1]));
-        let hi32 = [0, 2, 4, 6].map(|j| _mm512_unpackhi_epi32(w[j], w[j + 1]));
-        let quad = [0, 2].map(|p| {
-            [
-                _mm512_unpacklo_epi64(lo32[p], lo32[p + 1]),
-                _mm512_unpackhi_epi64(lo32[p], lo32[p + 1]),
-                _mm512_unpacklo_epi64(hi32[p], hi32[p + 1]),
-                _mm512_unpackhi_epi64(hi32[p], hi32[p + 1]),
-            ]
-        });
-        // In each 256-bit half, the low 128 bits of a and of b (words 0-3), or their high ones (words 4-7).
-        let low = _mm512_setr_epi64(0, 1, 8, 9, 4, 5, 12, 13);
-        let high = _mm512_setr_epi64(2, 3, 10, 11, 6, 7, 14, 15);
-        std::array::from_fn(|i| {
-            let (a, b) = (quad[0][i % 4], quad[1][i % 4]);
-            _mm512_permutex2var_epi64(a, if i < 4 { low } else { high }, b)
-        })
+/// A call's plain rows of a legacy format in the lanes of `LegacyLanes`: eight rows in AVX2 vectors with D's
+/// products, or sixteen in AVX-512 vectors with VNNI's (`Zmm`: rows j and 8 + j in the two 256-bit halves).
+pub(super) trait GroupLanes: LegacyLanes {
+    /// Weight rows a call computes, one a lane.
+    const ROWS: usize;
+    /// The largest code whose products a running sum holds over a whole block (`IntDot::LANES_MAX_CODE`).
+    const MAX_CODE: u8;
+    /// (d, m) of each lane's row: the first four bytes of the block at byte `off` of each row (`legacy_scales8`).
+    unsafe fn scales(ptrs: &[*const u8], off: usize) -> (Self::Float, Self::Float);
+    /// The codes of the block at byte `off` of row j (in the high half: row 8 + j) as the products take them:
+    /// F's `group_codes`, a signed type's plus 128.
+    unsafe fn codes<F: SimdFormat>(ptrs: &[*const u8], off: usize, j: usize) -> Self::Int;
+    /// Eight code vectors (w[j]: row j's, 4-byte word i = codes 4i..4i + 4) transposed by 4-byte words in each
+    /// 256-bit half: vector i of the result holds word i of every row.
+    unsafe fn transpose(w: [Self::Int; GROUP_ROWS]) -> [Self::Int; GROUP_ROWS];
+    /// sum − c, lane by lane (i32 lanes).
+    unsafe fn sub(sum: Self::Int, c: i32) -> Self::Int;
+    /// d·v, lane by lane.
+    unsafe fn scale(d: Self::Float, v: f32) -> Self::Float;
+}
+
+impl<D: IntDot> GroupLanes for D {
+    const ROWS: usize = GROUP_ROWS;
+    const MAX_CODE: u8 = D::LANES_MAX_CODE;
+
+    #[inline(always)]
+    unsafe fn scales(ptrs: &[*const u8], off: usize) -> (__m256, __m256) {
+        // SAFETY: the caller's contract.
+        unsafe { legacy_scales8(ptrs.try_into().expect("eight rows"), off) }
     }
+
+    #[inline(always)]
+    unsafe fn codes<F: SimdFormat>(ptrs: &[*const u8], off: usize, j: usize) -> __m256i {
+        // SAFETY: the caller's contract.
+        let codes = unsafe { F::group_codes(ptrs[j].add(off)) };
+        if F::AFFINE || F::OFFSET > 0 {
+            codes
+        } else {
+            _mm256_xor_si256(codes, _mm256_set1_epi8(i8::MIN))
+        }
+    }
+
+    #[inline(always)]
+    unsafe fn transpose(w: [__m256i; GROUP_ROWS]) -> [__m256i; GROUP_ROWS] {
+        // SAFETY: every kernel set here has AVX2.
+        unsafe { lanes8(w) }
+    }
+
+    #[inline(always)]
+    unsafe fn sub(sum: __m256i, c: i32) -> __m256i {
+        _mm256_sub_epi32(sum, _mm256_set1_epi32(c))
+    }
+
+    #[inline(always)]
+    unsafe fn scale(d: __m256, v: f32) -> __m256 {
+        _mm256_mul_ps(d, _mm256_set1_ps(v))
+    }
+}
+
+impl GroupLanes for Zmm {
+    const ROWS: usize = WIDE_ROWS;
+    const MAX_CODE: u8 = u8::MAX;
+
+    #[inline(always)]
+    unsafe fn scales(ptrs: &[*const u8], off: usize) -> (__m512, __m512) {
+        // SAFETY: the caller's contract; it runs with AVX-512 F.
+        unsafe {
+            let (d0, m0) = legacy_scales8(ptrs[..GROUP_ROWS].try_into().expect("eight rows"), off);
+            let (d1, m1) = legacy_scales8(ptrs[GROUP_ROWS..].try_into().expect("eight rows"), off);
+            (join_ps(d0, d1), join_ps(m0, m1))
+        }
+    }
+
+    #[inline(always)]
+    unsafe fn codes<F: SimdFormat>(ptrs: &[*const u8], off: usize, j: usize) -> __m512i {
+        // SAFETY: the caller's contract; it runs with AVX-512 F.
+        unsafe {
+            let codes = join_si(
+                F::group_codes(ptrs[j].add(off)),
+                F::group_codes(ptrs[GROUP_ROWS + j].add(off)),
+            );
+            if F::AFFINE || F::OFFSET > 0 {
+                codes
+            } else {
+                _mm512_xor_si512(codes, _mm512_set1_epi8(i8::MIN))
+            }
+        }
+    }
+
+    #[inline(always)]
+    unsafe fn transpose(w: [__m512i; GROUP_ROWS]) -> [__m512i; GROUP_ROWS] {
+        // SAFETY: the caller runs with AVX-512 F.
+        unsafe { lanes16(w) }
+    }
+
+    #[inline(always)]
+    unsafe fn sub(sum: __m512i, c: i32) -> __m512i {
+        // SAFETY: the caller runs with AVX-512 F.
+        unsafe { _mm512_sub_epi32(sum, _mm512_set1_epi32(c)) }
+    }
+
+    #[inline(always)]
+    unsafe fn scale(d: __m512, v: f32) -> __m512 {
+        // SAFETY: the caller runs with AVX-512 F.
+        unsafe { _mm512_mul_ps(d, _mm512_set1_ps(v)) }
+    }
+}
+
+/// Eight rows' 32 codes (w[j]: row j, 4-byte word i = codes 4i..4i + 4) transposed by 4-byte words: vector i of
+/// the result holds word i of every row (lane j: row j). Loops, not closures, and no target features of its own, so
+/// that it inlines into its callers' entry points (with AVX2's features as a `#[target_feature]` function, LLVM
+/// left it out of line once the tile became generic: its vectors went through memory, and the AVX2 tiles took
+/// 1.15-1.21x as long).
+///
+/// # Safety
+/// The caller runs with AVX2.
+#[inline(always)]
+unsafe fn lanes8(w: [__m256i; GROUP_ROWS]) -> [__m256i; GROUP_ROWS] {
+    // Within each 128-bit half: pairs of rows by words, then quads of rows by pairs of words. lo32[p]: words 0, 1
+    // (and 4, 5) of rows 2p, 2p + 1; hi32[p]: words 2, 3 (6, 7). quad[q][h]: word h (and h + 4 in the high half)
+    // of rows 4q..4q + 4.
+    let (mut lo32, mut hi32) = ([w[0]; 4], [w[0]; 4]);
+    for p in 0..4 {
+        lo32[p] = _mm256_unpacklo_epi32(w[2 * p], w[2 * p + 1]);
+        hi32[p] = _mm256_unpackhi_epi32(w[2 * p], w[2 * p + 1]);
+    }
+    let mut quad = [[w[0]; 4]; 2];
+    for (q, quad) in quad.iter_mut().enumerate() {
+        let (lo, hi) = (
+            (lo32[2 * q], lo32[2 * q + 1]),
+            (hi32[2 * q], hi32[2 * q + 1]),
+        );
+        *quad = [
+            _mm256_unpacklo_epi64(lo.0, lo.1),
+            _mm256_unpackhi_epi64(lo.0, lo.1),
+            _mm256_unpacklo_epi64(hi.0, hi.1),
+            _mm256_unpackhi_epi64(hi.0, hi.1),
+        ];
+    }
+    let mut out = w;
+    for h in 0..4 {
+        out[h] = _mm256_permute2x128_si256(quad[0][h], quad[1][h], 0x20);
+        out[4 + h] = _mm256_permute2x128_si256(quad[0][h], quad[1][h], 0x31);
+    }
+    out
+}
+
+/// `lanes8` in each 256-bit half: sixteen rows' codes (w[j]: row j in the low half, row 8 + j in the high) by
+/// 4-byte words, the last step one `vpermt2q` where `lanes8` has a `vperm2i128`.
+///
+/// # Safety
+/// The caller runs with AVX-512 F.
+#[inline(always)]
+unsafe fn lanes16(w: [__m512i; GROUP_ROWS]) -> [__m512i; GROUP_ROWS] {
+    let (mut lo32, mut hi32) = ([w[0]; 4], [w[0]; 4]);
+    for p in 0..4 {
+        lo32[p] = _mm512_unpacklo_epi32(w[2 * p], w[2 * p + 1]);
+        hi32[p] = _mm512_unpackhi_epi32(w[2 * p], w[2 * p + 1]);
+    }
+    let mut quad = [[w[0]; 4]; 2];
+    for (q, quad) in quad.iter_mut().enumerate() {
+        let (lo, hi) = (
+            (lo32[2 * q], lo32[2 * q + 1]),
+            (hi32[2 * q], hi32[2 * q + 1]),
+        );
+        *quad = [
+            _mm512_unpacklo_epi64(lo.0, lo.1),
+            _mm512_unpackhi_epi64(lo.0, lo.1),
+            _mm512_unpacklo_epi64(hi.0, hi.1),
+            _mm512_unpackhi_epi64(hi.0, hi.1),
+        ];
+    }
+    // In each 256-bit half, the low 128 bits of a and of b (words 0-3), or their high ones (words 4-7).
+    let low = _mm512_setr_epi64(0, 1, 8, 9, 4, 5, 12, 13);
+    let high = _mm512_setr_epi64(2, 3, 10, 11, 6, 7, 14, 15);
+    let mut out = w;
+    for h in 0..4 {
+        out[h] = _mm512_permutex2var_epi64(quad[0][h], low, quad[1][h]);
+        out[4 + h] = _mm512_permutex2var_epi64(quad[0][h], high, quad[1][h]);
+    }
+    out
 }
