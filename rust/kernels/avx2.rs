@@ -12,7 +12,8 @@
 //!   at once, each row's integer sum in its own lane (lane j: row j) so that the float work is shared by the
 //!   eight rows: for one activation row, eight product vectors reduced across lanes; for tiles of two or more,
 //!   each block's eight rows transposed into lanes once and met by every activation row (`legacy_lanes`); with
-//!   AVX-512 VNNI, sixteen rows at once in 512-bit lanes for every tile;
+//!   AVX-512 VNNI's products, sixteen rows at once in 512-bit lanes, transposed for every tile (also with AMX's,
+//!   but for Q8_0, whose AMX tiles take passes of Q8_0_TILE_MIN_ROWS or more and the eight-row kernel the rest);
 //! - in both, affine types multiply their unsigned codes directly and add m·Σx̂; so do the symmetric types stored
 //!   with an offset (Q4_0, Q5_0: c = q + 8 or 16, and m = -offset·d; Q6_K: c = q + 32, its -32·scale·Σx taken
 //!   off each span's integer sum); Q8_0 goes through the sign trick (|w| times x with w's sign), two more
@@ -96,8 +97,8 @@ pub trait IntDot {
     unsafe fn add_products(sum: __m256i, wu: __m256i, x: __m256i) -> __m256i;
     /// A running sum of `add_products` as i32 lanes.
     unsafe fn widen(sum: __m256i) -> __m256i;
-    /// Two running sums of `add_products` as one, in the same form (which holds their products together as it
-    /// would hold them added into one sum).
+    /// Two running sums of `add_products` as one, in the same form. The bound of `add_products` is on the total:
+    /// the two may hold together no more than one running sum could (`Madd`: 8 groups' products of codes <= 15).
     #[inline(always)]
     unsafe fn add_sums(a: __m256i, b: __m256i) -> __m256i {
         // SAFETY: the caller runs with Self's features, which include AVX2's.
@@ -281,8 +282,9 @@ pub trait SimdFormat: Format {
     /// int8 for symmetric types, uint8 for affine ones (as `Format::codes`).
     unsafe fn code_bytes(b: *const u8, g: usize) -> __m256i;
 
-    /// The integer kernel (8-bit activations) of this format: a group kernel for the legacy formats, the row
-    /// kernel for the K-quants; with `products`. Call only if `products.available()`.
+    /// The integer kernel (8-bit activations) of this format: a group kernel for the legacy formats (a wide one of
+    /// sixteen rows with AVX-512 VNNI's products), the row kernel for the K-quants; with `products`. Call only if
+    /// `products.available()`.
     fn int_kernel(products: Products) -> Kernel;
 
     /// For a symmetric type stored as unsigned c = q + OFFSET (Q4_0: 8, Q5_0: 16, Q6_K: 32), OFFSET: the integer

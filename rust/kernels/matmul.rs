@@ -218,10 +218,10 @@ trait DenseRow: Dense {}
 #[cfg(not(target_arch = "x86_64"))]
 impl<D: Dense> DenseRow for D {}
 
-/// The kernel of format `F`: AVX-512 for float activations where allowed and present, else AVX2 (integer: a
-/// group kernel for the legacy formats and for Q4_K (its rows regrouped into the interleaved layout for passes of
-/// several rows), the row kernel for the other K-quants, their products VNNI's where allowed and present,
-/// `products`); on aarch64 NEON for 8-bit activations (`sdot` where the CPU has it); else scalar;
+/// The kernel of format `F`: AVX-512 for float activations where allowed and present, else AVX2 (integer: a group
+/// kernel for the legacy formats (sixteen rows a call with AVX-512 VNNI) and for Q4_K (its rows regrouped into the
+/// interleaved layout for passes of several rows), the row kernel for the other K-quants, their products VNNI's where
+/// allowed and present, `products`); on aarch64 NEON for 8-bit activations (`sdot` where the CPU has it); else scalar;
 /// integer (8-bit activations) or float.
 fn quantized_kernel<F: Quantized>(isa: Isa, int: bool) -> Kernel {
     #[cfg(target_arch = "x86_64")]
@@ -931,7 +931,7 @@ mod tests {
     }
 
     /// Each weight row's result is the same bits whether it is computed alone or among others (the group
-    /// kernels compute eight rows at once, a partial group at a matrix's end, and tasks start anywhere).
+    /// kernels compute eight or sixteen rows at once, a partial group at a matrix's end, and tasks start anywhere).
     #[test]
     fn a_weight_rows_result_does_not_depend_on_its_neighbours() {
         let (t, n, k) = (3, 21, 256);

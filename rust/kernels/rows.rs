@@ -33,7 +33,8 @@ pub enum Kernel {
     /// Only the AVX2 kernels have group kernels so far.
     #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
     Group(GroupKernel),
-    /// Only AMX's Q4_K kernels (`avx2::interleaved`) are wide.
+    /// Sixteen rows a call, with AVX-512 VNNI's products (or AMX's): interleaved Q4_1 and Q4_K (`avx2::interleaved`),
+    /// Q6_K's lanes, and the legacy formats' plain rows (`avx2::legacy_lanes`).
     #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
     Wide(WideKernel),
     /// Rows stored interleaved by `GROUP_ROWS` (`interleave`): each group is restored to plain rows, then computed

@@ -23,9 +23,9 @@ use super::{
     ROW_PREFETCH,
 };
 
-/// Q4_1: the plain rows' kernel is the group kernel `int_group_rows`, which reduces each block and weight row
-/// to one integer, Σ q·x̂ over its 32 codes; then acc += float(sum)·(d·dx), macc += m·Σx̂, and acc + macc at the
-/// end.
+/// Q4_1: the plain rows' kernel is the group kernel `int_group_rows` (with AVX-512 VNNI `legacy_lanes::wide`, the
+/// same steps), which reduces each block and weight row to one integer, Σ q·x̂ over its 32 codes; then acc +=
+/// float(sum)·(d·dx), macc += m·Σx̂, and acc + macc at the end.
 type Q4_1 = blocks::Q4_1;
 /// Bytes of one block of a group's eight rows: word 0 (d and m) of each row, then words 1-4 (code bytes 0-15).
 const GROUP_BLOCK: usize = GROUP_ROWS * Q4_1::BYTES;
@@ -123,9 +123,10 @@ fn pair_bases(groups: &[u8], row_bytes: usize) -> [*const u8; 2] {
 }
 
 /// The vectors of the kernels that keep one weight row per 32-bit lane (Q4_1's and Q4_K's interleaved rows, Q6_K's
-/// decoded ones): one group's eight rows in AVX2 vectors with D's products (any `IntDot` D), or two groups' sixteen
-/// in AVX-512 vectors with VNNI's (`Zmm`, lanes 8-15 the second group's rows). Each kernel's steps are the same
-/// operations lane by lane in both, so both give the plain rows' bits.
+/// decoded ones, the legacy formats' transposed plain rows in `legacy_lanes`): one group's eight rows in AVX2 vectors
+/// with D's products (any `IntDot` D), or two groups' sixteen in AVX-512 vectors with VNNI's (`Zmm`, lanes 8-15 the
+/// second group's rows). Each kernel's steps are the same operations lane by lane in both, so both give the plain rows'
+/// bits.
 pub(super) trait Lanes {
     type Int: Copy;
     type Float: Copy;
