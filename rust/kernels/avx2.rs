@@ -611,8 +611,8 @@ unsafe fn int_group_rows<F: SimdFormat, D: IntDot>(
     let ptrs: [*const u8; GROUP_ROWS] =
         std::array::from_fn(|j| rows[j.min(count - 1) * row_bytes..].as_ptr());
     // The eight rows are read as eight interleaved streams, which the hardware prefetchers follow poorly (the
-    // rows are not in cache in a decode step): each block's iteration prefetches its share of the bytes after
-    // `rows`, where the next group's rows usually are.
+    // rows are not in cache in a decode step): the first tile's iteration over each block prefetches its share of
+    // the bytes after `rows`, where the next group's rows usually are.
     let ahead = Prefetch::after(rows, a.k / GROUP);
     // The tiles' contract: `ptrs` point at rows of row_bytes = k / 32 blocks.
     in_tiles!(a.t, y, |t0, out| int_group_tile::<F, D>(
@@ -731,7 +731,10 @@ unsafe fn int_group_reduced_tile<F: SimdFormat, D: IntDot, const R: usize>(
     let mut acc = [_mm256_setzero_ps(); R];
     let mut macc = [_mm256_setzero_ps(); R]; // offsets·Σx̂ (unsigned codes)
     for bi in 0..gs {
-        ahead.block(bi);
+        // The first tile of a call prefetches the next call's rows, as the lanes tile does.
+        if t0 == 0 {
+            ahead.block(bi);
+        }
         let off = bi * F::BYTES;
         // SAFETY: block bi of every row is inside it (the caller's contract).
         let (d, m) = unsafe { legacy_scales8(ptrs, off) };

@@ -123,6 +123,7 @@ pub(super) unsafe fn tile<F: SimdFormat, L: GroupLanes, const R: usize>(
                         .cast::<i32>()
                         .read_unaligned()
                 };
+                // SAFETY: the caller runs with L's features.
                 *sum = unsafe { L::add_products(*sum, wl, x) };
             }
         }
