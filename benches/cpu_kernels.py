@@ -33,8 +33,8 @@ import os
 # torch's OpenMP workers (libgomp) spin for milliseconds after each parallel op, here the cache-evicting write
 # before every timed pass, and on a 2-vCPU machine they took a core from the pass's kernel threads: the cold
 # two-thread passes of two identical builds differed by 20-70%, and every pass ran slower (100 Q4_1 matrices of
-# 1536 x 576: 3.8-6.5 / 6.2-11.6 / 11.4-17.7 ms at T = 1 / 8 / 16; with the workers sleeping at once, 2.8-3.2 /
-# 4.6-4.8 / 7.8-8.0, identical builds within 3%). Set before torch loads libgomp; the environment's setting wins.
+# 1536 x 576: 3.8-6.5 / 7.9-11.6 / 12.8-17.7 ms at T = 1 / 8 / 16; with the workers sleeping at once, 2.8-3.2 /
+# 4.6-4.8 / 7.8-8.0, identical builds within 6%). Set before torch loads libgomp; the environment's setting wins.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import argparse  # noqa: E402 (after the OpenMP setting)
