@@ -68,7 +68,8 @@ unsafe fn rows16<F: SimdFormat>(
 ///
 /// # Safety
 /// `ptrs` holds L::ROWS pointers, each at an encoded row of `a.k / 32` blocks of `F`; t0 + R <= a.t; L's running
-/// sums hold a block's products (F::MAX_CODE <= L::MAX_CODE); the caller runs with L's features.
+/// sums hold a block's products (with AVX2's vectors, F::MAX_CODE <= `IntDot::LANES_MAX_CODE`; AVX-512's hold
+/// any byte's); the caller runs with L's features.
 #[inline(always)]
 pub(super) unsafe fn tile<F: SimdFormat, L: GroupLanes, const R: usize>(
     a: &Activations,
@@ -77,7 +78,7 @@ pub(super) unsafe fn tile<F: SimdFormat, L: GroupLanes, const R: usize>(
     y: &mut [L::Out],
     ahead: Prefetch,
 ) -> usize {
-    debug_assert!(ptrs.len() == L::ROWS && F::MAX_CODE <= L::MAX_CODE);
+    debug_assert_eq!(ptrs.len(), L::ROWS);
     let q8 = a.q8_for(F::SPAN);
     let gs = a.k / GROUP;
     let unsigned = F::AFFINE || F::OFFSET > 0;
@@ -153,8 +154,6 @@ pub(super) unsafe fn tile<F: SimdFormat, L: GroupLanes, const R: usize>(
 pub(super) trait GroupLanes: LegacyLanes {
     /// Weight rows a call computes, one a lane.
     const ROWS: usize;
-    /// The largest code whose products a running sum holds over a whole block (`IntDot::LANES_MAX_CODE`).
-    const MAX_CODE: u8;
     /// (d, m) of each lane's row: the first four bytes of the block at byte `off` of each row (`legacy_scales8`).
     unsafe fn scales(ptrs: &[*const u8], off: usize) -> (Self::Float, Self::Float);
     /// The codes of the block at byte `off` of row j (in the high half: row 8 + j) as the products take them:
@@ -171,7 +170,6 @@ pub(super) trait GroupLanes: LegacyLanes {
 
 impl<D: IntDot> GroupLanes for D {
     const ROWS: usize = GROUP_ROWS;
-    const MAX_CODE: u8 = D::LANES_MAX_CODE;
 
     #[inline(always)]
     unsafe fn scales(ptrs: &[*const u8], off: usize) -> (__m256, __m256) {
@@ -209,7 +207,6 @@ impl<D: IntDot> GroupLanes for D {
 
 impl GroupLanes for Zmm {
     const ROWS: usize = WIDE_ROWS;
-    const MAX_CODE: u8 = u8::MAX;
 
     #[inline(always)]
     unsafe fn scales(ptrs: &[*const u8], off: usize) -> (__m512, __m512) {
