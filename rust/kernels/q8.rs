@@ -23,6 +23,11 @@ pub struct Q8Rows {
     /// integers, so that plain and interleaved rows agree bit for bit: `SuperBlock::SPAN_TOTALS`).
     #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
     pub code_sums: Vec<i32>,
+    /// [t, k / 64] (spans longer than 32 only, else empty) the Σcodes of groups 2p and 2p + 1 in the low and high
+    /// 16 bits of word p (|Σ| <= 32 · 127 < 2^15): one `madd` multiplies both by a weight row's two 16-bit
+    /// offset multipliers (Q4_K's interleaved kernels).
+    #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
+    pub code_sum_pairs: Vec<i32>,
     /// [t, k / (span / 8)] Σcodes of each eighth of a span (spans longer than 32 only, else empty): per span, the
     /// integer Σx the K-quant and ternary kernels take off their codes' sums, as one vector of 8 lanes (read by
     /// the AVX2 kernels only).
@@ -267,20 +272,27 @@ fn quantize_with(
             *sum = d * c as f32;
         }
     }
-    // Only the kernels of longer spans read Σcodes per eighth of a span.
-    let lane_sums = if span == GROUP {
-        Vec::new()
+    // Only the kernels of longer spans read Σcodes per eighth of a span, or per pair of groups.
+    let (lane_sums, code_sum_pairs) = if span == GROUP {
+        (Vec::new(), Vec::new())
     } else {
-        by_16
-            .chunks_exact(span / 8 / 16)
-            .map(|s| s.iter().sum())
-            .collect()
+        (
+            by_16
+                .chunks_exact(span / 8 / 16)
+                .map(|s| s.iter().sum())
+                .collect(),
+            code_sums
+                .chunks_exact(2)
+                .map(|p| (p[0] & 0xFFFF) | (p[1] << 16))
+                .collect(),
+        )
     };
     Q8Rows {
         codes,
         scales,
         sums,
         code_sums,
+        code_sum_pairs,
         lane_sums,
         columns: Vec::new(),
         column_scales: Vec::new(),
@@ -655,7 +667,7 @@ mod tests {
     }
 
     /// Every span's sums land at its own rows' and groups' places: Σx̂ and Σcodes per 32 codes, and for spans
-    /// longer than 32 Σcodes per eighth of a span.
+    /// longer than 32 Σcodes per eighth of a span and per pair of groups (16 bits each, signed).
     #[test]
     fn sums_follow_the_codes() {
         let (t, k) = (3, 512);
@@ -679,10 +691,21 @@ mod tests {
             let want: Vec<i32> = q8.codes.chunks_exact(GROUP).map(code_sum).collect();
             assert_eq!(q8.code_sums, want, "span {span}");
             if span == GROUP {
-                assert!(q8.lane_sums.is_empty());
+                assert!(q8.lane_sums.is_empty() && q8.code_sum_pairs.is_empty());
             } else {
                 let want: Vec<i32> = q8.codes.chunks_exact(span / 8).map(code_sum).collect();
                 assert_eq!(q8.lane_sums, want, "span {span}");
+                let pairs: Vec<(i16, i16)> = q8
+                    .code_sum_pairs
+                    .iter()
+                    .map(|&p| (p as i16, (p >> 16) as i16))
+                    .collect();
+                let want: Vec<(i16, i16)> = q8
+                    .codes
+                    .chunks_exact(2 * GROUP)
+                    .map(|p| (code_sum(&p[..GROUP]) as i16, code_sum(&p[GROUP..]) as i16))
+                    .collect();
+                assert_eq!(pairs, want, "span {span}");
             }
         }
     }

@@ -726,6 +726,35 @@ impl BlockScales {
         // SAFETY: guaranteed by the caller.
         _mm256_cvtepi32_ps(unsafe { byte_lanes(self.sc[g / 4], g % 4) })
     }
+
+    /// The offset multipliers of groups 2p and 2p + 1 in the low and high 16 bits of each lane (`madd`'s pairs,
+    /// against `Q8Rows::code_sum_pairs`).
+    ///
+    /// # Safety
+    /// The caller runs with AVX2.
+    #[inline(always)]
+    unsafe fn mn_pair(&self, p: usize) -> __m256i {
+        // Bytes 2(p % 2) and 2(p % 2) + 1 of each lane to bytes 0 and 2, zeros (index bit 7) elsewhere.
+        let from = 2 * (p % 2) as u32;
+        let pick = (from | 0x80 << 8 | (from + 1) << 16 | 0x80 << 24) as i32;
+        let lanes = _mm256_setr_epi32(
+            0,
+            0x0404_0404,
+            0x0808_0808,
+            0x0C0C_0C0C,
+            0,
+            0x0404_0404,
+            0x0808_0808,
+            0x0C0C_0C0C,
+        );
+        // SAFETY: guaranteed by the caller. (Index bytes with bit 7 set stay so after the add: 0x80 + 12 < 0x100.)
+        unsafe {
+            _mm256_shuffle_epi8(
+                self.mn[p / 2],
+                _mm256_add_epi8(_mm256_set1_epi32(pick), lanes),
+            )
+        }
+    }
 }
 
 /// The 8-bit activations of a call from row t0 on, in Q4_K's spans: row t0 + r's codes, scales (one per span)
@@ -734,6 +763,7 @@ struct SpanRows {
     codes: *const i8,
     scales: *const f32,
     code_sums: *const i32,
+    code_sum_pairs: *const i32,
     spans: usize,
     groups: usize,
 }
@@ -751,6 +781,7 @@ impl SpanRows {
                 codes: q8.codes.as_ptr().add(t0 * a.k),
                 scales: q8.scales.as_ptr().add(t0 * spans),
                 code_sums: q8.code_sums.as_ptr().add(t0 * groups),
+                code_sum_pairs: q8.code_sum_pairs.as_ptr().add(t0 * groups / 2),
                 spans,
                 groups,
             }
@@ -759,7 +790,7 @@ impl SpanRows {
 
     /// Row r's outputs after span sp of block bi: out += total·(d·dx) then M·(-dmin·dx), with total = Σ sc·Σ
     /// q·x̂ over the span's groups (exact integers in float32), M = Σ mn·Σ x̂ from the row's integer group sums
-    /// (|Σ| < 2^15: their low 16 bits, signed, against mn in the low 16 bits of each lane), dx the row's scale for
+    /// (two groups to a `madd`: `Q8Rows::code_sum_pairs` against `BlockScales::mn_pair`), dx the row's scale for
     /// the span.
     ///
     /// # Safety
@@ -775,26 +806,26 @@ impl SpanRows {
         // SAFETY: the caller's contract: one scale per span and row, 8 group sums per block and row.
         unsafe {
             let dx = L::set1_ps(*self.scales.add(r * self.spans + bi * 2 + sp));
-            let sums = self
-                .code_sums
-                .add(r * self.groups + bi * 8 + sp * K_SPAN_GROUPS);
+            let pairs = self
+                .code_sum_pairs
+                .add((r * self.groups + bi * 8 + sp * K_SPAN_GROUPS) / 2);
             let acc = L::fmadd(total, L::mul(block.d, dx), L::load(out));
             let mut m = L::zero_int();
-            for j in 0..K_SPAN_GROUPS {
-                m = L::madd_into(m, *sums.add(j), block.mn[sp * K_SPAN_GROUPS + j]);
+            for p in 0..K_SPAN_GROUPS / 2 {
+                m = L::madd_into(m, *pairs.add(p), block.mn[sp * K_SPAN_GROUPS / 2 + p]);
             }
             L::store(out, L::fmadd(L::cvt(m), L::mul(block.neg_dmin, dx), acc));
         }
     }
 }
 
-/// A block's scales in the lanes of L, unpacked once for all activation rows: d, -dmin, and each group's sub-scale
-/// (as floats) and offset multiplier mn (in the low 16 bits of each lane).
+/// A block's scales in the lanes of L, unpacked once for all activation rows: d, -dmin, each group's sub-scale (as
+/// floats) and each pair of groups' offset multipliers mn (`BlockScales::mn_pair`).
 struct KScales<L: KLanes> {
     d: L::Float,
     neg_dmin: L::Float,
     scale: [L::Float; Q4K::BLOCK / GROUP],
-    mn: [L::Int; Q4K::BLOCK / GROUP],
+    mn: [L::Int; Q4K::BLOCK / GROUP / 2],
 }
 
 /// A Q4_K tile's steps in the lanes of `Lanes`: the integer sums and float steps of the plain rows' kernel.
@@ -828,12 +859,14 @@ impl<D: IntDot> KLanes for D {
                 d: s.d,
                 neg_dmin: s.neg_dmin,
                 scale: [_mm256_setzero_ps(); Q4K::BLOCK / GROUP],
-                mn: [_mm256_setzero_si256(); Q4K::BLOCK / GROUP],
+                mn: [_mm256_setzero_si256(); Q4K::BLOCK / GROUP / 2],
             };
-            // (A loop, not closures: a closure takes no target features, and its intrinsics would become calls.)
+            // (Loops, not closures: a closure takes no target features, and its intrinsics would become calls.)
             for g in 0..Q4K::BLOCK / GROUP {
                 scales.scale[g] = s.scale(g);
-                scales.mn[g] = byte_lanes(s.mn[g / 4], g % 4);
+            }
+            for p in 0..Q4K::BLOCK / GROUP / 2 {
+                scales.mn[p] = s.mn_pair(p);
             }
             scales
         }
@@ -906,16 +939,14 @@ impl KLanes for Zmm {
                 d: join_ps(first.d, second.d),
                 neg_dmin: join_ps(first.neg_dmin, second.neg_dmin),
                 scale: [_mm512_setzero_ps(); Q4K::BLOCK / GROUP],
-                mn: [_mm512_setzero_si512(); Q4K::BLOCK / GROUP],
+                mn: [_mm512_setzero_si512(); Q4K::BLOCK / GROUP / 2],
             };
-            // (A loop, not closures, as for eight rows.)
+            // (Loops, not closures, as for eight rows.)
             for g in 0..Q4K::BLOCK / GROUP {
                 scales.scale[g] = join_ps(first.scale(g), second.scale(g));
-                let (low, high) = (
-                    byte_lanes(first.mn[g / 4], g % 4),
-                    byte_lanes(second.mn[g / 4], g % 4),
-                );
-                scales.mn[g] = join_si(low, high);
+            }
+            for p in 0..Q4K::BLOCK / GROUP / 2 {
+                scales.mn[p] = join_si(first.mn_pair(p), second.mn_pair(p));
             }
             scales
         }
