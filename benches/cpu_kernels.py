@@ -12,14 +12,15 @@ fused gate+up 3072x576, down 576x1536; then the Q8_0 49152x576 head). Passes
 alternate A B C A B C; medians are reported, with each T's cost relative to T = 1 (`vs_t1`: what a speculative
 verification pass of T tokens costs against one decode step). `--isa best avx2` adds the 8-bit pass of every further
 kernel set named (`int8_avx2_ms`, and its time over the first set's, `int8_avx2_vs_int8`), alternating with the rest.
-`--layout resident` (the default) gives each pass the matrices as a resident layer holds them: Q4_1 and Q4_K rows
-interleaved by eight (`ops.interleave_rows`) where the pass's kernel set takes that layout
-(`_core.interleaved_kernels`), the file's rows elsewhere; `--layout file`: the file's rows everywhere, as streamed
-layers are read. `--against FILE` adds the 8-bit pass (first `--isa`) of another build of the Rust core: its
+`--layout resident` (the default) gives each pass the matrices as the engine holds them resident: a layer's Q4_1,
+Q4_K and (with AVX-512 VNNI) Q6_K rows interleaved by eight (`ops.interleave_rows`) where the pass's kernel set takes
+that layout (`_core.interleaved_kernels`), the file's rows elsewhere and for the output head; `--layout file`: the
+file's rows everywhere, as streamed layers are read. `--against FILE` adds the 8-bit pass (first `--isa`) of another build of the Rust core: its
 extension file, a copy of another commit's `python/ntio/_core.abi3.so` with the same Python interface (kernel type
 ids, `quantized_matmul`), loaded beside this one in the same process (`int8_against_ms`; this build's time over it,
-`int8_vs_against`): two builds side by side without a process's noise between them. Both must take the same layout
-and give equal outputs (Q4_K's changed at ad3f836, when it took the interleaved layout). `--types Q6_K ...` keeps
+`int8_vs_against`): two builds side by side without a process's noise between them. Each takes its own resident
+layout (`RESIDENT_INTERLEAVED_TYPES`; before Q6_K's, every type of `INTERLEAVED_TYPES`), and both must give equal
+outputs (Q4_K's changed at ad3f836, when it took the interleaved layout). `--types Q6_K ...` keeps
 only the matrices of those GGUF types: one type's share of the pass. Prints JSON.
 
     python benches/cpu_kernels.py [--model NAME|PATH] [--threads 2] [--repeats 7] [--rows 1 8 16] [--isa best avx2]
@@ -96,13 +97,19 @@ def in_huge_pages(raws: list[torch.Tensor]) -> list[torch.Tensor]:
     return copies
 
 
-def interleaved(mats: list) -> list[tuple[int, tuple[int, int], torch.Tensor]]:
-    """(kernel type id, shape, bytes) of each matrix as a resident layer keeps it for the interleaving kernel sets
-    (`ops.interleave_rows`, on a copy in huge pages)."""
-    copies = in_huge_pages([raw for _, _, raw, _ in mats])
-    resident = [ops.interleave_rows(ops.EncodedMatrix(copy, qtype, shape))
-                for (qtype, shape, _, _), copy in zip(mats, copies)]
-    return [(w.kernel_type, w.shape, w.raw) for w in resident]
+def interleaved(mats: list, core: ModuleType, head: torch.Tensor) -> list[tuple[int, tuple[int, int], torch.Tensor]]:
+    """(kernel type id, shape, bytes) of each matrix as the engine keeps it resident under build `core`'s interleaving
+    kernels, on a copy in huge pages: a layer's matrix of a type whose resident matrices take the interleaved layout
+    there (`ops.interleave_rows`, `RESIDENT_INTERLEAVED_TYPES`) in that layout, the output head (`head`) and the rest
+    in the file's rows."""
+    types = getattr(core, "RESIDENT_INTERLEAVED_TYPES", core.INTERLEAVED_TYPES)  # builds before Q6_K's layout: all
+    out = []
+    for (qtype, shape, raw, _), copy in zip(mats, in_huge_pages([m[2] for m in mats])):
+        kind = int(qtype)
+        if kind in types and raw is not head and shape[0] % ops.INTERLEAVE_ROWS == 0:
+            kind = _core.interleave(copy.numpy(), kind, *shape)
+        out.append((kind, shape, copy))
+    return out
 
 
 def other_build(path: Path) -> ModuleType:
@@ -136,17 +143,20 @@ def main() -> None:
     if against is not None:
         if against is this or args.against.resolve() == Path(this.__file__).resolve():
             raise SystemExit(f"--against {args.against}: that is this build")
-        if (against.interleaved_kernels(args.isa[0], True) != this.interleaved_kernels(args.isa[0], True)
-                or against.INTERLEAVED_TYPES != this.INTERLEAVED_TYPES):
+        if against.interleaved_kernels(args.isa[0], True) != this.interleaved_kernels(args.isa[0], True):
             raise SystemExit(f"--against {args.against}: its kernels take another layout of resident rows")
         against.set_kernel_threads(args.threads)
     mats = load(args.model) if args.model else build()
+    head = mats[-1][2]
     if args.types:
         mats = [m for m in mats if m[0].name in args.types]
         if not mats:
             raise SystemExit(f"--types {' '.join(args.types)}: the model has no matrix of these types")
-    layouts = {False: [(q, shape, raw) for (q, shape, _, _), raw in zip(mats, in_huge_pages([m[2] for m in mats]))],
-               True: interleaved(mats) if args.layout == "resident" else None}
+    plain = [(q, shape, raw) for (q, shape, _, _), raw in zip(mats, in_huge_pages([m[2] for m in mats]))]
+    # The matrices each build's passes take: its resident layout, or (`--layout file`, or kernels without the layout)
+    # the file's rows.
+    layouts = {core: interleaved(mats, core, head) if args.layout == "resident" else plain
+               for core in (this, against) if core is not None}
     evict = torch.zeros(128 << 20, dtype=torch.uint8)  # written before each pass: last-level caches hold <= 32 MB
     result = {"model": args.model or "synthetic SmolLM2-shaped Q4_1", "threads": args.threads, "isa": args.isa,
               "repeats": args.repeats, "layout": args.layout, "against": args.against and str(args.against),
@@ -158,10 +168,10 @@ def main() -> None:
         against_outs = [torch.empty_like(out) for out in outs]
 
         def kernel_pass(int8: bool, isa: str = args.isa[0], core: ModuleType = this) -> None:
-            resident = layouts[True] is not None and core.interleaved_kernels(isa, int8)
+            matrices = layouts[core] if core.interleaved_kernels(isa, int8) else plain
             cpu_kernels._core = core  # the module whose kernels quantized_linear calls
             try:
-                for (qtype, shape, raw), out in zip(layouts[resident], against_outs if core is against else outs):
+                for (qtype, shape, raw), out in zip(matrices, against_outs if core is against else outs):
                     cpu_kernels.quantized_linear(xs[shape[1]], raw, qtype, shape, out, isa=isa, int8=int8)
             finally:
                 cpu_kernels._core = this

@@ -197,7 +197,7 @@ fn interleave(
         Some(layout) if inverse == given.interleaved_rows() => layout,
         _ => {
             return Err(PyValueError::new_err(format!(
-                "{given:?} has no {} layout (Q4_1, Q4_K and their interleaved layouts have)",
+                "{given:?} has no {} layout (Q4_1, Q4_K, Q6_K and their interleaved layouts have)",
                 if inverse { "plain" } else { "interleaved" }
             )))
         }
@@ -765,6 +765,12 @@ pub fn register(m: &Bound<PyModule>) -> PyResult<()> {
         .filter_map(|q| q.interleaved().map(|(x8, _)| (q as u32, x8 as u32)))
         .collect();
     m.add("INTERLEAVED_TYPES", interleaved)?;
+    let resident: Vec<u32> = QType::ALL
+        .into_iter()
+        .filter(|q| q.resident_interleaved())
+        .map(|q| q as u32)
+        .collect();
+    m.add("RESIDENT_INTERLEAVED_TYPES", resident)?;
     m.add("KERNEL_MAX_T", kernels::MAX_T)?;
     let spans: std::collections::HashMap<u32, usize> = QType::ALL
         .iter()

@@ -1,8 +1,9 @@
-"""Resident Q4_1 and Q4_K matrices take an interleaved layout at load (`ops.interleave_rows`: rows in groups of 8,
-word by word) whose kernels give the plain rows' bits. Checked here against the same matrix in plain rows and against
-gguf-py's dequantizer: every path a matrix takes (the kernel product at every row count and kernel set, the dense
-product of a long prefill, row slices inside and across groups), the layout's own errors, and a model's resident
-layers against the same layers streamed (plain) from disk (SmolLM2: Q4_1; Qwen2.5-Coder-1.5B: Q4_K)."""
+"""Resident Q4_1, Q4_K and (with AVX-512 VNNI) Q6_K matrices take an interleaved layout at load (`ops.interleave_rows`:
+rows in groups of 8, word by word) whose kernels give the plain rows' bits. Checked here against the same matrix in
+plain rows and against gguf-py's dequantizer: every path a matrix takes (the kernel product at every row count and
+kernel set, the dense product of a long prefill, row slices inside and across groups), the layout's own errors, and a
+model's resident layers against the same layers streamed (plain) from disk (SmolLM2: Q4_1; Qwen2.5-Coder-1.5B: Q4_K
+and Q6_K)."""
 
 from __future__ import annotations
 
@@ -21,16 +22,34 @@ from ntio.kernels import cpu_kernels, ops, quant
 N, K = 48, 256
 
 
-LAYOUTS = [T.Q4_1, T.Q4_K]  # the types with an interleaved layout
+LAYOUTS = [T.Q4_1, T.Q4_K, T.Q6_K]  # the types with an interleaved layout (Q6_K's: 210-byte blocks, not whole words)
 
 
 def pair(seed: int = 0, qtype: T = T.Q4_1) -> tuple[ops.EncodedMatrix, ops.EncodedMatrix]:
-    """A random matrix [N, K] of `qtype` in plain rows and a copy interleaved in place."""
+    """A random matrix [N, K] of `qtype` in plain rows and a copy interleaved in place (whether or not resident
+    matrices of the type take the layout on this CPU: its kernels run everywhere)."""
     raw = torch.from_numpy(quant.random_quantized(qtype, (N, K), np.random.default_rng(seed)).reshape(-1).copy())
     plain = ops.EncodedMatrix(raw, qtype, (N, K))
-    mixed = ops.interleave_rows(ops.EncodedMatrix(raw.clone(), qtype, (N, K)))
-    assert mixed.interleaved and not torch.equal(mixed.raw, plain.raw)
+    mixed = ops.EncodedMatrix(raw.clone(), qtype, (N, K), interleaved=True)
+    assert _core.interleave(mixed.raw.numpy(), int(qtype), N, K) == mixed.kernel_type
+    assert not torch.equal(mixed.raw, plain.raw)
     return plain, mixed
+
+
+@pytest.mark.skipif(not _core.interleaved_kernels(), reason="the interleaved kernels need AVX2")
+def test_resident_matrices_take_the_layout_where_it_pays() -> None:
+    """Q4_1 and Q4_K wherever the interleaved kernels run; Q6_K where AVX-512 VNNI's products run its passes, not
+    with AVX2's (its lanes cost more than the row kernel at one or two activation rows) nor where AMX's tiles do
+    (they take plain rows). The CPU's flags as Linux reports them decide what is expected."""
+    assert sorted(_core.INTERLEAVED_TYPES) == sorted(int(q) for q in LAYOUTS)
+    with open("/proc/cpuinfo") as f:
+        flags = next((set(line.split(":")[1].split()) for line in f if line.startswith("flags")), set())
+    q6_k = "avx512_vnni" in flags and "amx_int8" not in flags
+    assert set(_core.RESIDENT_INTERLEAVED_TYPES) == {int(T.Q4_1), int(T.Q4_K)} | ({int(T.Q6_K)} if q6_k else set())
+    for qtype in LAYOUTS:
+        raw = torch.from_numpy(quant.random_quantized(qtype, (N, K), np.random.default_rng(4)).reshape(-1).copy())
+        w = ops.interleave_rows(ops.EncodedMatrix(raw, qtype, (N, K)))
+        assert w.interleaved == (int(qtype) in _core.RESIDENT_INTERLEAVED_TYPES), qtype
 
 
 @pytest.mark.parametrize("qtype", LAYOUTS)
@@ -103,13 +122,16 @@ def test_the_layout_refuses_what_it_cannot_hold() -> None:
 @pytest.mark.skipif(not _core.interleaved_kernels(), reason="the interleaved kernels need AVX2")
 @pytest.mark.parametrize("model", ["smollm2_path", "qwen15_path"])
 def test_resident_layers_compute_what_streamed_ones_do(model: str, request: pytest.FixtureRequest) -> None:
-    """SmolLM2 (Q4_1) and Qwen2.5-Coder-1.5B (Q4_K, and Q6_K in plain rows): resident layers take the layout,
-    streamed ones keep plain rows; a prefill and decode steps give the same logits, bit for bit."""
+    """SmolLM2 (Q4_1) and Qwen2.5-Coder-1.5B (Q4_K, and Q6_K where it takes the layout): resident layers take the
+    layout, streamed ones keep plain rows; a prefill and decode steps give the same logits, bit for bit."""
     path = request.getfixturevalue(model)
     with ntio.load(path, max_context=64, tiers="A") as resident, \
             ntio.load(path, max_context=64, tiers="C") as streamed:
-        w = resident.loader.resident_blocks()[3]  # Qwen's block 3 is all Q4_K
+        blocks = resident.loader.resident_blocks()
+        w = blocks[3]  # Qwen's block 3 is all Q4_K
         assert w.w_down.interleaved and all(m.interleaved for m in w.w_gate_up)
+        q6_k_downs = [b.w_down for b in blocks if b.w_down.qtype == T.Q6_K]  # Qwen's: half the layers'
+        assert all(d.interleaved == (int(T.Q6_K) in _core.RESIDENT_INTERLEAVED_TYPES) for d in q6_k_downs)
         ids = torch.tensor(resident.encode_prompt("Name three rivers in Europe.", chat=True))
 
         def run(m: ntio.LLM) -> list[torch.Tensor]:

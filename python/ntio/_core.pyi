@@ -113,6 +113,7 @@ class Slot:
 KERNEL_TYPES: list[int]
 """ggml type ids `quantized_matmul` supports."""
 INTERLEAVED_TYPES: dict[int, int]
+RESIDENT_INTERLEAVED_TYPES: list[int]
 """ggml type id -> the id of its interleaved layout (`interleave`), which `quantized_matmul` takes."""
 KERNEL_MAX_T: int
 """Activation rows the kernels take at once (longer inputs run in blocks of this many)."""

@@ -36,7 +36,7 @@ pub fn dequantize(raw: &[u8], qtype: QType, k: usize, out: &mut [f32]) -> Result
         QType::BF16 => dense::<blocks::BF16>,
         QType::Q4_0 => quantized::<blocks::Q4_0>,
         QType::Q4_1 => quantized::<blocks::Q4_1>,
-        QType::Q4_1X8 | QType::Q4KX8 => unreachable!("refused above"),
+        QType::Q4_1X8 | QType::Q4KX8 | QType::Q6KX8 => unreachable!("refused above"),
         QType::Q5_0 => quantized::<blocks::Q5_0>,
         QType::Q5_1 => quantized::<blocks::Q5_1>,
         QType::Q8_0 => quantized::<blocks::Q8_0>,

@@ -49,6 +49,8 @@ pub enum QType {
     Q4_1X8 = 256 + 3,
     /// ntio's own: Q4_K rows interleaved by eight, as Q4_1X8.
     Q4KX8 = 256 + 12,
+    /// ntio's own: Q6_K rows interleaved by eight, as Q4_1X8 (each block's 52 words, then its rows' d).
+    Q6KX8 = 256 + 14,
 }
 
 impl QType {
@@ -72,13 +74,13 @@ impl QType {
     pub fn from_id(id: u32) -> Option<QType> {
         QType::ALL
             .into_iter()
-            .chain([QType::Q4_1X8, QType::Q4KX8])
+            .chain([QType::Q4_1X8, QType::Q4KX8, QType::Q6KX8])
             .find(|q| *q as u32 == id)
     }
 
     /// Whether the type's rows are stored interleaved (in groups of `GROUP_ROWS`).
     pub fn interleaved_rows(self) -> bool {
-        matches!(self, QType::Q4_1X8 | QType::Q4KX8)
+        matches!(self, QType::Q4_1X8 | QType::Q4KX8 | QType::Q6KX8)
     }
 
     /// The interleaved layout of this type, if it has one: (its type, bytes per block of a row).
@@ -86,8 +88,26 @@ impl QType {
         match self {
             QType::Q4_1 => Some((QType::Q4_1X8, blocks::Q4_1::BYTES)),
             QType::Q4K => Some((QType::Q4KX8, blocks::Q4K::BYTES)),
+            QType::Q6K => Some((QType::Q6KX8, blocks::Q6K::BYTES)),
             _ => None,
         }
+    }
+
+    /// Whether resident matrices of this type take its interleaved layout on this CPU: Q4_1 and Q4_K wherever
+    /// their layouts' kernels run, Q6_K only where AVX-512 VNNI's products run its passes. With AVX2's (and
+    /// AVX-VNNI's) products its lanes at one or two activation rows cost more than the row kernel on plain rows;
+    /// with AMX, tiles take its passes of several rows, on plain rows (`avx2::tiles`). Qwen2.5-Coder-1.5B's Q6_K
+    /// matrices, cache-cold, 2 threads, interleaved over plain, at T = 1 / 2 / 4 / 8 / 16: AVX-512 VNNI 0.99 /
+    /// 1.02 / 0.86 / 0.87 / 0.89, AVX2 1.04 / 1.07 / 0.95 / 0.93 / 1.02 (benches/RESULTS.md, thirty-seventh
+    /// session).
+    pub fn resident_interleaved(self) -> bool {
+        if self == QType::Q6K {
+            #[cfg(target_arch = "x86_64")]
+            return products(Isa::Best) == super::avx2::Products::Avx512Vnni;
+            #[cfg(not(target_arch = "x86_64"))]
+            return false;
+        }
+        self.interleaved().is_some()
     }
 
     /// The type whose rows an interleaved layout holds (itself for the others).
@@ -95,6 +115,7 @@ impl QType {
         match self {
             QType::Q4_1X8 => QType::Q4_1,
             QType::Q4KX8 => QType::Q4K,
+            QType::Q6KX8 => QType::Q6K,
             other => other,
         }
     }
@@ -129,7 +150,7 @@ impl QType {
             QType::Q8_0 => q::<blocks::Q8_0>(),
             QType::Q4K | QType::Q4KX8 => q::<blocks::Q4K>(),
             QType::Q5K => q::<blocks::Q5K>(),
-            QType::Q6K => q::<blocks::Q6K>(),
+            QType::Q6K | QType::Q6KX8 => q::<blocks::Q6K>(),
             QType::TQ1_0 => q::<blocks::TQ1_0>(),
             QType::TQ2_0 => q::<blocks::TQ2_0>(),
         }
@@ -160,7 +181,9 @@ impl QType {
             QType::Q6K => quantized_kernel::<blocks::Q6K>(isa, int),
             QType::TQ1_0 => quantized_kernel::<blocks::TQ1_0>(isa, int),
             QType::TQ2_0 => quantized_kernel::<blocks::TQ2_0>(isa, int),
-            QType::Q4_1X8 | QType::Q4KX8 => self.interleaved_kernel(isa, activations),
+            QType::Q4_1X8 | QType::Q4KX8 | QType::Q6KX8 => {
+                self.interleaved_kernel(isa, activations)
+            }
         }
     }
 
@@ -170,10 +193,10 @@ impl QType {
     fn interleaved_kernel(self, isa: Isa, activations: Activations8) -> Kernel {
         #[cfg(target_arch = "x86_64")]
         if activations == Activations8::Int8 && isa != Isa::Scalar && super::avx2::available() {
-            return if self == QType::Q4KX8 {
-                super::avx2::q4_k_x8(products(isa))
-            } else {
-                super::avx2::q4_1_x8(products(isa))
+            return match self {
+                QType::Q4KX8 => super::avx2::q4_k_x8(products(isa)),
+                QType::Q6KX8 => super::avx2::q6_k_x8(products(isa)),
+                _ => super::avx2::q4_1_x8(products(isa)),
             };
         }
         match self.plain().kernel(isa, activations) {
@@ -1106,13 +1129,13 @@ mod tests {
         }
     }
 
-    /// Q4_1 and Q4_K rows interleaved by eight give the plain rows' bits in every kernel set, on both activation
-    /// paths and for every row count, beside a plain matrix in the same call and with more than one task per
-    /// matrix.
+    /// Q4_1, Q4_K and Q6_K rows interleaved by eight give the plain rows' bits in every kernel set, on both
+    /// activation paths and for every row count, beside a plain matrix in the same call and with more than one
+    /// task per matrix.
     #[test]
     fn interleaved_rows_give_the_plain_rows_bits() {
         let (n, k) = (48, 768);
-        for (qtype, seed) in [(QType::Q4_1, 6), (QType::Q4K, 16)] {
+        for (qtype, seed) in [(QType::Q4_1, 6), (QType::Q4K, 16), (QType::Q6K, 26)] {
             let (mixed_type, size) = qtype.interleaved().unwrap();
             let row_bytes = k / qtype.block().0 * size;
             let plain = bytes(n * row_bytes, seed);
@@ -1171,8 +1194,8 @@ mod tests {
     /// Q6_K at the bounds its exact span sums rely on (`SuperBlock::SPAN_TOTALS`; the lane kernels' 16-bit
     /// pair-sums times sub-scales, and their offsets): every code q = +31 or -32, every sub-scale -128 or +127,
     /// every activation code +127 or -127. Passes of any number of activation rows (the row kernel, the lanes of
-    /// eight or sixteen rows, AMX's tiles where present) give each row the one-row pass's bits, and Σ d·sc·q·x to
-    /// float32 rounding.
+    /// eight or sixteen rows, AMX's tiles where present), on plain rows or interleaved ones, give each row the
+    /// one-row pass's bits, and Σ d·sc·q·x to float32 rounding.
     #[test]
     fn q6_k_at_its_bounds_sums_exactly() {
         let (n, k) = (16, 512);
@@ -1185,31 +1208,36 @@ mod tests {
             block[192..208].fill(scale);
             block[208..].copy_from_slice(&[0x00, 0x3C]); // d = 1 (float16)
             let w = block.repeat(n * k / 256);
+            let mut mixed = vec![0u8; w.len()];
+            super::super::interleave::interleave(&w, k / 256 * 210, 210, &mut mixed);
             let sc = f32::from(scale as i8);
             for sign in [1.0f32, -1.0] {
                 let exact = sign * sc * q * k as f32;
                 for isa in [Isa::Best, Isa::Avx2].into_iter().filter(|i| i.available()) {
-                    let product = |t: usize| {
+                    let product = |t: usize, w: &[u8], qtype: QType| {
                         let mut out = vec![0f32; t * n];
-                        let (x, m) = (vec![sign; t * k], [Matrix::new(&w, QType::Q6K, n)]);
+                        let (x, m) = (vec![sign; t * k], [Matrix::new(w, qtype, n)]);
                         let int8 = Activations8::Int8;
                         quantized_matmul(&x, t, k, Prologue::default(), &m, &mut out, isa, int8)
                             .unwrap();
                         out
                     };
-                    let one = product(1);
+                    let one = product(1, &w, QType::Q6K);
                     assert!(
                         one.iter().all(|y| (y - exact).abs() <= 1e-6 * exact.abs()),
                         "{isa:?} {one:?} vs {exact}"
                     );
-                    for t in [3, 4, 5, 6, 8, 16, 33] {
-                        let all = product(t);
-                        for (i, y) in all.iter().enumerate() {
-                            assert_eq!(
-                                y.to_bits(),
-                                one[i % n].to_bits(),
-                                "{isa:?} t={t} output {i}"
-                            );
+                    for t in [1, 2, 3, 4, 5, 6, 8, 16, 33] {
+                        let alls = [product(t, &w, QType::Q6K), product(t, &mixed, QType::Q6KX8)];
+                        for (layout, all) in alls.iter().enumerate() {
+                            for (i, y) in all.iter().enumerate() {
+                                assert_eq!(
+                                    y.to_bits(),
+                                    one[i % n].to_bits(),
+                                    "{isa:?} t={t} output {i} (interleaved: {})",
+                                    layout == 1
+                                );
+                            }
                         }
                     }
                 }

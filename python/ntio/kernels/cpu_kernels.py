@@ -17,8 +17,9 @@ codes in exact integer sums, scaled per span in float32: the result equals
 activations (d * Σ q·x + m * Σ x in float32): `F.linear(x, dequantize(raw))` to ~1e-6, the reference path.
 Dense types (F32/F16/BF16) always take float32 activations.
 
-Layout. Resident Q4_1 and Q4_K matrices are interleaved at load, eight rows at a time word by word
-(`ops.interleave_rows`), where AVX2's 8-bit kernels run (`KernelChoice.interleaves_rows`): a group of eight rows is
+Layout. Resident Q4_1, Q4_K and (where AVX-512 VNNI's products run its passes) Q6_K matrices are interleaved at load,
+eight rows at a time word by word (`ops.interleave_rows`), where AVX2's 8-bit kernels run
+(`KernelChoice.interleaves_rows`): a group of eight rows is
 then one linear stream whose scales unpack once for the eight and whose products sum each row in its own vector
 lane. They give the plain rows' bits, so streamed layers (plain rows, as read from the file) and resident ones
 compute the same.

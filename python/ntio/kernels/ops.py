@@ -116,13 +116,14 @@ INTERLEAVE_ROWS = 8
 
 def interleave_rows(w: EncodedMatrix) -> EncodedMatrix:
     """w with its rows interleaved by eight in place (`_core.interleave`: one linear stream per 8 rows, whose
-    kernel sums each row in its own vector lane), where that pays: a type with the layout (Q4_1, Q4_K), whole
-    groups of rows, on the CPU; else w as it is. The products give the plain rows' bits (SmolLM2's Q4_1 products ran
-    1.37-1.68x faster from T = 1 to 32 rows; Qwen2.5-Coder-1.5B's Q4_K ones 1.1x at T = 1 and 1.6x at T = 8,
-    benches/RESULTS.md), so resident and streamed layers still agree. The bytes are w's own (a resident layer's
+    kernel sums each row in its own vector lane), where that pays: a type whose resident matrices take the layout on
+    this CPU (`_core.RESIDENT_INTERLEAVED_TYPES`: Q4_1, Q4_K, and Q6_K with AVX-512 VNNI), whole groups of rows, on the
+    CPU; else w as it is. The products give the plain rows' bits (SmolLM2's Q4_1 products ran 1.37-1.68x faster from
+    T = 1 to 32 rows; Qwen2.5-Coder-1.5B's Q4_K ones 1.1x at T = 1 and 1.6x at T = 8, its Q6_K ones 1.15x at T = 4 to
+    16, benches/RESULTS.md), so resident and streamed layers still agree. The bytes are w's own (a resident layer's
     buffer): whatever else views them must take the new layout. Where w is part of a row stack, the caller keeps its
     first row a multiple of INTERLEAVE_ROWS (`LayerWeights`)."""
-    if (w.interleaved or w.raw.device.type != "cpu" or int(w.qtype) not in _core.INTERLEAVED_TYPES
+    if (w.interleaved or w.raw.device.type != "cpu" or int(w.qtype) not in _core.RESIDENT_INTERLEAVED_TYPES
             or w.shape[0] % INTERLEAVE_ROWS):
         return w
     _core.interleave(w.raw.numpy(), int(w.qtype), w.shape[0], w.shape[1])
@@ -208,12 +209,20 @@ def dequantized(w: EncodedMatrix) -> torch.Tensor:
 
 def _plain_rows(raw: torch.Tensor, qtype: gguf.GGMLQuantizationType, n: int) -> torch.Tensor:
     """The plain rows of n interleaved ones (`_core.interleave`'s layout: in a group's block, word w of row r at
-    byte 4 (8w + r)), as a new tensor: one strided copy, on torch's threads."""
-    words = gguf.GGML_QUANT_SIZES[qtype][1] // 4
-    if raw.storage_offset() % 4:
-        raw = raw.clone()
-    mixed = raw.view(torch.int32).view(n // INTERLEAVE_ROWS, -1, words, INTERLEAVE_ROWS)  # [group, block, word, row]
-    return mixed.permute(0, 3, 1, 2).contiguous().view(torch.uint8).view(-1)
+    byte 4 (8w + r), then, for a block of 4·words + tail bytes (Q6_K's 210), row r's tail at 32·words + tail·r), as a
+    new tensor: one strided copy (two with a tail), on torch's threads."""
+    words, tail = divmod(gguf.GGML_QUANT_SIZES[qtype][1], 4)
+    groups = n // INTERLEAVE_ROWS
+    mixed = raw.view(groups, -1, INTERLEAVE_ROWS * (4 * words + tail))  # [group, block, the group's block bytes]
+    head = mixed[..., : INTERLEAVE_ROWS * 4 * words]
+    if tail or raw.storage_offset() % 4:
+        head = head.contiguous()
+    head = head.view(torch.int32).view(groups, -1, words, INTERLEAVE_ROWS)  # [group, block, word, row]
+    rows = head.permute(0, 3, 1, 2).contiguous().view(torch.uint8)  # [group, row, block, 4·words]
+    if tail:
+        tails = mixed[..., INTERLEAVE_ROWS * 4 * words :].view(groups, -1, INTERLEAVE_ROWS, tail).permute(0, 2, 1, 3)
+        rows = torch.cat([rows, tails], dim=-1)
+    return rows.reshape(-1)
 
 
 # Attention work (query heads x cached positions x head_dim) below which one torch thread beats two: SDPA for one

@@ -1,7 +1,7 @@
-//! The AVX2 integer kernels of rows interleaved by eight (`interleave`: `QType::Q4_1X8`, `QType::Q4KX8`), for
-//! resident matrices: a group of eight weight rows is one linear stream, and every 32-byte load gives the same
-//! word of the eight rows (lane r: row r), so their scales unpack once for the eight and each row's products sum
-//! in its own lane, with nothing reduced across lanes. With AVX-512 VNNI, Q4_1 takes two groups a call, one per
+//! The AVX2 integer kernels of rows interleaved by eight (`interleave`: `QType::Q4_1X8`, `QType::Q4KX8`; those of
+//! `QType::Q6KX8` are in `q6k_lanes`), for resident matrices: a group of eight weight rows is one linear stream,
+//! and every 32-byte load gives the same word of the eight rows (lane r: row r), so their scales unpack once for
+//! the eight and each row's products sum in its own lane, with nothing reduced across lanes. With AVX-512 VNNI, Q4_1 takes two groups a call, one per
 //! half of a 512-bit vector (`wide_rows`); with AMX, Q4_K takes tiles over two groups (`k_wide_rows`). Plain Q4_K
 //! rows (streamed layers) take the same kernel in passes of several activation rows, each eight regrouped into the
 //! layout on the fly (`q4_k_plain`).
@@ -655,6 +655,30 @@ unsafe fn word(block: *const u8, w: usize) -> __m256i {
     unsafe { _mm256_loadu_si256(block.add(32 * w).cast()) }
 }
 
+/// A `pshufb` index byte that gives zero.
+const ZERO: u8 = 0x80;
+
+/// `pshufb` indices (`_mm256_shuffle_epi8`) that give byte b of each 32-bit lane its lane's byte pick[b] (0..4), or
+/// zero for ZERO.
+///
+/// # Safety
+/// The caller runs with AVX2.
+#[inline(always)]
+pub(super) unsafe fn lane_bytes(pick: [u8; 4]) -> __m256i {
+    // Index bytes count from each 128-bit half's start: lane i's bytes are 4i.. (ZERO + 12 keeps bit 7).
+    let lanes = _mm256_setr_epi32(
+        0,
+        0x0404_0404,
+        0x0808_0808,
+        0x0C0C_0C0C,
+        0,
+        0x0404_0404,
+        0x0808_0808,
+        0x0C0C_0C0C,
+    );
+    _mm256_add_epi8(_mm256_set1_epi32(u32::from_le_bytes(pick) as i32), lanes)
+}
+
 /// Byte `i` (0..4) of every i32 lane of `v`, zero-extended.
 ///
 /// # Safety
@@ -734,26 +758,10 @@ impl BlockScales {
     /// The caller runs with AVX2.
     #[inline(always)]
     unsafe fn mn_pair(&self, p: usize) -> __m256i {
-        // Bytes 2(p % 2) and 2(p % 2) + 1 of each lane to bytes 0 and 2, zeros (index bit 7) elsewhere.
-        let from = 2 * (p % 2) as u32;
-        let pick = (from | 0x80 << 8 | (from + 1) << 16 | 0x80 << 24) as i32;
-        let lanes = _mm256_setr_epi32(
-            0,
-            0x0404_0404,
-            0x0808_0808,
-            0x0C0C_0C0C,
-            0,
-            0x0404_0404,
-            0x0808_0808,
-            0x0C0C_0C0C,
-        );
-        // SAFETY: guaranteed by the caller. (Index bytes with bit 7 set stay so after the add: 0x80 + 12 < 0x100.)
-        unsafe {
-            _mm256_shuffle_epi8(
-                self.mn[p / 2],
-                _mm256_add_epi8(_mm256_set1_epi32(pick), lanes),
-            )
-        }
+        // Bytes 2(p % 2) and 2(p % 2) + 1 of each lane to bytes 0 and 2, zeros elsewhere.
+        let from = 2 * (p % 2) as u8;
+        // SAFETY: guaranteed by the caller.
+        unsafe { _mm256_shuffle_epi8(self.mn[p / 2], lane_bytes([from, ZERO, from + 1, ZERO])) }
     }
 }
 

@@ -12,6 +12,10 @@
 //! pair-sums of byte products times the sub-scales, then the offset against the activations' sixteen-element
 //! sums. Its float step is the row kernel's, tot += float(I)·(d·dx), lane by lane, so each output has the row
 //! kernel's bits (`SuperBlock::SPAN_TOTALS`) whatever the number of activation rows.
+//!
+//! Resident rows take the interleaved layout (`QType::Q6KX8`, `interleave`): there the words come transposed, so a
+//! block's decoding is only the codes' assembly and the scales', and every pass takes the lanes, one activation row
+//! too.
 
 use std::arch::x86_64::*;
 
@@ -19,7 +23,7 @@ use super::super::blocks::{self, Format};
 use super::super::rows::{
     in_tiles, Activations, GroupKernel, Kernel, GROUP_ROWS, MAX_T, WIDE_ROWS,
 };
-use super::interleaved::{dpwssd, with_wide, words4, Lanes, Zmm};
+use super::interleaved::{dpwssd, join_si, lane_bytes, with_wide, words4, Lanes, Zmm};
 use super::{int_entries, AvxVnni, IntDot, Madd, Prefetch, Products, Vnni};
 
 type Q6K = blocks::Q6K;
@@ -91,6 +95,24 @@ int_entries!(
     )
 );
 
+with_wide!(
+    /// The integer kernel of interleaved Q6_K rows (`QType::Q6KX8`; 8-bit activations), with `products`: a group
+    /// kernel of eight rows in lanes, or with AVX-512 VNNI's a wide one of sixteen (`x8_wide_rows`; AMX's too,
+    /// though resident matrices keep plain rows there for its tiles: `QType::resident_interleaved`). Passes of any
+    /// number of activation rows take the lanes. Call only if `products.available()`.
+    q6_k_x8 => q6_k_x8_lanes, x8_wide_rows, Products::Avx512Vnni | Products::Amx
+);
+
+int_entries!(
+    /// `q6_k_x8` with vector products on one interleaved group of eight rows.
+    q6_k_x8_lanes<> -> GroupKernel => x8_lane_rows(
+        a: &Activations,
+        group: &[u8],
+        row_bytes: usize,
+        y: &mut [[f32; GROUP_ROWS]; MAX_T]
+    )
+);
+
 /// `count` (1 to 8) plain Q6_K rows (`rows`: count · row_bytes bytes, row_bytes = k / 256 · 210), in lanes with D's
 /// products (a whole group, from Q6K_LANES_MIN_ROWS activation rows) or with the row kernel; y[t][j] for row j.
 ///
@@ -116,13 +138,45 @@ pub(super) unsafe fn lane_rows<D: IntDot>(
         return;
     }
     let mut lane = LANE.take().unwrap_or_else(|| Box::new(LaneBlock::EMPTY));
-    let ahead = Prefetch::after(rows, row_bytes / Q6K::BYTES);
-    for bi in 0..row_bytes / Q6K::BYTES {
-        // SAFETY: `rows` is one whole group; the caller runs with D's features, which include AVX2.
-        unsafe { decode_block(rows, row_bytes, bi, &mut lane) };
-        // The tiles' contract: `lane` holds the group's block bi.
-        in_tiles!(a.t, y, |t0, out| tile::<D>(a, &lane, bi, ahead, t0, out));
-    }
+    // SAFETY: `rows` is one whole group; the caller runs with D's features, which include AVX2.
+    unsafe {
+        decode_and_multiply::<D, _, 1, 1>(
+            a,
+            rows,
+            |bi| [Plain::block(rows, row_bytes, 0, bi)],
+            &mut lane,
+            y,
+        )
+    };
+    LANE.set(Some(lane));
+}
+
+/// One interleaved group of eight Q6_K rows (`group`: 8 · row_bytes bytes, row_bytes = k / 256 · 210) in lanes with
+/// D's products, whatever the number of activation rows; y[t][r] for row r.
+///
+/// # Safety
+/// The caller runs with D's features; `matmul` checked the sizes (interleaved rows come in whole groups).
+#[inline(always)]
+unsafe fn x8_lane_rows<D: IntDot>(
+    a: &Activations,
+    group: &[u8],
+    row_bytes: usize,
+    y: &mut [[f32; GROUP_ROWS]; MAX_T],
+) {
+    debug_assert!(
+        row_bytes == a.k / Q6K::BLOCK * Q6K::BYTES && group.len() == GROUP_ROWS * row_bytes
+    );
+    let mut lane = LANE.take().unwrap_or_else(|| Box::new(LaneBlock::EMPTY));
+    // SAFETY: `group` is one whole group; the caller runs with D's features, which include AVX2.
+    unsafe {
+        decode_and_multiply::<D, _, 1, 1>(
+            a,
+            group,
+            |bi| [Mixed::block(group, row_bytes, 0, bi)],
+            &mut lane,
+            y,
+        )
+    };
     LANE.set(Some(lane));
 }
 
@@ -153,120 +207,454 @@ unsafe fn wide_rows(
     let mut lane = WIDE_LANE
         .take()
         .unwrap_or_else(|| Box::new(LaneBlock::EMPTY));
-    let ahead = Prefetch::after(rows, row_bytes / Q6K::BYTES);
-    for bi in 0..row_bytes / Q6K::BYTES {
-        // SAFETY: `rows` is two whole groups; the caller runs with AVX-512 VNNI's features.
-        unsafe { decode_block(rows, row_bytes, bi, &mut lane) };
-        // The tiles' contract: `lane` holds both groups' block bi.
-        in_tiles!(a.t, y, |t0, out| tile::<Zmm>(a, &lane, bi, ahead, t0, out));
-    }
+    let block = |bi| [0, 1].map(|g| Plain::block(rows, row_bytes, g, bi));
+    // SAFETY: `rows` is two whole groups; the caller runs with AVX-512 VNNI's features.
+    unsafe { decode_and_multiply::<Zmm, _, 2, 2>(a, rows, block, &mut lane, y) };
     WIDE_LANE.set(Some(lane));
 }
 
-/// Block bi of G whole groups of eight rows (`rows`) into `lane`.
+/// One or two interleaved groups of Q6_K rows (`groups`: 8 or 16 rows), two at once in AVX-512 vectors (`Zmm`), a
+/// lone one as `x8_lane_rows` with VNNI's products; y[t][j] for row j.
 ///
 /// # Safety
-/// `rows` holds 8G rows of `row_bytes`, bi < row_bytes / 210; the caller runs with AVX2.
+/// The caller runs with AVX-512 VNNI's features; `matmul` checked the sizes.
 #[inline(always)]
-unsafe fn decode_block<const G: usize>(
-    rows: &[u8],
+unsafe fn x8_wide_rows(
+    a: &Activations,
+    groups: &[u8],
     row_bytes: usize,
-    bi: usize,
-    lane: &mut LaneBlock<G>,
+    y: &mut [[f32; WIDE_ROWS]; MAX_T],
 ) {
-    debug_assert!(rows.len() == G * GROUP_ROWS * row_bytes);
-    for g in 0..G {
-        // SAFETY: block bi of group g's eight rows is inside `rows`; the caller runs with AVX2.
-        unsafe {
-            let b = rows
+    if groups.len() != WIDE_ROWS * row_bytes {
+        let mut lanes = [[0f32; GROUP_ROWS]; MAX_T];
+        // SAFETY: the caller's contract; `groups` is one whole group.
+        unsafe { x8_lane_rows::<Vnni>(a, groups, row_bytes, &mut lanes) };
+        for (y, lanes) in y.iter_mut().zip(&lanes[..a.t]) {
+            y[..GROUP_ROWS].copy_from_slice(lanes);
+        }
+        return;
+    }
+    let mut lane = WIDE_LANE
+        .take()
+        .unwrap_or_else(|| Box::new(LaneBlock::EMPTY));
+    let block = |bi| [MixedPair::block(groups, row_bytes, 0, bi)];
+    // SAFETY: `groups` is two whole groups; the caller runs with AVX-512 VNNI's features.
+    unsafe { decode_and_multiply::<Zmm, _, 2, 1>(a, groups, block, &mut lane, y) };
+    WIDE_LANE.set(Some(lane));
+}
+
+/// The lane kernel on a call's rows (`rows`: G groups of eight): each block bi (`block(bi)`: the G groups' blocks, in
+/// P parts of G / P groups each) decoded into `lane`, then met by every tile of activation rows while it is in L1,
+/// the first tile prefetching the next call's rows.
+///
+/// # Safety
+/// `block(bi)` gives readable blocks for every bi < a.k / 256; the caller runs with L's features.
+#[inline(always)]
+unsafe fn decode_and_multiply<
+    L: Q6Lanes<Block = LaneBlock<G>>,
+    B: RowBlock,
+    const G: usize,
+    const P: usize,
+>(
+    a: &Activations,
+    rows: &[u8],
+    block: impl Fn(usize) -> [B; P],
+    lane: &mut LaneBlock<G>,
+    y: &mut [L::Out; MAX_T],
+) {
+    let blocks = a.k / Q6K::BLOCK;
+    let ahead = Prefetch::after(rows, blocks);
+    for bi in 0..blocks {
+        for (part, rows) in block(bi).into_iter().enumerate() {
+            // SAFETY: the caller's contract.
+            unsafe { decode(rows, part, lane) };
+        }
+        // The tiles' contract: `lane` holds the groups' block bi.
+        in_tiles!(a.t, y, |t0, out| tile::<L>(a, lane, bi, ahead, t0, out));
+    }
+}
+
+/// Block bi of a group of eight rows, or of two groups (`MixedPair`), as `decode` reads it.
+trait RowBlock: Copy {
+    /// The vectors it decodes into: a lane per row.
+    type V: DecodeVec;
+    /// Block bi of group g of `rows` (rows of `row_bytes`).
+    fn block(rows: &[u8], row_bytes: usize, g: usize, bi: usize) -> Self;
+    /// Bytes at..at + 16 (at a multiple of 4, below 208) of the rows' block: vector w holds the word at at + 4w of
+    /// each row, lane r for row r.
+    ///
+    /// # Safety
+    /// The block is readable; the caller runs with V's features.
+    unsafe fn words4(self, at: usize) -> [Self::V; 4];
+    /// The rows' d as floats into `d`, row r's at d[r].
+    ///
+    /// # Safety
+    /// As `words4`; `d` holds a float per row, 32-byte aligned.
+    unsafe fn store_d(self, d: *mut f32);
+}
+
+/// Block bi of eight plain rows: row r's at `at` + r · row_bytes, its words transposed as read (`words4`).
+#[derive(Clone, Copy)]
+struct Plain {
+    at: *const u8,
+    row_bytes: usize,
+}
+
+impl RowBlock for Plain {
+    type V = __m256i;
+
+    #[inline(always)]
+    fn block(rows: &[u8], row_bytes: usize, g: usize, bi: usize) -> Plain {
+        Plain {
+            at: rows
                 .as_ptr()
-                .add(g * GROUP_ROWS * row_bytes + bi * Q6K::BYTES);
-            decode(b, row_bytes, g, lane);
+                .wrapping_add(g * GROUP_ROWS * row_bytes + bi * Q6K::BYTES),
+            row_bytes,
+        }
+    }
+
+    #[inline(always)]
+    unsafe fn words4(self, at: usize) -> [__m256i; 4] {
+        // SAFETY: the caller's contract.
+        unsafe { words4(self.at.add(at), self.row_bytes) }
+    }
+
+    #[inline(always)]
+    unsafe fn store_d(self, d: *mut f32) {
+        // SAFETY: each row's d at byte 208 of its block (the caller's contract); F16C is in every kernel set here.
+        unsafe {
+            let half: [u16; GROUP_ROWS] = std::array::from_fn(|r| {
+                self.at
+                    .add(r * self.row_bytes + D_AT)
+                    .cast::<u16>()
+                    .read_unaligned()
+            });
+            _mm256_store_ps(d, _mm256_cvtph_ps(_mm_loadu_si128(half.as_ptr().cast())));
         }
     }
 }
 
-/// Block `b` of eight rows (row r's at b + r · row_bytes) into part g of `lane`: its words transposed as read
-/// (`words4`), then each code assembled in its lane.
+/// Block bi of an interleaved group (`interleave`): word w of row r at `at` + 32w + 4r, then the rows' d.
+#[derive(Clone, Copy)]
+struct Mixed {
+    at: *const u8,
+}
+
+impl RowBlock for Mixed {
+    type V = __m256i;
+
+    #[inline(always)]
+    fn block(groups: &[u8], row_bytes: usize, g: usize, bi: usize) -> Mixed {
+        Mixed {
+            at: groups
+                .as_ptr()
+                .wrapping_add(g * GROUP_ROWS * row_bytes + bi * GROUP_ROWS * Q6K::BYTES),
+        }
+    }
+
+    #[inline(always)]
+    unsafe fn words4(self, at: usize) -> [__m256i; 4] {
+        // (Loads written out, not an array's closure: a closure takes no target features, and its intrinsics
+        // would become calls.)
+        // SAFETY: the caller's contract: words at / 4 .. at / 4 + 4 of the group's block.
+        unsafe {
+            let word = self.at.add(GROUP_ROWS * at);
+            [
+                _mm256_loadu_si256(word.cast()),
+                _mm256_loadu_si256(word.add(32).cast()),
+                _mm256_loadu_si256(word.add(64).cast()),
+                _mm256_loadu_si256(word.add(96).cast()),
+            ]
+        }
+    }
+
+    #[inline(always)]
+    unsafe fn store_d(self, d: *mut f32) {
+        // SAFETY: the rows' d after the block's 52 words of eight rows (the caller's contract).
+        unsafe {
+            _mm256_store_ps(
+                d,
+                _mm256_cvtph_ps(_mm_loadu_si128(self.at.add(GROUP_ROWS * D_AT).cast())),
+            )
+        }
+    }
+}
+
+/// Block bi of two interleaved groups, decoded at once in AVX-512 vectors: each of `Mixed`'s words of the first
+/// group in lanes 0-7 and of the second in lanes 8-15.
+#[derive(Clone, Copy)]
+struct MixedPair {
+    at: [Mixed; 2],
+}
+
+impl RowBlock for MixedPair {
+    type V = __m512i;
+
+    #[inline(always)]
+    fn block(groups: &[u8], row_bytes: usize, g: usize, bi: usize) -> MixedPair {
+        MixedPair {
+            at: [
+                Mixed::block(groups, row_bytes, g, bi),
+                Mixed::block(groups, row_bytes, g + 1, bi),
+            ],
+        }
+    }
+
+    #[inline(always)]
+    unsafe fn words4(self, at: usize) -> [__m512i; 4] {
+        // SAFETY: the caller's contract, for both groups; it runs with AVX-512 F.
+        unsafe {
+            let (first, second) = (self.at[0].words4(at), self.at[1].words4(at));
+            [
+                join_si(first[0], second[0]),
+                join_si(first[1], second[1]),
+                join_si(first[2], second[2]),
+                join_si(first[3], second[3]),
+            ]
+        }
+    }
+
+    #[inline(always)]
+    unsafe fn store_d(self, d: *mut f32) {
+        // SAFETY: the caller's contract: sixteen floats at d, the first group's rows then the second's.
+        unsafe {
+            self.at[0].store_d(d);
+            self.at[1].store_d(d.add(GROUP_ROWS));
+        }
+    }
+}
+
+/// The vectors a block of Q6_K rows is decoded in (`decode`): a group's eight rows (AVX2), or two groups' sixteen
+/// (AVX-512), a lane per row. The same steps at either width.
+trait DecodeVec: Copy {
+    unsafe fn splat8(v: i8) -> Self;
+    unsafe fn splat32(v: i32) -> Self;
+    /// `lane_bytes(pick)` at this width.
+    unsafe fn lane_bytes(pick: [u8; 4]) -> Self;
+    unsafe fn and(a: Self, b: Self) -> Self;
+    /// low | (top & mask).
+    unsafe fn merge(low: Self, top: Self, mask: Self) -> Self;
+    /// 16-bit lanes shifted left, right (logical) or right (arithmetic) by `n`; 32-bit lanes right by 16.
+    unsafe fn shl16(a: Self, n: i32) -> Self;
+    unsafe fn shr16(a: Self, n: i32) -> Self;
+    unsafe fn sar16(a: Self, n: i32) -> Self;
+    unsafe fn shr32_16(a: Self) -> Self;
+    /// -a in 16-bit lanes.
+    unsafe fn neg16(a: Self) -> Self;
+    /// `pshufb` within each 128-bit lane.
+    unsafe fn shuffle(a: Self, idx: Self) -> Self;
+    /// Stores at `to`, aligned to the vector's size.
+    unsafe fn store(self, to: *mut u8);
+}
+
+impl DecodeVec for __m256i {
+    #[inline(always)]
+    unsafe fn splat8(v: i8) -> __m256i {
+        _mm256_set1_epi8(v)
+    }
+
+    #[inline(always)]
+    unsafe fn splat32(v: i32) -> __m256i {
+        _mm256_set1_epi32(v)
+    }
+
+    #[inline(always)]
+    unsafe fn lane_bytes(pick: [u8; 4]) -> __m256i {
+        // SAFETY: the caller runs with AVX2.
+        unsafe { lane_bytes(pick) }
+    }
+
+    #[inline(always)]
+    unsafe fn and(a: __m256i, b: __m256i) -> __m256i {
+        _mm256_and_si256(a, b)
+    }
+
+    #[inline(always)]
+    unsafe fn merge(low: __m256i, top: __m256i, mask: __m256i) -> __m256i {
+        _mm256_or_si256(low, _mm256_and_si256(top, mask))
+    }
+
+    #[inline(always)]
+    unsafe fn shl16(a: __m256i, n: i32) -> __m256i {
+        _mm256_sll_epi16(a, _mm_cvtsi32_si128(n))
+    }
+
+    #[inline(always)]
+    unsafe fn shr16(a: __m256i, n: i32) -> __m256i {
+        _mm256_srl_epi16(a, _mm_cvtsi32_si128(n))
+    }
+
+    #[inline(always)]
+    unsafe fn sar16(a: __m256i, n: i32) -> __m256i {
+        _mm256_sra_epi16(a, _mm_cvtsi32_si128(n))
+    }
+
+    #[inline(always)]
+    unsafe fn shr32_16(a: __m256i) -> __m256i {
+        _mm256_srli_epi32::<16>(a)
+    }
+
+    #[inline(always)]
+    unsafe fn neg16(a: __m256i) -> __m256i {
+        _mm256_sub_epi16(_mm256_setzero_si256(), a)
+    }
+
+    #[inline(always)]
+    unsafe fn shuffle(a: __m256i, idx: __m256i) -> __m256i {
+        _mm256_shuffle_epi8(a, idx)
+    }
+
+    #[inline(always)]
+    unsafe fn store(self, to: *mut u8) {
+        // SAFETY: the caller's contract.
+        unsafe { _mm256_store_si256(to.cast(), self) }
+    }
+}
+
+impl DecodeVec for __m512i {
+    #[inline(always)]
+    unsafe fn splat8(v: i8) -> __m512i {
+        // SAFETY (each method): the caller runs with AVX-512 F, BW and VL.
+        unsafe { _mm512_set1_epi8(v) }
+    }
+
+    #[inline(always)]
+    unsafe fn splat32(v: i32) -> __m512i {
+        unsafe { _mm512_set1_epi32(v) }
+    }
+
+    #[inline(always)]
+    unsafe fn lane_bytes(pick: [u8; 4]) -> __m512i {
+        unsafe { _mm512_broadcast_i64x4(lane_bytes(pick)) }
+    }
+
+    #[inline(always)]
+    unsafe fn and(a: __m512i, b: __m512i) -> __m512i {
+        unsafe { _mm512_and_si512(a, b) }
+    }
+
+    #[inline(always)]
+    unsafe fn merge(low: __m512i, top: __m512i, mask: __m512i) -> __m512i {
+        // low | (top & mask): bit 4a + 2b + c of the table is a | (b & c), for bits a, b, c of low, top, mask.
+        unsafe { _mm512_ternarylogic_epi32::<0xF8>(low, top, mask) }
+    }
+
+    #[inline(always)]
+    unsafe fn shl16(a: __m512i, n: i32) -> __m512i {
+        unsafe { _mm512_sll_epi16(a, _mm_cvtsi32_si128(n)) }
+    }
+
+    #[inline(always)]
+    unsafe fn shr16(a: __m512i, n: i32) -> __m512i {
+        unsafe { _mm512_srl_epi16(a, _mm_cvtsi32_si128(n)) }
+    }
+
+    #[inline(always)]
+    unsafe fn sar16(a: __m512i, n: i32) -> __m512i {
+        unsafe { _mm512_sra_epi16(a, _mm_cvtsi32_si128(n)) }
+    }
+
+    #[inline(always)]
+    unsafe fn shr32_16(a: __m512i) -> __m512i {
+        unsafe { _mm512_srli_epi32::<16>(a) }
+    }
+
+    #[inline(always)]
+    unsafe fn neg16(a: __m512i) -> __m512i {
+        unsafe { _mm512_sub_epi16(_mm512_setzero_si512(), a) }
+    }
+
+    #[inline(always)]
+    unsafe fn shuffle(a: __m512i, idx: __m512i) -> __m512i {
+        unsafe { _mm512_shuffle_epi8(a, idx) }
+    }
+
+    #[inline(always)]
+    unsafe fn store(self, to: *mut u8) {
+        unsafe { _mm512_store_si512(to.cast(), self) }
+    }
+}
+
+/// Block `rows` (one group's, or `MixedPair`'s two) into part `part` of `lane` (32 bytes of each entry per group
+/// from byte 32 · part): its words transposed (`RowBlock::words4`), then each code and scale assembled in its lane.
 ///
 /// # Safety
-/// The eight blocks are readable; the caller runs with AVX2.
+/// The blocks are readable; the caller runs with the features of `rows`' vectors.
 #[inline(always)]
-unsafe fn decode<const G: usize>(
-    b: *const u8,
-    row_bytes: usize,
-    g: usize,
-    lane: &mut LaneBlock<G>,
-) {
-    let (nibble, two_bits) = (_mm256_set1_epi8(0x0F), _mm256_set1_epi8(0x30));
+unsafe fn decode<B: RowBlock, const G: usize>(rows: B, part: usize, lane: &mut LaneBlock<G>) {
+    type V<B> = <B as RowBlock>::V;
+    // SAFETY (every vector step): the caller runs with V's features.
+    let (nibble, two_bits) = unsafe { (V::<B>::splat8(0x0F), V::<B>::splat8(0x30)) };
     // Span h: byte l of ql[64h..] (A, l < 32) and of ql[64h + 32..] (B) hold elements 32t + l of groups t = 0, 1
     // in their low nibbles and t = 2, 3 in their high ones; byte l of qh[32h..] (H) holds their top two bits, 2t
     // up. Four words l / 4 at a time; 16-bit shifts, masked to the bits that stay in their byte.
     for h in 0..Q6K::BLOCK / Q6K::SPAN {
         for c0 in (0..8).step_by(4) {
-            // SAFETY: bytes 0..192 of each row's block; the caller runs with AVX2.
+            // SAFETY: bytes 0..192 of each row's block.
             let (a, b, hi) = unsafe {
                 (
-                    words4(b.add(64 * h + 4 * c0), row_bytes),
-                    words4(b.add(64 * h + 32 + 4 * c0), row_bytes),
-                    words4(b.add(128 + 32 * h + 4 * c0), row_bytes),
+                    rows.words4(64 * h + 4 * c0),
+                    rows.words4(64 * h + 32 + 4 * c0),
+                    rows.words4(128 + 32 * h + 4 * c0),
                 )
             };
             for c in 0..4 {
                 let (a, b, hi) = (a[c], b[c], hi[c]);
-                let groups = [
-                    (_mm256_and_si256(a, nibble), _mm256_slli_epi16::<4>(hi)),
-                    (_mm256_and_si256(b, nibble), _mm256_slli_epi16::<2>(hi)),
-                    (_mm256_and_si256(_mm256_srli_epi16::<4>(a), nibble), hi),
-                    (
-                        _mm256_and_si256(_mm256_srli_epi16::<4>(b), nibble),
-                        _mm256_srli_epi16::<2>(hi),
-                    ),
-                ];
+                // SAFETY: as above.
+                let groups = unsafe {
+                    [
+                        (V::<B>::and(a, nibble), V::<B>::shl16(hi, 4)),
+                        (V::<B>::and(b, nibble), V::<B>::shl16(hi, 2)),
+                        (V::<B>::and(V::<B>::shr16(a, 4), nibble), hi),
+                        (
+                            V::<B>::and(V::<B>::shr16(b, 4), nibble),
+                            V::<B>::shr16(hi, 2),
+                        ),
+                    ]
+                };
                 for (t, (low, top)) in groups.into_iter().enumerate() {
-                    let codes = _mm256_or_si256(low, _mm256_and_si256(top, two_bits));
-                    // SAFETY: word 32h + 8t + c0 + c < WORDS; part g of an entry is 32-byte aligned.
+                    // SAFETY: word 32h + 8t + c0 + c < WORDS; part `part` of an entry is aligned to V.
                     unsafe {
-                        let word = &mut lane.codes[32 * h + 8 * t + c0 + c][g];
-                        _mm256_store_si256(word.as_mut_ptr().cast(), codes);
+                        let word = &mut lane.codes[32 * h + 8 * t + c0 + c];
+                        V::<B>::merge(low, top, two_bits).store(word[part].as_mut_ptr());
                     }
                 }
             }
         }
     }
-    // Sub-block s = 4q + j's scale: byte j of word q of the scales, sign-extended.
-    // SAFETY: bytes 192..208 of each row's block; the caller runs with AVX2.
-    let words = unsafe { words4(b.add(SCALES_AT), row_bytes) };
-    let low16 = _mm256_set1_epi32(0xFFFF);
-    for s in 0..SUBS {
-        let word = words[s / 4];
-        let up = match s % 4 {
-            0 => _mm256_slli_epi32::<24>(word),
-            1 => _mm256_slli_epi32::<16>(word),
-            2 => _mm256_slli_epi32::<8>(word),
-            _ => word,
-        };
-        let sc = _mm256_srai_epi32::<24>(up);
-        let both = _mm256_or_si256(_mm256_and_si256(sc, low16), _mm256_slli_epi32::<16>(sc));
-        // -32·sc fits 16 bits (|sc| <= 128).
-        let offset = _mm256_and_si256(
-            _mm256_sub_epi32(_mm256_setzero_si256(), _mm256_slli_epi32::<5>(sc)),
-            low16,
-        );
-        // SAFETY: part g of an entry is 32-byte aligned.
-        unsafe {
-            _mm256_store_si256(lane.scales[s][g].as_mut_ptr().cast(), both);
-            _mm256_store_si256(lane.offsets[s][g].as_mut_ptr().cast(), offset);
-        }
-    }
-    // SAFETY: each row's d at byte 208 of its block; the caller runs with F16C (every kernel set here has it).
+    // Sub-block s = 4q + j's scale: byte j of word q of the scales, sign-extended. Per word, bytes 0 and 2 (even j)
+    // and bytes 1 and 3 (odd j) as the 16-bit halves of each lane, and -32 times them (|sc| <= 128: 16 bits).
+    // SAFETY: bytes 192..208 of each row's block; as above.
     unsafe {
-        let d: [u16; GROUP_ROWS] =
-            std::array::from_fn(|r| b.add(r * row_bytes + D_AT).cast::<u16>().read_unaligned());
-        _mm256_store_ps(
-            lane.d[g].as_mut_ptr(),
-            _mm256_cvtph_ps(_mm_loadu_si128(d.as_ptr().cast())),
-        );
+        let words = rows.words4(SCALES_AT);
+        // Half h of each lane into both halves (its bytes 2h and 2h + 1 to bytes 0-1 and 2-3).
+        let spread = [
+            V::<B>::lane_bytes([0, 1, 0, 1]),
+            V::<B>::lane_bytes([2, 3, 2, 3]),
+        ];
+        let low16 = V::<B>::splat32(0xFFFF);
+        for (q, word) in words.into_iter().enumerate() {
+            let even = V::<B>::sar16(V::<B>::shl16(word, 8), 8);
+            let odd = V::<B>::sar16(word, 8);
+            let neg_even = V::<B>::neg16(V::<B>::shl16(even, 5));
+            let neg_odd = V::<B>::neg16(V::<B>::shl16(odd, 5));
+            for j in 0..4 {
+                let (sc, neg) = if j % 2 == 0 {
+                    (even, neg_even)
+                } else {
+                    (odd, neg_odd)
+                };
+                let offset = if j / 2 == 0 {
+                    V::<B>::and(neg, low16)
+                } else {
+                    V::<B>::shr32_16(neg)
+                };
+                V::<B>::shuffle(sc, spread[j / 2]).store(lane.scales[4 * q + j][part].as_mut_ptr());
+                offset.store(lane.offsets[4 * q + j][part].as_mut_ptr());
+            }
+        }
+        // The rows' d.
+        rows.store_d(lane.d[part].as_mut_ptr());
     }
 }
 
