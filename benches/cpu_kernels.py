@@ -12,9 +12,9 @@ fused gate+up 3072x576, down 576x1536; then the Q8_0 49152x576 head). Passes
 alternate A B C A B C; medians are reported, with each T's cost relative to T = 1 (`vs_t1`: what a speculative
 verification pass of T tokens costs against one decode step). `--isa best avx2` adds the 8-bit pass of every further
 kernel set named (`int8_avx2_ms`, and its time over the first set's, `int8_avx2_vs_int8`), alternating with the rest.
-`--layout resident` (the default) gives each pass the matrices as the engine holds them resident: a layer's Q4_1,
-Q4_K and (with AVX-512 VNNI) Q6_K rows interleaved by eight (`ops.interleave_rows`) where the pass's kernel set takes
-that layout (`_core.interleaved_kernels`), the file's rows elsewhere and for the output head; `--layout file`: the
+`--layout resident` (the default) gives each pass the matrices as the engine holds them resident: Q4_1, Q4_K and
+(with AVX-512 VNNI) Q6_K rows, a layer's or the output head's, interleaved by eight (`ops.interleave_rows`) where the
+pass's kernel set takes that layout (`_core.interleaved_kernels`), the file's rows elsewhere; `--layout file`: the
 file's rows everywhere, as streamed layers are read. `--against FILE` adds the 8-bit pass (first `--isa`) of another build of the Rust core: its
 extension file, a copy of another commit's `python/ntio/_core.abi3.so` with the same Python interface (kernel type
 ids, `quantized_matmul`), loaded beside this one in the same process (`int8_against_ms`; this build's time over it,
@@ -97,16 +97,16 @@ def in_huge_pages(raws: list[torch.Tensor]) -> list[torch.Tensor]:
     return copies
 
 
-def interleaved(mats: list, core: ModuleType, head: torch.Tensor) -> list[tuple[int, tuple[int, int], torch.Tensor]]:
+def interleaved(mats: list, core: ModuleType) -> list[tuple[int, tuple[int, int], torch.Tensor]]:
     """(kernel type id, shape, bytes) of each matrix as the engine keeps it resident under build `core`'s interleaving
-    kernels, on a copy in huge pages: a layer's matrix of a type whose resident matrices take the interleaved layout
-    there (`ops.interleave_rows`, `RESIDENT_INTERLEAVED_TYPES`) in that layout, the output head (`head`) and the rest
-    in the file's rows."""
+    kernels, on a copy in huge pages: a matrix (a layer's, or the output head) of a type whose resident matrices take
+    the interleaved layout there (`ops.interleave_rows`, `RESIDENT_INTERLEAVED_TYPES`) in that layout, the rest in
+    the file's rows."""
     types = getattr(core, "RESIDENT_INTERLEAVED_TYPES", core.INTERLEAVED_TYPES)  # builds before Q6_K's layout: all
     out = []
-    for (qtype, shape, raw, _), copy in zip(mats, in_huge_pages([m[2] for m in mats])):
+    for (qtype, shape, _, _), copy in zip(mats, in_huge_pages([m[2] for m in mats])):
         kind = int(qtype)
-        if kind in types and raw is not head and shape[0] % ops.INTERLEAVE_ROWS == 0:
+        if kind in types and shape[0] % ops.INTERLEAVE_ROWS == 0:
             kind = _core.interleave(copy.numpy(), kind, *shape)
         out.append((kind, shape, copy))
     return out
@@ -147,7 +147,6 @@ def main() -> None:
             raise SystemExit(f"--against {args.against}: its kernels take another layout of resident rows")
         against.set_kernel_threads(args.threads)
     mats = load(args.model) if args.model else build()
-    head = mats[-1][2]
     if args.types:
         mats = [m for m in mats if m[0].name in args.types]
         if not mats:
@@ -155,7 +154,7 @@ def main() -> None:
     plain = [(q, shape, raw) for (q, shape, _, _), raw in zip(mats, in_huge_pages([m[2] for m in mats]))]
     # The matrices each build's passes take: its resident layout, or (`--layout file`, or kernels without the layout)
     # the file's rows.
-    layouts = {core: interleaved(mats, core, head) if args.layout == "resident" else plain
+    layouts = {core: interleaved(mats, core) if args.layout == "resident" else plain
                for core in (this, against) if core is not None}
     evict = torch.zeros(128 << 20, dtype=torch.uint8)  # written before each pass: last-level caches hold <= 32 MB
     result = {"model": args.model or "synthetic SmolLM2-shaped Q4_1", "threads": args.threads, "isa": args.isa,

@@ -86,6 +86,19 @@ def test_a_dense_product_restores_the_plain_rows(qtype: T) -> None:
 
 
 @pytest.mark.parametrize("qtype", LAYOUTS)
+def test_rows_by_id_and_the_whole_dequantized_are_the_plain_rows(qtype: T) -> None:
+    """A tied embedding that is an interleaved output head fetches its rows by id from their groups
+    (`EncodedMatrix.encoded_rows`), and work outside the forward pass dequantizes the head whole (`ops.dequantized`):
+    both as the file's rows give them."""
+    plain, mixed = pair(5, qtype)
+    ids = torch.tensor([0, 7, 8, 13, 13, 47, 21])
+    assert torch.equal(mixed.encoded_rows(ids), plain.encoded_rows(ids))
+    assert torch.equal(ops.embedding(ids, mixed), ops.embedding(ids, plain))
+    want = ref_dequantize(plain.raw.numpy().reshape(N, -1), qtype).astype(np.float32)
+    assert np.array_equal(ops.dequantized(mixed).numpy().view(np.uint32), want.view(np.uint32))
+
+
+@pytest.mark.parametrize("qtype", LAYOUTS)
 @pytest.mark.parametrize(("start", "stop"), [(8, 24), (3, 21), (0, 5), (40, 48)])
 def test_row_ranges_give_the_plain_rows_products(qtype: T, start: int, stop: int) -> None:
     """A sparse FFN's neuron range (`ops.linear_rows`): interleaved rows are computed in the groups around it, and
@@ -111,8 +124,6 @@ def test_the_layout_refuses_what_it_cannot_hold() -> None:
         _core.interleave(raw[:7600].copy(), int(T.Q4_1), N, K)
     with pytest.raises(ValueError, match="has no plain layout"):
         _core.interleave(raw.copy(), int(T.Q4_1), N, K, inverse=True)
-    with pytest.raises(ValueError, match="not fetched by id"):
-        mixed.encoded_rows(torch.tensor([0]))
     odd = ops.EncodedMatrix(plain.raw[: 12 * 160].clone(), T.Q4_1, (12, K))
     assert ops.interleave_rows(odd) is odd  # 12 rows: not whole groups, left as they are
     with pytest.raises(ValueError, match="interleaved rows come in groups of 8"):  # a product given part of a group
@@ -122,16 +133,19 @@ def test_the_layout_refuses_what_it_cannot_hold() -> None:
 @pytest.mark.skipif(not _core.interleaved_kernels(), reason="the interleaved kernels need AVX2")
 @pytest.mark.parametrize("model", ["smollm2_path", "qwen15_path"])
 def test_resident_layers_compute_what_streamed_ones_do(model: str, request: pytest.FixtureRequest) -> None:
-    """SmolLM2 (Q4_1) and Qwen2.5-Coder-1.5B (Q4_K, and Q6_K where it takes the layout): resident layers take the
-    layout, streamed ones keep plain rows; a prefill and decode steps give the same logits, bit for bit."""
+    """SmolLM2 (Q4_1) and Qwen2.5-Coder-1.5B (Q4_K, and Q6_K where it takes the layout): resident layers and output
+    heads take the layout, streamed ones keep plain rows; a prefill and decode steps give the same logits, bit for
+    bit."""
     path = request.getfixturevalue(model)
     with ntio.load(path, max_context=64, tiers="A") as resident, \
             ntio.load(path, max_context=64, tiers="C") as streamed:
         blocks = resident.loader.resident_blocks()
         w = blocks[3]  # Qwen's block 3 is all Q4_K
         assert w.w_down.interleaved and all(m.interleaved for m in w.w_gate_up)
-        q6_k_downs = [b.w_down for b in blocks if b.w_down.qtype == T.Q6_K]  # Qwen's: half the layers'
-        assert all(d.interleaved == (int(T.Q6_K) in _core.RESIDENT_INTERLEAVED_TYPES) for d in q6_k_downs)
+        # Qwen's Q6_K: half the layers' down projections, and the output head (the tied embedding), which the
+        # prompt's and the decode steps' tokens are fetched from.
+        q6_k = [b.w_down for b in blocks if b.w_down.qtype == T.Q6_K] + [resident.engine.globals.output]
+        assert all(m.interleaved == (int(m.qtype) in _core.RESIDENT_INTERLEAVED_TYPES) for m in q6_k)
         ids = torch.tensor(resident.encode_prompt("Name three rivers in Europe.", chat=True))
 
         def run(m: ntio.LLM) -> list[torch.Tensor]:

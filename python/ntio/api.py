@@ -146,12 +146,13 @@ class LLM:
             _log.warning(self.memory.notice)
         self.plan, capacity, depth = self.memory.plan, self.memory.capacity, self.memory.prefetch_depth
         with torch.inference_mode():
+            interleave = not cuda and kernels.interleaves_rows
             self.loader = LayerLoader(layout, self.plan, self.device, group_size=layer_group_size, prefetch_depth=depth,
                                       backend=io_backend, on_progress=on_progress, policy=policy, verify=verify,
-                                      interleave=not cuda and kernels.interleaves_rows)
+                                      interleave=interleave)
             token_rows = self.loader.disk_rows(layout.token_embd) if self.plan.embedding == "C" else None
             globals_ = load_global_weights(layout, self.loader.read_tensor, self.device, token_rows,
-                                           head_resident=self.plan.head == "A")
+                                           head_resident=self.plan.head == "A", interleave=interleave)
         kv = KVCache(self.config, capacity, KV_DTYPES[kv_dtype], self.device)
         self.engine = Engine(self.config, globals_, self.loader, kv, threads=threads,
                              prefill_chunk=self.memory.prefill_chunk, kernels=kernels)

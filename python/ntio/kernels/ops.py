@@ -58,10 +58,13 @@ class EncodedMatrix:
         return _core.INTERLEAVED_TYPES[int(self.qtype)] if self.interleaved else int(self.qtype)
 
     def encoded_rows(self, ids: torch.Tensor) -> torch.Tensor:
-        """Rows `ids` [T] of the encoding: [T, row_nbytes] uint8."""
-        if self.interleaved:
-            raise ValueError("the rows of an interleaved matrix are not fetched by id")
-        return self.raw.view(self.shape[0], self.row_nbytes)[ids]
+        """Rows `ids` [T] of the encoding: [T, row_nbytes] uint8, as the file has them (an interleaved matrix's from
+        their groups of 8 restored: a tied embedding that is an interleaved output head)."""
+        if not self.interleaved:
+            return self.raw.view(self.shape[0], self.row_nbytes)[ids]
+        groups = self.raw.view(-1, INTERLEAVE_ROWS * self.row_nbytes)[ids // INTERLEAVE_ROWS]  # [T, 8 rows' bytes]
+        rows = _plain_rows(groups.reshape(-1), self.qtype, groups.shape[0] * INTERLEAVE_ROWS)
+        return rows.view(-1, INTERLEAVE_ROWS, self.row_nbytes)[torch.arange(ids.shape[0]), ids % INTERLEAVE_ROWS]
 
 
 def fuse_adjacent(matrices: list[EncodedMatrix]) -> list[EncodedMatrix]:
@@ -200,10 +203,9 @@ def _dequantized_rows(w: EncodedMatrix, start: int, stop: int) -> torch.Tensor:
 
 def dequantized(w: EncodedMatrix) -> torch.Tensor:
     """The whole of w as a new float32 tensor [N, K] (its scale applied), for work outside the forward pass: the
-    output head's, which is never interleaved."""
-    if w.interleaved:
-        raise ValueError("an interleaved matrix is not dequantized whole")
-    dense = quant.dequantize(w.raw, w.qtype, w.shape)
+    output head's (interleaved rows restored first)."""
+    raw = _plain_rows(w.raw, w.qtype, w.shape[0]) if w.interleaved else w.raw
+    dense = quant.dequantize(raw, w.qtype, w.shape)
     return dense * w.scale if w.scale != 1.0 else dense
 
 

@@ -149,12 +149,15 @@ def encoded_block(
 
 def load_global_weights(
     layout: WeightLayout, read: Callable[[TensorInfo], RawTensor], device: torch.device | str = "cpu",
-    token_embd: ops.RowSource | None = None, head_resident: bool = True,
+    token_embd: ops.RowSource | None = None, head_resident: bool = True, interleave: bool = False,
 ) -> GlobalWeights:
     """The weights outside the blocks; read(info) gives a tensor's encoded bytes in host memory.
 
     token_embd: the embedding's rows from elsewhere (read on demand) instead of the resident table; head_resident
-    False: the output head streams (GlobalWeights.output is None), and a tied table must then come as token_embd."""
+    False: the output head streams (GlobalWeights.output is None), and a tied table must then come as token_embd.
+    interleave: a resident head takes the interleaved layout where its type does (`ops.interleave_rows`), as
+    resident layers do: a pass over several tokens (a draft's verification) spends less on it. A tied embedding then
+    fetches its rows from that layout (`EncodedMatrix.encoded_rows`)."""
 
     def matrix(info: TensorInfo) -> EncodedMatrix:
         raw = read(info)
@@ -168,6 +171,8 @@ def load_global_weights(
     if tied and (token_embd is None) != head_resident:
         raise ValueError("a tied token embedding is the output head: both resident, or both read from disk")
     output = matrix(layout.head) if head_resident else None
+    if interleave and output is not None:
+        output = ops.interleave_rows(output)
     if token_embd is None:
         token_embd = output if tied else matrix(layout.token_embd)
     return GlobalWeights(

@@ -18,6 +18,8 @@
 //! too.
 
 use std::arch::x86_64::*;
+use std::cell::Cell;
+use std::thread::LocalKey;
 
 use super::super::blocks::{self, Format};
 use super::super::rows::{
@@ -73,8 +75,8 @@ impl<const G: usize> LaneBlock<G> {
 thread_local! {
     /// Each kernel thread's decoded block (2.8 KB a group), kept from call to call: a call writes every entry it
     /// reads.
-    static LANE: std::cell::Cell<Option<Box<LaneBlock<1>>>> = const { std::cell::Cell::new(None) };
-    static WIDE_LANE: std::cell::Cell<Option<Box<LaneBlock<2>>>> = const { std::cell::Cell::new(None) };
+    static LANE: Cell<Option<Box<LaneBlock<1>>>> = const { Cell::new(None) };
+    static WIDE_LANE: Cell<Option<Box<LaneBlock<2>>>> = const { Cell::new(None) };
 }
 
 with_wide!(
@@ -137,18 +139,9 @@ pub(super) unsafe fn lane_rows<D: IntDot>(
         }
         return;
     }
-    let mut lane = LANE.take().unwrap_or_else(|| Box::new(LaneBlock::EMPTY));
+    let block = |bi| [Plain::block(rows, row_bytes, 0, bi)];
     // SAFETY: `rows` is one whole group; the caller runs with D's features, which include AVX2.
-    unsafe {
-        decode_and_multiply::<D, _, 1, 1>(
-            a,
-            rows,
-            |bi| [Plain::block(rows, row_bytes, 0, bi)],
-            &mut lane,
-            y,
-        )
-    };
-    LANE.set(Some(lane));
+    unsafe { decode_and_multiply::<D, _, 1, 1>(a, rows, block, &LANE, y) };
 }
 
 /// One interleaved group of eight Q6_K rows (`group`: 8 · row_bytes bytes, row_bytes = k / 256 · 210) in lanes with
@@ -166,18 +159,9 @@ unsafe fn x8_lane_rows<D: IntDot>(
     debug_assert!(
         row_bytes == a.k / Q6K::BLOCK * Q6K::BYTES && group.len() == GROUP_ROWS * row_bytes
     );
-    let mut lane = LANE.take().unwrap_or_else(|| Box::new(LaneBlock::EMPTY));
+    let block = |bi| [Mixed::block(group, row_bytes, 0, bi)];
     // SAFETY: `group` is one whole group; the caller runs with D's features, which include AVX2.
-    unsafe {
-        decode_and_multiply::<D, _, 1, 1>(
-            a,
-            group,
-            |bi| [Mixed::block(group, row_bytes, 0, bi)],
-            &mut lane,
-            y,
-        )
-    };
-    LANE.set(Some(lane));
+    unsafe { decode_and_multiply::<D, _, 1, 1>(a, group, block, &LANE, y) };
 }
 
 /// Up to two groups of plain Q6_K rows (`rows`: up to 16 rows), two whole groups at once in AVX-512 vectors
@@ -204,13 +188,9 @@ unsafe fn wide_rows(
         }
         return;
     }
-    let mut lane = WIDE_LANE
-        .take()
-        .unwrap_or_else(|| Box::new(LaneBlock::EMPTY));
     let block = |bi| [0, 1].map(|g| Plain::block(rows, row_bytes, g, bi));
     // SAFETY: `rows` is two whole groups; the caller runs with AVX-512 VNNI's features.
-    unsafe { decode_and_multiply::<Zmm, _, 2, 2>(a, rows, block, &mut lane, y) };
-    WIDE_LANE.set(Some(lane));
+    unsafe { decode_and_multiply::<Zmm, _, 2, 2>(a, rows, block, &WIDE_LANE, y) };
 }
 
 /// One or two interleaved groups of Q6_K rows (`groups`: 8 or 16 rows), two at once in AVX-512 vectors (`Zmm`), a
@@ -234,18 +214,14 @@ unsafe fn x8_wide_rows(
         }
         return;
     }
-    let mut lane = WIDE_LANE
-        .take()
-        .unwrap_or_else(|| Box::new(LaneBlock::EMPTY));
     let block = |bi| [MixedPair::block(groups, row_bytes, 0, bi)];
     // SAFETY: `groups` is two whole groups; the caller runs with AVX-512 VNNI's features.
-    unsafe { decode_and_multiply::<Zmm, _, 2, 1>(a, groups, block, &mut lane, y) };
-    WIDE_LANE.set(Some(lane));
+    unsafe { decode_and_multiply::<Zmm, _, 2, 1>(a, groups, block, &WIDE_LANE, y) };
 }
 
 /// The lane kernel on a call's rows (`rows`: G groups of eight): each block bi (`block(bi)`: the G groups' blocks, in
-/// P parts of G / P groups each) decoded into `lane`, then met by every tile of activation rows while it is in L1,
-/// the first tile prefetching the next call's rows.
+/// P parts of G / P groups each) decoded into the thread's `scratch`, then met by every tile of activation rows
+/// while it is in L1, the first tile prefetching the next call's rows.
 ///
 /// # Safety
 /// `block(bi)` gives readable blocks for every bi < a.k / 256; the caller runs with L's features.
@@ -259,19 +235,21 @@ unsafe fn decode_and_multiply<
     a: &Activations,
     rows: &[u8],
     block: impl Fn(usize) -> [B; P],
-    lane: &mut LaneBlock<G>,
+    scratch: &'static LocalKey<Cell<Option<Box<LaneBlock<G>>>>>,
     y: &mut [L::Out; MAX_T],
 ) {
+    let mut lane = scratch.take().unwrap_or_else(|| Box::new(LaneBlock::EMPTY));
     let blocks = a.k / Q6K::BLOCK;
     let ahead = Prefetch::after(rows, blocks);
     for bi in 0..blocks {
         for (part, rows) in block(bi).into_iter().enumerate() {
             // SAFETY: the caller's contract.
-            unsafe { decode(rows, part, lane) };
+            unsafe { decode(rows, part, &mut lane) };
         }
         // The tiles' contract: `lane` holds the groups' block bi.
-        in_tiles!(a.t, y, |t0, out| tile::<L>(a, lane, bi, ahead, t0, out));
+        in_tiles!(a.t, y, |t0, out| tile::<L>(a, &lane, bi, ahead, t0, out));
     }
+    scratch.set(Some(lane));
 }
 
 /// Block bi of a group of eight rows, or of two groups (`MixedPair`), as `decode` reads it.
