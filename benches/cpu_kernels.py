@@ -15,13 +15,13 @@ kernel set named (`int8_avx2_ms`, and its time over the first set's, `int8_avx2_
 `--layout resident` (the default) gives each pass the matrices as the engine holds them resident: Q4_1, Q4_K and
 (with AVX-512 VNNI) Q6_K rows, a layer's or the output head's, interleaved by eight (`ops.interleave_rows`) where the
 pass's kernel set takes that layout (`_core.interleaved_kernels`), the file's rows elsewhere; `--layout file`: the
-file's rows everywhere, as streamed layers are read. `--against FILE` adds the 8-bit pass (first `--isa`) of another build of the Rust core: its
-extension file, a copy of another commit's `python/ntio/_core.abi3.so` with the same Python interface (kernel type
-ids, `quantized_matmul`), loaded beside this one in the same process (`int8_against_ms`; this build's time over it,
-`int8_vs_against`): two builds side by side without a process's noise between them. Each takes its own resident
-layout (`RESIDENT_INTERLEAVED_TYPES`; before Q6_K's, every type of `INTERLEAVED_TYPES`), and both must give equal
-outputs (Q4_K's changed at ad3f836, when it took the interleaved layout). `--types Q6_K ...` keeps
-only the matrices of those GGUF types: one type's share of the pass. Prints JSON.
+file's rows everywhere, as streamed layers are read. `--against FILE` adds the 8-bit pass (first `--isa`) of another
+build of the Rust core: its extension file, a copy of another commit's `python/ntio/_core.abi3.so` with the same
+Python interface (kernel type ids, `quantized_matmul`), loaded beside this one in the same process
+(`int8_against_ms`; this build's time over it, `int8_vs_against`): two builds side by side without a process's noise
+between them. Each takes its own resident layout (`RESIDENT_INTERLEAVED_TYPES`; before Q6_K's, every type of
+`INTERLEAVED_TYPES`), and both must give equal outputs (Q4_K's changed at ad3f836, when it took the interleaved
+layout). `--types Q6_K ...` keeps only the matrices of those GGUF types: one type's share of the pass. Prints JSON.
 
     python benches/cpu_kernels.py [--model NAME|PATH] [--threads 2] [--repeats 7] [--rows 1 8 16] [--isa best avx2]
                                   [--layout resident|file] [--against OTHER_CORE.so] [--types Q6_K ...]

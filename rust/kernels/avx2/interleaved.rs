@@ -1,10 +1,10 @@
 //! The AVX2 integer kernels of rows interleaved by eight (`interleave`: `QType::Q4_1X8`, `QType::Q4KX8`; those of
 //! `QType::Q6KX8` are in `q6k_lanes`), for resident matrices: a group of eight weight rows is one linear stream,
 //! and every 32-byte load gives the same word of the eight rows (lane r: row r), so their scales unpack once for
-//! the eight and each row's products sum in its own lane, with nothing reduced across lanes. With AVX-512 VNNI, Q4_1 takes two groups a call, one per
-//! half of a 512-bit vector (`wide_rows`); with AMX, Q4_K takes tiles over two groups (`k_wide_rows`). Plain Q4_K
-//! rows (streamed layers) take the same kernel in passes of several activation rows, each eight regrouped into the
-//! layout on the fly (`q4_k_plain`).
+//! the eight and each row's products sum in its own lane, with nothing reduced across lanes. With AVX-512 VNNI,
+//! Q4_1 takes two groups a call, one per half of a 512-bit vector (`wide_rows`); with AMX, Q4_K takes tiles over
+//! two groups (`k_wide_rows`). Plain Q4_K rows (streamed layers) take the same kernel in passes of several
+//! activation rows, each eight regrouped into the layout on the fly (`q4_k_plain`).
 //!
 //! Each gives the plain rows' kernel its bits. Per block (Q4_1) or span (Q4_K) and weight row, the plain kernel
 //! reduces the products to exact integers, as these do (in another order, which integers do not see); the float
