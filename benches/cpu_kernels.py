@@ -13,7 +13,7 @@ alternate A B C A B C; medians are reported, with each T's cost relative to T = 
 verification pass of T tokens costs against one decode step). `--isa best avx2` adds the 8-bit pass of every further
 kernel set named (`int8_avx2_ms`, and its time over the first set's, `int8_avx2_vs_int8`), alternating with the rest.
 `--layout resident` (the default) gives each pass the matrices as the engine holds them resident: Q4_1, Q4_K and
-(with AVX-512 VNNI) Q6_K rows, a layer's or the output head's, interleaved by eight (`ops.interleave_rows`) where the
+(with AVX-512 VNNI, not AMX) Q6_K rows, a layer's or the output head's, interleaved by eight (`ops.interleave_rows`) where the
 pass's kernel set takes that layout (`_core.interleaved_kernels`), the file's rows elsewhere; `--layout file`: the
 file's rows everywhere, as streamed layers are read. `--against FILE` adds the 8-bit pass (first `--isa`) of another
 build of the Rust core: its extension file, a copy of another commit's `python/ntio/_core.abi3.so` with the same
@@ -106,7 +106,7 @@ def interleaved(mats: list, core: ModuleType) -> list[tuple[int, tuple[int, int]
     out = []
     for (qtype, shape, _, _), copy in zip(mats, in_huge_pages([m[2] for m in mats])):
         kind = int(qtype)
-        if kind in types and shape[0] % ops.INTERLEAVE_ROWS == 0:
+        if kind in types and shape[0] % ops.INTERLEAVE_ROWS == 0:  # (the layouts are the same in every build)
             kind = _core.interleave(copy.numpy(), kind, *shape)
         out.append((kind, shape, copy))
     return out

@@ -115,7 +115,8 @@ KERNEL_TYPES: list[int]
 INTERLEAVED_TYPES: dict[int, int]
 """ggml type id -> the id of its interleaved layout (`interleave`), which `quantized_matmul` takes."""
 RESIDENT_INTERLEAVED_TYPES: list[int]
-"""ggml type ids whose resident matrices take their interleaved layout on this CPU (`ops.interleave_rows`)."""
+"""ggml type ids whose resident matrices take their interleaved layout on this CPU where its interleaved kernels run
+(`interleaved_kernels`, `ops.interleave_rows`)."""
 KERNEL_MAX_T: int
 """Activation rows the kernels take at once (longer inputs run in blocks of this many)."""
 KERNEL_SPANS: dict[int, int]  # ggml type id -> elements per activation scale of its integer kernels

@@ -93,8 +93,9 @@ impl QType {
         }
     }
 
-    /// Whether resident matrices of this type take its interleaved layout on this CPU: Q4_1 and Q4_K wherever
-    /// their layouts' kernels run, Q6_K only where AVX-512 VNNI's products run its passes. With AVX2's (and
+    /// Whether resident matrices of this type take its interleaved layout on this CPU, where the interleaved
+    /// kernels run at all (`interleaved_kernels`, which callers check): Q4_1 and Q4_K, and Q6_K only where AVX-512
+    /// VNNI's products run its passes (decided for the best kernel set; a forced one keeps the choice). With AVX2's (and
     /// AVX-VNNI's) products its lanes at one or two activation rows cost more than the row kernel on plain rows;
     /// with AMX, tiles take its passes of several rows, on plain rows (`avx2::tiles`). Qwen2.5-Coder-1.5B's Q6_K
     /// matrices, cache-cold, 2 threads, interleaved over plain, at T = 1 / 2 / 4 / 8 / 16: AVX-512 VNNI 0.99 /

@@ -212,13 +212,14 @@ def dequantized(w: EncodedMatrix) -> torch.Tensor:
 def _plain_rows(raw: torch.Tensor, qtype: gguf.GGMLQuantizationType, n: int) -> torch.Tensor:
     """The plain rows of n interleaved ones (`_core.interleave`'s layout: in a group's block, word w of row r at
     byte 4 (8w + r), then, for a block of 4·words + tail bytes (Q6_K's 210), row r's tail at 32·words + tail·r), as a
-    new tensor: one strided copy (two with a tail), on torch's threads."""
+    new tensor: one strided copy (and with a tail, a copy of the words and one joining the tails), on torch's
+    threads."""
     words, tail = divmod(gguf.GGML_QUANT_SIZES[qtype][1], 4)
     groups = n // INTERLEAVE_ROWS
     mixed = raw.view(groups, -1, INTERLEAVE_ROWS * (4 * words + tail))  # [group, block, the group's block bytes]
     head = mixed[..., : INTERLEAVE_ROWS * 4 * words]
-    if tail or raw.storage_offset() % 4:
-        head = head.contiguous()
+    if tail or head.storage_offset() % 4:
+        head = head.clone()  # whole words from offset 0, for the int32 view
     head = head.view(torch.int32).view(groups, -1, words, INTERLEAVE_ROWS)  # [group, block, word, row]
     rows = head.permute(0, 3, 1, 2).contiguous().view(torch.uint8)  # [group, row, block, 4·words]
     if tail:

@@ -847,7 +847,7 @@ trait KLanes: Lanes + Sized {
         chains: usize,
         scale: Self::Float,
     ) -> Self::Float;
-    /// acc + the low 16 bits of x (in every lane) times those of `mv`.
+    /// acc + the 16-bit halves of x (in every lane) times those of `mv`, both pairs added (`madd`).
     unsafe fn madd_into(acc: Self::Int, x: i32, mv: Self::Int) -> Self::Int;
     unsafe fn cvt(v: Self::Int) -> Self::Float;
     unsafe fn fmadd(a: Self::Float, b: Self::Float, c: Self::Float) -> Self::Float;

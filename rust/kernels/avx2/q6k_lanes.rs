@@ -13,9 +13,9 @@
 //! sums. Its float step is the row kernel's, tot += float(I)·(d·dx), lane by lane, so each output has the row
 //! kernel's bits (`SuperBlock::SPAN_TOTALS`) whatever the number of activation rows.
 //!
-//! Resident rows take the interleaved layout (`QType::Q6KX8`, `interleave`): there the words come transposed, so a
-//! block's decoding is only the codes' assembly and the scales', and every pass takes the lanes, one activation row
-//! too.
+//! Resident rows take the interleaved layout (`QType::Q6KX8`, `interleave`) where AVX-512 VNNI's products run their
+//! passes, not AMX's (`QType::resident_interleaved`): there the words come transposed, so a block's decoding is only
+//! the codes' assembly and the scales', and every pass takes the lanes, one activation row too.
 
 use std::arch::x86_64::*;
 use std::cell::Cell;
@@ -593,8 +593,10 @@ unsafe fn decode<B: RowBlock, const G: usize>(rows: B, part: usize, lane: &mut L
                 for (t, (low, top)) in groups.into_iter().enumerate() {
                     // SAFETY: word 32h + 8t + c0 + c < WORDS; part `part` of an entry is aligned to V.
                     unsafe {
-                        let word = &mut lane.codes[32 * h + 8 * t + c0 + c];
-                        V::<B>::merge(low, top, two_bits).store(word[part].as_mut_ptr());
+                        let word = lane.codes[32 * h + 8 * t + c0 + c]
+                            .as_mut_ptr()
+                            .cast::<u8>();
+                        V::<B>::merge(low, top, two_bits).store(word.add(32 * part));
                     }
                 }
             }
@@ -627,12 +629,20 @@ unsafe fn decode<B: RowBlock, const G: usize>(rows: B, part: usize, lane: &mut L
                 } else {
                     V::<B>::shr32_16(neg)
                 };
-                V::<B>::shuffle(sc, spread[j / 2]).store(lane.scales[4 * q + j][part].as_mut_ptr());
-                offset.store(lane.offsets[4 * q + j][part].as_mut_ptr());
+                // (Pointers from the whole entry: a pair's vector spans both groups' parts.)
+                let scales = lane.scales[4 * q + j].as_mut_ptr().cast::<u8>();
+                V::<B>::shuffle(sc, spread[j / 2]).store(scales.add(32 * part));
+                let offsets = lane.offsets[4 * q + j].as_mut_ptr().cast::<u8>();
+                offset.store(offsets.add(32 * part));
             }
         }
         // The rows' d.
-        rows.store_d(lane.d[part].as_mut_ptr());
+        rows.store_d(
+            lane.d
+                .as_flattened_mut()
+                .as_mut_ptr()
+                .add(GROUP_ROWS * part),
+        );
     }
 }
 
