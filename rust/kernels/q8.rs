@@ -33,6 +33,11 @@ pub struct Q8Rows {
     /// the AVX2 kernels only).
     #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
     pub lane_sums: Vec<i32>,
+    /// [t, k / (span / 8)] -32 · `lane_sums` (spans longer than 32 only, else empty): where Q6_K's AVX-512 lane
+    /// kernel starts the sum of each sub-block (an eighth of its spans of 128), whose weight codes are stored as
+    /// q + 32 (`q6k_lanes`).
+    #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
+    pub neg32_lane_sums: Vec<i32>,
     /// The codes by token (`add_token_columns`, else empty), as AMX tiles of activations take them: in tiles of
     /// up to COLUMN_TOKENS rows (tile t0.. at t0 · k / 4), each [k / 4, COLUMN_TOKENS] words of 4 codes, word w
     /// of the tile's rows side by side in one 64-byte row. A tile of n rows holds `column_fold(n)` = f runs of
@@ -280,13 +285,14 @@ fn quantize_with(
             by_16
                 .chunks_exact(span / 8 / 16)
                 .map(|s| s.iter().sum())
-                .collect(),
+                .collect::<Vec<i32>>(),
             code_sums
                 .chunks_exact(2)
                 .map(|p| (p[0] & 0xFFFF) | (p[1] << 16))
                 .collect(),
         )
     };
+    let neg32_lane_sums = lane_sums.iter().map(|s| -32 * s).collect();
     Q8Rows {
         codes,
         scales,
@@ -294,6 +300,7 @@ fn quantize_with(
         code_sums,
         code_sum_pairs,
         lane_sums,
+        neg32_lane_sums,
         columns: Vec::new(),
         column_scales: Vec::new(),
         pairs: Vec::new(),
@@ -667,7 +674,7 @@ mod tests {
     }
 
     /// Every span's sums land at its own rows' and groups' places: Σx̂ and Σcodes per 32 codes, and for spans
-    /// longer than 32 Σcodes per eighth of a span and per pair of groups (16 bits each, signed).
+    /// longer than 32 Σcodes per eighth of a span (and -32 times it) and per pair of groups (16 bits each, signed).
     #[test]
     fn sums_follow_the_codes() {
         let (t, k) = (3, 512);
@@ -691,10 +698,16 @@ mod tests {
             let want: Vec<i32> = q8.codes.chunks_exact(GROUP).map(code_sum).collect();
             assert_eq!(q8.code_sums, want, "span {span}");
             if span == GROUP {
-                assert!(q8.lane_sums.is_empty() && q8.code_sum_pairs.is_empty());
+                assert!(
+                    q8.lane_sums.is_empty()
+                        && q8.code_sum_pairs.is_empty()
+                        && q8.neg32_lane_sums.is_empty()
+                );
             } else {
                 let want: Vec<i32> = q8.codes.chunks_exact(span / 8).map(code_sum).collect();
                 assert_eq!(q8.lane_sums, want, "span {span}");
+                let neg32: Vec<i32> = want.iter().map(|s| -32 * s).collect();
+                assert_eq!(q8.neg32_lane_sums, neg32, "span {span}");
                 let pairs: Vec<(i16, i16)> = q8
                     .code_sum_pairs
                     .iter()

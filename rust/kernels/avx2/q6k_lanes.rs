@@ -8,10 +8,11 @@
 //! codes 4w..4w + 4 of each row, so one product meets every row's four codes with four activation bytes in every
 //! lane, and each pair's span sum stays in its lane. (Decoding a call's blocks first and then running its tiles
 //! over them took 1.08 of the time at T = 5 to 16: benches/RESULTS.md, thirty-fifth session.)
-//! That sum is the row kernel's exact integer I = Σ sc·Σ c·x̂ - 32·Σ sc·Σx̂ (stored codes c = q + 32): the 16-bit
-//! pair-sums of byte products times the sub-scales, then the offset against the activations' sixteen-element
-//! sums. Its float step is the row kernel's, tot += float(I)·(d·dx), lane by lane, so each output has the row
-//! kernel's bits (`SuperBlock::SPAN_TOTALS`) whatever the number of activation rows.
+//! That sum is the row kernel's exact integer I = Σ sc·Σ c·x̂ - 32·Σ sc·Σx̂ (stored codes c = q + 32): in AVX2
+//! vectors the 16-bit pair-sums of byte products times the sub-scales, then the offset against the activations'
+//! sixteen-element sums; in AVX-512 vectors each sub-block's products summed whole from its offset, then times its
+//! sub-scale (`Q6Lanes::WHOLE_SCALES`). Its float step is the row kernel's, tot += float(I)·(d·dx), lane by lane,
+//! so each output has the row kernel's bits (`SuperBlock::SPAN_TOTALS`) whatever the number of activation rows.
 //!
 //! Resident rows take the interleaved layout (`QType::Q6KX8`, `interleave`) where AVX-512 VNNI's products run their
 //! passes, not AMX's (`QType::resident_interleaved`): there the words come transposed, so a block's decoding is only
@@ -22,10 +23,11 @@ use std::cell::Cell;
 use std::thread::LocalKey;
 
 use super::super::blocks::{self, Format};
+use super::super::q8::Q8Rows;
 use super::super::rows::{
     in_tiles, Activations, GroupKernel, Kernel, GROUP_ROWS, MAX_T, WIDE_ROWS,
 };
-use super::interleaved::{dpwssd, join_si, lane_bytes, with_wide, words4, Lanes, Zmm};
+use super::interleaved::{join_si, lane_bytes, with_wide, words4, Lanes, Zmm};
 use super::{int_entries, AvxVnni, IntDot, Madd, Prefetch, Products, Vnni};
 
 type Q6K = blocks::Q6K;
@@ -54,10 +56,11 @@ pub const Q6K_LANES_MIN_ROWS: usize = 4;
 struct LaneBlock<const G: usize> {
     /// Word w: codes 4w..4w + 4 of each row, as stored (c = q + 32, 0..64).
     codes: [[[u8; 32]; G]; WORDS],
-    /// Sub-block s: each row's sub-scale in both 16-bit halves of its lane (multipliers of `madd`).
+    /// Sub-block s: each row's sub-scale as the lanes' products take it (`Q6Lanes::WHOLE_SCALES`): in both 16-bit
+    /// halves of its lane (multipliers of `madd`), or as the lane's i32 (multiplier of `vpmulld`).
     scales: [[[u8; 32]; G]; SUBS],
-    /// Sub-block s: -32 · each row's sub-scale in the low 16 bits of its lane, 0 in the high (`madd` against the
-    /// sub-block's Σx̂ as an i32).
+    /// Sub-block s, for the 16-bit multipliers only: -32 · each row's sub-scale in the low 16 bits of its lane, 0
+    /// in the high (`madd` against the sub-block's Σx̂ as an i32).
     offsets: [[[u8; 32]; G]; SUBS],
     /// Each row's d.
     d: [[f32; GROUP_ROWS]; G],
@@ -244,7 +247,7 @@ unsafe fn decode_and_multiply<
     for bi in 0..blocks {
         for (part, rows) in block(bi).into_iter().enumerate() {
             // SAFETY: the caller's contract.
-            unsafe { decode(rows, part, &mut lane) };
+            unsafe { decode(rows, part, L::WHOLE_SCALES, &mut lane) };
         }
         // The tiles' contract: `lane` holds the groups' block bi.
         in_tiles!(a.t, y, |t0, out| tile::<L>(a, &lane, bi, ahead, t0, out));
@@ -417,6 +420,9 @@ trait DecodeVec: Copy {
     unsafe fn shr16(a: Self, n: i32) -> Self;
     unsafe fn sar16(a: Self, n: i32) -> Self;
     unsafe fn shr32_16(a: Self) -> Self;
+    /// 32-bit lanes shifted left or right (arithmetic) by `n`.
+    unsafe fn shl32(a: Self, n: i32) -> Self;
+    unsafe fn sar32(a: Self, n: i32) -> Self;
     /// -a in 16-bit lanes.
     unsafe fn neg16(a: Self) -> Self;
     /// `pshufb` within each 128-bit lane.
@@ -470,6 +476,16 @@ impl DecodeVec for __m256i {
     #[inline(always)]
     unsafe fn shr32_16(a: __m256i) -> __m256i {
         _mm256_srli_epi32::<16>(a)
+    }
+
+    #[inline(always)]
+    unsafe fn shl32(a: __m256i, n: i32) -> __m256i {
+        _mm256_sll_epi32(a, _mm_cvtsi32_si128(n))
+    }
+
+    #[inline(always)]
+    unsafe fn sar32(a: __m256i, n: i32) -> __m256i {
+        _mm256_sra_epi32(a, _mm_cvtsi32_si128(n))
     }
 
     #[inline(always)]
@@ -538,6 +554,16 @@ impl DecodeVec for __m512i {
     }
 
     #[inline(always)]
+    unsafe fn shl32(a: __m512i, n: i32) -> __m512i {
+        unsafe { _mm512_sll_epi32(a, _mm_cvtsi32_si128(n)) }
+    }
+
+    #[inline(always)]
+    unsafe fn sar32(a: __m512i, n: i32) -> __m512i {
+        unsafe { _mm512_sra_epi32(a, _mm_cvtsi32_si128(n)) }
+    }
+
+    #[inline(always)]
     unsafe fn neg16(a: __m512i) -> __m512i {
         unsafe { _mm512_sub_epi16(_mm512_setzero_si512(), a) }
     }
@@ -554,12 +580,18 @@ impl DecodeVec for __m512i {
 }
 
 /// Block `rows` (one group's, or `MixedPair`'s two) into part `part` of `lane` (32 bytes of each entry per group
-/// from byte 32 · part): its words transposed (`RowBlock::words4`), then each code and scale assembled in its lane.
+/// from byte 32 · part): its words transposed (`RowBlock::words4`), then each code and scale assembled in its lane,
+/// the scales as whole i32s or else as 16-bit multipliers and offsets (`whole_scales`: `Q6Lanes::WHOLE_SCALES`).
 ///
 /// # Safety
 /// The blocks are readable; the caller runs with the features of `rows`' vectors.
 #[inline(always)]
-unsafe fn decode<B: RowBlock, const G: usize>(rows: B, part: usize, lane: &mut LaneBlock<G>) {
+unsafe fn decode<B: RowBlock, const G: usize>(
+    rows: B,
+    part: usize,
+    whole_scales: bool,
+    lane: &mut LaneBlock<G>,
+) {
     type V<B> = <B as RowBlock>::V;
     // SAFETY (every vector step): the caller runs with V's features.
     let (nibble, two_bits) = unsafe { (V::<B>::splat8(0x0F), V::<B>::splat8(0x30)) };
@@ -602,38 +634,49 @@ unsafe fn decode<B: RowBlock, const G: usize>(rows: B, part: usize, lane: &mut L
             }
         }
     }
-    // Sub-block s = 4q + j's scale: byte j of word q of the scales, sign-extended. Per word, bytes 0 and 2 (even j)
-    // and bytes 1 and 3 (odd j) as the 16-bit halves of each lane, and -32 times them (|sc| <= 128: 16 bits).
+    // Sub-block s = 4q + j's scale: byte j of word q of the scales, sign-extended. Whole: byte j to the top of the
+    // lane, then back down with its sign. Else per word, bytes 0 and 2 (even j) and bytes 1 and 3 (odd j) as the
+    // 16-bit halves of each lane, and -32 times them (|sc| <= 128: 16 bits).
     // SAFETY: bytes 192..208 of each row's block; as above.
     unsafe {
         let words = rows.words4(SCALES_AT);
-        // Half h of each lane into both halves (its bytes 2h and 2h + 1 to bytes 0-1 and 2-3).
-        let spread = [
-            V::<B>::lane_bytes([0, 1, 0, 1]),
-            V::<B>::lane_bytes([2, 3, 2, 3]),
-        ];
-        let low16 = V::<B>::splat32(0xFFFF);
-        for (q, word) in words.into_iter().enumerate() {
-            let even = V::<B>::sar16(V::<B>::shl16(word, 8), 8);
-            let odd = V::<B>::sar16(word, 8);
-            let neg_even = V::<B>::neg16(V::<B>::shl16(even, 5));
-            let neg_odd = V::<B>::neg16(V::<B>::shl16(odd, 5));
-            for j in 0..4 {
-                let (sc, neg) = if j % 2 == 0 {
-                    (even, neg_even)
-                } else {
-                    (odd, neg_odd)
-                };
-                let offset = if j / 2 == 0 {
-                    V::<B>::and(neg, low16)
-                } else {
-                    V::<B>::shr32_16(neg)
-                };
-                // (Pointers from the whole entry: a pair's vector spans both groups' parts.)
-                let scales = lane.scales[4 * q + j].as_mut_ptr().cast::<u8>();
-                V::<B>::shuffle(sc, spread[j / 2]).store(scales.add(32 * part));
-                let offsets = lane.offsets[4 * q + j].as_mut_ptr().cast::<u8>();
-                offset.store(offsets.add(32 * part));
+        if whole_scales {
+            for (q, word) in words.into_iter().enumerate() {
+                for j in 0..4 {
+                    let sc = V::<B>::sar32(V::<B>::shl32(word, 24 - 8 * j as i32), 24);
+                    // (Pointers from the whole entry: a pair's vector spans both groups' parts.)
+                    let scales = lane.scales[4 * q + j].as_mut_ptr().cast::<u8>();
+                    sc.store(scales.add(32 * part));
+                }
+            }
+        } else {
+            // Half h of each lane into both halves (its bytes 2h and 2h + 1 to bytes 0-1 and 2-3).
+            let spread = [
+                V::<B>::lane_bytes([0, 1, 0, 1]),
+                V::<B>::lane_bytes([2, 3, 2, 3]),
+            ];
+            let low16 = V::<B>::splat32(0xFFFF);
+            for (q, word) in words.into_iter().enumerate() {
+                let even = V::<B>::sar16(V::<B>::shl16(word, 8), 8);
+                let odd = V::<B>::sar16(word, 8);
+                let neg_even = V::<B>::neg16(V::<B>::shl16(even, 5));
+                let neg_odd = V::<B>::neg16(V::<B>::shl16(odd, 5));
+                for j in 0..4 {
+                    let (sc, neg) = if j % 2 == 0 {
+                        (even, neg_even)
+                    } else {
+                        (odd, neg_odd)
+                    };
+                    let offset = if j / 2 == 0 {
+                        V::<B>::and(neg, low16)
+                    } else {
+                        V::<B>::shr32_16(neg)
+                    };
+                    let scales = lane.scales[4 * q + j].as_mut_ptr().cast::<u8>();
+                    V::<B>::shuffle(sc, spread[j / 2]).store(scales.add(32 * part));
+                    let offsets = lane.offsets[4 * q + j].as_mut_ptr().cast::<u8>();
+                    offset.store(offsets.add(32 * part));
+                }
             }
         }
         // The rows' d.
@@ -650,51 +693,89 @@ unsafe fn decode<B: RowBlock, const G: usize>(rows: B, part: usize, lane: &mut L
 trait Q6Lanes: Lanes {
     /// The decoded blocks it reads.
     type Block;
-    /// Word w (`Block::codes`), sub-block s's multipliers (`scales`) or offsets (`offsets`) of `block`.
-    fn word(block: &Self::Block, w: usize) -> Self::Int;
-    fn scales(block: &Self::Block, s: usize) -> Self::Int;
-    fn offsets(block: &Self::Block, s: usize) -> Self::Int;
-    /// `sum` + the 16-bit pair-sums of codes `w` times the four activation bytes `x` (in every lane), times the
-    /// multipliers `mv`.
-    unsafe fn scaled(sum: Self::Int, w: Self::Int, x: i32, mv: Self::Int) -> Self::Int;
-    /// `sum` + the low 16 bits of `sx` (in every lane) times the multipliers `ov`.
-    unsafe fn offset(sum: Self::Int, sx: i32, ov: Self::Int) -> Self::Int;
+    /// A sub-block's four code words and multipliers, loaded once for every activation row.
+    type Sub;
+    /// Whether the sub-scales are whole i32s (`LaneBlock::scales`): a sub-block's sums of byte products are then
+    /// whole i32 lanes, multiplied once (`vpmulld`), else 16-bit pair-sums, each pair multiplied (`madd`).
+    const WHOLE_SCALES: bool;
+    /// Sub-block s of `block`.
+    fn sub_block(block: &Self::Block, s: usize) -> Self::Sub;
+    /// What `add_sub_block` takes for each activation row's sub-block: its Σx̂ (`Q8Rows::lane_sums`), or -32 · Σx̂
+    /// (`Q8Rows::neg32_lane_sums`) with whole scales.
+    fn offset_inputs(q8: &Q8Rows) -> &[i32];
+    /// `sum` + sc·Σ (c - 32)·x̂ over a sub-block's sixteen codes c (stored q + 32) for one activation row, each
+    /// lane's exact integer: the row's codes `x` (four words) and its `offset_inputs` entry `offset`.
+    ///
+    /// # Safety
+    /// `x` points at 16 readable codes; the caller runs with the lanes' features.
+    unsafe fn add_sub_block(
+        sum: Self::Int,
+        sub: &Self::Sub,
+        x: *const i8,
+        offset: i32,
+    ) -> Self::Int;
     unsafe fn add(a: Self::Int, b: Self::Int) -> Self::Int;
     /// out += float(i)·(d·dx), lane by lane, with `block`'s d.
     unsafe fn end_span(out: &mut Self::Out, i: Self::Int, block: &Self::Block, dx: f32);
 }
 
+/// Activation word c (codes 4c..4c + 4) of the sixteen at `x`.
+///
+/// # Safety
+/// `x` points at 16 readable codes.
+#[inline(always)]
+unsafe fn x_word(x: *const i8, c: usize) -> i32 {
+    // SAFETY: the caller's contract.
+    unsafe { x.add(4 * c).cast::<i32>().read_unaligned() }
+}
+
+/// A sub-block's words, 16-bit multipliers and offsets (a group's lanes in AVX2 vectors).
+struct PairSub {
+    words: [__m256i; SUB / 4],
+    scales: __m256i,
+    offsets: __m256i,
+}
+
 impl<D: IntDot> Q6Lanes for D {
     type Block = LaneBlock<1>;
+    type Sub = PairSub;
+    const WHOLE_SCALES: bool = false;
 
     #[inline(always)]
-    fn word(block: &LaneBlock<1>, w: usize) -> __m256i {
-        // SAFETY: 32 bytes, 32-byte aligned; every kernel set here has AVX2.
-        unsafe { _mm256_load_si256(block.codes[w].as_ptr().cast()) }
+    fn sub_block(block: &LaneBlock<1>, s: usize) -> PairSub {
+        let w = SUB / 4 * s;
+        // (Loads written out, not an array's closure: a closure takes no target features, and its intrinsics
+        // would become calls.)
+        // SAFETY (each load): 32 bytes, 32-byte aligned; every kernel set here has AVX2.
+        unsafe {
+            PairSub {
+                words: [
+                    _mm256_load_si256(block.codes[w].as_ptr().cast()),
+                    _mm256_load_si256(block.codes[w + 1].as_ptr().cast()),
+                    _mm256_load_si256(block.codes[w + 2].as_ptr().cast()),
+                    _mm256_load_si256(block.codes[w + 3].as_ptr().cast()),
+                ],
+                scales: _mm256_load_si256(block.scales[s].as_ptr().cast()),
+                offsets: _mm256_load_si256(block.offsets[s].as_ptr().cast()),
+            }
+        }
     }
 
     #[inline(always)]
-    fn scales(block: &LaneBlock<1>, s: usize) -> __m256i {
-        // SAFETY: as `word`.
-        unsafe { _mm256_load_si256(block.scales[s].as_ptr().cast()) }
+    fn offset_inputs(q8: &Q8Rows) -> &[i32] {
+        &q8.lane_sums
     }
 
     #[inline(always)]
-    fn offsets(block: &LaneBlock<1>, s: usize) -> __m256i {
-        // SAFETY: as `word`.
-        unsafe { _mm256_load_si256(block.offsets[s].as_ptr().cast()) }
-    }
-
-    #[inline(always)]
-    unsafe fn scaled(sum: __m256i, w: __m256i, x: i32, mv: __m256i) -> __m256i {
-        // SAFETY: the caller runs with D's features.
-        unsafe { D::scaled(sum, w, _mm256_set1_epi32(x), mv) }
-    }
-
-    #[inline(always)]
-    unsafe fn offset(sum: __m256i, sx: i32, ov: __m256i) -> __m256i {
-        // SAFETY: the caller runs with D's features.
-        unsafe { D::madd_into(sum, _mm256_set1_epi32(sx), ov) }
+    unsafe fn add_sub_block(sum: __m256i, sub: &PairSub, x: *const i8, offset: i32) -> __m256i {
+        // SAFETY: the caller's contract.
+        unsafe {
+            let mut sum = sum;
+            for (c, &w) in sub.words.iter().enumerate() {
+                sum = D::scaled(sum, w, _mm256_set1_epi32(x_word(x, c)), sub.scales);
+            }
+            D::madd_into(sum, _mm256_set1_epi32(offset), sub.offsets)
+        }
     }
 
     #[inline(always)]
@@ -718,37 +799,56 @@ impl<D: IntDot> Q6Lanes for D {
     }
 }
 
+/// A sub-block's words and whole sub-scales (two groups' lanes in AVX-512 vectors).
+struct WholeSub {
+    words: [__m512i; SUB / 4],
+    scales: __m512i,
+}
+
 impl Q6Lanes for Zmm {
     type Block = LaneBlock<2>;
+    type Sub = WholeSub;
+    /// Per sub-block and activation row: four `vpdpbusd` from -32 · Σx̂ (a broadcast load), one `vpmulld` (two
+    /// operations) and an add, against four `vpmaddubsw`, four `vpdpwssd` and a fifth for the offset with 16-bit
+    /// multipliers. Every sum is exact: |Σ (c - 32)·x̂| <= 16 · 32 · 127 < 2^16, times |sc| <= 128. Against those
+    /// multipliers, Qwen2.5-Coder-1.5B's Q6_K matrices took 0.94 / 0.91 / 0.94 / 0.93 of the time at T = 1 / 4 / 8 /
+    /// 16 (2 threads, cold; one 1536 x 8960 matrix in cache, one thread: 0.91 / 0.94 / 0.91 / 0.90;
+    /// benches/RESULTS.md, thirty-eighth session).
+    const WHOLE_SCALES: bool = true;
 
     #[inline(always)]
-    fn word(block: &LaneBlock<2>, w: usize) -> __m512i {
-        // SAFETY: 64 bytes, 64-byte aligned; the caller runs with AVX-512 F.
-        unsafe { _mm512_load_si512(block.codes[w].as_ptr().cast()) }
+    fn sub_block(block: &LaneBlock<2>, s: usize) -> WholeSub {
+        let w = SUB / 4 * s;
+        // (Loads written out, as for eight rows.)
+        // SAFETY (each load): 64 bytes, 64-byte aligned; the caller runs with AVX-512 F.
+        unsafe {
+            WholeSub {
+                words: [
+                    _mm512_load_si512(block.codes[w].as_ptr().cast()),
+                    _mm512_load_si512(block.codes[w + 1].as_ptr().cast()),
+                    _mm512_load_si512(block.codes[w + 2].as_ptr().cast()),
+                    _mm512_load_si512(block.codes[w + 3].as_ptr().cast()),
+                ],
+                scales: _mm512_load_si512(block.scales[s].as_ptr().cast()),
+            }
+        }
     }
 
     #[inline(always)]
-    fn scales(block: &LaneBlock<2>, s: usize) -> __m512i {
-        // SAFETY: as `word`.
-        unsafe { _mm512_load_si512(block.scales[s].as_ptr().cast()) }
+    fn offset_inputs(q8: &Q8Rows) -> &[i32] {
+        &q8.neg32_lane_sums
     }
 
     #[inline(always)]
-    fn offsets(block: &LaneBlock<2>, s: usize) -> __m512i {
-        // SAFETY: as `word`.
-        unsafe { _mm512_load_si512(block.offsets[s].as_ptr().cast()) }
-    }
-
-    #[inline(always)]
-    unsafe fn scaled(sum: __m512i, w: __m512i, x: i32, mv: __m512i) -> __m512i {
-        // SAFETY: the caller runs with AVX-512 BW and VNNI.
-        unsafe { dpwssd(sum, _mm512_maddubs_epi16(w, _mm512_set1_epi32(x)), mv) }
-    }
-
-    #[inline(always)]
-    unsafe fn offset(sum: __m512i, sx: i32, ov: __m512i) -> __m512i {
-        // SAFETY: the caller runs with AVX-512 VNNI.
-        unsafe { dpwssd(sum, _mm512_set1_epi32(sx), ov) }
+    unsafe fn add_sub_block(sum: __m512i, sub: &WholeSub, x: *const i8, offset: i32) -> __m512i {
+        // SAFETY: the caller's contract; it runs with AVX-512 F and VNNI.
+        unsafe {
+            let mut part = _mm512_set1_epi32(offset);
+            for (c, &w) in sub.words.iter().enumerate() {
+                part = _mm512_dpbusd_epi32(part, w, _mm512_set1_epi32(x_word(x, c)));
+            }
+            _mm512_add_epi32(sum, _mm512_mullo_epi32(part, sub.scales))
+        }
     }
 
     #[inline(always)]
@@ -793,13 +893,13 @@ unsafe fn tile<L: Q6Lanes, const R: usize>(
 ) -> usize {
     let q8 = a.q8_for(Q6K::SPAN);
     let (k, spans, subs) = (a.k, a.k / Q6K::SPAN, a.k / SUB);
-    // Activation row t0's codes, span scales and sixteen-element sums; row t0 + r's are r rows further on.
-    // SAFETY: `matmul` quantized t rows of k codes (spans scales and k / 16 lane sums each), and t0 < t.
-    let (codes, scales, sub_sums) = unsafe {
+    // Activation row t0's codes, span scales and sub-blocks' offset inputs; row t0 + r's are r rows further on.
+    // SAFETY: `matmul` quantized t rows of k codes (spans scales and k / 16 offset inputs each), and t0 < t.
+    let (codes, scales, offsets) = unsafe {
         (
             q8.codes.as_ptr().add(t0 * k),
             q8.scales.as_ptr().add(t0 * spans),
-            q8.lane_sums.as_ptr().add(t0 * subs),
+            L::offset_inputs(q8).as_ptr().add(t0 * subs),
         )
     };
     // Each row's accumulator lives in y (touched once a span), leaving the registers to the span's sums.
@@ -808,39 +908,25 @@ unsafe fn tile<L: Q6Lanes, const R: usize>(
             *out = L::Out::default();
         }
     }
-    // With few rows, each row's products go into two chains (even and odd words), so that one chain's latency
-    // does not bound the span.
-    let chains = if R < 4 { 2 } else { 1 };
+    // With few rows and 16-bit multipliers, each row's sub-blocks go into two chains (even and odd), so that one
+    // chain's latency does not bound the span. (With whole scales each sub-block's products start a chain of their
+    // own, and only its end is added to the row's sum.)
+    let chains = if R < 4 && !L::WHOLE_SCALES { 2 } else { 1 };
     for sp in 0..Q6K::BLOCK / Q6K::SPAN {
         let mut sums = [[L::zero_int(); 2]; R];
         for s in sp * SPAN_SUBS..(sp + 1) * SPAN_SUBS {
             if t0 == 0 {
                 ahead.part(bi, s, SUBS);
             }
-            let mv = L::scales(block, s);
-            for c in 0..SUB / 4 {
-                let w = SUB / 4 * s + c;
-                let wv = L::word(block, w);
-                for (r, sums) in sums.iter_mut().enumerate() {
-                    // Activation bytes 4w..4w + 4 of block bi of row t0 + r, in every lane.
-                    // SAFETY: inside row t0 + r's k codes.
-                    let x = unsafe {
-                        codes
-                            .add(r * k + bi * Q6K::BLOCK + 4 * w)
-                            .cast::<i32>()
-                            .read_unaligned()
-                    };
-                    let sum = &mut sums[c % chains];
-                    // SAFETY: the caller runs with L's features.
-                    *sum = unsafe { L::scaled(*sum, wv, x, mv) };
-                }
-            }
-        }
-        for s in sp * SPAN_SUBS..(sp + 1) * SPAN_SUBS {
-            let ov = L::offsets(block, s);
-            for (r, [sum, _]) in sums.iter_mut().enumerate() {
-                // SAFETY: sub-block bi · 16 + s of row t0 + r's k / 16 sums; the caller runs with L's features.
-                *sum = unsafe { L::offset(*sum, *sub_sums.add(r * subs + bi * SUBS + s), ov) };
+            let sub = L::sub_block(block, s);
+            for (r, sums) in sums.iter_mut().enumerate() {
+                let sum = &mut sums[s % chains];
+                // SAFETY: sub-block bi · 16 + s of row t0 + r's k codes and k / 16 offset inputs; the caller runs
+                // with L's features.
+                *sum = unsafe {
+                    let x = codes.add(r * k + bi * Q6K::BLOCK + SUB * s);
+                    L::add_sub_block(*sum, &sub, x, *offsets.add(r * subs + bi * SUBS + s))
+                };
             }
         }
         for (r, [even, odd]) in sums.into_iter().enumerate() {
