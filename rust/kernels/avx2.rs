@@ -109,6 +109,9 @@ pub trait IntDot {
     /// codes against 8-bit activations), as a group tile transposed into lanes (`legacy_lanes::tile`) adds
     /// them: any byte for 32-bit sums, 4-bit codes for `Madd`'s 16-bit pair-sums (8 · 2 · 15 · 127 < 2^15).
     const LANES_MAX_CODE: u8;
+    /// Whether `add_products` sums whole i32 lanes (`vpdpbusd`), so that a running sum may start from any i32 and
+    /// `widen` is the identity.
+    const WHOLE_SUMS: bool;
 }
 
 /// AVX2: `maddubs` (u8 x i8 -> i16 pair-sums), then `madd` (-> i32 lanes); running sums are i16 pair-sums.
@@ -116,6 +119,7 @@ pub struct Madd;
 
 impl IntDot for Madd {
     const LANES_MAX_CODE: u8 = 15;
+    const WHOLE_SUMS: bool = false;
 
     #[target_feature(enable = "avx2,fma,f16c")]
     #[inline]
@@ -149,6 +153,7 @@ pub struct Vnni;
 
 impl IntDot for Vnni {
     const LANES_MAX_CODE: u8 = u8::MAX;
+    const WHOLE_SUMS: bool = true;
 
     #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
     #[inline]
@@ -189,6 +194,7 @@ pub struct AvxVnni;
 
 impl IntDot for AvxVnni {
     const LANES_MAX_CODE: u8 = u8::MAX;
+    const WHOLE_SUMS: bool = true;
 
     #[target_feature(enable = "avx2,fma,f16c,avxvnni")]
     #[inline]

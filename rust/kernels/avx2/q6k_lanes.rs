@@ -8,10 +8,10 @@
 //! codes 4w..4w + 4 of each row, so one product meets every row's four codes with four activation bytes in every
 //! lane, and each pair's span sum stays in its lane. (Decoding a call's blocks first and then running its tiles
 //! over them took 1.08 of the time at T = 5 to 16: benches/RESULTS.md, thirty-fifth session.)
-//! That sum is the row kernel's exact integer I = Σ sc·Σ c·x̂ - 32·Σ sc·Σx̂ (stored codes c = q + 32): in AVX2
-//! vectors the 16-bit pair-sums of byte products times the sub-scales, then the offset against the activations'
-//! sixteen-element sums; in AVX-512 vectors each sub-block's products summed whole from its offset, then times its
-//! sub-scale (`Q6Lanes::WHOLE_SCALES`). Its float step is the row kernel's, tot += float(I)·(d·dx), lane by lane,
+//! That sum is the row kernel's exact integer I = Σ sc·Σ c·x̂ - 32·Σ sc·Σx̂ (stored codes c = q + 32): with
+//! VNNI's products (AVX-VNNI, AVX-512 VNNI) each sub-block's products summed whole from its offset, then times its
+//! sub-scale; with AVX2's `madd` the 16-bit pair-sums of byte products times the sub-scales, then the offset
+//! against the activations' sixteen-element sums (`Q6Lanes::WHOLE_SCALES`). Its float step is the row kernel's, tot += float(I)·(d·dx), lane by lane,
 //! so each output has the row kernel's bits (`SuperBlock::SPAN_TOTALS`) whatever the number of activation rows.
 //!
 //! Resident rows take the interleaved layout (`QType::Q6KX8`, `interleave`) where AVX-512 VNNI's products run their
@@ -729,8 +729,8 @@ unsafe fn x_word(x: *const i8, c: usize) -> i32 {
     unsafe { x.add(4 * c).cast::<i32>().read_unaligned() }
 }
 
-/// A sub-block's words, 16-bit multipliers and offsets (a group's lanes in AVX2 vectors).
-struct PairSub {
+/// A sub-block's words and scales, with the offsets of 16-bit multipliers (a group's lanes in AVX2 vectors).
+struct GroupSub {
     words: [__m256i; SUB / 4],
     scales: __m256i,
     offsets: __m256i,
@@ -738,17 +738,22 @@ struct PairSub {
 
 impl<D: IntDot> Q6Lanes for D {
     type Block = LaneBlock<1>;
-    type Sub = PairSub;
-    const WHOLE_SCALES: bool = false;
+    type Sub = GroupSub;
+    /// Whole scales where D's products sum whole i32 lanes (AVX-VNNI's and AVX-512 VNNI's `vpdpbusd`), as with
+    /// `Zmm`; 16-bit multipliers with AVX2's `madd`, whose running sums are 16-bit pair-sums. With AVX-VNNI's
+    /// products on plain rows, against 16-bit multipliers, Qwen2.5-Coder-1.5B's Q6_K matrices took 0.91 / 0.87 /
+    /// 0.85 of the time at T = 4 / 8 / 16 (2 threads, cold, a Sapphire Rapids class VM; benches/RESULTS.md,
+    /// thirty-eighth session).
+    const WHOLE_SCALES: bool = D::WHOLE_SUMS;
 
     #[inline(always)]
-    fn sub_block(block: &LaneBlock<1>, s: usize) -> PairSub {
+    fn sub_block(block: &LaneBlock<1>, s: usize) -> GroupSub {
         let w = SUB / 4 * s;
         // (Loads written out, not an array's closure: a closure takes no target features, and its intrinsics
         // would become calls.)
         // SAFETY (each load): 32 bytes, 32-byte aligned; every kernel set here has AVX2.
         unsafe {
-            PairSub {
+            GroupSub {
                 words: [
                     _mm256_load_si256(block.codes[w].as_ptr().cast()),
                     _mm256_load_si256(block.codes[w + 1].as_ptr().cast()),
@@ -763,13 +768,25 @@ impl<D: IntDot> Q6Lanes for D {
 
     #[inline(always)]
     fn offset_inputs(q8: &Q8Rows) -> &[i32] {
-        &q8.lane_sums
+        if D::WHOLE_SUMS {
+            &q8.neg32_lane_sums
+        } else {
+            &q8.lane_sums
+        }
     }
 
     #[inline(always)]
-    unsafe fn add_sub_block(sum: __m256i, sub: &PairSub, x: *const i8, offset: i32) -> __m256i {
+    unsafe fn add_sub_block(sum: __m256i, sub: &GroupSub, x: *const i8, offset: i32) -> __m256i {
         // SAFETY: the caller's contract.
         unsafe {
+            if D::WHOLE_SUMS {
+                // As `Zmm`'s.
+                let mut part = _mm256_set1_epi32(offset);
+                for (c, &w) in sub.words.iter().enumerate() {
+                    part = D::add_products(part, w, _mm256_set1_epi32(x_word(x, c)));
+                }
+                return _mm256_add_epi32(sum, _mm256_mullo_epi32(part, sub.scales));
+            }
             let mut sum = sum;
             for (c, &w) in sub.words.iter().enumerate() {
                 sum = D::scaled(sum, w, _mm256_set1_epi32(x_word(x, c)), sub.scales);
