@@ -741,9 +741,9 @@ impl<D: IntDot> Q6Lanes for D {
     type Sub = GroupSub;
     /// Whole scales where D's products sum whole i32 lanes (AVX-VNNI's and AVX-512 VNNI's `vpdpbusd`), as with
     /// `Zmm`; 16-bit multipliers with AVX2's `madd`, whose running sums are 16-bit pair-sums. With AVX-VNNI's
-    /// products on plain rows, against 16-bit multipliers, Qwen2.5-Coder-1.5B's Q6_K matrices took 0.91 / 0.87 /
-    /// 0.85 of the time at T = 4 / 8 / 16 (2 threads, cold, a Sapphire Rapids class VM; benches/RESULTS.md,
-    /// thirty-eighth session).
+    /// products on plain rows, against 16-bit multipliers, Qwen2.5-Coder-1.5B's Q6_K matrices took 0.91-0.95 /
+    /// 0.87-0.91 / 0.85-0.91 of the time at T = 4 / 8 / 16 (2 threads, cold, two runs, a Sapphire Rapids class
+    /// VM; benches/RESULTS.md, thirty-eighth session).
     const WHOLE_SCALES: bool = D::WHOLE_SUMS;
 
     #[inline(always)]
@@ -828,9 +828,9 @@ impl Q6Lanes for Zmm {
     /// Per sub-block and activation row: four `vpdpbusd` from -32 · Σx̂ (a broadcast load), one `vpmulld` (two
     /// operations) and an add, against four `vpmaddubsw`, four `vpdpwssd` and a fifth for the offset with 16-bit
     /// multipliers. Every sum is exact: |Σ (c - 32)·x̂| <= 16 · 32 · 127 < 2^16, times |sc| <= 128. Against those
-    /// multipliers, Qwen2.5-Coder-1.5B's Q6_K matrices took 0.94 / 0.91 / 0.94 / 0.93 of the time at T = 1 / 4 / 8 /
-    /// 16 (2 threads, cold; one 1536 x 8960 matrix in cache, one thread: 0.91 / 0.94 / 0.91 / 0.90;
-    /// benches/RESULTS.md, thirty-eighth session).
+    /// multipliers, Qwen2.5-Coder-1.5B's Q6_K matrices took 0.94-0.99 / 0.91-0.96 / 0.94-0.96 / 0.93-0.94 of the
+    /// time at T = 1 / 4 / 8 / 16 (2 threads, cold, two runs; one 1536 x 8960 matrix in cache, one thread: 0.91 /
+    /// 0.94 / 0.91 / 0.90; benches/RESULTS.md, thirty-eighth session).
     const WHOLE_SCALES: bool = true;
 
     #[inline(always)]
