@@ -729,7 +729,8 @@ unsafe fn x_word(x: *const i8, c: usize) -> i32 {
     unsafe { x.add(4 * c).cast::<i32>().read_unaligned() }
 }
 
-/// A sub-block's words and scales, with the offsets of 16-bit multipliers (a group's lanes in AVX2 vectors).
+/// A sub-block's words and scales, with the offsets of 16-bit multipliers (zero with whole scales; a group's lanes
+/// in AVX2 vectors).
 struct GroupSub {
     words: [__m256i; SUB / 4],
     scales: __m256i,
@@ -761,7 +762,12 @@ impl<D: IntDot> Q6Lanes for D {
                     _mm256_load_si256(block.codes[w + 3].as_ptr().cast()),
                 ],
                 scales: _mm256_load_si256(block.scales[s].as_ptr().cast()),
-                offsets: _mm256_load_si256(block.offsets[s].as_ptr().cast()),
+                // (Whole scales take their offsets from the activations; `decode` wrote none.)
+                offsets: if D::WHOLE_SUMS {
+                    _mm256_setzero_si256()
+                } else {
+                    _mm256_load_si256(block.offsets[s].as_ptr().cast())
+                },
             }
         }
     }
