@@ -1158,10 +1158,11 @@ mod tests {
         let plain = block.repeat(n * k / 256);
         let mut mixed = vec![0u8; plain.len()];
         super::super::interleave::interleave(&plain, k / 256 * 144, 144, &mut mixed);
+        let isas = [Isa::Best, Isa::Avx512, Isa::AvxVnni, Isa::Avx2];
         for sign in [1.0f32, -1.0] {
             for t in [1, 2, 8, 33] {
                 let x = vec![sign; t * k]; // codes of ±127, one scale per span
-                for isa in [Isa::Best, Isa::Avx2].into_iter().filter(|i| i.available()) {
+                for isa in isas.into_iter().filter(|i| i.available()) {
                     let product = |w: &[u8], qtype: QType| {
                         let mut out = vec![0f32; t * n];
                         let m = [Matrix::new(w, qtype, n)];
@@ -1192,19 +1193,26 @@ mod tests {
         }
     }
 
-    /// Q6_K at the bounds its exact span sums rely on (`SuperBlock::SPAN_TOTALS`; the lane kernels' 16-bit
-    /// pair-sums times sub-scales, and their offsets): every code q = +31 or -32, every sub-scale -128 or +127,
-    /// every activation code +127 or -127. Passes of any number of activation rows (the row kernel, the lanes of
-    /// eight or sixteen rows, AMX's tiles where present), on plain rows or interleaved ones, give each row the
-    /// one-row pass's bits, and Σ d·sc·q·x to float32 rounding.
+    /// Q6_K at the bounds its exact span sums rely on (`SuperBlock::SPAN_TOTALS`; the lane kernels' sub-block sums,
+    /// whole or as 16-bit pair-sums, times sub-scales, and their offsets): every code q = +31 or -32, every
+    /// sub-scale -128 or +127, every activation code +127 or -127. Passes of any number of activation rows (the
+    /// row kernel, the lanes of eight or sixteen rows, a lone group of eight beside pairs, AMX's tiles where
+    /// present), on plain rows or interleaved ones, with every kernel set, give each row the one-row pass's bits,
+    /// and Σ d·sc·q·x to float32 rounding.
     #[test]
     fn q6_k_at_its_bounds_sums_exactly() {
-        let (n, k) = (16, 512);
-        for (fill, scale, q) in [
+        let k = 512;
+        let isas = [Isa::Best, Isa::Avx512, Isa::AvxVnni, Isa::Avx2];
+        // (code fill byte, sub-scale byte, q); 16 rows are one pair of groups, 24 a pair and a lone group.
+        let cases = [
             (0xFF, 0x80u8, 31.0f32),
             (0x00, 0x80, -32.0),
             (0xFF, 0x7F, 31.0),
-        ] {
+        ];
+        for (n, (fill, scale, q)) in [16, 24]
+            .into_iter()
+            .flat_map(|n| cases.map(|case| (n, case)))
+        {
             let mut block = [fill; 210]; // ql and qh: every code c = 63 (q = 31) or 0 (q = -32)
             block[192..208].fill(scale);
             block[208..].copy_from_slice(&[0x00, 0x3C]); // d = 1 (float16)
@@ -1214,7 +1222,7 @@ mod tests {
             let sc = f32::from(scale as i8);
             for sign in [1.0f32, -1.0] {
                 let exact = sign * sc * q * k as f32;
-                for isa in [Isa::Best, Isa::Avx2].into_iter().filter(|i| i.available()) {
+                for isa in isas.into_iter().filter(|i| i.available()) {
                     let product = |t: usize, w: &[u8], qtype: QType| {
                         let mut out = vec![0f32; t * n];
                         let (x, m) = (vec![sign; t * k], [Matrix::new(w, qtype, n)]);
@@ -1235,7 +1243,7 @@ mod tests {
                                 assert_eq!(
                                     y.to_bits(),
                                     one[i % n].to_bits(),
-                                    "{isa:?} t={t} output {i} (interleaved: {})",
+                                    "{isa:?} n={n} t={t} output {i} (interleaved: {})",
                                     layout == 1
                                 );
                             }

@@ -33,9 +33,9 @@ pub struct Q8Rows {
     /// the AVX2 kernels only).
     #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
     pub lane_sums: Vec<i32>,
-    /// [t, k / (span / 8)] -32 · `lane_sums` (spans longer than 32 only, else empty): where Q6_K's AVX-512 lane
-    /// kernel starts the sum of each sub-block (an eighth of its spans of 128), whose weight codes are stored as
-    /// q + 32 (`q6k_lanes`).
+    /// [t, k / (span / 8)] -32 · `lane_sums` (spans longer than 32 only, else empty): where Q6_K's lane kernels with
+    /// VNNI's products start the sum of each sub-block (an eighth of its spans of 128), whose weight codes are
+    /// stored as q + 32 (`q6k_lanes`).
     #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
     pub neg32_lane_sums: Vec<i32>,
     /// The codes by token (`add_token_columns`, else empty), as AMX tiles of activations take them: in tiles of

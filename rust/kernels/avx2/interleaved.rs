@@ -1220,7 +1220,7 @@ pub(super) unsafe fn join_ps(low: __m256, high: __m256) -> __m512 {
 
 /// acc + `vpdpwssd`(pairs, mv) on 512-bit vectors: each i32 lane grows by the products of its two i16 lanes. Inline
 /// assembly, as `Vnni::madd_into`: from `_mm512_dpwssd_epi32`, LLVM's x86 backend (tuning for a generic CPU) emitted
-/// `vpmaddwd` + `vpaddd`, one instruction more, for most of the Q6_K and Q4_K tiles' (`Zmm`) products.
+/// `vpmaddwd` + `vpaddd`, one instruction more, for most of the Q4_K tiles' (`Zmm`) offset products.
 ///
 /// # Safety
 /// The caller runs with AVX-512 VNNI.

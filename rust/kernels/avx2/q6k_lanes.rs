@@ -11,8 +11,9 @@
 //! That sum is the row kernel's exact integer I = Σ sc·Σ c·x̂ - 32·Σ sc·Σx̂ (stored codes c = q + 32): with
 //! VNNI's products (AVX-VNNI, AVX-512 VNNI) each sub-block's products summed whole from its offset, then times its
 //! sub-scale; with AVX2's `madd` the 16-bit pair-sums of byte products times the sub-scales, then the offset
-//! against the activations' sixteen-element sums (`Q6Lanes::WHOLE_SCALES`). Its float step is the row kernel's, tot += float(I)·(d·dx), lane by lane,
-//! so each output has the row kernel's bits (`SuperBlock::SPAN_TOTALS`) whatever the number of activation rows.
+//! against the activations' sixteen-element sums (`Q6Lanes::WHOLE_SCALES`). Its float step is the row kernel's,
+//! tot += float(I)·(d·dx), lane by lane, so each output has the row kernel's bits (`SuperBlock::SPAN_TOTALS`)
+//! whatever the number of activation rows.
 //!
 //! Resident rows take the interleaved layout (`QType::Q6KX8`, `interleave`) where AVX-512 VNNI's products run their
 //! passes, not AMX's (`QType::resident_interleaved`): there the words come transposed, so a block's decoding is only
@@ -76,7 +77,7 @@ impl<const G: usize> LaneBlock<G> {
 }
 
 thread_local! {
-    /// Each kernel thread's decoded block (2.8 KB a group), kept from call to call: a call writes every entry it
+    /// Each kernel thread's decoded block (3 KB a group), kept from call to call: a call writes every entry it
     /// reads.
     static LANE: Cell<Option<Box<LaneBlock<1>>>> = const { Cell::new(None) };
     static WIDE_LANE: Cell<Option<Box<LaneBlock<2>>>> = const { Cell::new(None) };
