@@ -95,8 +95,8 @@ impl QType {
 
     /// Whether resident matrices of this type take its interleaved layout on this CPU, where the interleaved
     /// kernels run at all (`interleaved_kernels`, which callers check): Q4_1 and Q4_K, and Q6_K only where AVX-512
-    /// VNNI's products run its passes (decided for the best kernel set; a forced one keeps the choice). With AVX2's (and
-    /// AVX-VNNI's) products its lanes at one or two activation rows cost more than the row kernel on plain rows;
+    /// VNNI's products run its passes (decided for the best kernel set; a forced one keeps the choice). With AVX2's
+    /// (and AVX-VNNI's) products its lanes at one or two activation rows cost more than the row kernel on plain rows;
     /// with AMX, tiles take its passes of several rows, on plain rows (`avx2::tiles`). Qwen2.5-Coder-1.5B's Q6_K
     /// matrices, cache-cold, 2 threads, interleaved over plain, at T = 1 / 2 / 4 / 8 / 16: AVX-512 VNNI 0.99 /
     /// 1.02 / 0.86 / 0.87 / 0.89, AVX2 1.04 / 1.07 / 0.95 / 0.93 / 1.02 (benches/RESULTS.md, thirty-seventh
