@@ -183,6 +183,23 @@ impl<D: IntDot> Lanes for D {
 /// Two groups of eight rows in AVX-512 vectors with AVX-512 VNNI's products (`Lanes`).
 pub(super) struct Zmm;
 
+impl Zmm {
+    /// The interleaved code word at byte `at` of each group (`bases`): the first group's rows in lanes 0-7.
+    ///
+    /// # Safety
+    /// Both words must be readable; the caller runs with AVX-512 F.
+    #[inline(always)]
+    unsafe fn word(bases: [*const u8; 2], at: usize) -> __m512i {
+        // SAFETY: guaranteed by the caller.
+        unsafe {
+            join_si(
+                _mm256_loadu_si256(bases[0].add(at).cast()),
+                _mm256_loadu_si256(bases[1].add(at).cast()),
+            )
+        }
+    }
+}
+
 impl Lanes for Zmm {
     type Int = __m512i;
     type Float = __m512;
@@ -192,10 +209,7 @@ impl Lanes for Zmm {
     unsafe fn nibbles(bases: [*const u8; 2], at: usize) -> (__m512i, __m512i) {
         // SAFETY: the caller's words are inside their blocks, and it runs with AVX-512 F and BW.
         unsafe {
-            let word = join_si(
-                _mm256_loadu_si256(bases[0].add(at).cast()),
-                _mm256_loadu_si256(bases[1].add(at).cast()),
-            );
+            let word = Zmm::word(bases, at);
             let low = _mm512_set1_epi8(0x0F);
             (
                 _mm512_and_si512(word, low),
@@ -838,8 +852,15 @@ struct KScales<L: KLanes> {
 
 /// A Q4_K tile's steps in the lanes of `Lanes`: the integer sums and float steps of the plain rows' kernel.
 trait KLanes: Lanes + Sized {
-    /// The scales of the blocks at `blocks` (the same block of each group).
+    /// The scales of the blocks at `blocks` (the same block of each group), those of the high groups (odd g)
+    /// divided by 16 where `code_words` gives their codes times 16.
     unsafe fn scales(blocks: [*const u8; 2]) -> KScales<Self>;
+    /// The interleaved code word at byte `at` of each group (`bases`) as (low nibbles, high nibbles). Where the
+    /// running sums are whole i32 lanes (VNNI's), the high nibbles come as 16 times their codes, the byte's top
+    /// four bits in place: one `and` where a shift and an `and` would be (products up to 240 · 127, far from any
+    /// bound). Then float(16 · Σ q·x̂)·(sc / 16) is the exact integer sc·Σ q·x̂ that float(Σ q·x̂)·sc is, so an
+    /// FMA of it gives the same bits.
+    unsafe fn code_words(bases: [*const u8; 2], at: usize) -> (Self::Int, Self::Int);
     /// total + float(sum)·scale, with `sum` the running sums `sums[..chains]` added as i32 lanes.
     unsafe fn add_scaled(
         total: Self::Float,
@@ -872,6 +893,9 @@ impl<D: IntDot> KLanes for D {
             // (Loops, not closures: a closure takes no target features, and its intrinsics would become calls.)
             for g in 0..Q4K::BLOCK / GROUP {
                 scales.scale[g] = s.scale(g);
+                if D::WHOLE_SUMS && g % 2 == 1 {
+                    scales.scale[g] = _mm256_mul_ps(scales.scale[g], _mm256_set1_ps(1.0 / 16.0));
+                }
             }
             for p in 0..Q4K::BLOCK / GROUP / 2 {
                 scales.mn[p] = s.mn_pair(p);
@@ -896,6 +920,20 @@ impl<D: IntDot> KLanes for D {
             }
         };
         _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), scale, total)
+    }
+
+    #[inline(always)]
+    unsafe fn code_words(bases: [*const u8; 2], at: usize) -> (__m256i, __m256i) {
+        if !D::WHOLE_SUMS {
+            // SAFETY: the caller's contract.
+            return unsafe { D::nibbles(bases, at) };
+        }
+        // SAFETY: the caller's word is inside its block, and it runs with D's features.
+        let word = unsafe { _mm256_loadu_si256(bases[0].add(at).cast()) };
+        (
+            _mm256_and_si256(word, _mm256_set1_epi8(0x0F)),
+            _mm256_and_si256(word, _mm256_set1_epi8(0xF0u8 as i8)),
+        )
     }
 
     #[inline(always)]
@@ -952,6 +990,9 @@ impl KLanes for Zmm {
             // (Loops, not closures, as for eight rows.)
             for g in 0..Q4K::BLOCK / GROUP {
                 scales.scale[g] = join_ps(first.scale(g), second.scale(g));
+                if g % 2 == 1 {
+                    scales.scale[g] = _mm512_mul_ps(scales.scale[g], _mm512_set1_ps(1.0 / 16.0));
+                }
             }
             for p in 0..Q4K::BLOCK / GROUP / 2 {
                 scales.mn[p] = join_si(first.mn_pair(p), second.mn_pair(p));
@@ -975,6 +1016,18 @@ impl KLanes for Zmm {
                 even
             };
             _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), scale, total)
+        }
+    }
+
+    #[inline(always)]
+    unsafe fn code_words(bases: [*const u8; 2], at: usize) -> (__m512i, __m512i) {
+        // SAFETY: the caller's words are inside their blocks, and it runs with AVX-512 F and BW.
+        unsafe {
+            let word = Zmm::word(bases, at);
+            (
+                _mm512_and_si512(word, _mm512_set1_epi8(0x0F)),
+                _mm512_and_si512(word, _mm512_set1_epi8(0xF0u8 as i8)),
+            )
         }
     }
 
@@ -1070,7 +1123,7 @@ unsafe fn k_tile<L: KLanes, const R: usize>(
                 let mut sums = [[[L::zero_int(); 2]; R]; 2];
                 for c in 0..8 {
                     // SAFETY: word 4 + 8h + c < 36 of the blocks.
-                    let (low, high) = unsafe { L::nibbles(blocks, 32 * (4 + 8 * h + c)) };
+                    let (low, high) = unsafe { L::code_words(blocks, 32 * (4 + 8 * h + c)) };
                     let w = [low, high];
                     for r in 0..R {
                         for (half, sums) in sums.iter_mut().enumerate() {
