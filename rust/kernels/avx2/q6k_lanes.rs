@@ -9,9 +9,9 @@
 //! lane, and each pair's span sum stays in its lane. (Decoding a call's blocks first and then running its tiles
 //! over them took 1.08 of the time at T = 5 to 16: benches/RESULTS.md, thirty-fifth session.)
 //! That sum is the row kernel's exact integer I = Σ sc·Σ c·x̂ - 32·Σ sc·Σx̂ (stored codes c = q + 32): with
-//! VNNI's products (AVX-VNNI, AVX-512 VNNI) each sub-block's products summed whole from its offset, then times its
-//! sub-scale; with AVX2's `madd` the 16-bit pair-sums of byte products times the sub-scales, then the offset
-//! against the activations' sixteen-element sums (`Q6Lanes::WHOLE_SCALES`). Its float step is the row kernel's,
+//! VNNI's products (AVX-VNNI, AVX-512 VNNI) each half sub-block's products summed whole from its offset, then
+//! times its sub-scale; with AVX2's `madd` the 16-bit pair-sums of byte products times the sub-scales, then the
+//! offset against the activations' sixteen-element sums (`Q6Lanes::WHOLE_SCALES`). Its float step is the row kernel's,
 //! tot += float(I)·(d·dx), lane by lane, so each output has the row kernel's bits (`SuperBlock::SPAN_TOTALS`)
 //! whatever the number of activation rows.
 //!
@@ -28,7 +28,7 @@ use super::super::q8::Q8Rows;
 use super::super::rows::{
     in_tiles, Activations, GroupKernel, Kernel, GROUP_ROWS, MAX_T, WIDE_ROWS,
 };
-use super::interleaved::{join_si, lane_bytes, with_wide, words4, Lanes, Zmm};
+use super::interleaved::{dpwssd, join_si, lane_bytes, with_wide, words4, Lanes, Zmm};
 use super::{int_entries, AvxVnni, IntDot, Madd, Prefetch, Products, Vnni};
 
 type Q6K = blocks::Q6K;
@@ -58,7 +58,8 @@ struct LaneBlock<const G: usize> {
     /// Word w: codes 4w..4w + 4 of each row, as stored (c = q + 32, 0..64).
     codes: [[[u8; 32]; G]; WORDS],
     /// Sub-block s: each row's sub-scale as the lanes' products take it (`Q6Lanes::WHOLE_SCALES`): in both 16-bit
-    /// halves of its lane (multipliers of `madd`), or as the lane's i32 (multiplier of `vpmulld`).
+    /// halves of its lane (multipliers of `madd`), or in the low half with a zero in the high (`vpdpwssd` against a
+    /// half sub-block's sum, an i32 that fits in 16 bits).
     scales: [[[u8; 32]; G]; SUBS],
     /// Sub-block s, for the 16-bit multipliers only: -32 · each row's sub-scale in the low 16 bits of its lane, 0
     /// in the high (`madd` against the sub-block's Σx̂ as an i32).
@@ -421,9 +422,8 @@ trait DecodeVec: Copy {
     unsafe fn shr16(a: Self, n: i32) -> Self;
     unsafe fn sar16(a: Self, n: i32) -> Self;
     unsafe fn shr32_16(a: Self) -> Self;
-    /// 32-bit lanes shifted left or right (arithmetic) by `n`.
-    unsafe fn shl32(a: Self, n: i32) -> Self;
-    unsafe fn sar32(a: Self, n: i32) -> Self;
+    /// Each 16-bit lane the sum of its two bytes of `a` (signed) times those of `sel` (unsigned: `maddubs`).
+    unsafe fn maddubs(sel: Self, a: Self) -> Self;
     /// -a in 16-bit lanes.
     unsafe fn neg16(a: Self) -> Self;
     /// `pshufb` within each 128-bit lane.
@@ -480,13 +480,8 @@ impl DecodeVec for __m256i {
     }
 
     #[inline(always)]
-    unsafe fn shl32(a: __m256i, n: i32) -> __m256i {
-        _mm256_sll_epi32(a, _mm_cvtsi32_si128(n))
-    }
-
-    #[inline(always)]
-    unsafe fn sar32(a: __m256i, n: i32) -> __m256i {
-        _mm256_sra_epi32(a, _mm_cvtsi32_si128(n))
+    unsafe fn maddubs(sel: __m256i, a: __m256i) -> __m256i {
+        _mm256_maddubs_epi16(sel, a)
     }
 
     #[inline(always)]
@@ -555,13 +550,8 @@ impl DecodeVec for __m512i {
     }
 
     #[inline(always)]
-    unsafe fn shl32(a: __m512i, n: i32) -> __m512i {
-        unsafe { _mm512_sll_epi32(a, _mm_cvtsi32_si128(n)) }
-    }
-
-    #[inline(always)]
-    unsafe fn sar32(a: __m512i, n: i32) -> __m512i {
-        unsafe { _mm512_sra_epi32(a, _mm_cvtsi32_si128(n)) }
+    unsafe fn maddubs(sel: __m512i, a: __m512i) -> __m512i {
+        unsafe { _mm512_maddubs_epi16(sel, a) }
     }
 
     #[inline(always)]
@@ -635,16 +625,19 @@ unsafe fn decode<B: RowBlock, const G: usize>(
             }
         }
     }
-    // Sub-block s = 4q + j's scale: byte j of word q of the scales, sign-extended. Whole: byte j to the top of the
-    // lane, then back down with its sign. Else per word, bytes 0 and 2 (even j) and bytes 1 and 3 (odd j) as the
-    // 16-bit halves of each lane, and -32 times them (|sc| <= 128: 16 bits).
+    // Sub-block s = 4q + j's scale: byte j of word q of the scales, sign-extended. Whole: byte j % 2 of the lane's
+    // low half (j < 2) or of its high half moved down, picked by a `maddubs` with 1 against it and 0 against the
+    // other bytes: the low 16 bits the scale, the high ones 0. Else per word, bytes 0 and 2 (even j) and bytes 1
+    // and 3 (odd j) as the 16-bit halves of each lane, and -32 times them (|sc| <= 128: 16 bits).
     // SAFETY: bytes 192..208 of each row's block; as above.
     unsafe {
         let words = rows.words4(SCALES_AT);
         if whole_scales {
+            let pick = [V::<B>::splat32(1), V::<B>::splat32(1 << 8)];
             for (q, word) in words.into_iter().enumerate() {
+                let halves = [word, V::<B>::shr32_16(word)];
                 for j in 0..4 {
-                    let sc = V::<B>::sar32(V::<B>::shl32(word, 24 - 8 * j as i32), 24);
+                    let sc = V::<B>::maddubs(pick[j % 2], halves[j / 2]);
                     // (Pointers from the whole entry: a pair's vector spans both groups' parts.)
                     let scales = lane.scales[4 * q + j].as_mut_ptr().cast::<u8>();
                     sc.store(scales.add(32 * part));
@@ -696,25 +689,29 @@ trait Q6Lanes: Lanes {
     type Block;
     /// A sub-block's four code words and multipliers, loaded once for every activation row.
     type Sub;
-    /// Whether the sub-scales are whole i32s (`LaneBlock::scales`): a sub-block's sums of byte products are then
-    /// whole i32 lanes, multiplied once (`vpmulld`), else 16-bit pair-sums, each pair multiplied (`madd`).
+    /// Whether a sub-block's sums of byte products are whole i32 lanes, each half's multiplied once by the
+    /// sub-scale (`LaneBlock::scales`), else 16-bit pair-sums, each pair multiplied (`madd`).
     const WHOLE_SCALES: bool;
     /// Sub-block s of `block`.
     fn sub_block(block: &Self::Block, s: usize) -> Self::Sub;
-    /// What `add_sub_block` takes for each activation row's sub-block: its Σx̂ (`Q8Rows::lane_sums`), or -32 · Σx̂
-    /// (`Q8Rows::neg32_lane_sums`) with whole scales.
+    /// What `add_sub_block` takes for each activation row's sub-block, OFFSETS_PER_SUB values: its Σx̂
+    /// (`Q8Rows::lane_sums`), or with whole scales -32 · Σx̂ of each half (`Q8Rows::neg32_eight_sums`).
     fn offset_inputs(q8: &Q8Rows) -> &[i32];
-    /// `sum` + sc·Σ (c - 32)·x̂ over a sub-block's sixteen codes c (stored q + 32) for one activation row, each
-    /// lane's exact integer: the row's codes `x` (four words) and its `offset_inputs` entry `offset`.
+    const OFFSETS_PER_SUB: usize = if Self::WHOLE_SCALES { 2 } else { 1 };
+    /// `sums` + sc·Σ (c - 32)·x̂ over a sub-block's sixteen codes c (stored q + 32) for one activation row, each
+    /// lane's exact integer: the row's codes `x` (four words) and its `offset_inputs` entries at `offsets`. With
+    /// whole scales each half's products go into a sum of their own (sums[0], sums[1]), so that two chains of
+    /// `vpdpwssd` share the latency; else all into sums[0].
     ///
     /// # Safety
-    /// `x` points at 16 readable codes; the caller runs with the lanes' features.
+    /// `x` points at 16 readable codes, `offsets` at OFFSETS_PER_SUB values; the caller runs with the lanes'
+    /// features.
     unsafe fn add_sub_block(
-        sum: Self::Int,
+        sums: &mut [Self::Int; 2],
         sub: &Self::Sub,
         x: *const i8,
-        offset: i32,
-    ) -> Self::Int;
+        offsets: *const i32,
+    );
     unsafe fn add(a: Self::Int, b: Self::Int) -> Self::Int;
     /// out += float(i)·(d·dx), lane by lane, with `block`'s d.
     unsafe fn end_span(out: &mut Self::Out, i: Self::Int, block: &Self::Block, dx: f32);
@@ -776,29 +773,40 @@ impl<D: IntDot> Q6Lanes for D {
     #[inline(always)]
     fn offset_inputs(q8: &Q8Rows) -> &[i32] {
         if D::WHOLE_SUMS {
-            &q8.neg32_lane_sums
+            &q8.neg32_eight_sums
         } else {
             &q8.lane_sums
         }
     }
 
     #[inline(always)]
-    unsafe fn add_sub_block(sum: __m256i, sub: &GroupSub, x: *const i8, offset: i32) -> __m256i {
+    unsafe fn add_sub_block(
+        sums: &mut [__m256i; 2],
+        sub: &GroupSub,
+        x: *const i8,
+        offsets: *const i32,
+    ) {
         // SAFETY: the caller's contract.
         unsafe {
             if D::WHOLE_SUMS {
                 // As `Zmm`'s.
-                let mut part = _mm256_set1_epi32(offset);
+                let mut halves = [
+                    _mm256_set1_epi32(*offsets),
+                    _mm256_set1_epi32(*offsets.add(1)),
+                ];
                 for (c, &w) in sub.words.iter().enumerate() {
-                    part = D::add_products(part, w, _mm256_set1_epi32(x_word(x, c)));
+                    halves[c / 2] =
+                        D::add_products(halves[c / 2], w, _mm256_set1_epi32(x_word(x, c)));
                 }
-                return _mm256_add_epi32(sum, _mm256_mullo_epi32(part, sub.scales));
+                for (sum, half) in sums.iter_mut().zip(halves) {
+                    *sum = D::madd_into(*sum, half, sub.scales);
+                }
+                return;
             }
-            let mut sum = sum;
             for (c, &w) in sub.words.iter().enumerate() {
-                sum = D::scaled(sum, w, _mm256_set1_epi32(x_word(x, c)), sub.scales);
+                sums[0] = D::scaled(sums[0], w, _mm256_set1_epi32(x_word(x, c)), sub.scales);
             }
-            D::madd_into(sum, _mm256_set1_epi32(offset), sub.offsets)
+            sums[0] = D::madd_into(sums[0], _mm256_set1_epi32(*offsets), sub.offsets);
         }
     }
 
@@ -832,12 +840,14 @@ struct WholeSub {
 impl Q6Lanes for Zmm {
     type Block = LaneBlock<2>;
     type Sub = WholeSub;
-    /// Per sub-block and activation row: four `vpdpbusd` from -32 · Σx̂ (a broadcast load), one `vpmulld` (two
-    /// operations) and an add, against four `vpmaddubsw`, four `vpdpwssd` and a fifth for the offset with 16-bit
-    /// multipliers. Every sum is exact: |Σ (c - 32)·x̂| <= 16 · 32 · 127 < 2^16, times |sc| <= 128. Against those
-    /// multipliers, Qwen2.5-Coder-1.5B's Q6_K matrices took 0.94-0.99 / 0.91-0.96 / 0.94-0.96 / 0.93-0.94 of the
-    /// time at T = 1 / 4 / 8 / 16 (2 threads, cold, two runs; one 1536 x 8960 matrix in cache, one thread: 0.91 /
-    /// 0.94 / 0.91 / 0.90; benches/RESULTS.md, thirty-eighth session).
+    /// Per sub-block and activation row: four `vpdpbusd`, two for each half from its -32 · Σx̂ (a broadcast
+    /// load), then one `vpdpwssd` a half against the sub-scale in the low 16 bits of each lane, six operations
+    /// where four `vpmaddubsw`, four `vpdpwssd` and a fifth for the offset were with 16-bit multipliers, and seven
+    /// with a `vpmulld` (two operations; ~1 a cycle, against 2 for `vpdpwssd`) of the whole sub-block's sum.
+    /// Every sum is exact: a half's |Σ (c - 32)·x̂| <= 8 · 32 · 127 < 2^15, so its i32 lane's low 16 bits are the
+    /// sum and the high ones meet a zero multiplier; times |sc| <= 128. The whole sums with `vpmulld` had taken
+    /// 0.94-0.99 / 0.91-0.96 / 0.94-0.96 / 0.93-0.94 of the 16-bit multipliers' time on Qwen2.5-Coder-1.5B's Q6_K
+    /// matrices at T = 1 / 4 / 8 / 16 (2 threads, cold, two runs; benches/RESULTS.md, thirty-eighth session).
     const WHOLE_SCALES: bool = true;
 
     #[inline(always)]
@@ -860,18 +870,29 @@ impl Q6Lanes for Zmm {
 
     #[inline(always)]
     fn offset_inputs(q8: &Q8Rows) -> &[i32] {
-        &q8.neg32_lane_sums
+        &q8.neg32_eight_sums
     }
 
     #[inline(always)]
-    unsafe fn add_sub_block(sum: __m512i, sub: &WholeSub, x: *const i8, offset: i32) -> __m512i {
+    unsafe fn add_sub_block(
+        sums: &mut [__m512i; 2],
+        sub: &WholeSub,
+        x: *const i8,
+        offsets: *const i32,
+    ) {
         // SAFETY: the caller's contract; it runs with AVX-512 F and VNNI.
         unsafe {
-            let mut part = _mm512_set1_epi32(offset);
+            let mut halves = [
+                _mm512_set1_epi32(*offsets),
+                _mm512_set1_epi32(*offsets.add(1)),
+            ];
             for (c, &w) in sub.words.iter().enumerate() {
-                part = _mm512_dpbusd_epi32(part, w, _mm512_set1_epi32(x_word(x, c)));
+                halves[c / 2] =
+                    _mm512_dpbusd_epi32(halves[c / 2], w, _mm512_set1_epi32(x_word(x, c)));
             }
-            _mm512_add_epi32(sum, _mm512_mullo_epi32(part, sub.scales))
+            for (sum, half) in sums.iter_mut().zip(halves) {
+                *sum = dpwssd(*sum, half, sub.scales);
+            }
         }
     }
 
@@ -918,12 +939,13 @@ unsafe fn tile<L: Q6Lanes, const R: usize>(
     let q8 = a.q8_for(Q6K::SPAN);
     let (k, spans, subs) = (a.k, a.k / Q6K::SPAN, a.k / SUB);
     // Activation row t0's codes, span scales and sub-blocks' offset inputs; row t0 + r's are r rows further on.
-    // SAFETY: `matmul` quantized t rows of k codes (spans scales and k / 16 offset inputs each), and t0 < t.
+    let row_offsets = subs * L::OFFSETS_PER_SUB;
+    // SAFETY: `matmul` quantized t rows of k codes (spans scales and row_offsets offset inputs each), and t0 < t.
     let (codes, scales, offsets) = unsafe {
         (
             q8.codes.as_ptr().add(t0 * k),
             q8.scales.as_ptr().add(t0 * spans),
-            L::offset_inputs(q8).as_ptr().add(t0 * subs),
+            L::offset_inputs(q8).as_ptr().add(t0 * row_offsets),
         )
     };
     // Each row's accumulator lives in y (touched once a span), leaving the registers to the span's sums.
@@ -933,30 +955,35 @@ unsafe fn tile<L: Q6Lanes, const R: usize>(
         }
     }
     // With few rows and 16-bit multipliers, each row's sub-blocks go into two chains (even and odd), so that one
-    // chain's latency does not bound the span. (With whole scales each sub-block's products start a chain of their
-    // own, and only its end is added to the row's sum.)
+    // chain's latency does not bound the span. (With whole scales the halves' sums are two chains already,
+    // `Q6Lanes::add_sub_block`; splitting them again took 1.02x the time at T = 1, a 1536 x 8960 matrix in cache.)
     let chains = if R < 4 && !L::WHOLE_SCALES { 2 } else { 1 };
     for sp in 0..Q6K::BLOCK / Q6K::SPAN {
-        let mut sums = [[L::zero_int(); 2]; R];
+        let mut sums = [[[L::zero_int(); 2]; 2]; R];
         for s in sp * SPAN_SUBS..(sp + 1) * SPAN_SUBS {
             if t0 == 0 {
                 ahead.part(bi, s, SUBS);
             }
             let sub = L::sub_block(block, s);
             for (r, sums) in sums.iter_mut().enumerate() {
-                let sum = &mut sums[s % chains];
-                // SAFETY: sub-block bi · 16 + s of row t0 + r's k codes and k / 16 offset inputs; the caller runs
+                // SAFETY: sub-block bi · 16 + s of row t0 + r's k codes and its offset inputs; the caller runs
                 // with L's features.
-                *sum = unsafe {
+                unsafe {
                     let x = codes.add(r * k + bi * Q6K::BLOCK + SUB * s);
-                    L::add_sub_block(*sum, &sub, x, *offsets.add(r * subs + bi * SUBS + s))
-                };
+                    let at = r * row_offsets + (bi * SUBS + s) * L::OFFSETS_PER_SUB;
+                    L::add_sub_block(&mut sums[s % chains], &sub, x, offsets.add(at));
+                }
             }
         }
         for (r, [even, odd]) in sums.into_iter().enumerate() {
             // SAFETY: one scale per span and row; the caller runs with L's features.
             unsafe {
-                let i = if chains == 2 { L::add(even, odd) } else { even };
+                let even = L::add(even[0], even[1]);
+                let i = if chains == 2 {
+                    L::add(even, L::add(odd[0], odd[1]))
+                } else {
+                    even
+                };
                 L::end_span(&mut y[r], i, block, *scales.add(r * spans + bi * 2 + sp));
             }
         }
