@@ -585,6 +585,15 @@ pub fn quantized_matmul(
         let _ = (span, by_pairs);
         None
     };
+    // Q6_K's lane kernels with VNNI's products start each half sub-block's sum from -32 times its codes' sum.
+    #[cfg(target_arch = "x86_64")]
+    let q6_k_halves = int
+        && products(isa) != super::avx2::Products::Madd
+        && matrices
+            .iter()
+            .any(|m| matches!(m.qtype, QType::Q6K | QType::Q6KX8));
+    #[cfg(not(target_arch = "x86_64"))]
+    let q6_k_halves = false;
     // Blocks of up to MAX_T activation rows: each weight row meets every block of a tile while it is in L1 cache.
     let blocks: Vec<Activations> = x
         .chunks(MAX_T * k)
@@ -606,6 +615,9 @@ pub fn quantized_matmul(
                         }
                         if tiles_from(s, true).is_some_and(|from| rows >= from) {
                             q8.add_group_pairs();
+                        }
+                        if q6_k_halves && Some(s) == QType::Q6K.span() {
+                            q8.add_neg32_eight_sums();
                         }
                         q8
                     })

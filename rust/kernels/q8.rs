@@ -33,7 +33,7 @@ pub struct Q8Rows {
     /// the AVX2 kernels only).
     #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
     pub lane_sums: Vec<i32>,
-    /// [t, k / 8] -32 · Σcodes of each run of 8 codes (spans longer than 32 only, else empty): where Q6_K's lane
+    /// [t, k / 8] -32 · Σcodes of each run of 8 codes (`add_neg32_eight_sums`, else empty): where Q6_K's lane
     /// kernels with VNNI's products start the sum of each half of a sub-block of 16, whose weight codes are stored
     /// as q + 32 (`q6k_lanes`).
     #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
@@ -123,7 +123,7 @@ impl Q8Rows {
             k,
             span,
             |q, d| encode_spans(x, f16_scales, q, d, encode),
-            eight_sums,
+            sixteen_sums,
         )
     }
 
@@ -151,6 +151,21 @@ impl Q8Rows {
                 }
             }
         }
+    }
+
+    /// Fills `neg32_eight_sums` (Q6_K's lane kernels with VNNI's products).
+    #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
+    pub fn add_neg32_eight_sums(&mut self) {
+        let mut sums = vec![0; self.codes.len() / 8];
+        #[cfg(target_arch = "x86_64")]
+        if is_x86_feature_detected!("avx2") {
+            // SAFETY: the CPU has AVX2.
+            unsafe { neg32_eight_sums_avx2(&self.codes, &mut sums) };
+            self.neg32_eight_sums = sums;
+            return;
+        }
+        neg32_eight_sums(&self.codes, &mut sums);
+        self.neg32_eight_sums = sums;
     }
 
     /// Fills `pairs` (Q4_K's AMX kernel's layout of the codes).
@@ -202,7 +217,7 @@ fn quantize_avx2(x: &[f32], k: usize, span: usize, f16_scales: bool) -> Q8Rows {
         k,
         span,
         |q, d| encode_spans(x, f16_scales, q, d, |x, q| unsafe { encode_avx2(x, q) }),
-        eight_sums,
+        sixteen_sums,
     )
 }
 
@@ -225,7 +240,7 @@ fn quantize_avx512(x: &[f32], k: usize, span: usize, f16_scales: bool) -> Q8Rows
         k,
         span,
         |q, d| unsafe { encode_avx512(x, f16_scales, q, d) },
-        |codes, sums| unsafe { eight_sums_avx512(codes, sums) },
+        |codes, sums| unsafe { sixteen_sums_avx512(codes, sums) },
     )
 }
 
@@ -249,22 +264,21 @@ fn encode_spans(
     }
 }
 
-/// `Q8Rows::quantize` with `encode` for the codes and scales of every span, and `eights` for the sums of every
-/// run of 8 codes, from which the sums per 16, per group and per eighth of a span follow.
+/// `Q8Rows::quantize` with `encode` for the codes and scales of every span, and `sixteens` for the sums of every
+/// run of 16 codes, from which the sums per group and per eighth of a span follow.
 #[inline(always)]
 fn quantize_with(
     x: &[f32],
     k: usize,
     span: usize,
     encode: impl FnOnce(&mut [i8], &mut [f32]),
-    eights: impl Fn(&[i8], &mut [i32]),
+    sixteens: impl Fn(&[i8], &mut [i32]),
 ) -> Q8Rows {
     let mut codes = vec![0i8; x.len()];
     let mut scales = vec![0f32; x.len() / span];
     encode(&mut codes, &mut scales);
-    let mut by_8 = vec![0i32; x.len() / 8];
-    eights(&codes, &mut by_8);
-    let by_16: Vec<i32> = by_8.chunks_exact(2).map(|s| s[0] + s[1]).collect();
+    let mut by_16 = vec![0i32; x.len() / 16];
+    sixteens(&codes, &mut by_16);
     let code_sums: Vec<i32> = by_16
         .chunks_exact(GROUP / 16)
         .map(|s| s[0] + s[1])
@@ -293,11 +307,6 @@ fn quantize_with(
                 .collect(),
         )
     };
-    let neg32_eight_sums = if span == GROUP {
-        Vec::new()
-    } else {
-        by_8.iter().map(|s| -32 * s).collect()
-    };
     Q8Rows {
         codes,
         scales,
@@ -305,7 +314,7 @@ fn quantize_with(
         code_sums,
         code_sum_pairs,
         lane_sums,
-        neg32_eight_sums,
+        neg32_eight_sums: Vec::new(),
         columns: Vec::new(),
         column_scales: Vec::new(),
         pairs: Vec::new(),
@@ -314,9 +323,9 @@ fn quantize_with(
     }
 }
 
-/// Σcodes of each run of 8 codes (codes.len() a multiple of 8).
-fn eight_sums(codes: &[i8], sums: &mut [i32]) {
-    for (s, run) in sums.iter_mut().zip(codes.chunks_exact(8)) {
+/// Σcodes of each run of 16 codes (codes.len() a multiple of 16).
+fn sixteen_sums(codes: &[i8], sums: &mut [i32]) {
+    for (s, run) in sums.iter_mut().zip(codes.chunks_exact(16)) {
         *s = code_sum(run);
     }
 }
@@ -325,6 +334,43 @@ fn eight_sums(codes: &[i8], sums: &mut [i32]) {
 #[inline(always)]
 fn code_sum(codes: &[i8]) -> i32 {
     codes.iter().map(|&c| i32::from(c)).sum()
+}
+
+/// -32 · Σcodes of each run of 8 codes (codes.len() a multiple of 8).
+fn neg32_eight_sums(codes: &[i8], sums: &mut [i32]) {
+    for (s, run) in sums.iter_mut().zip(codes.chunks_exact(8)) {
+        *s = -32 * code_sum(run);
+    }
+}
+
+/// `neg32_eight_sums` in AVX2: 32 codes a vector, offset by 128 to bytes that `vpsadbw` adds up by eight, then
+/// -32 · (Σ - 8 · 128) = (1024 - Σ) << 5.
+///
+/// # Safety
+/// The CPU must have AVX2.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+unsafe fn neg32_eight_sums_avx2(codes: &[i8], sums: &mut [i32]) {
+    use std::arch::x86_64::*;
+    let whole = codes.len() / 32 * 32;
+    let offset = _mm256_set1_epi8(i8::MIN);
+    // Dwords 0, 2, 4 and 6: the low halves of the four qword sums.
+    let low_dwords = _mm256_setr_epi32(0, 2, 4, 6, 0, 0, 0, 0);
+    let bias = _mm_set1_epi32(8 * 128);
+    for i in (0..whole).step_by(32) {
+        // SAFETY: i + 32 <= codes.len().
+        let v = unsafe { _mm256_loadu_si256(codes.as_ptr().add(i).cast()) };
+        let by_8 = _mm256_sad_epu8(_mm256_xor_si256(v, offset), _mm256_setzero_si256());
+        let four = _mm256_castsi256_si128(_mm256_permutevar8x32_epi32(by_8, low_dwords));
+        // SAFETY: sums holds codes.len() / 8 values, so i / 8 + 4 <= sums.len().
+        unsafe {
+            _mm_storeu_si128(
+                sums.as_mut_ptr().add(i / 8).cast(),
+                _mm_slli_epi32::<5>(_mm_sub_epi32(bias, four)),
+            )
+        };
+    }
+    neg32_eight_sums(&codes[whole..], &mut sums[whole / 8..]);
 }
 
 /// `encode` in AVX2, the same operations on eight elements at once (same bits); x.len() a multiple of 32.
@@ -456,34 +502,35 @@ unsafe fn encode_avx512(x: &[f32], f16_scales: bool, codes: &mut [i8], scales: &
     }
 }
 
-/// `eight_sums` in AVX-512: 64 codes a vector, offset by 128 to bytes that `vpsadbw` adds up by eight.
+/// `sixteen_sums` in AVX-512: 64 codes a vector, offset by 128 to bytes that `vpsadbw` adds up by eight.
 ///
 /// # Safety
 /// The CPU must have AVX-512 F/BW.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx512bw")]
-unsafe fn eight_sums_avx512(codes: &[i8], sums: &mut [i32]) {
+unsafe fn sixteen_sums_avx512(codes: &[i8], sums: &mut [i32]) {
     use std::arch::x86_64::*;
     let whole = codes.len() / 64 * 64;
     let offset = _mm512_set1_epi8(i8::MIN);
-    let bias = _mm256_set1_epi32(8 * 128);
+    // Dwords 0, 4, 8 and 12: the low halves of the four 16-byte sums (each in the even qword of its lane).
+    let low_dwords = _mm512_setr_epi32(0, 4, 8, 12, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0);
+    let bias = _mm_set1_epi32(16 * 128);
     for i in (0..whole).step_by(64) {
         // SAFETY: i + 64 <= codes.len().
         let v = unsafe { _mm512_loadu_si512(codes.as_ptr().add(i).cast()) };
-        // Σ(code + 128) of each 8 bytes, in 8 qwords (below 2^11), narrowed to dwords.
-        let by_8 = _mm512_cvtepi64_epi32(_mm512_sad_epu8(
-            _mm512_xor_si512(v, offset),
-            _mm512_setzero_si512(),
-        ));
-        // SAFETY: sums holds codes.len() / 8 values, so i / 8 + 8 <= sums.len().
+        // Σ(code + 128) of each 8 bytes, in 8 qwords; then of each 16, in the even qword of each 128-bit lane.
+        let by_8 = _mm512_sad_epu8(_mm512_xor_si512(v, offset), _mm512_setzero_si512());
+        let by_16 = _mm512_add_epi64(by_8, _mm512_shuffle_epi32::<0x4E>(by_8));
+        let four = _mm512_castsi512_si128(_mm512_permutexvar_epi32(low_dwords, by_16));
+        // SAFETY: sums holds codes.len() / 16 values, so i / 16 + 4 <= sums.len().
         unsafe {
-            _mm256_storeu_si256(
-                sums.as_mut_ptr().add(i / 8).cast(),
-                _mm256_sub_epi32(by_8, bias),
+            _mm_storeu_si128(
+                sums.as_mut_ptr().add(i / 16).cast(),
+                _mm_sub_epi32(four, bias),
             )
         };
     }
-    eight_sums(&codes[whole..], &mut sums[whole / 8..]);
+    sixteen_sums(&codes[whole..], &mut sums[whole / 16..]);
 }
 
 /// One span's codes into `q`: q = round(x / d) with d = max|x| / 127 (0 when x is all zeros), ties away from
@@ -624,7 +671,7 @@ mod tests {
                 k,
                 span,
                 |q, d| encode_spans(x, f16, q, d, encode),
-                eight_sums,
+                sixteen_sums,
             )
         };
         let mut builds: Vec<(&str, fn(&[f32], usize, usize, bool) -> Q8Rows)> = Vec::new();
@@ -673,14 +720,13 @@ mod tests {
                 assert_eq!(bits(&got.sums), bits(&want.sums), "{what}");
                 assert_eq!(got.code_sums, want.code_sums, "{what}");
                 assert_eq!(got.lane_sums, want.lane_sums, "{what}");
-                assert_eq!(got.neg32_eight_sums, want.neg32_eight_sums, "{what}");
             }
         }
     }
 
     /// Every span's sums land at its own rows' and groups' places: Σx̂ and Σcodes per 32 codes, and for spans
-    /// longer than 32 Σcodes per eighth of a span, -32 · Σcodes per 8 codes and Σcodes per pair of groups (16 bits
-    /// each, signed).
+    /// longer than 32 Σcodes per eighth of a span and per pair of groups (16 bits each, signed), and -32 · Σcodes
+    /// per 8 codes when asked for.
     #[test]
     fn sums_follow_the_codes() {
         let (t, k) = (3, 512);
@@ -704,14 +750,13 @@ mod tests {
             let want: Vec<i32> = q8.codes.chunks_exact(GROUP).map(code_sum).collect();
             assert_eq!(q8.code_sums, want, "span {span}");
             if span == GROUP {
-                assert!(
-                    q8.lane_sums.is_empty()
-                        && q8.code_sum_pairs.is_empty()
-                        && q8.neg32_eight_sums.is_empty()
-                );
+                assert!(q8.lane_sums.is_empty() && q8.code_sum_pairs.is_empty());
             } else {
                 let want: Vec<i32> = q8.codes.chunks_exact(span / 8).map(code_sum).collect();
                 assert_eq!(q8.lane_sums, want, "span {span}");
+                let mut q8 = q8;
+                assert!(q8.neg32_eight_sums.is_empty());
+                q8.add_neg32_eight_sums();
                 let neg32: Vec<i32> = q8
                     .codes
                     .chunks_exact(8)

@@ -243,6 +243,13 @@ unsafe fn decode_and_multiply<
     scratch: &'static LocalKey<Cell<Option<Box<LaneBlock<G>>>>>,
     y: &mut [L::Out; MAX_T],
 ) {
+    // The tiles read OFFSETS_PER_SUB offset inputs per sub-block and row (`matmul` adds the halves' for VNNI).
+    let offsets = L::offset_inputs(a.q8_for(Q6K::SPAN)).len();
+    assert_eq!(
+        offsets,
+        a.t * a.k / SUB * L::OFFSETS_PER_SUB,
+        "Q6_K offset inputs"
+    );
     let mut lane = scratch.take().unwrap_or_else(|| Box::new(LaneBlock::EMPTY));
     let blocks = a.k / Q6K::BLOCK;
     let ahead = Prefetch::after(rows, blocks);
