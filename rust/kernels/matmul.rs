@@ -17,10 +17,10 @@ use super::team::Team;
 /// the caller joining a spinning team (`team`), splitting is cheap (rayon's pool had needed 2^20); the size is
 /// chosen with TASKS_PER_THREAD.
 const MIN_TASK_WORK: usize = 1 << 16;
-/// Tasks per thread, so that uneven thread speeds even out: a multi-row pass's products end with one thread
-/// idle for up to a task. With 8 (and tasks of 2^16), resident SmolLM2 passes of 8 tokens ran 1.06-1.07x faster
-/// than with 4 (and 2^15), decode steps 1.03-1.04x; Qwen 1.5B's within the noise (Zen 4 VM, 2026-11-27,
-/// in-process A/B).
+/// Tasks per thread of the size the short tasks take (`TaskRows`), so that uneven thread speeds even out: a
+/// multi-row pass's products end with one thread idle for up to a task. With 8 (and tasks of 2^16), when every
+/// task was short, resident SmolLM2 passes of 8 tokens ran 1.06-1.07x faster than with 4 (and 2^15), decode steps
+/// 1.03-1.04x; Qwen 1.5B's within the noise (Zen 4 VM, 2026-11-27, in-process A/B).
 const TASKS_PER_THREAD: usize = 8;
 /// Bytes of activations (8-bit codes, or float32 rows for the float kernels) that the blocks of one tile take: a
 /// task's weight rows meet a tile's blocks while those stay in L2 cache, then the next tile's. Without tiles a
@@ -710,7 +710,7 @@ pub fn quantized_matmul(
     };
     let team = team()?;
     let threads = team.threads();
-    // Equal tasks of at least MIN_TASK_WORK multiply-adds, up to TASKS_PER_THREAD per thread.
+    // Short tasks of at least MIN_TASK_WORK multiply-adds, up to TASKS_PER_THREAD per thread if all were short.
     let tasks = (n * k * t / MIN_TASK_WORK).clamp(1, threads * TASKS_PER_THREAD);
     // Whole groups of weight rows per task (where the matrices' sizes allow), pairs of them for a wide kernel.
     let wide = plan
