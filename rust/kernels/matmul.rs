@@ -11,16 +11,17 @@ use super::blocks::{self, Dense, Format, GROUP};
 use super::dot;
 use super::q8::Q8Rows;
 use super::rows::{Activations, Kernel, RowKernel, GROUP_ROWS, MAX_T, WIDE_ROWS};
+use super::runs::Runs;
 use super::team::Team;
 
 /// Least work per task, in multiply-adds (weights x activation rows): ~10 us of integer kernel on one core. With
 /// the caller joining a spinning team (`team`), splitting is cheap (rayon's pool had needed 2^20); the size is
 /// chosen with TASKS_PER_THREAD.
 const MIN_TASK_WORK: usize = 1 << 16;
-/// Tasks per thread of the size the short tasks take (`TaskRows`), so that uneven thread speeds even out: a
-/// multi-row pass's products end with one thread idle for up to a task. With 8 (and tasks of 2^16), when every
-/// task was short, resident SmolLM2 passes of 8 tokens ran 1.06-1.07x faster than with 4 (and 2^15), decode steps
-/// 1.03-1.04x; Qwen 1.5B's within the noise (Zen 4 VM, 2026-11-27, in-process A/B).
+/// Chunks per thread (`Runs`), so that uneven thread speeds even out: a multi-row pass's products end with one
+/// thread idle for up to a chunk. With 8 (and tasks of 2^16), when the chunks were tasks handed out in turn,
+/// resident SmolLM2 passes of 8 tokens ran 1.06-1.07x faster than with 4 (and 2^15), decode steps 1.03-1.04x; Qwen
+/// 1.5B's within the noise (Zen 4 VM, 2026-11-27, in-process A/B).
 const TASKS_PER_THREAD: usize = 8;
 /// Bytes of activations (8-bit codes, or float32 rows for the float kernels) that the blocks of one tile take: a
 /// task's weight rows meet a tile's blocks while those stay in L2 cache, then the next tile's. Without tiles a
@@ -710,74 +711,30 @@ pub fn quantized_matmul(
     };
     let team = team()?;
     let threads = team.threads();
-    // Short tasks of at least MIN_TASK_WORK multiply-adds, up to TASKS_PER_THREAD per thread if all were short.
+    // Chunks of at least MIN_TASK_WORK multiply-adds, up to TASKS_PER_THREAD per thread.
     let tasks = (n * k * t / MIN_TASK_WORK).clamp(1, threads * TASKS_PER_THREAD);
     // Whole groups of weight rows per task (where the matrices' sizes allow), pairs of them for a wide kernel.
     let wide = plan
         .iter()
         .any(|(kernel, ..)| matches!(kernel, Kernel::Wide(_)));
     let unit = if wide { WIDE_ROWS } else { GROUP_ROWS };
-    let split = TaskRows::new(n, threads, n.div_ceil(tasks).next_multiple_of(unit), unit);
-    if threads == 1 || split.tasks() == 1 {
+    let chunk = n.div_ceil(tasks).next_multiple_of(unit);
+    let chunks = n.div_ceil(chunk);
+    if threads == 1 || chunks == 1 {
         columns_fn(0..n);
-    } else if !team.run(split.tasks(), &|i| columns_fn(split.rows(i))) {
+        return Ok(());
+    }
+    // One run of chunks per thread, the rest stolen (`Runs`).
+    let runs = Runs::new(chunks, threads);
+    let run = |r| {
+        while let Some(c) = runs.next(r) {
+            columns_fn(c * chunk..((c + 1) * chunk).min(n));
+        }
+    };
+    if !team.run(threads, &run) {
         return Err(KernelError::Panicked);
     }
     Ok(())
-}
-
-/// How a call's n weight rows split into tasks: first one long run per thread (LEAD_SHARE of the rows in all), then
-/// short tasks of `short` rows that even out the threads' speeds. The team hands out tasks in order, so each thread
-/// starts on a run of its own, one stream from memory, where equal short tasks from the start had the threads take
-/// turns and begin every task cold. Against those, Qwen2.5-Coder-1.5B's pass took 0.94-1.00 / 0.94-1.03 / 0.94-1.03
-/// of the time at T = 1 / 8 / 16 and SmolLM2's 0.94-0.96 / 0.84-0.95 / 0.96-0.99 (2 threads, cold, five and three
-/// runs); a share of 3/4 did less, 15/16 and 4 equal tasks did worse at T = 16, where the threads' speeds differ by
-/// more than a short task (benches/RESULTS.md, thirty-ninth session).
-struct TaskRows {
-    n: usize,
-    /// Rows of each of the first `lead` tasks, and of each task after them.
-    long: usize,
-    lead: usize,
-    short: usize,
-}
-
-/// The share of a call's rows in the threads' first tasks.
-const LEAD_SHARE: (usize, usize) = (7, 8);
-
-impl TaskRows {
-    /// `short`: rows per short task, a multiple of `unit` (every task's rows are whole units).
-    fn new(n: usize, threads: usize, short: usize, unit: usize) -> TaskRows {
-        let long = n * LEAD_SHARE.0 / LEAD_SHARE.1 / threads / unit * unit;
-        if long <= short {
-            return TaskRows {
-                n,
-                long: 0,
-                lead: 0,
-                short,
-            };
-        }
-        TaskRows {
-            n,
-            long,
-            lead: threads,
-            short,
-        }
-    }
-
-    fn tasks(&self) -> usize {
-        self.lead + (self.n - self.lead * self.long).div_ceil(self.short)
-    }
-
-    /// Rows of task i (i < `tasks()`).
-    fn rows(&self, i: usize) -> std::ops::Range<usize> {
-        let start = if i < self.lead {
-            i * self.long
-        } else {
-            self.lead * self.long + (i - self.lead) * self.short
-        };
-        let len = if i < self.lead { self.long } else { self.short };
-        start..(start + len).min(self.n)
-    }
 }
 
 /// Output columns `columns` of matrix `m` (its first output column `first`, rows of `row_bytes`) for every
@@ -1058,33 +1015,6 @@ mod tests {
                         );
                     }
                 }
-            }
-        }
-    }
-
-    /// The tasks cover a call's rows once, in order, each a whole number of units but a matrix's last: long runs
-    /// first where the rows allow them.
-    #[test]
-    fn tasks_split_the_rows_in_order() {
-        for (n, threads, unit) in [
-            (1536usize, 2, 16),
-            (8960, 2, 16),
-            (576, 2, 8),
-            (64, 2, 8),
-            (1000, 3, 8),
-        ] {
-            let short = n.div_ceil(16).next_multiple_of(unit);
-            let split = TaskRows::new(n, threads, short, unit);
-            let ranges: Vec<_> = (0..split.tasks()).map(|i| split.rows(i)).collect();
-            assert_eq!(ranges.first().map(|r| r.start), Some(0), "{n}");
-            assert_eq!(ranges.last().map(|r| r.end), Some(n), "{n}");
-            for pair in ranges.windows(2) {
-                assert_eq!(pair[0].end, pair[1].start, "{n}");
-                assert!(pair[0].len() % unit == 0 && !pair[1].is_empty(), "{n}");
-            }
-            let long = n * 7 / 8 / threads / unit * unit;
-            if long > short {
-                assert!(ranges[..threads].iter().all(|r| r.len() == long), "{n}");
             }
         }
     }

@@ -18,6 +18,7 @@
 //! - `attention`: RoPE, KV-cache writes and attention of a few new tokens (float32 arithmetic over any `kv` cache);
 //! - `block`: a whole pre-norm decoder block (the products and attention above) in one call, or a stack of them;
 //! - `team`: the kernel threads, which the calling thread joins;
+//! - `runs`: a call's chunks of work as one run per thread, with stealing at the end;
 //! - `memory_rate`: how fast those threads read RAM (a decode step's roofline);
 //! - `matmul`: the entry point, argument checks, kernel selection and work split;
 //! - `column_groups`: products over some column groups of a matrix (a sparse FFN's down projection).
@@ -46,6 +47,7 @@ mod memory_rate;
 mod neon;
 mod q8;
 mod rows;
+mod runs;
 mod team;
 
 pub use attention::{attend, AttentionShape, RopeKind};
