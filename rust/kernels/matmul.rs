@@ -14,9 +14,9 @@ use super::rows::{Activations, Kernel, RowKernel, GROUP_ROWS, MAX_T, WIDE_ROWS};
 use super::runs::Runs;
 use super::team::Team;
 
-/// Least work per task, in multiply-adds (weights x activation rows): ~10 us of integer kernel on one core. With
-/// the caller joining a spinning team (`team`), splitting is cheap (rayon's pool had needed 2^20); the size is
-/// chosen with TASKS_PER_THREAD.
+/// Least work per chunk (`Runs`), in multiply-adds (weights x activation rows): ~10 us of integer kernel on one
+/// core. With the caller joining a spinning team (`team`), splitting is cheap (rayon's pool had needed 2^20); the
+/// size is chosen with TASKS_PER_THREAD.
 const MIN_TASK_WORK: usize = 1 << 16;
 /// Chunks per thread (`Runs`), so that uneven thread speeds even out: a multi-row pass's products end with one
 /// thread idle for up to a chunk. With 8 (and tasks of 2^16), when the chunks were tasks handed out in turn,
@@ -24,7 +24,7 @@ const MIN_TASK_WORK: usize = 1 << 16;
 /// 1.5B's within the noise (Zen 4 VM, 2026-11-27, in-process A/B).
 const TASKS_PER_THREAD: usize = 8;
 /// Bytes of activations (8-bit codes, or float32 rows for the float kernels) that the blocks of one tile take: a
-/// task's weight rows meet a tile's blocks while those stay in L2 cache, then the next tile's. Without tiles a
+/// chunk's weight rows meet a tile's blocks while those stay in L2 cache, then the next tile's. Without tiles a
 /// 512-row prefill pass streamed every block from memory for each weight row (Qwen2.5-Coder-1.5B's FFN down
 /// projection, k = 8960: 4.6 MB per row group).
 const ACTIVATION_TILE_BYTES: usize = 256 << 10;
@@ -653,7 +653,7 @@ pub fn quantized_matmul(
         let store = |bi: usize, ti: usize, c: usize, values: &[f32], scale: f32| {
             let bi = first_block + bi;
             // SAFETY: bi * MAX_T + ti < t and c + values.len() <= n, so the run is inside `out` (t * n floats,
-            // checked above); tasks own disjoint column ranges, so no two threads write the same element; `out`
+            // checked above); chunks own disjoint column ranges, so no two threads write the same element; `out`
             // outlives the call.
             let run = unsafe {
                 std::slice::from_raw_parts_mut(out_ptr.at((bi * MAX_T + ti) * n + c), values.len())
@@ -713,7 +713,7 @@ pub fn quantized_matmul(
     let threads = team.threads();
     // Chunks of at least MIN_TASK_WORK multiply-adds, up to TASKS_PER_THREAD per thread.
     let tasks = (n * k * t / MIN_TASK_WORK).clamp(1, threads * TASKS_PER_THREAD);
-    // Whole groups of weight rows per task (where the matrices' sizes allow), pairs of them for a wide kernel.
+    // Whole groups of weight rows per chunk (where the matrices' sizes allow), pairs of them for a wide kernel.
     let wide = plan
         .iter()
         .any(|(kernel, ..)| matches!(kernel, Kernel::Wide(_)));

@@ -1,12 +1,12 @@
 //! A call's chunks of work as one contiguous run per thread, with stealing at the end.
 //!
 //! Equal small tasks handed out in turn have the threads alternate along a matrix, so each thread starts cold on
-//! every task: its next rows were the other thread's, and nothing streamed them in. Here each of `runs` runs (one
-//! a thread: `Team::run` with `runs` tasks) owns a contiguous range of chunks and takes them from its front, one
-//! stream from memory; a run that is done takes chunks from the back of the others, so a thread that falls behind
-//! (preempted, or slower) leaves its rest to the others, as small tasks did. Against small tasks in turn,
-//! Qwen2.5-Coder-1.5B's kernel pass took 0.95-1.04 / 0.93-1.04 / 0.96-1.04 of the time at T = 1 / 8 / 16 and
-//! SmolLM2's 0.83-0.97 / 0.92-0.98 / 0.90-0.95 (2 threads, cold; three and two runs, benches/RESULTS.md,
+//! every task: its next rows were the other thread's, and nothing streamed them in. Here each of `runs` runs (a
+//! task each of `Team::run`, one a thread when none is late) owns a contiguous range of chunks and takes them from
+//! its front, one stream from memory; a run that is done takes chunks from the back of the others, so a thread
+//! that falls behind (preempted, or slower) leaves its rest to the others, as small tasks did. Against small tasks
+//! in turn, Qwen2.5-Coder-1.5B's kernel pass took 0.95-1.04 / 0.93-1.04 / 0.96-1.04 of the time at T = 1 / 8 / 16
+//! and SmolLM2's 0.83-0.97 / 0.92-0.98 / 0.90-0.95 (2 threads, cold; three and two runs, benches/RESULTS.md,
 //! thirty-ninth session). A fixed long first task per thread (7/8 of the rows) did as well on that pass, but a
 //! thread preempted in it would hold the call up.
 

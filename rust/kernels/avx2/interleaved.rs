@@ -842,7 +842,8 @@ impl SpanRows {
 }
 
 /// A block's scales in the lanes of L, unpacked once for all activation rows: d, -dmin, each group's sub-scale (as
-/// floats) and each pair of groups' offset multipliers mn (`BlockScales::mn_pair`).
+/// floats, the high groups' divided by 16 where `KLanes::code_words` gives their codes times 16) and each pair of
+/// groups' offset multipliers mn (`BlockScales::mn_pair`).
 struct KScales<L: KLanes> {
     d: L::Float,
     neg_dmin: L::Float,
@@ -1108,7 +1109,7 @@ unsafe fn k_tile<L: KLanes, const R: usize>(
         for sp in 0..Q4K::BLOCK / Q4K::SPAN {
             // Σ sc·Σ q·x̂ over the span's groups, per row: exact integers in float32.
             let mut totals = [L::zero_float(); R];
-            // Two groups at a time, g = 2h and 2h + 1: the low and high nibbles of code words 4 + 8h + c
+            // Two groups at a time, g = 2h and 2h + 1: the low and high nibbles (`code_words`) of words 4 + 8h + c
             // (c = 0..8), each word met by the R activation rows in turn: 2R independent running sums, which the
             // CPU overlaps (a row's eight products depend on each other). One group at a time ran at 0.7x: LLVM
             // sank the last row's chain of eight to the end of each group (benches/RESULTS.md, nineteenth

@@ -747,9 +747,10 @@ impl<D: IntDot> Q6Lanes for D {
     type Sub = GroupSub;
     /// Whole scales where D's products sum whole i32 lanes (AVX-VNNI's and AVX-512 VNNI's `vpdpbusd`), as with
     /// `Zmm`; 16-bit multipliers with AVX2's `madd`, whose running sums are 16-bit pair-sums. With AVX-VNNI's
-    /// products on plain rows, against 16-bit multipliers, Qwen2.5-Coder-1.5B's Q6_K matrices took 0.91-0.95 /
-    /// 0.87-0.91 / 0.85-0.91 of the time at T = 4 / 8 / 16 (2 threads, cold, two runs, a Sapphire Rapids class
-    /// VM; benches/RESULTS.md, thirty-eighth session).
+    /// products on plain rows, against 16-bit multipliers, the whole sub-blocks' sums with `vpmulld` took 0.91-0.95
+    /// / 0.87-0.91 / 0.85-0.91 of the time on Qwen2.5-Coder-1.5B's Q6_K matrices at T = 4 / 8 / 16 (2 threads,
+    /// cold, two runs, a Sapphire Rapids class VM; thirty-eighth session), and the halves' sums since then 0.87 /
+    /// 0.97 / 1.00 of theirs (one 1536 x 8960 matrix in cache, one thread; benches/RESULTS.md, thirty-ninth).
     const WHOLE_SCALES: bool = D::WHOLE_SUMS;
 
     #[inline(always)]
@@ -851,8 +852,9 @@ impl Q6Lanes for Zmm {
     /// load), then one `vpdpwssd` a half against the sub-scale in the low 16 bits of each lane, six operations
     /// where four `vpmaddubsw`, four `vpdpwssd` and a fifth for the offset were with 16-bit multipliers, and seven
     /// with a `vpmulld` (two operations; ~1 a cycle, against 2 for `vpdpwssd`) of the whole sub-block's sum.
-    /// Every sum is exact: a half's |Σ (c - 32)·x̂| <= 8 · 32 · 127 < 2^15, so its i32 lane's low 16 bits are the
-    /// sum and the high ones meet a zero multiplier; times |sc| <= 128. The whole sums with `vpmulld` had taken
+    /// Every sum is exact: a half's |Σ (c - 32)·x̂| <= 8 · 32 · 127 < 2^15 (activation codes never -128: `q8`'s
+    /// encoders clamp to ±127), so its i32 lane's low 16 bits are the sum and the high ones meet a zero multiplier;
+    /// times |sc| <= 128. The whole sums with `vpmulld` had taken
     /// 0.94-0.99 / 0.91-0.96 / 0.94-0.96 / 0.93-0.94 of the 16-bit multipliers' time on Qwen2.5-Coder-1.5B's Q6_K
     /// matrices at T = 1 / 4 / 8 / 16 (2 threads, cold, two runs; benches/RESULTS.md, thirty-eighth session).
     const WHOLE_SCALES: bool = true;
