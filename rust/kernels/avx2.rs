@@ -42,7 +42,7 @@ mod legacy_lanes;
 mod q6k_lanes;
 mod tiles;
 pub use interleaved::{q4_1_x8, q4_k_x8, Q4K_TILE_MIN_ROWS};
-pub use q6k_lanes::q6_k_x8;
+pub use q6k_lanes::{q6_k_x8, Q6K_LANES_MIN_ROWS};
 pub use tiles::{Q6K_TILE_MIN_ROWS, Q8_0_TILE_MIN_ROWS};
 
 /// Whether this CPU runs the kernels of this module.

@@ -586,15 +586,20 @@ pub fn quantized_matmul(
         let _ = (span, by_pairs);
         None
     };
-    // Q6_K's lane kernels with VNNI's products start each half sub-block's sum from -32 times its codes' sum.
+    // Q6_K's lane kernels with VNNI's products start each half sub-block's sum from -32 times its codes' sum: for
+    // interleaved rows at every number of activation rows, for plain rows from Q6K_LANES_MIN_ROWS (fewer take the
+    // row kernel, which does not read them).
     #[cfg(target_arch = "x86_64")]
-    let q6_k_halves = int
-        && products(isa) != super::avx2::Products::Madd
-        && matrices
-            .iter()
-            .any(|m| matches!(m.qtype, QType::Q6K | QType::Q6KX8));
+    let q6_k_halves = |rows: usize| {
+        int && products(isa) != super::avx2::Products::Madd
+            && matrices.iter().any(|m| match m.qtype {
+                QType::Q6KX8 => true,
+                QType::Q6K => rows >= super::avx2::Q6K_LANES_MIN_ROWS,
+                _ => false,
+            })
+    };
     #[cfg(not(target_arch = "x86_64"))]
-    let q6_k_halves = false;
+    let q6_k_halves = |_: usize| false;
     // Blocks of up to MAX_T activation rows: each weight row meets every block of a tile while it is in L1 cache.
     let blocks: Vec<Activations> = x
         .chunks(MAX_T * k)
@@ -617,7 +622,7 @@ pub fn quantized_matmul(
                         if tiles_from(s, true).is_some_and(|from| rows >= from) {
                             q8.add_group_pairs();
                         }
-                        if q6_k_halves && Some(s) == QType::Q6K.span() {
+                        if q6_k_halves(rows) && Some(s) == QType::Q6K.span() {
                             q8.add_neg32_eight_sums();
                         }
                         q8

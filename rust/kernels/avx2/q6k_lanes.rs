@@ -437,6 +437,8 @@ trait DecodeVec: Copy {
     unsafe fn shuffle(a: Self, idx: Self) -> Self;
     /// Stores at `to`, aligned to the vector's size.
     unsafe fn store(self, to: *mut u8);
+    /// Loads from `from`, aligned to the vector's size.
+    unsafe fn load(from: *const u8) -> Self;
 }
 
 impl DecodeVec for __m256i {
@@ -506,6 +508,12 @@ impl DecodeVec for __m256i {
         // SAFETY: the caller's contract.
         unsafe { _mm256_store_si256(to.cast(), self) }
     }
+
+    #[inline(always)]
+    unsafe fn load(from: *const u8) -> __m256i {
+        // SAFETY: the caller's contract.
+        unsafe { _mm256_load_si256(from.cast()) }
+    }
 }
 
 impl DecodeVec for __m512i {
@@ -574,6 +582,11 @@ impl DecodeVec for __m512i {
     #[inline(always)]
     unsafe fn store(self, to: *mut u8) {
         unsafe { _mm512_store_si512(to.cast(), self) }
+    }
+
+    #[inline(always)]
+    unsafe fn load(from: *const u8) -> __m512i {
+        unsafe { _mm512_load_si512(from.cast()) }
     }
 }
 
@@ -724,6 +737,26 @@ trait Q6Lanes: Lanes {
     unsafe fn end_span(out: &mut Self::Out, i: Self::Int, block: &Self::Block, dx: f32);
 }
 
+/// The four code words of sub-block s of `block`, every group's part (G · 32 bytes) in one vector.
+///
+/// # Safety
+/// V spans the G parts of an entry; the caller runs with V's features.
+#[inline(always)]
+unsafe fn sub_words<V: DecodeVec, const G: usize>(block: &LaneBlock<G>, s: usize) -> [V; SUB / 4] {
+    let w = SUB / 4 * s;
+    // (Loads written out, not an array's closure: a closure takes no target features, and its intrinsics would
+    // become calls.)
+    // SAFETY: each entry is aligned to 64 bytes and holds G · 32; guaranteed by the caller.
+    unsafe {
+        [
+            V::load(block.codes[w].as_ptr().cast()),
+            V::load(block.codes[w + 1].as_ptr().cast()),
+            V::load(block.codes[w + 2].as_ptr().cast()),
+            V::load(block.codes[w + 3].as_ptr().cast()),
+        ]
+    }
+}
+
 /// Activation word c (codes 4c..4c + 4) of the sixteen at `x`.
 ///
 /// # Safety
@@ -755,19 +788,11 @@ impl<D: IntDot> Q6Lanes for D {
 
     #[inline(always)]
     fn sub_block(block: &LaneBlock<1>, s: usize) -> GroupSub {
-        let w = SUB / 4 * s;
-        // (Loads written out, not an array's closure: a closure takes no target features, and its intrinsics
-        // would become calls.)
         // SAFETY (each load): 32 bytes, 32-byte aligned; every kernel set here has AVX2.
         unsafe {
             GroupSub {
-                words: [
-                    _mm256_load_si256(block.codes[w].as_ptr().cast()),
-                    _mm256_load_si256(block.codes[w + 1].as_ptr().cast()),
-                    _mm256_load_si256(block.codes[w + 2].as_ptr().cast()),
-                    _mm256_load_si256(block.codes[w + 3].as_ptr().cast()),
-                ],
-                scales: _mm256_load_si256(block.scales[s].as_ptr().cast()),
+                words: sub_words(block, s),
+                scales: __m256i::load(block.scales[s].as_ptr().cast()),
                 // (Whole scales take their offsets from the activations; `decode` wrote none.)
                 offsets: if D::WHOLE_SUMS {
                     _mm256_setzero_si256()
@@ -861,18 +886,11 @@ impl Q6Lanes for Zmm {
 
     #[inline(always)]
     fn sub_block(block: &LaneBlock<2>, s: usize) -> WholeSub {
-        let w = SUB / 4 * s;
-        // (Loads written out, as for eight rows.)
         // SAFETY (each load): 64 bytes, 64-byte aligned; the caller runs with AVX-512 F.
         unsafe {
             WholeSub {
-                words: [
-                    _mm512_load_si512(block.codes[w].as_ptr().cast()),
-                    _mm512_load_si512(block.codes[w + 1].as_ptr().cast()),
-                    _mm512_load_si512(block.codes[w + 2].as_ptr().cast()),
-                    _mm512_load_si512(block.codes[w + 3].as_ptr().cast()),
-                ],
-                scales: _mm512_load_si512(block.scales[s].as_ptr().cast()),
+                words: sub_words(block, s),
+                scales: __m512i::load(block.scales[s].as_ptr().cast()),
             }
         }
     }
