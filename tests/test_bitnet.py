@@ -91,6 +91,25 @@ def test_greedy_tokens_match_transformers_up_to_a_near_tie(model, files):
                 assert got[:compared] == want[:compared], (tiers, prompt)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("apart", [False, True], ids=["scale-in-blocks", "scale-tensors"])
+@pytest.mark.parametrize("qtype", [T.TQ2_0, T.TQ1_0], ids=lambda t: t.name)
+@torch.inference_mode()
+def test_cuda_matches_transformers(model, files, qtype, apart):
+    """On CUDA: the prompt's last logits (a prefill pass, dequantized) within 1e-4, and 24 greedy tokens (decode
+    steps, on the CUDA kernels where CuPy is installed) equal transformers' up to a near-tie."""
+    with ntio.load(files[(qtype, apart)], max_context=512, device="cuda") as ours:
+        for prompt in PROMPTS:
+            ids = ours.encode_prompt(prompt)
+            got = ours.engine.forward(torch.tensor(ids, device="cuda"), 0).cpu()
+            assert rel_l2(got, model(torch.tensor([ids])).logits[0, -1]) <= 1e-4, prompt
+        for prompt in PROMPTS[:3]:
+            ids = ours.encode_prompt(prompt)
+            tokens = ours.generate(ids, max_new_tokens=24, temperature=0.0).token_ids
+            want, compared = hf_greedy(model, ids, tokens, NEAR_TIE)
+            assert compared >= 12 and tokens[:compared] == want[:compared], prompt
+
+
 def test_perplexity_matches_transformers(model, files):
     """Windows of 512 tokens. With float32 activations the prefill products dequantize the ternary blocks (the
     torch path), and both scale layouts give transformers' perplexity to 1e-4; with 8-bit ones (the default) the

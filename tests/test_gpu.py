@@ -15,7 +15,7 @@ PROMPT = "Streaming layers from disk lets a small machine run a model that does 
 
 @pytest.fixture(scope="module")
 def cpu_logits(smollm2_path):
-    m = ntio.load(smollm2_path, max_context=256)
+    m = ntio.load(smollm2_path, max_context=256, cpu_activations="float32")  # CUDA's products take float32 ones
     ids = m.encode_prompt(PROMPT)
     return ids, m.engine.forward(torch.tensor(ids), 0, all_logits=True)
 
@@ -52,7 +52,7 @@ def test_peak_device_memory_stays_under_budget(smollm2_path):
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated()
-    budget = 150_000_000
+    budget = 200_000_000  # above the 185.56 MiB minimum ntio computes for this model and context
     m = ntio.load(smollm2_path, max_context=256, device="cuda", gpu_memory_budget=budget)
     assert m.plan.counts["A"] < 30  # the budget forces streaming
     m.generate("The capital of France is", max_new_tokens=8)

@@ -6,8 +6,10 @@ staging slot — and each product picks how to run:
     ~4.5-8.5 bits per weight read instead of 32), with the running engine's `KernelChoice` (`using_kernels`): by
     default 8-bit activations and integer sums, as llama.cpp, for any number of rows where the kernels are vector
     code; float32 activations (and the scalar fallback) for T <= KERNEL_ROWS;
-  * otherwise (long prefill chunks with float32 activations, scalar kernels or dense weights, CUDA, other types):
-    dequantize into a reusable float32 scratch buffer, then `F.linear`.
+  * CUDA, up to cuda_kernels.MAX_ROWS tokens (decode, speculative verification) where CuPy is installed: one
+    RawKernel launch per product, straight from the encoded blocks in device memory, with float32 activations;
+  * otherwise (long prefill chunks with float32 activations, scalar kernels or dense weights, long CUDA passes,
+    other types): dequantize into a reusable float32 scratch buffer, then `F.linear`.
 With float32 activations both agree to ~1e-6 relative and with transformers' float32 to 1e-4; with 8-bit ones the
 CPU kernels' products move by ~0.3-1% relative (ntio.kernels.cpu_kernels states the numerics).
 """
@@ -28,7 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from ntio import _core
-from ntio.kernels import cpu_kernels, quant
+from ntio.kernels import cpu_kernels, cuda_kernels, quant
 
 
 @dataclass(frozen=True)
@@ -283,8 +285,16 @@ def uses_cpu_kernel(x: torch.Tensor, ws: list[EncodedMatrix]) -> bool:
 def dequantizes(rows: int, qtypes: Iterable[gguf.GGMLQuantizationType], choice: cpu_kernels.KernelChoice, *,
                 cuda: bool) -> bool:
     """Whether passes of `rows` tokens dequantize matrices of `qtypes` (into a `Scratch` of up to SCRATCH_BYTES):
-    always on CUDA; on CPU where `uses_cpu_kernel` would say no."""
-    return cuda or not _kernels_take(rows, qtypes, choice)
+    on CUDA where the CUDA kernels lack a type or take fewer rows; on CPU where `uses_cpu_kernel` would say no."""
+    if cuda:
+        return not all(cuda_kernels.takes(rows, q) for q in qtypes)
+    return not _kernels_take(rows, qtypes, choice)
+
+
+def uses_cuda_kernel(x: torch.Tensor, w: EncodedMatrix) -> bool:
+    """Whether x @ wᵀ runs on the CUDA kernels (`cuda_kernels.takes`: float32 activations), not dequantized."""
+    return (x.device.type == "cuda" and x.dtype == torch.float32 and not w.interleaved and w.shape[1] % 32 == 0
+            and cuda_kernels.takes(x.shape[0], w.qtype))
 
 
 def _kernel_product(x: torch.Tensor, ws: list[EncodedMatrix], norm: torch.Tensor | None = None, eps: float = 0.0,
@@ -304,6 +314,8 @@ def linear(x: torch.Tensor, w: EncodedMatrix) -> torch.Tensor:
     """x: [T, K] float32 -> x @ Wᵀ: [T, N]."""
     if uses_cpu_kernel(x, [w]):
         return _kernel_product(x, [w])
+    if uses_cuda_kernel(x, w):
+        return cuda_kernels.matmul(x, w.raw, w.qtype, w.shape, w.scale)
     n, k = w.shape
     rows = max(1, SCRATCH_BYTES // (4 * k))
     if w.interleaved:
@@ -334,6 +346,9 @@ def column_groups_linear(x: torch.Tensor, groups: Sequence[tuple[int, EncodedMat
                                    isa=choice.isa, int8=choice.int8)
         product = torch.from_numpy(out)
         return product if w0.scale == 1.0 else product.mul_(w0.scale)
+    if uses_cuda_kernel(x, w0):
+        return cuda_kernels.column_groups_matmul(x, [(first, g.raw) for first, g in groups], w0.qtype, n, width,
+                                                 w0.scale)
     out = torch.zeros((x.shape[0], n), dtype=torch.float32, device=x.device)
     for first, g in groups:
         out += linear(x[:, first : first + width], g)
