@@ -31,7 +31,7 @@ from ntio.errors import NtioError
 
 T = gguf.GGMLQuantizationType
 
-# The types the kernels decode, by their struct names in cuda_matmul.cu.
+# The types the kernels decode, by their type names in cuda_matmul.cu.
 KERNEL_TYPES: dict[gguf.GGMLQuantizationType, str] = {
     T.F32: "F32", T.F16: "F16", T.BF16: "BF16", T.Q8_0: "Q8_0", T.Q4_0: "Q4_0", T.Q4_1: "Q4_1", T.Q5_0: "Q5_0",
     T.Q5_1: "Q5_1", T.Q4_K: "Q4_K", T.Q5_K: "Q5_K", T.Q6_K: "Q6_K", T.TQ1_0: "TQ1_0", T.TQ2_0: "TQ2_0",

@@ -57,31 +57,31 @@ struct F32 {
     }
 };
 
-struct F16 {
+// F16 / BF16: 32 16-bit floats, each widened exactly by Widen::of(its bits).
+template <class Widen>
+struct Float16Bits {
     enum { BLOCK = 32, BYTES = 64 };
     static __device__ __forceinline__ void chunk(const u8* b, int, float* v) {
         u32 w[16];
         load_words<16>(b, w);
 #pragma unroll
         for (int i = 0; i < 16; ++i) {
-            v[2 * i] = f16_bits(w[i] & 0xFFFF);
-            v[2 * i + 1] = f16_bits(w[i] >> 16);
+            v[2 * i] = Widen::of(w[i] & 0xFFFF);
+            v[2 * i + 1] = Widen::of(w[i] >> 16);
         }
     }
 };
 
-struct BF16 {
-    enum { BLOCK = 32, BYTES = 64 };
-    static __device__ __forceinline__ void chunk(const u8* b, int, float* v) {
-        u32 w[16];
-        load_words<16>(b, w);
-#pragma unroll
-        for (int i = 0; i < 16; ++i) {
-            v[2 * i] = __uint_as_float(w[i] << 16);
-            v[2 * i + 1] = __uint_as_float(w[i] & 0xFFFF0000u);
-        }
-    }
+struct WidenF16 {
+    static __device__ __forceinline__ float of(u32 h) { return f16_bits(h); }
 };
+
+struct WidenBF16 {
+    static __device__ __forceinline__ float of(u32 h) { return __uint_as_float(h << 16); }
+};
+
+typedef Float16Bits<WidenF16> F16;
+typedef Float16Bits<WidenBF16> BF16;
 
 struct Q8_0 {  // d f16, qs 32 x int8:  d * q
     enum { BLOCK = 32, BYTES = 34 };
