@@ -82,15 +82,18 @@ def test_ternary_edge_blocks(qtype):
     assert_close(got, x, w, 1.0)
 
 
+@pytest.mark.parametrize("blocks", [1, 2], ids=["one-block-groups", "two-block-groups"])
 @pytest.mark.parametrize("rows", [1, 16])
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
-def test_column_groups_equal_the_dense_product_with_other_columns_zeroed(qtype, rows):
-    """Groups laid out one after another in one buffer, as a store's group-major down copy, in no particular order."""
-    rng = np.random.default_rng(int(qtype) + 11 * rows)
-    width = 256 if gguf.GGML_QUANT_SIZES[qtype][0] == 256 else 32
-    count = 2048 // width
-    n, k = 45, 2048
-    ids = [int(g) for g in rng.permutation(count)[: count * 5 // 8]]  # 40 chunks a row: more than one tile
+def test_column_groups_equal_the_dense_product_with_other_columns_zeroed(qtype, rows, blocks):
+    """Groups laid out one after another in one buffer, as a store's group-major down copy, in no particular order;
+    a group one block of its type wide (32 or 256 columns) or two (a store's groups of 256 neurons hold 8 blocks of a
+    32-element type)."""
+    rng = np.random.default_rng(int(qtype) + 11 * rows + 101 * blocks)
+    width = blocks * (256 if gguf.GGML_QUANT_SIZES[qtype][0] == 256 else 32)
+    count = 4096 // width
+    n, k = 45, 4096
+    ids = [int(g) for g in rng.permutation(count)[: count * 5 // 8]]  # 80 chunks a row: more than two tiles
     groups = [quant.random_quantized(qtype, (n, width), rng) for _ in ids]
     buffer = torch.from_numpy(np.concatenate([g.reshape(-1) for g in groups])).cuda()
     size = groups[0].size
@@ -101,6 +104,18 @@ def test_column_groups_equal_the_dense_product_with_other_columns_zeroed(qtype, 
     for g, raw in zip(ids, groups):
         w[:, g * width : (g + 1) * width] = dense(raw, qtype, (n, width))
     assert_close(got, x, w, 1.5)
+
+
+def test_activation_rows_of_any_stride_and_offset():
+    """x a view whose rows start off the 16-byte alignment the kernels load at, or are not contiguous: copied first."""
+    rng = np.random.default_rng(9)
+    n, k = 24, 512
+    raw = quant.random_quantized(T.Q8_0, (n, k), rng)
+    big = torch.from_numpy(rng.standard_normal((4, k + 3)).astype(np.float32)).cuda()
+    w = dense(raw, T.Q8_0, (n, k))
+    for x in (big[:, 1 : k + 1], big.reshape(-1)[1 : 1 + 3 * k].view(3, k), big[:, :k].t().contiguous().t()):
+        got = cuda_kernels.matmul(x, torch.from_numpy(raw.reshape(-1)).cuda(), T.Q8_0, (n, k))
+        assert_close(got, x.cpu().numpy(), w, 1.0)
 
 
 def test_ops_take_the_kernels_up_to_max_rows_and_dequantize_beyond(monkeypatch):

@@ -56,12 +56,21 @@ class KernelCompileError(NtioError):
 
 @functools.cache
 def available() -> bool:
-    """Whether CuPy is installed (`pip install ntio[cuda12]` or `[cuda13]`). Without it every CUDA product
-    dequantizes in torch, and the first CUDA engine of the process says so on stderr."""
-    if importlib.util.find_spec("cupy") is not None:
-        return True
-    print("ntio: CuPy is not installed, so CUDA products dequantize in torch (many times slower); "
-          "pip install ntio[cuda12] or ntio[cuda13] adds it", file=sys.stderr)
+    """Whether CuPy is installed (`pip install ntio[cuda12]` or `[cuda13]`) and sees a GPU. Without it every CUDA
+    product dequantizes in torch, and the first CUDA engine of the process says why on stderr."""
+    if importlib.util.find_spec("cupy") is None:
+        why = "CuPy is not installed"
+    else:
+        try:
+            import cupy
+
+            if cupy.cuda.is_available():
+                return True
+            why = "CuPy sees no GPU"
+        except Exception as e:  # a CuPy built for another CUDA, missing libraries: every way it fails to load
+            why = f"CuPy does not load ({str(e).splitlines()[0] if str(e) else type(e).__name__})"
+    print(f"ntio: {why}, so CUDA products dequantize in torch (many times slower); pip install ntio[cuda12] or "
+          "ntio[cuda13] adds it", file=sys.stderr)
     return False
 
 
@@ -72,20 +81,23 @@ def takes(rows: int, qtype: gguf.GGMLQuantizationType) -> bool:
 
 
 @functools.cache
-def _kernels(qtype: gguf.GGMLQuantizationType) -> dict[int, object]:
-    """The compiled kernels of one type, by the row count they hold ({bucket: cupy.RawKernel})."""
+def _kernels(qtype: gguf.GGMLQuantizationType, device: int) -> dict[int, object]:
+    """The kernels of one type on one device, by the row count they hold ({bucket: cupy.RawKernel}): CuPy loads a
+    module, and sets a kernel's attributes, per device."""
     import cupy
 
     names = {rows: f"quantized_matmul<{KERNEL_TYPES[qtype]}, {rows}>" for rows in _ROW_BUCKETS}
-    module = cupy.RawModule(code=_SOURCE.read_text(), options=("-std=c++17", "--fmad=false"),
-                            name_expressions=list(names.values()))
-    try:
-        kernels = {rows: module.get_function(name) for rows, name in names.items()}
-    except cupy.cuda.compiler.CompileException as e:
-        first = next((line for line in str(e).splitlines() if "error" in line), str(e).splitlines()[0])
-        raise KernelCompileError(f"CUDA kernel for {qtype.name} did not compile: {first.strip()}") from None
-    for rows, kernel in kernels.items():
-        kernel.max_dynamic_shared_size_bytes = rows * _TILE_BYTES_PER_TOKEN  # beyond the default 48 KB from 11 rows
+    with cupy.cuda.Device(device):
+        module = cupy.RawModule(code=_SOURCE.read_text(), options=("-std=c++17", "--fmad=false"),
+                                name_expressions=list(names.values()))
+        try:
+            kernels = {rows: module.get_function(name) for rows, name in names.items()}
+        except Exception as e:  # the compiler's errors, or NVRTC itself missing
+            lines = str(e).splitlines() or [type(e).__name__]
+            first = next((line for line in lines if "error" in line), lines[0])
+            raise KernelCompileError(f"CUDA kernel for {qtype.name} did not compile: {first.strip()}") from None
+        for rows, kernel in kernels.items():
+            kernel.max_dynamic_shared_size_bytes = rows * _TILE_BYTES_PER_TOKEN  # over the default 48 KB from 11 rows
     return kernels
 
 
@@ -100,11 +112,16 @@ def _stream(pointer: int, device: int) -> object:
 
 
 def _launch(qtype: gguf.GGMLQuantizationType, x: torch.Tensor, out: torch.Tensor, n: int, args: tuple) -> None:
-    """One kernel launch on torch's current stream: x [T, K] float32 (rows 16-byte aligned), out [T, >= n]."""
+    """One kernel launch on x's device and torch's current stream there: x [T, K] float32 (rows 16-byte aligned),
+    out [T, >= n]."""
+    import cupy
+
+    if x.shape[0] > MAX_ROWS:
+        raise ValueError(f"the CUDA kernels take at most {MAX_ROWS} activation rows, not {x.shape[0]}")
     bucket = next(b for b in _ROW_BUCKETS if b >= x.shape[0])
-    kernel = _kernels(qtype)[bucket]
     device = x.device.index if x.device.index is not None else torch.cuda.current_device()
-    with _stream(torch.cuda.current_stream(x.device).cuda_stream, device):
+    kernel = _kernels(qtype, device)[bucket]
+    with cupy.cuda.Device(device), _stream(torch.cuda.current_stream(x.device).cuda_stream, device):
         kernel(((n + WARPS - 1) // WARPS,), (32 * WARPS,), args, shared_mem=x.shape[0] * _TILE_BYTES_PER_TOKEN)
 
 
@@ -122,8 +139,10 @@ def matmul(x: torch.Tensor, raw: torch.Tensor, qtype: gguf.GGMLQuantizationType,
     """x [T, K] float32 (T <= MAX_ROWS) times the [N, K] matrix encoded in raw (uint8, its rows back to back, on x's
     device), transposed and times `scale`: [T, N] float32."""
     n, k = shape
-    x = _aligned_rows(x)
     out = torch.empty((x.shape[0], n), dtype=torch.float32, device=x.device)
+    if n == 0:
+        return out
+    x = _aligned_rows(x)
     row_bytes = raw.numel() // n
     _launch(qtype, x, out, n, (
         np.uint64(raw.data_ptr()), np.int64(row_bytes), np.int32(n), np.int32(k), np.uint64(x.data_ptr()),
@@ -136,11 +155,16 @@ def column_groups_matmul(x: torch.Tensor, groups: Sequence[tuple[int, torch.Tens
                          qtype: gguf.GGMLQuantizationType, n: int, width: int, scale: float = 1.0) -> torch.Tensor:
     """x [T, K] float32 (T <= MAX_ROWS) times column groups of a matrix W [N, K]: Σ_j x[:, first_j:first_j + width] ·
     G_jᵀ · scale -> [T, N], each (first_j, raw_j) the encoded [N, width] matrix of W's columns from first_j (on x's
-    device). One launch over every group: the product of W with x's other columns zeroed."""
+    device). One launch over every group: the product of W with x's other columns zeroed. Groups are whole blocks
+    of their type, and start at multiples of 32 columns (chunks: the kernels load x 4 floats at a time)."""
     x = _aligned_rows(x)
     out = torch.empty((x.shape[0], n), dtype=torch.float32, device=x.device)
     table = np.array([g.data_ptr() for _, g in groups], np.uint64)
     firsts = np.array([first for first, _ in groups], np.int32)
+    block = gguf.GGML_QUANT_SIZES[qtype][0]
+    if width % block or width % 32 or (firsts % 32).any() or (firsts + width > x.shape[1]).any():
+        raise ValueError(f"column groups of {width} {qtype.name} columns from {firsts.tolist()} are not whole chunks "
+                         f"of x's {x.shape[1]} columns")
     pointers = torch.from_numpy(table.view(np.int64)).to(x.device)
     starts = torch.from_numpy(firsts).to(x.device)
     _launch(qtype, x, out, n, (

@@ -270,7 +270,7 @@ struct TQ1_0 {
 // The activation tile a block shares: TILE_CHUNKS chunks (one a lane) of every token's x, in shared memory, each chunk
 // padded to PADDED floats so that the lanes' float4 loads of their chunks fall in distinct banks (read from global
 // memory, lane l's chunk is 128 bytes from lane l + 1's: a load instruction then touched 32 cache lines; staging cut
-// a one-token Q4_K 14336 x 4096 product on an H200 from 153 to 37-50 us). Tiles of 128 chunks (4 a lane between
+// a one-token Q4_K 14336 x 4096 product on an H200 from 153 to 36-50 us). Tiles of 128 chunks (4 a lane between
 // two barriers) measured no faster at T = 1, 8 or 16.
 #define TILE_CHUNKS 32
 #define PADDED 36
