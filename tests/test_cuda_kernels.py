@@ -1,5 +1,6 @@
 """The CUDA kernels (ntio.kernels.cuda_kernels) against an independent reference: gguf-py's dequantizer times a
-float64 product. Skipped without a GPU or CuPy; `benches/gpu_check.sh` runs them on a machine that has both.
+float64 product. Skipped without a GPU or CuPy (but the fallback without CuPy); `benches/gpu_check.sh` runs them on
+a machine that has both.
 
 Tolerance: the kernels sum float32 products, each lane 32 at a time over its chunks, then a 5-level shuffle tree;
 with K <= 8192 no sum has more than ~45 terms in sequence, so each output is within 45 · 2⁻²⁴ ≈ 2.7e-6 of the exact
@@ -15,8 +16,8 @@ import torch
 
 from ntio.kernels import cuda_kernels, ops, quant
 
-pytestmark = pytest.mark.skipif(not (torch.cuda.is_available() and cuda_kernels.available()),
-                                reason="needs a CUDA device and CuPy")
+needs_gpu = pytest.mark.skipif(not (torch.cuda.is_available() and cuda_kernels.available()),
+                               reason="needs a CUDA device and CuPy")
 
 T = gguf.GGMLQuantizationType
 TYPES = list(cuda_kernels.KERNEL_TYPES)
@@ -36,6 +37,7 @@ def assert_close(got: torch.Tensor, x: np.ndarray, w: np.ndarray, scale: float) 
     assert np.all(err <= bound), f"worst error {float((err / bound).max()):.2f}x the bound"
 
 
+@needs_gpu
 @pytest.mark.parametrize("rows", [1, 3, 8, 16])
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
 def test_matmul_matches_gguf_py(qtype, rows):
@@ -49,6 +51,7 @@ def test_matmul_matches_gguf_py(qtype, rows):
     assert_close(got, x, dense(raw, qtype, (n, k)), 0.75)
 
 
+@needs_gpu
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
 def test_a_row_of_a_pass_has_the_bits_of_a_one_token_pass(qtype):
     """Sums do not depend on T: speculative verification gives each token the bits a decode step gives it. 256 chunks
@@ -64,6 +67,7 @@ def test_a_row_of_a_pass_has_the_bits_of_a_one_token_pass(qtype):
         assert torch.equal(cuda_kernels.matmul(torch.from_numpy(x[t : t + 1]).cuda(), raw, qtype, (n, k))[0], whole[t])
 
 
+@needs_gpu
 @pytest.mark.parametrize("qtype", [T.TQ1_0, T.TQ2_0], ids=lambda t: t.name)
 def test_ternary_edge_blocks(qtype):
     """Rows of all -1, all 0, all +1 and mixed codes (gguf-py's quantizer: d = max|w|), and mixed codes whose blocks'
@@ -82,6 +86,7 @@ def test_ternary_edge_blocks(qtype):
     assert_close(got, x, w, 1.0)
 
 
+@needs_gpu
 @pytest.mark.parametrize("blocks", [1, 2], ids=["one-block-groups", "two-block-groups"])
 @pytest.mark.parametrize("rows", [1, 16])
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
@@ -106,6 +111,7 @@ def test_column_groups_equal_the_dense_product_with_other_columns_zeroed(qtype, 
     assert_close(got, x, w, 1.5)
 
 
+@needs_gpu
 def test_activation_rows_of_any_stride_and_offset():
     """x a view whose rows start off the 16-byte alignment the kernels load at, or are not contiguous: copied first."""
     rng = np.random.default_rng(9)
@@ -118,6 +124,7 @@ def test_activation_rows_of_any_stride_and_offset():
         assert_close(got, x.cpu().numpy(), w, 1.0)
 
 
+@needs_gpu
 def test_ops_take_the_kernels_up_to_max_rows_and_dequantize_beyond(monkeypatch):
     rng = np.random.default_rng(5)
     n, k = 40, 256
@@ -136,3 +143,18 @@ def test_ops_take_the_kernels_up_to_max_rows_and_dequantize_beyond(monkeypatch):
     assert_close(ops.linear(torch.from_numpy(short).cuda(), w), short, want, 2.0)
     assert not ops.dequantizes(cuda_kernels.MAX_ROWS, [T.Q4_K, T.TQ1_0], ops.cpu_kernels.KernelChoice(), cuda=True)
     assert ops.dequantizes(cuda_kernels.MAX_ROWS + 1, [T.Q4_K], ops.cpu_kernels.KernelChoice(), cuda=True)
+
+
+def test_without_cupy_cuda_products_dequantize_and_the_engine_says_so_once(monkeypatch, capsys):
+    """No CuPy (as on this project's CI): the plan keeps the dequantizing scratch, and one stderr line says why and
+    what to install."""
+    monkeypatch.setattr(cuda_kernels.importlib.util, "find_spec", lambda name: None)
+    cuda_kernels.available.cache_clear()
+    try:
+        assert ops.dequantizes(1, [T.Q4_K], ops.cpu_kernels.KernelChoice(), cuda=True)
+        assert not cuda_kernels.takes(1, T.TQ2_0)
+    finally:
+        cuda_kernels.available.cache_clear()
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("ntio: CuPy is not installed, so CUDA products dequantize")
+    assert "pip install ntio[cuda12]" in err
