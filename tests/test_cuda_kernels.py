@@ -20,7 +20,7 @@ needs_gpu = pytest.mark.skipif(not (torch.cuda.is_available() and cuda_kernels.a
                                reason="needs a CUDA device and CuPy")
 
 T = gguf.GGMLQuantizationType
-TYPES = list(cuda_kernels.KERNEL_TYPES)
+TYPES = sorted(cuda_kernels.KERNEL_TYPES)
 RELATIVE = 1e-5
 
 

@@ -31,11 +31,9 @@ from ntio.errors import NtioError
 
 T = gguf.GGMLQuantizationType
 
-# The types the kernels decode, by their type names in cuda_matmul.cu.
-KERNEL_TYPES: dict[gguf.GGMLQuantizationType, str] = {
-    T.F32: "F32", T.F16: "F16", T.BF16: "BF16", T.Q8_0: "Q8_0", T.Q4_0: "Q4_0", T.Q4_1: "Q4_1", T.Q5_0: "Q5_0",
-    T.Q5_1: "Q5_1", T.Q4_K: "Q4_K", T.Q5_K: "Q5_K", T.Q6_K: "Q6_K", T.TQ1_0: "TQ1_0", T.TQ2_0: "TQ2_0",
-}
+# The types the kernels decode: cuda_matmul.cu names each by its gguf name.
+KERNEL_TYPES: frozenset[gguf.GGMLQuantizationType] = frozenset({
+    T.F32, T.F16, T.BF16, T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q4_K, T.Q5_K, T.Q6_K, T.TQ1_0, T.TQ2_0})
 
 # The most activation rows a kernel takes; each type is compiled for these row counts, a pass using the next one up
 # (its accumulators stay in registers: 16 floats a lane at most).
@@ -86,7 +84,7 @@ def _kernels(qtype: gguf.GGMLQuantizationType, device: int) -> dict[int, object]
     module, and sets a kernel's attributes, per device."""
     import cupy
 
-    names = {rows: f"quantized_matmul<{KERNEL_TYPES[qtype]}, {rows}>" for rows in _ROW_BUCKETS}
+    names = {rows: f"quantized_matmul<{qtype.name}, {rows}>" for rows in _ROW_BUCKETS}
     with cupy.cuda.Device(device):
         module = cupy.RawModule(code=_SOURCE.read_text(), options=("-std=c++17", "--fmad=false"),
                                 name_expressions=list(names.values()))

@@ -47,41 +47,33 @@ __device__ __forceinline__ void load_words(const u8* p, u32* out) {
 
 // Each type: BLOCK elements in BYTES bytes; chunk(block, c, v) writes elements 32c .. 32c + 31 of the block to v.
 
-struct F32 {
-    enum { BLOCK = 32, BYTES = 128 };
+// F32 / F16 / BF16: 32 floats of BITS bits, each widened exactly by Widen::of(its bits).
+template <int BITS, class Widen>
+struct FloatBits {
+    enum { BLOCK = 32, BYTES = 4 * BITS };
     static __device__ __forceinline__ void chunk(const u8* b, int, float* v) {
-        u32 w[32];
-        load_words<32>(b, w);
+        u32 w[BITS];
+        load_words<BITS>(b, w);
 #pragma unroll
-        for (int i = 0; i < 32; ++i) v[i] = __uint_as_float(w[i]);
+        for (int i = 0; i < 32; ++i) v[i] = Widen::of(w[i * BITS / 32] >> (BITS * i % 32));
     }
 };
 
-// F16 / BF16: 32 16-bit floats, each widened exactly by Widen::of(its bits).
-template <class Widen>
-struct Float16Bits {
-    enum { BLOCK = 32, BYTES = 64 };
-    static __device__ __forceinline__ void chunk(const u8* b, int, float* v) {
-        u32 w[16];
-        load_words<16>(b, w);
-#pragma unroll
-        for (int i = 0; i < 16; ++i) {
-            v[2 * i] = Widen::of(w[i] & 0xFFFF);
-            v[2 * i + 1] = Widen::of(w[i] >> 16);
-        }
-    }
+struct WidenF32 {
+    static __device__ __forceinline__ float of(u32 bits) { return __uint_as_float(bits); }
 };
 
 struct WidenF16 {
-    static __device__ __forceinline__ float of(u32 h) { return f16_bits(h); }
+    static __device__ __forceinline__ float of(u32 bits) { return f16_bits(bits & 0xFFFF); }
 };
 
 struct WidenBF16 {
-    static __device__ __forceinline__ float of(u32 h) { return __uint_as_float(h << 16); }
+    static __device__ __forceinline__ float of(u32 bits) { return __uint_as_float(bits << 16); }
 };
 
-typedef Float16Bits<WidenF16> F16;
-typedef Float16Bits<WidenBF16> BF16;
+typedef FloatBits<32, WidenF32> F32;
+typedef FloatBits<16, WidenF16> F16;
+typedef FloatBits<16, WidenBF16> BF16;
 
 struct Q8_0 {  // d f16, qs 32 x int8:  d * q
     enum { BLOCK = 32, BYTES = 34 };
