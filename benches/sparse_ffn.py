@@ -18,6 +18,13 @@ means quantizing it again: `--down-rows TYPE...` prices that, with a copy of the
 the transposed matrix quantized to TYPE (from the GGUF's values, by gguf-py) and turned back (float32), dense and
 with the down rule per neuron at the middle --keep.
 
+`--neuron-major` prices the down rule per neuron without quantizing again: down [D, F] laid out losslessly as
+each neuron's codes ([F, D], 4 or 6 bits a weight) beside a header of each row's block scales and minimums (0.5-1
+bit a weight), read whole. It checks that the codes and the header alone rebuild gguf-py's dequantized matrix bit
+for bit, then measures which share of down's bytes each evaluation token's kept neurons need (header included), read
+by the byte (RAM), by 512 B sector or by 4 KiB page (O_DIRECT from disk), in the file's neuron order and with the
+neurons sorted by how often the calibration text kept them; and the layers' bytes then read, against dense.
+
 `--group-scores sum norm exact` prices ways of ranking the store's groups (one quantization block of down's
 neurons) under the down rule: Σ |a| over a group, each neuron weighing 1; Σ |a_i| · ||down[:, i]||, the down
 matrix's column norms weighing each neuron (the policy's own, as this script runs it); and ||down[:, g] · a_g||, each
@@ -39,6 +46,7 @@ bytes per token, one line per rule (matplotlib: `pip install ntio[plot]`).
     python benches/sparse_ffn.py --model smollm2-135m --rules down gate predicted --keep 0.5 0.3 --groups 1 \
         --calib-tokens 8192
     python benches/sparse_ffn.py --rules down --groups --group-scores sum norm exact --union-tokens 4
+    python benches/sparse_ffn.py --model qwen2.5-coder-1.5b --rules down --groups 1 --neuron-major --union-tokens 4
     python benches/sparse_ffn.py --rules predicted --groups --streamed --rounds 2 --json sparse_ffn_predicted.json
     python benches/sparse_ffn.py --groups --union-tokens 4 --streamed --rounds 3 --json sparse_ffn.json \
         --plot sparse_ffn.png
@@ -49,6 +57,7 @@ from __future__ import annotations
 import argparse
 import ast
 import json
+import math
 import statistics
 import sys
 import tempfile
@@ -198,6 +207,110 @@ def price_down_rows(name: str, args: argparse.Namespace, evaluation: str, dense:
     return rows
 
 
+# Bits of code per weight and of header per weight of a neuron-major down matrix, by GGUF type (`rebuilt_from_codes`).
+NEURON_MAJOR_BITS = {gguf.GGMLQuantizationType.Q4_1: (4, 1.0), gguf.GGMLQuantizationType.Q4_K: (4, 0.5),
+                     gguf.GGMLQuantizationType.Q6_K: (6, 0.5625)}
+GRANULARITIES = (1, 512, 4096)  # bytes a read comes in: RAM, a disk sector, a page (O_DIRECT)
+
+
+def rebuilt_from_codes(raw: np.ndarray, qtype: gguf.GGMLQuantizationType, shape: tuple[int, int]) -> np.ndarray:
+    """Down matrix [D, F] (its GGUF bytes) rebuilt, float32, from each weight's own code (one unsigned code a weight,
+    unpacked) and its row block's header alone, with gguf-py's float32 operations in its order (Q4_1: d·q + m; Q4_K:
+    (d·sc)·q - (dmin·m); Q6_K: (d·sc)·(q - 32)). A neuron-major layout stores the codes transposed, [F, D]: a
+    permutation, so equal bits here mean that layout loses nothing."""
+    d_rows, f = shape
+    b = raw.reshape(d_rows, -1)
+
+    def f16(at: int) -> np.ndarray:
+        return blocks[..., at:at + 2].copy().view(np.float16).astype(np.float32)  # [D, blocks, 1]
+
+    if qtype == gguf.GGMLQuantizationType.Q4_1:
+        blocks = b.reshape(d_rows, f // 32, 20)
+        qs = blocks[..., 4:]
+        codes = np.concatenate([qs & 15, qs >> 4], axis=2)  # [D, blocks, 32]: low nibbles first
+        rebuilt = f16(0) * codes.astype(np.float32) + f16(2)
+    elif qtype == gguf.GGMLQuantizationType.Q4_K:
+        blocks = b.reshape(d_rows, f // 256, 144)
+        s = blocks[..., 4:16]
+        sc = np.concatenate([s[..., 0:4] & 63, (s[..., 8:12] & 15) | (s[..., 0:4] >> 6 << 4)], axis=2)
+        mn = np.concatenate([s[..., 4:8] & 63, (s[..., 8:12] >> 4) | (s[..., 4:8] >> 6 << 4)], axis=2)
+        qs = blocks[..., 16:].reshape(d_rows, f // 256, 4, 32)
+        codes = np.stack([qs & 15, qs >> 4], axis=3).reshape(d_rows, f // 256, 8, 32)  # 64 weights: low, high
+        rebuilt = ((f16(0) * sc.astype(np.float32))[..., None] * codes.astype(np.float32)
+                   - (f16(2) * mn.astype(np.float32))[..., None])
+    elif qtype == gguf.GGMLQuantizationType.Q6_K:
+        blocks = b.reshape(d_rows, f // 256, 210)
+        ql, qh = blocks[..., :128].reshape(d_rows, -1, 2, 64), blocks[..., 128:192].reshape(d_rows, -1, 2, 1, 32)
+        low = np.stack([ql[..., :32] & 15, ql[..., 32:] & 15, ql[..., :32] >> 4, ql[..., 32:] >> 4], axis=3)
+        codes = (low | ((qh >> np.array([0, 2, 4, 6], np.uint8)[:, None]) & 3) << 4).reshape(d_rows, -1, 16, 16)
+        sc = blocks[..., 192:208].copy().view(np.int8).astype(np.float32)
+        rebuilt = (f16(208) * sc)[..., None] * (codes.astype(np.float32) - 32)
+    else:
+        raise SystemExit(f"--neuron-major prices {', '.join(t.name for t in NEURON_MAJOR_BITS)} down matrices, "
+                         f"not {qtype.name}")
+    return rebuilt.reshape(d_rows, f).astype(np.float32)
+
+
+def read_share(kept: torch.Tensor, column_bytes: int, granularity: int, f: int) -> float:
+    """Share of the [F, column_bytes] codes that reading the kept neurons' columns (positions `kept`) fetches, in
+    aligned pieces of `granularity` bytes: each column's pieces [first, last], less those the columns before it
+    (in position order) already fetched."""
+    kept = kept.sort().values
+    first, last = kept * column_bytes // granularity, ((kept + 1) * column_bytes - 1) // granularity
+    fetched = torch.cat([last.new_full((1,), -1), last[:-1]])  # last piece fetched before each column
+    new = (last - torch.maximum(first, fetched + 1) + 1).clamp_min(0)
+    return float(new.sum()) / math.ceil(f * column_bytes / granularity)
+
+
+def price_neuron_major(name: str, args: argparse.Namespace, calibration: Recorder, evaluation: str) -> list[dict]:
+    """The down rule per neuron from a lossless neuron-major down layout (`--neuron-major`): the split checked, then
+    the bytes each evaluation token's kept neurons need, by read granularity and neuron order (module doc)."""
+    recorder = Recorder(calibration.down_norms)
+    m = ntio.load(name, max_context=CTX, policy=recorder, threads=args.threads)
+    m.perplexity(evaluation, ctx=CTX)
+    scores = {layer: torch.cat(a) for layer, a in recorder.activations.items()}
+    layer_bytes = sum(m.file.tensor(n).nbytes for n in m.file.tensors if n.startswith("blk."))
+    downs = {layer: m.file.tensor(f"blk.{layer}.ffn_down.weight") for layer in scores}
+    checked = {}
+    for info in downs.values():
+        if info.qtype not in checked:  # one matrix per type: codes and header rebuild it bit for bit
+            raw = np.array(m.file.tensor_bytes(info.name))
+            want = gguf.quants.dequantize(raw, info.qtype).reshape(info.shape)
+            checked[info.qtype] = bool(np.array_equal(rebuilt_from_codes(raw, info.qtype, info.shape).view(np.uint32),
+                                                      want.astype(np.float32).view(np.uint32)))
+            if not checked[info.qtype]:
+                raise SystemExit(f"{info.name}: the neuron-major codes and header do not rebuild it")
+    m.close()
+    rows = []
+    for keep in args.keep:
+        read: dict[tuple[str, int], float] = {}  # (order, granularity) -> down bytes read, all layers
+        for layer, a in scores.items():
+            info, a = downs[layer], a.float()
+            d_rows, f = info.shape
+            code_bits, header_bits = NEURON_MAJOR_BITS[info.qtype]
+            header = info.nbytes * header_bits / (code_bits + header_bits)
+            k = math.ceil(keep * f)
+            counts = torch.bincount(torch.cat(calibration.activations[layer]).float().topk(k).indices.flatten(),
+                                    minlength=f)
+            orders = {"file": torch.arange(f), "calibration frequency": counts.argsort(descending=True)}
+            for order_name, order in orders.items():
+                position = torch.empty(f, dtype=torch.long)
+                position[order] = torch.arange(f)
+                for granularity in GRANULARITIES:
+                    share = statistics.mean(read_share(position[a[t].topk(k).indices], d_rows * code_bits // 8,
+                                                       granularity, f) for t in range(0, a.shape[0], 4))
+                    read[order_name, granularity] = (read.get((order_name, granularity), 0.0) + header
+                                                     + (info.nbytes - header) * share)
+        down_bytes = sum(info.nbytes for info in downs.values())
+        for (order_name, granularity), got in read.items():
+            rows.append({"model": name, "rule": "down", "keep": keep, "unit": "neuron-major", "order": order_name,
+                         "granularity_bytes": granularity, "lossless": {t.name: ok for t, ok in checked.items()},
+                         "down_read_share": round(got / down_bytes, 4),
+                         "layer_bytes_ratio": round((layer_bytes - down_bytes + got) / layer_bytes, 4)})
+            print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
 class GroupScored(SparseFFNPolicy):
     """The down rule over consecutive groups of `neurons`, each token's groups ranked by `score`: "sum" (Σ |a_i| over
     the group, each neuron weighing 1), "norm" (Σ |a_i| · ||down[:, i]||, the down matrix's column norms weighing each
@@ -334,7 +447,7 @@ def measure(name: str, args: argparse.Namespace) -> list[dict]:
     units: list[tuple[str, int, torch.Tensor | None, dict[int, torch.Tensor]]] = [
         ("consecutive", size, consecutive_groups(d_ff, size), {}) for size in args.groups if d_ff % size == 0]
     recorder = Recorder(norms)
-    if args.clustered or "predicted" in args.rules:  # (the recorded calibration text)
+    if args.clustered or "predicted" in args.rules or args.neuron_major:  # (the recorded calibration text)
         calibrating = ntio.load(name, max_context=CTX, policy=recorder, threads=args.threads)
         calibrating.perplexity(calibration, ctx=CTX)
         calibrating.close()
@@ -382,6 +495,8 @@ def measure(name: str, args: argparse.Namespace) -> list[dict]:
                     print(json.dumps(rows[-1]), flush=True)
     m.close()
     rows += price_down_rows(name, args, evaluation, dense)
+    if args.neuron_major:
+        rows += price_neuron_major(name, args, recorder, evaluation)
     if args.group_scores:
         rows += price_group_scores(name, args, evaluation, dense, neurons)
     if args.streamed:
@@ -403,6 +518,8 @@ def main() -> None:
                     help="price down matrices stored as rows (transposed, quantized again) in these types")
     ap.add_argument("--group-scores", nargs="*", default=[], choices=["sum", "norm", "exact"],
                     help="price ways of ranking the store's groups under the down rule (GroupScored)")
+    ap.add_argument("--neuron-major", action="store_true",
+                    help="price the down rule per neuron from a lossless neuron-major down layout (module doc)")
     ap.add_argument("--eval-tokens", type=int, default=2048)
     ap.add_argument("--calib-tokens", type=int, default=2048)
     ap.add_argument("--predictor-rank", type=int, default=128)
