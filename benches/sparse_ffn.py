@@ -13,10 +13,10 @@ FFN byte is read: one `UnitPredictor` per layer and unit size (rank `--predictor
 "down" rule's unit scores on the calibration text (as `ntio calibrate --ffn-predictors` fits them), for every keep
 share; each row reports the share of the "down" rule's units it kept on the evaluation text (`oracle_recall`).
 
-Reading one neuron's down weights alone needs the down matrix stored transposed ([F, D], a row per neuron), which
-means quantizing it again: `--down-rows TYPE...` prices that, with a copy of the model whose down matrices are
-the transposed matrix quantized to TYPE (from the GGUF's values, by gguf-py) and turned back (float32), dense and
-with the down rule per neuron at the middle --keep.
+Reading one neuron's down weights alone needs the down matrix stored by neuron ([F, D]). `--down-rows TYPE...`
+prices doing that by quantizing it again as rows, with a copy of the model whose down matrices are the transposed
+matrix quantized to TYPE (from the GGUF's values, by gguf-py) and turned back (float32), dense and with the down
+rule per neuron at the middle --keep.
 
 `--neuron-major` prices the down rule per neuron without quantizing again: down [D, F] laid out losslessly as
 each neuron's codes ([F, D], 4 or 6 bits a weight) beside a header of each row's block scales and minimums (0.5-1
