@@ -281,17 +281,15 @@ def price_neuron_major(name: str, args: argparse.Namespace, calibration: Recorde
             if not checked[info.qtype]:
                 raise SystemExit(f"{info.name}: the neuron-major codes and header do not rebuild it")
     m.close()
-    rows = []
-    for keep in args.keep:
-        read: dict[tuple[str, int], float] = {}  # (order, granularity) -> down bytes read, all layers
-        for layer, a in scores.items():
-            info, a = downs[layer], a.float()
-            d_rows, f = info.shape
-            code_bits, header_bits = NEURON_MAJOR_BITS[info.qtype]
-            header = info.nbytes * header_bits / (code_bits + header_bits)
+    read: dict[tuple[float, str, int], float] = {}  # (keep, order, granularity) -> down bytes read, all layers
+    for layer, a in scores.items():
+        info, a, calib = downs[layer], a.float(), torch.cat(calibration.activations[layer]).float()
+        d_rows, f = info.shape
+        code_bits, header_bits = NEURON_MAJOR_BITS[info.qtype]
+        header = info.nbytes * header_bits / (code_bits + header_bits)
+        for keep in args.keep:
             k = math.ceil(keep * f)
-            counts = torch.bincount(torch.cat(calibration.activations[layer]).float().topk(k).indices.flatten(),
-                                    minlength=f)
+            counts = torch.bincount(calib.topk(k).indices.flatten(), minlength=f)
             orders = {"file": torch.arange(f), "calibration frequency": counts.argsort(descending=True)}
             for order_name, order in orders.items():
                 position = torch.empty(f, dtype=torch.long)
@@ -299,15 +297,16 @@ def price_neuron_major(name: str, args: argparse.Namespace, calibration: Recorde
                 for granularity in GRANULARITIES:
                     share = statistics.mean(read_share(position[a[t].topk(k).indices], d_rows * code_bits // 8,
                                                        granularity, f) for t in range(0, a.shape[0], 4))
-                    read[order_name, granularity] = (read.get((order_name, granularity), 0.0) + header
-                                                     + (info.nbytes - header) * share)
-        down_bytes = sum(info.nbytes for info in downs.values())
-        for (order_name, granularity), got in read.items():
-            rows.append({"model": name, "rule": "down", "keep": keep, "unit": "neuron-major", "order": order_name,
-                         "granularity_bytes": granularity, "lossless": {t.name: ok for t, ok in checked.items()},
-                         "down_read_share": round(got / down_bytes, 4),
-                         "layer_bytes_ratio": round((layer_bytes - down_bytes + got) / layer_bytes, 4)})
-            print(json.dumps(rows[-1]), flush=True)
+                    key = keep, order_name, granularity
+                    read[key] = read.get(key, 0.0) + header + (info.nbytes - header) * share
+    down_bytes = sum(info.nbytes for info in downs.values())
+    rows = []
+    for (keep, order_name, granularity), got in read.items():
+        rows.append({"model": name, "rule": "down", "keep": keep, "unit": "neuron-major", "order": order_name,
+                     "granularity_bytes": granularity, "lossless": {t.name: ok for t, ok in checked.items()},
+                     "down_read_share": round(got / down_bytes, 4),
+                     "layer_bytes_ratio": round((layer_bytes - down_bytes + got) / layer_bytes, 4)})
+        print(json.dumps(rows[-1]), flush=True)
     return rows
 
 
