@@ -645,13 +645,33 @@ const CACHE_LINE: usize = 64;
 /// threads; 1024 and 4096 bytes did as well).
 pub(super) const ROW_PREFETCH: usize = 2048;
 
-/// Prefetches the cache lines of the `bytes` bytes at `p`. A prefetch is a hint: it never faults or changes
-/// memory, whatever the address.
+/// Prefetches the cache lines of the `bytes` bytes at `p`, into L1 or, on AMD's cores, into L2
+/// (`prefetches_into_l2`). A prefetch is a hint: it never faults or changes memory, whatever the address.
 #[target_feature(enable = "avx2,fma,f16c")]
 pub(super) fn prefetch(p: *const u8, bytes: usize) {
+    let into_l2 = prefetches_into_l2();
     for line in (0..bytes).step_by(CACHE_LINE) {
-        _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(line).cast());
+        let at = p.wrapping_add(line).cast();
+        if into_l2 {
+            _mm_prefetch::<_MM_HINT_T1>(at);
+        } else {
+            _mm_prefetch::<_MM_HINT_T0>(at);
+        }
     }
+}
+
+/// Whether `prefetch` fills L2 rather than L1: on AMD's cores. On a Zen 4 VM (2 threads, cache-cold passes of
+/// Qwen2.5-Coder-1.5B's matrices beside the L1 build in one process; benches/RESULTS.md, forty-third session) the pass
+/// with L1's hint took 1.20-1.28x as long at T = 1 as with L2's, 0.94-1.12x at T = 8 and 16, and resident decode went
+/// from 0.91x llama.cpp to 1.04x; no software prefetch at all was no faster than L1's. Intel's cores keep L1's, with
+/// which the prefetches were measured there (`interleaved.rs`).
+fn prefetches_into_l2() -> bool {
+    static AMD: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *AMD.get_or_init(|| {
+        // Leaf 0 gives the vendor's name in ebx, edx, ecx: "Auth", "enti", "cAMD" for AMD.
+        let vendor = __cpuid(0);
+        [vendor.ebx, vendor.edx, vendor.ecx] == [0x6874_7541, 0x6974_6e65, 0x444d_4163]
+    })
 }
 
 /// Bytes to prefetch while a call computes: `per_block` bytes from `from` per weight block of the call's rows.
