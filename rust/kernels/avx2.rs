@@ -42,6 +42,8 @@ mod legacy_lanes;
 mod q6k_lanes;
 mod tiles;
 pub use interleaved::{q4_1_x8, q4_k_x8, Q4K_TILE_MIN_ROWS};
+#[cfg(test)]
+pub use q6k_lanes::force_whole_sub_sums;
 pub use q6k_lanes::{q6_k_x8, Q6K_LANES_MIN_ROWS};
 pub use tiles::{Q6K_TILE_MIN_ROWS, Q8_0_TILE_MIN_ROWS};
 
@@ -649,7 +651,7 @@ pub(super) const ROW_PREFETCH: usize = 2048;
 /// (`prefetches_into_l2`). A prefetch is a hint: it never faults or changes memory, whatever the address.
 #[target_feature(enable = "avx2,fma,f16c")]
 pub(super) fn prefetch(p: *const u8, bytes: usize) {
-    let into_l2 = prefetches_into_l2();
+    let into_l2 = is_amd();
     for line in (0..bytes).step_by(CACHE_LINE) {
         let at = p.wrapping_add(line).cast();
         if into_l2 {
@@ -665,7 +667,7 @@ pub(super) fn prefetch(p: *const u8, bytes: usize) {
 /// with L1's hint took 1.20-1.28x as long at T = 1 as with L2's, 0.94-1.12x at T = 8 and 16, and resident decode went
 /// from 0.91x llama.cpp to 1.04x; no software prefetch at all was no faster than L1's. Intel's cores keep L1's, with
 /// which the prefetches were measured there (`interleaved.rs`).
-fn prefetches_into_l2() -> bool {
+pub(super) fn is_amd() -> bool {
     static AMD: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     *AMD.get_or_init(|| {
         // Leaf 0 gives the vendor's name in ebx, edx, ecx: "Auth", "enti", "cAMD" for AMD.

@@ -910,6 +910,36 @@ mod tests {
         }
     }
 
+    /// Q6_K's lanes in AVX-512 vectors give the AVX2 kernels' bits both ways they scale a sub-block's sum: whole,
+    /// with `vpmulld` (AMD's cores), and by halves, with `vpdpwssd` (Intel's), whichever this CPU takes; on plain
+    /// rows (lanes from Q6K_LANES_MIN_ROWS activation rows) and interleaved ones, 40 rows: two pairs of groups and
+    /// a lone group.
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn q6_k_sums_whole_or_by_halves_give_the_same_bits() {
+        if !Isa::Avx512.available() {
+            return;
+        }
+        let (n, k) = (40, 512);
+        for whole in [false, true] {
+            super::super::avx2::force_whole_sub_sums(Some(whole));
+            for qtype in [QType::Q6K, QType::Q6KX8] {
+                for t in [1, 3, 4, 8, 16, MAX_T + 9] {
+                    let avx512 = run(qtype, t, n, k, Isa::Avx512, Activations8::Int8);
+                    let avx2 = run(qtype, t, n, k, Isa::Avx2, Activations8::Int8);
+                    assert!(
+                        avx512
+                            .iter()
+                            .zip(&avx2)
+                            .all(|(a, b)| a.to_bits() == b.to_bits()),
+                        "whole: {whole}, {qtype:?} t={t}"
+                    );
+                }
+            }
+        }
+        super::super::avx2::force_whole_sub_sums(None);
+    }
+
     /// Dense rows whose length is not a multiple of the SIMD kernel's 32-weight step (its 8-weight and scalar
     /// tails): AVX2 against scalar within float32 reassociation, and each row the same bits at any row count.
     #[test]

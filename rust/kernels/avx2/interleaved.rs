@@ -180,8 +180,10 @@ impl<D: IntDot> Lanes for D {
     }
 }
 
-/// Two groups of eight rows in AVX-512 vectors with AVX-512 VNNI's products (`Lanes`).
-pub(super) struct Zmm;
+/// Two groups of eight rows in AVX-512 vectors with AVX-512 VNNI's products (`Lanes`). MULLO is how Q6_K's lanes
+/// scale a sub-block's sum (`q6k_lanes`, `Q6Lanes for Zmm`): whole with `vpmulld` (true), or by halves with
+/// `vpdpwssd`; the other kernels take `Zmm<false>`.
+pub(super) struct Zmm<const MULLO: bool = false>;
 
 impl Zmm {
     /// The interleaved code word at byte `at` of each group (`bases`): the first group's rows in lanes 0-7.
@@ -200,7 +202,7 @@ impl Zmm {
     }
 }
 
-impl Lanes for Zmm {
+impl<const MULLO: bool> Lanes for Zmm<MULLO> {
     type Int = __m512i;
     type Float = __m512;
     type Out = [f32; WIDE_ROWS];

@@ -10,7 +10,8 @@
 //! over them took 1.08 of the time at T = 5 to 16: benches/RESULTS.md, thirty-fifth session.)
 //! That sum is the row kernel's exact integer I = Σ sc·Σ c·x̂ - 32·Σ sc·Σx̂ (stored codes c = q + 32): with
 //! VNNI's products (AVX-VNNI, AVX-512 VNNI) each half sub-block's products summed whole from its offset, then
-//! times its sub-scale; with AVX2's `madd` the 16-bit pair-sums of byte products times the sub-scales, then the
+//! times its sub-scale (on AMD's cores, AVX-512's lanes sum each whole sub-block, then one `vpmulld`); with AVX2's
+//! `madd` the 16-bit pair-sums of byte products times the sub-scales, then the
 //! offset against the activations' sixteen-element sums (`Q6Lanes::WHOLE_SCALES`). Its float step is the row kernel's,
 //! tot += float(I)·(d·dx), lane by lane, so each output has the row kernel's bits (`SuperBlock::SPAN_TOTALS`)
 //! whatever the number of activation rows.
@@ -59,7 +60,7 @@ struct LaneBlock<const G: usize> {
     codes: [[[u8; 32]; G]; WORDS],
     /// Sub-block s: each row's sub-scale as the lanes' products take it (`Q6Lanes::WHOLE_SCALES`): in both 16-bit
     /// halves of its lane (multipliers of `madd`), or in the low half with a zero in the high (`vpdpwssd` against a
-    /// half sub-block's sum, an i32 that fits in 16 bits).
+    /// half sub-block's sum, an i32 that fits in 16 bits; `Zmm<true>` sign-extends it to the lane for `vpmulld`).
     scales: [[[u8; 32]; G]; SUBS],
     /// Sub-block s, for the 16-bit multipliers only: -32 · each row's sub-scale in the low 16 bits of its lane, 0
     /// in the high (`madd` against the sub-block's Σx̂ as an i32).
@@ -195,7 +196,7 @@ unsafe fn wide_rows(
     }
     let block = |bi| [0, 1].map(|g| Plain::block(rows, row_bytes, g, bi));
     // SAFETY: `rows` is two whole groups; the caller runs with AVX-512 VNNI's features.
-    unsafe { decode_and_multiply::<Zmm, _, 2, 2>(a, rows, block, &WIDE_LANE, y) };
+    unsafe { wide_decode_and_multiply(a, rows, block, y) };
 }
 
 /// One or two interleaved groups of Q6_K rows (`groups`: 8 or 16 rows), two at once in AVX-512 vectors (`Zmm`), a
@@ -221,7 +222,57 @@ unsafe fn x8_wide_rows(
     }
     let block = |bi| [MixedPair::block(groups, row_bytes, 0, bi)];
     // SAFETY: `groups` is two whole groups; the caller runs with AVX-512 VNNI's features.
-    unsafe { decode_and_multiply::<Zmm, _, 2, 1>(a, groups, block, &WIDE_LANE, y) };
+    unsafe { wide_decode_and_multiply(a, groups, block, y) };
+}
+
+/// `decode_and_multiply` on two groups at once in AVX-512 vectors, each sub-block's sum times its sub-scale as
+/// `whole_sub_sums` says (`Q6Lanes for Zmm`).
+///
+/// # Safety
+/// As `decode_and_multiply`'s, with AVX-512 VNNI's features.
+#[inline(always)]
+unsafe fn wide_decode_and_multiply<B: RowBlock, const P: usize>(
+    a: &Activations,
+    rows: &[u8],
+    block: impl Fn(usize) -> [B; P],
+    y: &mut [[f32; WIDE_ROWS]; MAX_T],
+) {
+    // SAFETY (both): the caller's contract.
+    if whole_sub_sums() {
+        unsafe { decode_and_multiply::<Zmm<true>, _, 2, P>(a, rows, block, &WIDE_LANE, y) }
+    } else {
+        unsafe { decode_and_multiply::<Zmm<false>, _, 2, P>(a, rows, block, &WIDE_LANE, y) }
+    }
+}
+
+/// Whether `Zmm`'s lanes sum each sub-block whole and multiply it by its sub-scale with `vpmulld` (`Zmm<true>`), as
+/// on AMD's cores, or each half with `vpdpwssd` (`Zmm<false>`), as on Intel's (`Q6Lanes for Zmm`). Both give the
+/// same integers; tests take either (`force_whole_sub_sums`).
+fn whole_sub_sums() -> bool {
+    #[cfg(test)]
+    match FORCED_SUB_SUMS.load(std::sync::atomic::Ordering::Relaxed) {
+        1 => return false,
+        2 => return true,
+        _ => {}
+    }
+    super::is_amd()
+}
+
+/// `whole_sub_sums` for tests: 0 the CPU's choice, 1 by halves, 2 whole.
+#[cfg(test)]
+static FORCED_SUB_SUMS: std::sync::atomic::AtomicU8 = std::sync::atomic::AtomicU8::new(0);
+
+/// Makes every thread's Q6_K lanes in AVX-512 vectors sum sub-blocks whole (`Some(true)`), by halves
+/// (`Some(false)`), or as the CPU does best (`None`). Both give the same bits, so tests that run meanwhile are
+/// unaffected.
+#[cfg(test)]
+pub fn force_whole_sub_sums(whole: Option<bool>) {
+    let forced = match whole {
+        None => 0,
+        Some(false) => 1,
+        Some(true) => 2,
+    };
+    FORCED_SUB_SUMS.store(forced, std::sync::atomic::Ordering::Relaxed);
 }
 
 /// The lane kernel on a call's rows (`rows`: G groups of eight): each block bi (`block(bi)`: the G groups' blocks, in
@@ -870,7 +921,7 @@ struct WholeSub {
     scales: __m512i,
 }
 
-impl Q6Lanes for Zmm {
+impl<const MULLO: bool> Q6Lanes for Zmm<MULLO> {
     type Block = LaneBlock<2>;
     type Sub = WholeSub;
     /// Per sub-block and activation row: four `vpdpbusd`, two for each half from its -32 · Σx̂ (a broadcast
@@ -882,6 +933,12 @@ impl Q6Lanes for Zmm {
     /// times |sc| <= 128. The whole sums with `vpmulld` had taken
     /// 0.94-0.99 / 0.91-0.96 / 0.94-0.96 / 0.93-0.94 of the 16-bit multipliers' time on Qwen2.5-Coder-1.5B's Q6_K
     /// matrices at T = 1 / 4 / 8 / 16 (2 threads, cold, two runs; benches/RESULTS.md, thirty-eighth session).
+    ///
+    /// `Zmm<true>` (AMD's cores, `whole_sub_sums`) sums each sub-block whole from its -32 · Σx̂ (the halves' two
+    /// offsets added), four `vpdpbusd`, then multiplies it by its sign-extended sub-scale with one `vpmulld`:
+    /// |Σ (c - 32)·x̂| <= 16 · 32 · 127, times |sc| <= 128, fits an i32, and the span's sum is the same integer. On
+    /// Zen 4, where `vpmulld` is one operation, Qwen2.5-Coder-1.5B's Q6_K matrices took 1.04 / 1.20 / 1.26x as long
+    /// by halves at T = 1 / 8 / 16 (2 threads, cold, one process; benches/RESULTS.md, forty-third session).
     const WHOLE_SCALES: bool = true;
 
     #[inline(always)]
@@ -890,7 +947,14 @@ impl Q6Lanes for Zmm {
         unsafe {
             WholeSub {
                 words: sub_words(block, s),
-                scales: __m512i::load(block.scales[s].as_ptr().cast()),
+                scales: if MULLO {
+                    _mm512_srai_epi32(
+                        _mm512_slli_epi32(__m512i::load(block.scales[s].as_ptr().cast()), 16),
+                        16,
+                    )
+                } else {
+                    __m512i::load(block.scales[s].as_ptr().cast())
+                },
             }
         }
     }
@@ -909,6 +973,14 @@ impl Q6Lanes for Zmm {
     ) {
         // SAFETY: the caller's contract; it runs with AVX-512 F and VNNI.
         unsafe {
+            if MULLO {
+                let mut whole = _mm512_set1_epi32(*offsets + *offsets.add(1));
+                for (c, &w) in sub.words.iter().enumerate() {
+                    whole = _mm512_dpbusd_epi32(whole, w, _mm512_set1_epi32(x_word(x, c)));
+                }
+                sums[0] = _mm512_add_epi32(sums[0], _mm512_mullo_epi32(whole, sub.scales));
+                return;
+            }
             let mut halves = [
                 _mm512_set1_epi32(*offsets),
                 _mm512_set1_epi32(*offsets.add(1)),
