@@ -647,26 +647,23 @@ const CACHE_LINE: usize = 64;
 /// threads; 1024 and 4096 bytes did as well).
 pub(super) const ROW_PREFETCH: usize = 2048;
 
-/// Prefetches the cache lines of the `bytes` bytes at `p`, into L1 or, on AMD's cores, into L2
-/// (`prefetches_into_l2`). A prefetch is a hint: it never faults or changes memory, whatever the address.
+/// Prefetches the cache lines of the `bytes` bytes at `p` into L1. A prefetch is a hint: it never faults or changes
+/// memory, whatever the address.
 #[target_feature(enable = "avx2,fma,f16c")]
 pub(super) fn prefetch(p: *const u8, bytes: usize) {
-    let into_l2 = is_amd();
+    prefetch_lines::<_MM_HINT_T0>(p, bytes);
+}
+
+/// `prefetch` with `_mm_prefetch`'s hint HINT (the cache level the lines go to).
+#[target_feature(enable = "avx2,fma,f16c")]
+fn prefetch_lines<const HINT: i32>(p: *const u8, bytes: usize) {
     for line in (0..bytes).step_by(CACHE_LINE) {
-        let at = p.wrapping_add(line).cast();
-        if into_l2 {
-            _mm_prefetch::<_MM_HINT_T1>(at);
-        } else {
-            _mm_prefetch::<_MM_HINT_T0>(at);
-        }
+        _mm_prefetch::<HINT>(p.wrapping_add(line).cast());
     }
 }
 
-/// Whether `prefetch` fills L2 rather than L1: on AMD's cores. On a Zen 4 VM (2 threads, cache-cold passes of
-/// Qwen2.5-Coder-1.5B's matrices beside the L1 build in one process; benches/RESULTS.md, forty-third session) the pass
-/// with L1's hint took 1.20-1.28x as long at T = 1 as with L2's, 0.94-1.12x at T = 8 and 16, and resident decode went
-/// from 0.91x llama.cpp to 1.04x; no software prefetch at all was no faster than L1's. Intel's cores keep L1's, with
-/// which the prefetches were measured there (`interleaved.rs`).
+/// Whether this CPU is AMD's (CPUID's vendor), asked once: where a kernel's best instructions differ between AMD's
+/// cores and Intel's (`Prefetch`, `q6k_lanes`).
 pub(super) fn is_amd() -> bool {
     static AMD: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     *AMD.get_or_init(|| {
@@ -676,7 +673,13 @@ pub(super) fn is_amd() -> bool {
     })
 }
 
-/// Bytes to prefetch while a call computes: `per_block` bytes from `from` per weight block of the call's rows.
+/// Bytes to prefetch while a call computes: `per_block` bytes from `from` per weight block of the call's rows. They
+/// go to L1, or on AMD's cores to L2: on a Zen 4 VM (2 threads, cache-cold passes of Qwen2.5-Coder-1.5B's resident
+/// matrices beside the L1 build in one process; benches/RESULTS.md, forty-third session) the pass with L1's hint took
+/// 1.20-1.28x as long at T = 1 as with L2's (0.94-1.12x at T = 8 and 16), and resident decode went from 0.91x
+/// llama.cpp to 1.04x; no software prefetch at all was no faster than L1's. The row kernels' prefetches
+/// (`ROW_PREFETCH`, 2 KB ahead in the row being read) keep L1's: with L2's, the same model's plain rows took 1.22-1.30x
+/// as long at T = 1. Intel's cores keep L1's everywhere, with which the prefetches were measured there.
 #[derive(Clone, Copy)]
 pub(super) struct Prefetch {
     from: *const u8,
@@ -705,13 +708,18 @@ impl Prefetch {
     pub(super) fn part(self, bi: usize, j: usize, parts: usize) {
         let lines = self.per_block / CACHE_LINE;
         let (first, last) = (lines * j / parts, lines * (j + 1) / parts);
+        let (at, bytes) = (
+            self.from
+                .wrapping_add(bi * self.per_block + first * CACHE_LINE),
+            (last - first) * CACHE_LINE,
+        );
         // SAFETY: a prefetch is a hint (`prefetch`); every kernel set here has AVX2.
         unsafe {
-            prefetch(
-                self.from
-                    .wrapping_add(bi * self.per_block + first * CACHE_LINE),
-                (last - first) * CACHE_LINE,
-            )
+            if is_amd() {
+                prefetch_lines::<_MM_HINT_T1>(at, bytes);
+            } else {
+                prefetch_lines::<_MM_HINT_T0>(at, bytes);
+            }
         };
     }
 }
