@@ -684,6 +684,8 @@ pub(super) fn is_amd() -> bool {
 pub(super) struct Prefetch {
     from: *const u8,
     per_block: usize,
+    /// L2's hint rather than L1's (`is_amd`, asked once a call rather than once a prefetch).
+    into_l2: bool,
 }
 
 impl Prefetch {
@@ -693,6 +695,7 @@ impl Prefetch {
         Prefetch {
             from: rows.as_ptr_range().end,
             per_block: rows.len().div_ceil(blocks).next_multiple_of(CACHE_LINE),
+            into_l2: is_amd(),
         }
     }
 
@@ -715,7 +718,7 @@ impl Prefetch {
         );
         // SAFETY: a prefetch is a hint (`prefetch`); every kernel set here has AVX2.
         unsafe {
-            if is_amd() {
+            if self.into_l2 {
                 prefetch_lines::<_MM_HINT_T1>(at, bytes);
             } else {
                 prefetch_lines::<_MM_HINT_T0>(at, bytes);
