@@ -1,6 +1,7 @@
-"""CPU decode-step cost of the kernel pass: every matrix of a model once, for T activation rows, through
-`cpu_kernels.quantized_linear` with 8-bit activations (the default), with float32 activations (the reference
-path), and (synthetic model only) as `F.linear` on dequantized fp32 weights.
+"""CPU decode-step cost of the kernel pass: every matrix of a model once, for T activation rows, through the
+kernels' binding (`_core.quantized_matmul`, as `cpu_kernels.quantized_linear` calls it) with 8-bit activations (the
+default), with float32 activations (the reference path), and (synthetic model only) as `F.linear` on dequantized
+fp32 weights.
 
 Cache-cold like a real decode step: before every timed pass a 128 MB buffer is written, so no pass finds the
 weights the pass before it left in the last-level cache (a pass run right after the dense one, which evicts
@@ -11,17 +12,18 @@ default a SmolLM2-135M-shaped synthetic one (30 layers of distinct Q4_1 matrices
 fused gate+up 3072x576, down 576x1536; then the Q8_0 49152x576 head). Passes
 alternate A B C A B C; medians are reported, with each T's cost relative to T = 1 (`vs_t1`: what a speculative
 verification pass of T tokens costs against one decode step). `--isa best avx2` adds the 8-bit pass of every further
-kernel set named (`int8_avx2_ms`, and its time over the first set's, `int8_avx2_vs_int8`), alternating with the rest.
-`--layout resident` (the default) gives each pass the matrices as the engine holds them resident: Q4_1, Q4_K and
-(with AVX-512 VNNI, not AMX) Q6_K rows, a layer's or the output head's, interleaved by eight (`ops.interleave_rows`) where the
-pass's kernel set takes that layout (`_core.interleaved_kernels`), the file's rows elsewhere; `--layout file`: the
-file's rows everywhere, as streamed layers are read. `--against FILE` adds the 8-bit pass (first `--isa`) of another
-build of the Rust core: its extension file, a copy of another commit's `python/ntio/_core.abi3.so` with the same
-Python interface (kernel type ids, `quantized_matmul`), loaded beside this one in the same process
-(`int8_against_ms`; this build's time over it, `int8_vs_against`): two builds side by side without a process's noise
-between them. Each takes its own resident layout (`RESIDENT_INTERLEAVED_TYPES`; before Q6_K's, every type of
-`INTERLEAVED_TYPES`), and both must give equal outputs (Q4_K's changed at ad3f836, when it took the interleaved
-layout). `--types Q6_K ...` keeps only the matrices of those GGUF types: one type's share of the pass. Prints JSON.
+kernel set named (`int8_avx2_ms`, and its time over the first set's, `int8_avx2_vs_int8`), alternating with the
+rest. `--layout resident` (the default) gives each pass the matrices as the engine holds them resident: Q4_1, Q4_K
+and (with AVX-512 VNNI, not AMX) Q6_K rows, a layer's or the output head's, interleaved by eight
+(`ops.interleave_rows`) where the pass's kernel set takes that layout (`_core.interleaved_kernels`), the file's rows
+elsewhere; `--layout file`: the file's rows everywhere, as streamed layers are read. `--against FILE` adds the 8-bit
+pass (first `--isa`) of another build of the Rust core: its extension file, a copy of another commit's
+`python/ntio/_core.abi3.so` with the same Python interface (kernel type ids, `quantized_matmul`), loaded beside this
+one in the same process (`int8_against_ms`; this build's time over it, `int8_vs_against`): two builds side by side
+without a process's noise between them. Each takes its own resident layout (`RESIDENT_INTERLEAVED_TYPES`; before
+Q6_K's, every type of `INTERLEAVED_TYPES`), and both must give equal outputs (Q4_K's changed at ad3f836, when it
+took the interleaved layout). `--types Q6_K ...` keeps only the matrices of those GGUF types: one type's share of
+the pass. Prints JSON.
 
     python benches/cpu_kernels.py [--model NAME|PATH] [--threads 2] [--repeats 7] [--rows 1 8 16] [--isa best avx2]
                                   [--layout resident|file] [--against OTHER_CORE.so] [--types Q6_K ...]
@@ -39,6 +41,7 @@ import os
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import argparse  # noqa: E402 (after the OpenMP setting)
+import functools
 import importlib.machinery
 import importlib.util
 import json
@@ -165,15 +168,23 @@ def main() -> None:
         xs = {k: torch.randn(t, k) for k in {s[1] for _, s, _, _ in mats}}
         outs = [torch.empty(t, s[0]) for _, s, _, _ in mats]  # kernel outputs (F.linear allocates its own)
         against_outs = [torch.empty_like(out) for out in outs]
+        x_arrays = {k: x.numpy() for k, x in xs.items()}
+
+        @functools.cache
+        def arguments(core: ModuleType, resident: bool) -> list[tuple[np.ndarray, int, int, np.ndarray, np.ndarray]]:
+            """(x, kernel type id, N, raw, out) of each matrix as build `core` takes it: in its resident layout, or
+            (`--layout file`, or kernels without that layout) in the file's rows."""
+            matrices = layouts[core] if resident else plain
+            return [(x_arrays[shape[1]], int(kind), shape[0], raw.numpy(), out.numpy())
+                    for (kind, shape, raw), out in zip(matrices, against_outs if core is against else outs)]
 
         def kernel_pass(int8: bool, isa: str = args.isa[0], core: ModuleType = this) -> None:
-            matrices = layouts[core] if core.interleaved_kernels(isa, int8) else plain
-            cpu_kernels._core = core  # the module whose kernels quantized_linear calls
-            try:
-                for (qtype, shape, raw), out in zip(matrices, against_outs if core is against else outs):
-                    cpu_kernels.quantized_linear(xs[shape[1]], raw, qtype, shape, out, isa=isa, int8=int8)
-            finally:
-                cpu_kernels._core = this
+            # Straight into the binding that `cpu_kernels.fused_linear` ends in, one call per matrix: the engine's
+            # layers call the kernels from Rust (`decoder_stack`), so the wrapper's ~4 us of Python checks per
+            # matrix (~0.9 ms of SmolLM2's pass at every T, ~15% of its T = 1 pass) are no part of a pass.
+            for x, kind, n, raw, out in arguments(core, core.interleaved_kernels(isa, int8)):
+                core.quantized_matmul(x, t, x.shape[1], [(raw, kind, n, 1.0)], out, isa=isa, int8=int8, norm=None,
+                                      eps=0.0, gate=None)
 
         def dense_pass() -> None:
             for _, shape, _, w in mats:
