@@ -96,7 +96,7 @@ def _client(url: str, **kwargs) -> openai.OpenAI:
 
 def _ask(client: openai.OpenAI, question: str, **kwargs):
     return client.chat.completions.create(model=MODEL_ID, messages=[{"role": "user", "content": question}],
-                                          max_tokens=8, temperature=0, **kwargs)
+                                          **{"max_tokens": 8, "temperature": 0, **kwargs})
 
 
 def test_models_and_health(server):
@@ -170,7 +170,46 @@ def test_bad_requests_get_openai_errors(server):
     _error(httpx.post(url, content=b" " * (5 << 20)), 413)
     _error(httpx.post(f"{server}/v1/completions", json={"model": MODEL_ID, "prompt": [10**9]}), 400, "prompt")
     _error(httpx.get(f"{server}/v1/nowhere"), 404)
+    # Values that crashed the engine thread or a step's sampling before they were checked, or were ignored.
+    _error(httpx.post(url, json={**ok, "seed": 2**64}), 400, "seed")
+    _error(httpx.post(url, content=json.dumps({**ok, "temperature": float("nan")})), 400, "temperature")  # NaN
+    _error(httpx.post(url, json={**ok, "logit_bias": {"42": -100}}), 400, "logit_bias")
+    completions = f"{server}/v1/completions"
+    for name, value in (("echo", True), ("suffix", "}"), ("best_of", 2)):
+        _error(httpx.post(completions, json={"model": MODEL_ID, "prompt": "x", name: value}), 400, name)
+    # Lone surrogates: JSON's escapes can write them; json.dumps escapes them so (httpx's json= cannot encode them).
+    _error(httpx.post(completions, content=json.dumps({"model": MODEL_ID, "prompt": "\ud800"})), 400, "prompt")
+    _error(httpx.post(url, content=json.dumps({**ok, "messages": [{"role": "user", "content": "a \udfff"}]})), 400,
+           "messages")
+    _error(httpx.post(url, content=b"[" * 100_000 + b"]" * 100_000), 400)
+    long = {"model": MODEL_ID, "messages": [{"role": "user", "content": "word " * 600}]}  # over 512 tokens alone
+    assert "no room" in _error(httpx.post(url, json=long), 400, "messages")
     assert _ask(_client(server), "hi").choices  # and it still serves
+
+
+def test_tiny_temperatures_and_top_p_sample_the_greedy_token(server):
+    """A temperature below GREEDY_BELOW decodes greedily (dividing float32 logits by it overflows), and a top_p
+    that rounds to 0 keeps the likeliest token: the greedy answer, not a 500."""
+    client = _client(server)
+    kwargs = {"model": MODEL_ID, "prompt": "The capital of France is", "max_tokens": 6}
+    greedy = client.completions.create(temperature=0, **kwargs).choices[0].text
+    assert client.completions.create(temperature=1e-300, **kwargs).choices[0].text == greedy
+    assert client.completions.create(temperature=1.0, top_p=1e-300, seed=3, **kwargs).choices[0].text == greedy
+
+
+def test_a_stop_string_begun_when_the_model_ends_is_text(server, smollm2_path):
+    """When the model ends its answer (a stop token) while the text's tail could still begin a stop string, that
+    tail was held back; it is part of the answer, as `LLM.generate` gives it."""
+    q = QUESTIONS[0]
+    with ntio.load(smollm2_path, max_context=512) as m:
+        want = m.generate(q, max_new_tokens=32, chat=True, temperature=0.0)
+    assert want.finish_reason == "stop" and want.text.endswith("."), want  # the case: it ends on its own, on "."
+    for stream in (False, True):
+        r = _ask(_client(server), q, max_tokens=32, stop=[".X"], stream=stream)
+        chunks = list(r) if stream else [r]
+        text = "".join((c.choices[0].delta.content or "") if stream else c.choices[0].message.content
+                       for c in chunks if c.choices)
+        assert text == want.text
 
 
 def test_32_clients_get_their_solo_answers(server, solo):
@@ -304,6 +343,25 @@ def _assert_solo(m, events: list, ids: list[int]) -> None:
     shown = ids[:-1] if ids[-1] in m.tokenizer.stop_ids else ids  # a stop token counts but is not text
     assert text == m.tokenizer.decode(shown), text
     assert rest[1]["completion_tokens"] == len(ids)
+
+
+def test_a_request_whose_sampling_fails_fails_alone(smollm2_path):
+    """Sampling parameters that slip past the checks (set here behind SamplingParams' back): a seed torch refuses
+    fails its request at admission, a temperature that makes the probabilities NaN fails its request in the step
+    it shares with the others; the engine thread goes on, and the greedy request beside them gets its solo answer."""
+    from ntio.decoding.generation import SamplingParams
+
+    unseedable, overflowing = SamplingParams(temperature=1.0, seed=1), SamplingParams(temperature=1.0)
+    object.__setattr__(unseedable, "seed", 2**70)
+    object.__setattr__(overflowing, "temperature", 1e-300)
+    with ntio.load(smollm2_path, max_context=768) as m:
+        prompts = [m.encode_prompt(q, chat=True) for q in QUESTIONS[:3]]
+        solo = m.generate(prompts[0], max_new_tokens=24, temperature=0.0).token_ids
+        events, metrics = _scheduled(m, prompts, [SamplingParams(), unseedable, overflowing])
+    assert events[1] == [("error", events[1][0][1])] and "Overflow" in events[1][0][1], events[1]
+    assert events[2][-1][0] == "error", events[2]
+    _assert_solo(m, events[0], solo)
+    assert metrics.active == 0
 
 
 def test_the_slots_are_the_engines_cache_and_generate_after_them_recomputes(smollm2_path):

@@ -16,9 +16,17 @@ from ntio.runtime.engine import Engine
 from ntio.errors import OptionError
 
 
+# Seeds a torch generator takes: a signed or an unsigned 64-bit integer.
+SEEDS = range(-(2**63), 2**64)
+# Temperatures above 0 and below this sample as greedy decoding does (vLLM's rule): dividing float32 logits by
+# them overflows, and their distribution is the argmax's anyway.
+GREEDY_BELOW = 1e-5
+
+
 @dataclass(frozen=True)
 class SamplingParams:
-    """temperature 0 means greedy; top_k 0 and top_p 1 disable those filters; repetition_penalty 1 disables it."""
+    """temperature 0 (or below GREEDY_BELOW) means greedy; top_k 0 and top_p 1 disable those filters;
+    repetition_penalty 1 disables it; seed: an integer in SEEDS."""
 
     temperature: float = 0.0
     top_k: int = 0
@@ -27,14 +35,18 @@ class SamplingParams:
     seed: int | None = None
 
     def __post_init__(self) -> None:
-        if not self.temperature >= 0:
-            raise OptionError("temperature", f"must be >= 0, got {self.temperature}")
+        if not self.temperature >= 0 or self.temperature == float("inf"):
+            raise OptionError("temperature", f"must be finite and >= 0, got {self.temperature}")
+        if self.temperature < GREEDY_BELOW:
+            object.__setattr__(self, "temperature", 0.0)
         if self.top_k < 0:
             raise OptionError("top_k", f"must be >= 0, got {self.top_k}")
         if not 0 < self.top_p <= 1:
             raise OptionError("top_p", f"must be in (0, 1], got {self.top_p}")
-        if not self.repetition_penalty > 0:
-            raise OptionError("repetition_penalty", f"must be > 0, got {self.repetition_penalty}")
+        if not 0 < self.repetition_penalty < float("inf"):
+            raise OptionError("repetition_penalty", f"must be finite and > 0, got {self.repetition_penalty}")
+        if self.seed is not None and self.seed not in SEEDS:
+            raise OptionError("seed", f"must be in [-2^63, 2^64), got {self.seed}")
 
 
 def greedy_token(logits: torch.Tensor) -> int:
@@ -85,6 +97,7 @@ class Sampler:
             sorted_probs = sorted_logits.softmax(-1)
             # Drop a token once the mass before it already reaches top_p; the most likely token always stays.
             drop = (sorted_probs.cumsum(-1) - sorted_probs) >= p.top_p
+            drop[0] = False  # (a top_p that rounds to 0 in float32 would drop it too)
             logits = logits.scatter(0, order, sorted_logits.masked_fill(drop, float("-inf")))
         return logits
 

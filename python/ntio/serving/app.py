@@ -141,6 +141,8 @@ async def _json_body(http: HTTPRequest, max_body: int) -> Any:
         return json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise APIError(400, f"the request body is not valid JSON ({e})") from None
+    except RecursionError:
+        raise APIError(400, "the request body is not valid JSON (nested too deeply)") from None
 
 
 async def _whole(http: HTTPRequest, events: asyncio.Queue, text: list[str], cancelled: threading.Event,

@@ -6,18 +6,19 @@ What is taken: messages (roles system, developer, user, assistant; content as a 
 prompt (a string, one string in a list, or a list of token ids); max_tokens / max_completion_tokens (chat: the context
 left when absent; completions: 16, as OpenAI), temperature (0-2), top_p, seed, stop (a string or up to 4), n = 1,
 stream, stream_options.include_usage. Parameters ntio does not implement are refused when they would change the
-result (presence or frequency penalties other than 0, logprobs, tools, a response format other than text) and
-ignored otherwise (user, metadata, ...).
+result (presence or frequency penalties other than 0, logprobs, logit_bias, tools, a response format other than
+text; on completions echo, suffix and best_of other than 1) and ignored otherwise (user, metadata, ...).
 """
 
 from __future__ import annotations
 
+import math
 import time
 import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from ntio.decoding.generation import SamplingParams
+from ntio.decoding.generation import SEEDS, SamplingParams
 from ntio.errors import NtioError
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
@@ -43,14 +44,14 @@ def _number(body: dict, name: str, default: float, low: float, high: float, *, l
     value = body.get(name)
     if value is None:
         return default
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        raise _bad(name, f"must be a number, got {type(value).__name__}")
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        raise _bad(name, f"must be a finite number, got {value!r}")
     if value < low or value > high or (low_open and value == low):
         raise _bad(name, f"must be in {'(' if low_open else '['}{low}, {high}], got {value}")
     return float(value)
 
 
-def _integer(body: dict, name: str, minimum: int) -> int | None:
+def _integer(body: dict, name: str, minimum: int, maximum: int | None = None) -> int | None:
     value = body.get(name)
     if value is None:
         return None
@@ -58,6 +59,8 @@ def _integer(body: dict, name: str, minimum: int) -> int | None:
         raise _bad(name, f"must be an integer, got {type(value).__name__}")
     if value < minimum:
         raise _bad(name, f"must be at least {minimum}, got {value}")
+    if maximum is not None and value > maximum:
+        raise _bad(name, f"must be at most {maximum}, got {value}")
     return value
 
 
@@ -88,6 +91,14 @@ def _refuse_unimplemented(body: dict) -> None:
             raise _bad(name, "is not supported by this server (only 0)")
     if body.get("logprobs") not in (None, False, 0) or body.get("top_logprobs") not in (None, 0):
         raise _bad("logprobs", "is not supported by this server")
+    if body.get("logit_bias"):
+        raise _bad("logit_bias", "is not supported by this server")
+    if body.get("echo") not in (None, False):
+        raise _bad("echo", "is not supported by this server")
+    if body.get("suffix"):
+        raise _bad("suffix", "is not supported by this server")
+    if body.get("best_of") not in (None, 1):
+        raise _bad("best_of", f"must be 1 on this server, got {body.get('best_of')!r}")
     if body.get("tools"):
         raise _bad("tools", "is not supported by this server")
     fmt = body.get("response_format")
@@ -135,6 +146,10 @@ def parse(body: Any, llm, *, chat: bool, model_id: str, context: int) -> Parsed:
     if max_tokens is None:
         max_tokens = _integer(body, "max_tokens", 1)
     left = context - len(prompt_ids)
+    if left < 1:
+        raise APIError(400, f"the prompt has {len(prompt_ids)} tokens: no room to generate in the {context} tokens a "
+                            f"sequence holds on this server", param="messages" if chat else "prompt",
+                       code="context_length_exceeded")
     if max_tokens is None:
         max_tokens = max(left, 1) if chat else COMPLETIONS_DEFAULT_MAX_TOKENS
     if len(prompt_ids) + max_tokens > context:
@@ -144,7 +159,7 @@ def parse(body: Any, llm, *, chat: bool, model_id: str, context: int) -> Parsed:
     try:
         sampling = SamplingParams(temperature=_number(body, "temperature", 1.0, 0.0, 2.0),
                                   top_p=_number(body, "top_p", 1.0, 0.0, 1.0, low_open=True),
-                                  seed=_integer(body, "seed", -(2**63)))
+                                  seed=_integer(body, "seed", SEEDS.start, SEEDS.stop - 1))
     except NtioError as e:  # not reached with the checks above; keeps the shape if SamplingParams tightens
         raise APIError(400, str(e)) from None
     return Parsed(chat, prompt_ids, max_tokens, sampling, _stop(body), stream, include_usage)
@@ -179,14 +194,13 @@ def _completion_prompt(body: dict, llm) -> list[int]:
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
         prompt = prompt[0]
-    if isinstance(prompt, str):
+    if not isinstance(prompt, str) and not (isinstance(prompt, list) and prompt and all(
+            isinstance(t, int) and not isinstance(t, bool) for t in prompt)):
+        raise _bad("prompt", "must be a string, a list of one string, or a non-empty list of token ids")
+    try:
         return llm.encode_prompt(prompt)
-    if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-        try:
-            return llm.encode_prompt(prompt)
-        except NtioError as e:  # a token id outside the vocabulary
-            raise _bad("prompt", str(e)) from None
-    raise _bad("prompt", "must be a string, a list of one string, or a non-empty list of token ids")
+    except NtioError as e:  # a token id outside the vocabulary, a lone surrogate
+        raise _bad("prompt", str(e)) from None
 
 
 class Response:

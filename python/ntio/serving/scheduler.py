@@ -215,14 +215,18 @@ class Scheduler:
                     self._step()
                 except Exception as e:  # an I/O error, a bug: the step's requests fail, the server goes on
                     for slot, seq in list(self._active.items()):
-                        seq.request.emit("error", f"{type(e).__name__}: {e}")
-                        self._release(slot)
+                        self._fail(slot, seq.request, e)
 
     def _admit(self) -> None:
         """Move queued requests into free slots (caller holds the lock), each into the slot whose cache shares the
         longest prefix with its prompt."""
         while self._queue and self._free:
             request = self._queue.popleft()
+            try:
+                sampler = Sampler(request.sampling, self.engine.device)
+            except Exception as e:  # what the checks before it let through: this request fails, not the thread
+                request.emit("error", f"{type(e).__name__}: {e}")
+                continue
             prompt = request.prompt_ids
             slot = max(self._free, key=lambda s: self.slots[s].reusable_prefix(prompt, len(prompt) - 1))
             self._free.remove(slot)
@@ -234,9 +238,9 @@ class Scheduler:
             sampling = request.sampling
             drafts = (self.lookup is not None or self.draft is not None) and (sampling.temperature == 0
                                                                               or sampling.seed is None)
-            self._active[slot] = _Sequence(request, kv, Sampler(request.sampling, self.engine.device),
-                                           self.llm.tokenizer.stream(), self._stop_strings(request.stop), reuse,
-                                           list(prompt), self._acceptance_record() if drafts else None,
+            self._active[slot] = _Sequence(request, kv, sampler, self.llm.tokenizer.stream(),
+                                           self._stop_strings(request.stop), reuse, list(prompt),
+                                           self._acceptance_record() if drafts else None,
                                            self.draft_slots[slot] if self.draft is not None else None)
             self.metrics.prompt_tokens += len(prompt)
         self.metrics.active, self.metrics.queued = len(self._active), len(self._queue)
@@ -250,6 +254,10 @@ class Scheduler:
         for slot, seq in list(self._active.items()):
             if seq.request.cancelled.is_set():
                 self._release(slot)
+
+    def _fail(self, slot: int, request: Request, e: Exception) -> None:
+        request.emit("error", f"{type(e).__name__}: {e}")
+        self._release(slot)
 
     def _release(self, slot: int) -> None:
         with self._wake:
@@ -291,15 +299,17 @@ class Scheduler:
         self.pass_cost.observe(n_rows, elapsed, figures.io_wait_s, figures.io_busy_s)
         decoded = 0
         for (slot, seq, tree), out in zip(batch, logits):
-            if tree is None:  # a prompt chunk: the last one's logits give the first token
-                if not seq.prefilling:
-                    self._advance(slot, seq, seq.sampler(out, torch.tensor(seq.history)))
-                continue
-            tokens = self._settle(seq, tree, out)
-            for token in tokens:
-                decoded += 1
-                if self._advance(slot, seq, token):
-                    break
+            try:
+                if tree is None:  # a prompt chunk: the last one's logits give the first token
+                    if not seq.prefilling:
+                        self._advance(slot, seq, seq.sampler(out, torch.tensor(seq.history)))
+                    continue
+                for token in self._settle(seq, tree, out):
+                    decoded += 1
+                    if self._advance(slot, seq, token):
+                        break
+            except Exception as e:  # its sampling or its text failed (a bug): this request fails, not the others
+                self._fail(slot, seq.request, e)
         if decoding:
             self.metrics.decode_s += time.perf_counter() - started  # drafting included
             self.metrics.decoded_in_steps += decoded
@@ -518,7 +528,7 @@ class Scheduler:
         seq.history.append(token)
         seq.generated += 1
         self.metrics.generated_tokens += 1
-        finish = None
+        finish, hit = None, False
         if token in self.llm.tokenizer.stop_ids:
             finish = "stop"
         else:
@@ -529,10 +539,12 @@ class Scheduler:
                 finish = "stop"
             elif seq.generated >= request.max_tokens or len(seq.history) > seq.kv.capacity:
                 finish = "length"
-            if finish == "length":  # release what was held back: an unfinished character, a partial stop string
-                piece, _ = seq.stops.push(seq.detok.finish())
-                if rest := piece + seq.stops.flush():
-                    request.emit("text", rest)
+        if finish is not None and not hit:
+            # Release what was held back (as `LLM.generate` does): an unfinished character, a stop string that
+            # never completed.
+            piece, _ = seq.stops.push(seq.detok.finish())
+            if rest := piece + seq.stops.flush():
+                request.emit("text", rest)
         if finish is None:
             return False
         self.answer_tokens = seq.generated if self.answer_tokens is None else (

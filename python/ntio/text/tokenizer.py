@@ -370,6 +370,11 @@ class Tokenizer:
         the text, for rendered chat prompts; False reads them as plain characters, for raw text. A prompt that
         already starts with BOS (a template that writes it) gets no second one.
         """
+        try:
+            text.encode("utf-8")  # (`tokenizers` raises a TypeError on a lone surrogate: from JSON, or argv's bytes)
+        except UnicodeEncodeError as e:
+            raise NtioError(f"the text is not valid Unicode: a lone surrogate {text[e.start]!r} at character "
+                            f"{e.start}") from None
         # encode_special_tokens=True is the `tokenizers` switch for "do not match special tokens in the text". It is
         # state on the shared backend, so one Tokenizer must not encode from two threads at once.
         self._backend.encode_special_tokens = not special
