@@ -242,3 +242,70 @@ def test_fetch_verifies_and_reuses_cache(smollm2_path):
 def test_serve_refuses_an_api_key_that_cannot_travel_in_a_header(smollm2_path):
     proc = ntio("serve", "-m", str(smollm2_path), "--api-key", "clé secrète")
     assert_user_error(proc, "--api-key", "printable ASCII")
+
+
+def test_convert_refuses_to_write_over_its_input_or_a_non_file(tiny_model, tmp_path):
+    source = tmp_path / "model.gguf"
+    source.write_bytes(tiny_model.read_bytes())
+    assert_user_error(ntio("convert", str(source), "-o", str(source)), "is the input", str(source))
+    assert source.read_bytes() == tiny_model.read_bytes()
+    os.mkfifo(tmp_path / "pipe")  # (a device, ...: what a rename would replace)
+    assert_user_error(ntio("convert", str(source), "-o", str(tmp_path / "pipe")), "not a regular file")
+    assert (tmp_path / "pipe").is_fifo()
+    link = tmp_path / "link.ntio"  # a symbolic link is written through, not replaced by a file
+    link.symlink_to(tmp_path / "store.ntio")
+    assert ntio("convert", str(source), "-o", str(link)).returncode == 0
+    assert link.is_symlink() and (tmp_path / "store.ntio").read_bytes()[:4] == b"NTIO"
+
+
+@pytest.mark.parametrize("device", ["gpu", "", "cuda:x"])
+def test_a_device_torch_cannot_name_is_an_option_error(tiny_model, device):
+    proc = ntio("generate", "-m", str(tiny_model), "-p", "a", "-n", "2", "--device", device)
+    assert_user_error(proc, "--device")
+    assert proc.returncode == 2  # click's usage error, before anything loads
+
+
+def test_cuda_without_a_gpu_is_one_line(tiny_model):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is here")
+    assert_user_error(ntio("plan", str(tiny_model), "--device", "cuda"), "--device cuda", "not available")
+
+
+@pytest.mark.parametrize("variable", ["NTIO_IO_BACKEND", "NTIO_INJECT_FAULTS"])
+def test_a_bad_reader_setting_in_the_environment_is_named(tiny_model, variable):
+    proc = ntio("generate", "-m", str(tiny_model), "-p", "a", "-n", "2", "--tiers", "C", env={variable: "bogus"})
+    assert_user_error(proc, variable, "bogus")
+
+
+def test_calibrate_checks_its_output_before_it_works(tiny_model, tmp_path):
+    target = tmp_path / "missing-dir" / "heads.bin"
+    proc = ntio("calibrate", "-m", str(tiny_model), "-o", str(target))
+    assert_user_error(proc, "cannot write", str(target))
+
+
+def test_serve_on_a_port_in_use_is_one_line(smollm2_path):
+    import socket
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        proc = ntio("serve", "-m", str(smollm2_path), "--port", str(port))
+    assert_user_error(proc, f"--port {port}")
+    assert proc.returncode == 1 and "serving" not in proc.stderr
+
+
+def test_chat_goes_on_after_a_turn_over_the_context(smollm2_path):
+    proc = ntio("chat", "-m", str(smollm2_path), "-n", "4", "--ctx-size", "64",
+                stdin="word " * 80 + "\nWhat is the capital of France?\n/exit\n")
+    assert proc.returncode == 0, proc.stderr
+    assert_user_error(subprocess.CompletedProcess([], 1, proc.stdout, proc.stderr), "context", "/reset")
+    assert proc.stdout.strip()  # the second turn was answered
+
+
+def test_a_seed_torch_cannot_take_is_an_option_error(tiny_model):
+    proc = ntio("generate", "-m", str(tiny_model), "-p", "a", "--seed", str(2**64))
+    assert_user_error(proc, "--seed")
+    assert proc.returncode == 2

@@ -101,6 +101,8 @@ def _ask(client: openai.OpenAI, question: str, **kwargs):
 
 def test_models_and_health(server):
     assert [m.id for m in _client(server).models.list().data] == [MODEL_ID]
+    assert _client(server).models.retrieve(MODEL_ID).id == MODEL_ID
+    _error(httpx.get(f"{server}/v1/models/gpt-9"), 404, "model")
     assert httpx.get(f"{server}/health").json() == {"status": "ok"}
 
 

@@ -13,6 +13,7 @@ import json
 import logging
 import re
 import signal
+import socket
 import sys
 from collections import Counter
 from pathlib import Path
@@ -76,6 +77,25 @@ _MODEL_OPTIONS = ("model", "ctx_size", "kv_dtype", "threads", "device", "tiers",
                   "layer_group_size", "prefetch_depth", "sync", "io_backend", "verify", "cpu_activations")
 
 
+def _device(ctx: click.Context, param: click.Parameter, value: str) -> str:
+    """--device as torch names a device ntio computes on: cpu, cuda or cuda:N."""
+    if not re.fullmatch(r"cpu|cuda(:\d+)?", value):
+        raise click.BadParameter(f"{value!r} is not cpu, cuda or cuda:N", ctx, param)
+    return value
+
+
+def _check_device(device: str) -> None:
+    """That a CUDA --device is there (after `import torch`, which the callback above avoids)."""
+    import torch
+
+    if device.startswith("cuda"):
+        if not torch.cuda.is_available():
+            raise NtioError(f"--device {device}: CUDA is not available here")
+        index = int(device.partition(":")[2] or 0)
+        if index >= torch.cuda.device_count():
+            raise NtioError(f"--device {device}: this machine has {torch.cuda.device_count()} CUDA device(s)")
+
+
 def _plan_options(f):
     """Options that decide where a model's parts live and what memory they take: every command that loads a model
     and `plan` take them."""
@@ -98,7 +118,8 @@ def _plan_options(f):
     f = click.option("--tiers", default="auto", show_default=True,
                      help="Where layers live: auto (from budgets), A (device), B (host RAM), C (disk, read every "
                           "use), or per layer, e.g. A:0-9,C:10-29")(f)
-    f = click.option("--device", default="cpu", show_default=True, help="Compute device: cpu, cuda, cuda:1, ...")(f)
+    f = click.option("--device", default="cpu", show_default=True, callback=_device,
+                     help="Compute device: cpu, cuda, cuda:1, ...")(f)
     f = click.option("--kv-dtype", type=click.Choice(["float32", "float16", "bfloat16"]), default="float32",
                      show_default=True,
                      help="KV cache dtype: float16 or bfloat16 halve its memory (keys and values rounded to it; "
@@ -128,12 +149,9 @@ def _load(model, ctx_size, kv_dtype, threads, device, tiers, gpu_memory_budget, 
     # Before torch is imported, so that an unknown name fails at once, and before the progress bar below (a fetch
     # shows its own).
     model = resolve_model(model)
-    import torch
-
     from ntio.api import load
 
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        raise NtioError(f"--device {device}: CUDA is not available here")
+    _check_device(device)
     from rich.console import Console
     from rich.progress import Progress
 
@@ -161,11 +179,14 @@ def _split(opts: dict) -> dict:
 
 def _sampling_options(f):
     f = click.option("--stop", multiple=True, help="Stop when this text is generated (repeatable)")(f)
-    f = click.option("--seed", type=int, help="Random seed for sampling")(f)
-    f = click.option("--repetition-penalty", type=float, default=1.0, show_default=True)(f)
-    f = click.option("--top-p", type=float, default=1.0, show_default=True)(f)
-    f = click.option("--top-k", type=int, default=0, show_default=True, help="0 disables")(f)
-    f = click.option("--temperature", "-t", type=float, default=0.0, show_default=True, help="0 is greedy")(f)
+    # (checked here, before a model loads, as SamplingParams checks them)
+    f = click.option("--seed", type=click.IntRange(-(2**63), 2**64 - 1), help="Random seed for sampling")(f)
+    f = click.option("--repetition-penalty", type=click.FloatRange(0, min_open=True), default=1.0,
+                     show_default=True)(f)
+    f = click.option("--top-p", type=click.FloatRange(0, 1, min_open=True), default=1.0, show_default=True)(f)
+    f = click.option("--top-k", type=click.IntRange(min=0), default=0, show_default=True, help="0 disables")(f)
+    f = click.option("--temperature", "-t", type=click.FloatRange(min=0), default=0.0, show_default=True,
+                     help="0 is greedy (so is anything below 1e-5)")(f)
     return f
 
 
@@ -430,6 +451,7 @@ def serve(host, port, parallel, max_queue, api_key, model_id, lookup, draft, sel
         raise OptionError("api_key", "must be printable ASCII without surrounding spaces (it travels in an HTTP "
                                      "header)")
     name = model_id or Path(opts["model"] or DEFAULT_NAME).name
+    listening = _listen(host, port)  # before the model loads: a port in use fails at once
     m = _load(**_split(opts), draft=draft, self_draft=self_draft, exit_layer=exit_layer)
     slot_context = m.engine.kv.capacity // parallel
     if slot_context < 16:
@@ -438,12 +460,25 @@ def serve(host, port, parallel, max_queue, api_key, model_id, lookup, draft, sel
     scheduler = Scheduler(m, parallel, max_queue, slot_context, PromptLookup() if lookup else None, draft_tokens,
                           fixed_draft, branches)
     app = create_app(m, scheduler, name, api_key)
+    port = listening.getsockname()[1]  # (the one the system chose for --port 0)
     click.echo(f"ntio: serving {name} on http://{host}:{port}/v1 ({parallel} requests at once, {slot_context} "
                f"tokens each)", err=True)
     # uvicorn shuts down gracefully on SIGTERM (in-flight requests finish), then raises the signal again for the
     # handler it found: with this one, a finished shutdown exits 0.
     signal.signal(signal.SIGTERM, lambda *_: None)
-    uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning")).run()
+    uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning")).run(sockets=[listening])
+
+
+def _listen(host: str, port: int) -> socket.socket:
+    """A socket bound to host:port for the server, or one line naming the options at fault."""
+    try:
+        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds: past a closed server's TIME_WAIT
+        sock.bind((host, port))
+    except OSError as e:
+        raise NtioError(f"--host {host} --port {port}: cannot listen there: {e.strerror or e}") from None
+    return sock
 
 
 @main.command()
@@ -472,11 +507,18 @@ def chat(system, max_new_tokens, temperature, top_k, top_p, repetition_penalty, 
         if not user.strip():
             continue
         messages.append({"role": "user", "content": user})
-        stream = m.stream(m.encode_messages(messages), max_new_tokens, temperature=temperature, top_k=top_k,
-                          top_p=top_p, repetition_penalty=repetition_penalty, seed=seed, stop=stop, lookup=lookup,
-                          draft_tokens=draft_tokens, adaptive_draft=not fixed_draft, branches=branches)
-        for piece in stream:
-            click.echo(piece, nl=False)
+        prompt = m.encode_messages(messages)  # (a model without a chat template ends the session here)
+        try:
+            stream = m.stream(prompt, max_new_tokens, temperature=temperature, top_k=top_k,
+                              top_p=top_p, repetition_penalty=repetition_penalty, seed=seed, stop=stop,
+                              lookup=lookup, draft_tokens=draft_tokens, adaptive_draft=not fixed_draft,
+                              branches=branches)
+            for piece in stream:
+                click.echo(piece, nl=False)
+        except NtioError as e:  # this turn (the conversation over the context): the session goes on without it
+            messages.pop()
+            click.echo(f"ntio: error: {_user_message(e)} (/reset starts the conversation again)", err=True)
+            continue
         click.echo()
         messages.append({"role": "assistant", "content": stream.completion.text})
 
@@ -517,6 +559,7 @@ def calibrate(corpus, prompts, answer_tokens, output, layers, skip_after, tokens
     from rich.console import Console
     from rich.progress import Progress
 
+    from ntio.files import writable
     from ntio.policies.depth_profile import DepthProfile, calibrate_depth, check_calibration
     from ntio.policies.layer_skip import SkipSetting
     from ntio.text.answers import ANSWER_SLOTS, PROMPT_ROOM, PROMPTS, model_answers
@@ -524,6 +567,7 @@ def calibrate(corpus, prompts, answer_tokens, output, layers, skip_after, tokens
     if corpus is not None and (prompts is not None or answer_tokens is not None):
         raise OptionError("prompts" if prompts is not None else "answer_tokens",
                           "makes the model answer prompts, which --corpus replaces: give one of them")
+    writable(output)  # before minutes of work
     text = questions = None
     if corpus is not None:
         text = _read_utf8(corpus)
@@ -753,6 +797,7 @@ def plan(model, ctx_size, ram_budget, gpu_memory_budget, tiers, device, kv_dtype
 
     g = open_model_file(resolve_model(model))
     cfg = ModelConfig.from_gguf(g)
+    _check_device(device)
     cuda = device.startswith("cuda")
     kernels = KernelChoice.from_env(cpu_activations)
     beside = None if draft is None else draft_plan(resolve_model(draft), cuda=cuda, kv_dtype=KV_DTYPES[kv_dtype],
@@ -846,7 +891,7 @@ def fetch(name, list_models) -> None:
 @main.command()
 @click.argument("preset", type=click.Choice(["tiny", "1b", "8b", "70b"]))
 @click.option("-o", "--output", required=True, type=click.Path(dir_okay=False, path_type=Path))
-@click.option("--layers", type=click.IntRange(min=1), help="Keep only this many layers (e.g. a few 70B-shaped ones)")
+@click.option("--layers", type=click.IntRange(min=1), help="Layers (default: the preset's; e.g. a few 70B-shaped ones)")
 @click.option("--type", "matrix_type", type=click.Choice(["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K",
                                                           "TQ1_0", "TQ2_0", "F16", "BF16"]), default="Q4_K",
               show_default=True, help="Type of the block matrices (TQ1_0/TQ2_0: a BitNet b1.58 file)")

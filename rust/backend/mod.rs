@@ -61,7 +61,9 @@ impl Backend {
     /// The backend named by `NTIO_IO_BACKEND`, if set and not empty.
     pub fn from_env() -> Result<Option<Self>> {
         match std::env::var(BACKEND_ENV) {
-            Ok(name) if !name.is_empty() => Self::parse(&name).map(Some),
+            Ok(name) if !name.is_empty() => Self::parse(&name)
+                .map(Some)
+                .map_err(|e| Error::InvalidArgument(format!("{BACKEND_ENV}: {e}"))),
             _ => Ok(None),
         }
     }

@@ -29,8 +29,8 @@ import numpy as np
 import torch
 
 from ntio import _core
-from ntio.errors import ModelFormatError
-from ntio.files import replacing
+from ntio.errors import ModelFormatError, NtioError
+from ntio.files import replacing, writable
 from ntio.formats.checkpoint import Checkpoint, is_checkpoint
 from ntio.formats.gguf_file import GGUFFile, ModelFileBase, TensorInfo
 from ntio.kernels import quant
@@ -238,7 +238,10 @@ def convert(source: str | os.PathLike[str], target: str | os.PathLike[str], prog
     interrupted or failed conversion leaves no partial file behind.
     """
     g = Checkpoint(source) if is_checkpoint(Path(source)) else GGUFFile(source)
-    target = Path(target)
+    target = writable(Path(target))
+    inputs = sorted(Path(source).iterdir()) if Path(source).is_dir() else [Path(source)]
+    if target.exists() and any(f.is_file() and os.path.samefile(f, target) for f in inputs):
+        raise NtioError(f"cannot write {target}: it is the input {source}: name another output")
     types = {t.name: _target_type(t, matrix_type) for t in g.tensors.values()}
     sizes = {t.name: quant.encoded_nbytes(types[t.name], t.shape) if types[t.name] != t.qtype else t.nbytes
              for t in g.tensors.values()}

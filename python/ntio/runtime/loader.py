@@ -212,6 +212,8 @@ class LayerLoader:
             self.reader = _core.Reader(layout.file.files, backend=backend)
         except OSError as e:
             raise read_error(e) from None
+        except ValueError as e:  # what NTIO_IO_BACKEND or NTIO_INJECT_FAULTS names, which the message says
+            raise NtioError(str(e)) from None
         self._reads = [_plan_layer(layout, i, verify) for i in range(cfg.n_layers)]
         # A "down_later", "up_later" or "ffn_later" layer's FFN groups land in the scratch of its layer's parity, so a
         # layer's groups can be read ahead while the layer before multiplies its own (grown to the most a read asks).

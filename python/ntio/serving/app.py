@@ -1,7 +1,7 @@
 """The HTTP side of `ntio serve`: an OpenAI-compatible API (FastAPI, run by uvicorn) over the scheduler.
 
-Endpoints: GET /v1/models, POST /v1/chat/completions and /v1/completions (streamed as server-sent events ending in
-`data: [DONE]`, or whole), GET /health, GET /metrics (Prometheus text). Every error is OpenAI's shape with a one-line
+Endpoints: GET /v1/models and /v1/models/ID, POST /v1/chat/completions and /v1/completions (streamed as server-sent
+events ending in `data: [DONE]`, or whole), GET /health, GET /metrics (Prometheus text). Every error is OpenAI's shape with a one-line
 message: 400 (bad JSON, a parameter of the wrong type or out of range, prompt + max_tokens beyond the context), 401
 (with --api-key: a missing or wrong bearer token), 404 (an unknown model or route), 413 (a body over the limit), 429
 (`parallel` requests active and `max_queue` waiting). A client that disconnects frees its slot at the next step.
@@ -65,9 +65,18 @@ def create_app(llm, scheduler: Scheduler, model_id: str, api_key: str | None = N
     async def metrics() -> PlainTextResponse:
         return PlainTextResponse(_prometheus(scheduler), media_type="text/plain; version=0.0.4")
 
+    card = {"id": model_id, "object": "model", "created": 0, "owned_by": "ntio"}
+
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
-        return {"object": "list", "data": [{"id": model_id, "object": "model", "created": 0, "owned_by": "ntio"}]}
+        return {"object": "list", "data": [card]}
+
+    @app.get("/v1/models/{name:path}")
+    async def model(name: str) -> HTTPResponse:
+        if name != model_id:
+            return _error(APIError(404, f"The model '{name}' does not exist (this server serves '{model_id}')",
+                                   param="model", code="model_not_found"))
+        return JSONResponse(card)
 
     async def complete(http: HTTPRequest, chat: bool) -> HTTPResponse:
         try:
