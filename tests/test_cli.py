@@ -309,3 +309,24 @@ def test_a_seed_torch_cannot_take_is_an_option_error(tiny_model):
     proc = ntio("generate", "-m", str(tiny_model), "-p", "a", "--seed", str(2**64))
     assert_user_error(proc, "--seed")
     assert proc.returncode == 2
+
+
+@pytest.mark.parametrize("args, flag", [
+    (("generate", "-p", "a", "--system", "be brief"), "--system"),
+    (("generate", "-p", "a", "--exit-layer", "1"), "--exit-layer"),
+    (("plan", "--gpu-memory-budget", "abc"), "--gpu-memory-budget"),
+])
+def test_an_option_that_would_be_ignored_is_an_error(tiny_model, args, flag):
+    command, *rest = args
+    model = [str(tiny_model)] if command == "plan" else ["-m", str(tiny_model)]
+    assert_user_error(ntio(command, *model, *rest), flag)
+
+
+def test_fetch_of_an_empty_name_is_not_the_default():
+    assert_user_error(ntio("fetch", ""), "unknown model ''")
+
+
+def test_more_threads_than_cpus_gets_a_note(tiny_model):
+    cpus = len(os.sched_getaffinity(0))
+    proc = ntio("generate", "-m", str(tiny_model), "-p", "a", "-n", "2", "--threads", str(cpus + 1))
+    assert proc.returncode == 0 and "ntio: note: threads" in proc.stderr, proc.stderr

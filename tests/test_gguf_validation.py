@@ -369,3 +369,18 @@ def test_info_on_a_bad_hyper_parameter_is_one_line(pieces, tmp_path):
         proc = ntio("info", str(bad))
         assert proc.returncode == 1
         assert_user_error(proc, str(bad), f"metadata key '{key}' must be a positive integer, got 0")
+
+
+@pytest.mark.parametrize("tensor, tiers", [("output_norm.weight", "A"), ("blk.1.attn_norm.weight", "C"),
+                                           ("blk.0.ffn_norm.weight", "A")])
+def test_a_norm_that_is_not_finite_is_named(tiny_model, tmp_path, tensor, tiers):  # noqa: F811 (the fixture)
+    """A NaN or inf in a norm vector (gguf-py finds its bytes): one line naming the tensor and the element, whether
+    the layer is resident or streamed. Unchecked, the 8-bit activations turned the NaN into 0s: logits of 0."""
+    bad = tmp_path / "nan-norm.gguf"
+    bad.write_bytes(tiny_model.read_bytes())
+    info = next(t for t in gguf.GGUFReader(tiny_model).tensors if t.name == tensor)
+    with open(bad, "r+b") as f:
+        f.seek(info.data_offset + 4 * 5)
+        f.write(np.float32(np.nan if tiers == "A" else np.inf).tobytes())
+    proc = ntio("generate", "-m", str(bad), "-p", "a", "-n", "2", "--tiers", tiers)
+    assert_user_error(proc, str(bad), repr(tensor), "element 5")

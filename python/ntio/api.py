@@ -122,6 +122,13 @@ class LLM:
                                        verify=verify, cpu_activations=cpu_activations)
         if kv_dtype not in KV_DTYPES:
             raise OptionError("kv_dtype", f"must be one of {', '.join(KV_DTYPES)}, got {kv_dtype!r}")
+        if draft is not None and self_draft is not None:
+            raise OptionError("self_draft", "and draft are two draft models: give one")
+        if exit_layer is not None and self_draft is None:
+            raise OptionError("exit_layer", "picks an exit head of self_draft's calibration file: give one")
+        if threads is not None and threads > (cpus := len(os.sched_getaffinity(0))):
+            _log.warning(f"threads {threads} is more than the {cpus} CPUs this process may run on: the kernels' "
+                         f"threads will wait on each other")
         self.path = Path(path)
         self.file = open_model_file(self.path)
         self.config = ModelConfig.from_gguf(self.file)
@@ -131,8 +138,12 @@ class LLM:
         layout = WeightLayout(self.file, self.config)
         self.device = torch.device(device)
         cuda = self.device.type == "cuda"
-        # A draft model is planned first, wholly resident with a KV cache as long as the target's, and its bytes
-        # come out of the target's budget.
+        # A draft model (of this model's vocabulary: checked first, its tokens must mean the same text) is planned
+        # first, wholly resident with a KV cache as long as the target's, and its bytes come out of the target's
+        # budget.
+        if draft is not None and not self.tokenizer.serves(open_model_file(resolve_model(draft))):
+            raise NtioError(f"draft model {resolve_model(draft)} has a different vocabulary from {self.path}: its "
+                            f"tokens would mean other text (use a draft of the same model family)")
         self.draft_memory = None if draft is None else draft_plan(
             resolve_model(draft), cuda=cuda, kv_dtype=KV_DTYPES[kv_dtype],
             capacity=max_context or min(self.config.context_length, DEFAULT_CONTEXT), kernels=kernels)
@@ -156,8 +167,6 @@ class LLM:
         kv = KVCache(self.config, capacity, KV_DTYPES[kv_dtype], self.device)
         self.engine = Engine(self.config, globals_, self.loader, kv, threads=threads,
                              prefill_chunk=self.memory.prefill_chunk, kernels=kernels)
-        if draft is not None and self_draft is not None:
-            raise OptionError("self_draft", "and draft are two draft models: give one")
         self.draft: LLM | None = None
         self.self_draft = self._load_self_draft(self_draft, exit_layer) if self_draft is not None else None
         # What passes cost and drafts earn, learnt across generations.
@@ -165,10 +174,6 @@ class LLM:
         if draft is not None:
             slice_ = {"gpu_memory_budget" if cuda else "ram_budget": reserved}
             self.draft = self.companion(draft, max_context=capacity, tiers="A", **slice_)
-            if self.draft.tokenizer is not self.tokenizer:
-                self.draft.close()
-                raise NtioError(f"draft model {self.draft.path} has a different vocabulary from {self.path}: its "
-                                f"tokens would mean other text (use a draft of the same model family)")
 
     def companion(self, model: str | os.PathLike[str], **options) -> LLM:
         """A second model that runs beside this one, e.g. a resident draft for speculative decoding.
@@ -407,8 +412,11 @@ def draft_plan(path: Path, *, cuda: bool, kv_dtype: torch.dtype, capacity: int,
     """A draft model's memory beside its target: wholly resident, with a KV cache of the target's `capacity`, running
     the target's CPU `kernels`."""
     g = open_model_file(path)
-    return resident_plan(WeightLayout(g, ModelConfig.from_gguf(g)), cuda=cuda, kv_dtype=kv_dtype, capacity=capacity,
-                         kernels=kernels)
+    cfg = ModelConfig.from_gguf(g)
+    if capacity > cfg.context_length:
+        raise OptionError("max_context", f"{capacity} (the context) is more than the {cfg.context_length} tokens of "
+                                         f"draft model {path}: give max_context {cfg.context_length} or less")
+    return resident_plan(WeightLayout(g, cfg), cuda=cuda, kv_dtype=kv_dtype, capacity=capacity, kernels=kernels)
 
 
 def load(model: str | os.PathLike[str] | None = None, **options) -> LLM:

@@ -35,7 +35,7 @@ MODEL_ARG = click.Path()
 # (an environment variable keeps its name; a flag's "on" is its name alone).
 _FLAGS = {"max_context": "--ctx-size", "NTIO_CPU_KERNELS": "NTIO_CPU_KERNELS", "sync=True": "--sync"}
 # Library parameters that an error's text may advise changing.
-_ADVISED = ("max_context", "gpu_memory_budget", "ram_budget", "kv_dtype", "sync=True")
+_ADVISED = ("max_context", "gpu_memory_budget", "ram_budget", "kv_dtype", "sync=True", "self_draft")
 
 
 def _flag(name: str) -> str:
@@ -363,6 +363,8 @@ def generate(prompt, max_new_tokens, chat, system, temperature, top_k, top_p, re
     """Generate a continuation of PROMPT."""
     if keep is not None and sparse_ffn is None:
         raise OptionError("keep", "needs --sparse-ffn")
+    if system is not None and not chat:
+        raise OptionError("system", "needs --chat (a system message is part of the chat template)")
     drafts = _drafts(opts)
     m = _load(**_split(opts), **drafts)
     sparse = _sparse_policy(m, sparse_ffn, keep, ffn_predictors, opts, need_layout=True)
@@ -885,7 +887,7 @@ def fetch(name, list_models) -> None:
             where = f"cached at {models.model_path(m)}" if models.is_cached(m) else "not cached"
             click.echo(f"{m.name:20} {m.size / 1e6:7,.0f} MB  {m.description:46} {where}")
         return
-    click.echo(str(models.fetch_model(name or models.DEFAULT_NAME)))
+    click.echo(str(models.fetch_model(models.DEFAULT_NAME if name is None else name)))
 
 
 @main.command()

@@ -72,23 +72,32 @@ class WeightLayout:
     def block_nbytes(self, layer: int) -> int:
         return sum(info.nbytes for info in self.blocks[layer].values())
 
-    def check_scales(self, info: TensorInfo, raw: RawTensor) -> None:
+    def check_values(self, info: TensorInfo, raw: RawTensor) -> None:
         """A ModelFormatError naming file, tensor and offset if `info` (its encoded bytes `raw`, on any device) is a
-        ternary tensor with a block whose scale is inf or NaN (quant.check_scales), or a per-tensor weight scale
-        that is not a finite number; nothing for other tensors. Each tensor is checked once, when its bytes are
-        first in memory (a store's bytes are also covered by its checksums from then on)."""
+        ternary tensor with a block whose scale is inf or NaN (quant.check_scales), a per-tensor weight scale that
+        is not a finite number, or a vector (a norm, a bias: a few KB) with an element that is not; nothing for
+        other tensors. Each tensor is checked once, when its bytes are first in memory (a store's bytes are also
+        covered by its checksums from then on). A NaN in a norm would otherwise pass the 8-bit activations as 0s
+        (their scale skips it) and give logits of 0, not an error."""
         where = f"{self.file.path}: tensor {info.name!r}"
         if info.name.endswith(".scale"):
             value = float(quant.dequantize(raw, info.qtype, info.shape)[0])
             if not math.isfinite(value):
                 raise ModelFormatError(f"{where} (file offset {info.offset}): the weight scale is {value}")
             return
+        if len(info.shape) == 1:
+            values = quant.dequantize(raw, info.qtype, info.shape)
+            bad = (~torch.isfinite(values)).nonzero()
+            if bad.numel():
+                i = int(bad[0])
+                raise ModelFormatError(f"{where} (file offset {info.offset}): element {i} is {float(values[i])}")
+            return
         quant.check_scales(raw, info.qtype, where, info.offset)
 
     def check_block(self, layer: int, raw: Callable[[str], RawTensor]) -> None:
-        """`check_scales` on every tensor of block `layer`; raw(part) gives a tensor's bytes."""
+        """`check_values` on every tensor of block `layer`; raw(part) gives a tensor's bytes."""
         for part, info in self.blocks[layer].items():
-            self.check_scales(info, raw(part))
+            self.check_values(info, raw(part))
 
 
 @dataclass(frozen=True)
@@ -161,11 +170,13 @@ def load_global_weights(
 
     def matrix(info: TensorInfo) -> EncodedMatrix:
         raw = read(info)
-        layout.check_scales(info, raw)
+        layout.check_values(info, raw)
         return EncodedMatrix(raw.to(device), info.qtype, info.shape)
 
     def decoded(info: TensorInfo) -> torch.Tensor:
-        return quant.dequantize(read(info).to(device), info.qtype, info.shape)
+        raw = read(info)
+        layout.check_values(info, raw)
+        return quant.dequantize(raw.to(device), info.qtype, info.shape)
 
     tied = layout.output is None
     if tied and (token_embd is None) != head_resident:

@@ -127,10 +127,11 @@ def budgets(*, cuda: bool, gpu_memory_budget: str | int | None = None, ram_budge
         room = ram_room()
         ram, source = room.default_budget, room.source
         tight, roomy = room.tight_budget(), room.tight_budget(room.library_room)
-    if not cuda:
+    device = None if gpu_memory_budget is None else parse_size(gpu_memory_budget, "gpu_memory_budget")
+    if not cuda:  # (a device budget is checked all the same: a typo is an error, not ignored)
         return Budgets(ram, ram, source, tight, roomy)
-    if gpu_memory_budget is not None:
-        return Budgets(parse_size(gpu_memory_budget, "gpu_memory_budget"), ram, source)
+    if device is not None:
+        return Budgets(device, ram, source)
     return Budgets(int(0.9 * torch.cuda.mem_get_info()[0]), ram, source)
 
 

@@ -1,12 +1,12 @@
 """The HTTP side of `ntio serve`: an OpenAI-compatible API (FastAPI, run by uvicorn) over the scheduler.
 
 Endpoints: GET /v1/models and /v1/models/ID, POST /v1/chat/completions and /v1/completions (streamed as server-sent
-events ending in `data: [DONE]`, or whole), GET /health, GET /metrics (Prometheus text). Every error is OpenAI's shape with a one-line
-message: 400 (bad JSON, a parameter of the wrong type or out of range, prompt + max_tokens beyond the context), 401
-(with --api-key: a missing or wrong bearer token), 404 (an unknown model or route), 413 (a body over the limit), 429
-(`parallel` requests active and `max_queue` waiting). A client that disconnects frees its slot at the next step.
-SIGTERM (uvicorn's graceful shutdown) stops taking connections, lets the requests in flight finish, then stops the
-engine thread; the process exits 0.
+events ending in `data: [DONE]`, or whole), GET /health, GET /metrics (Prometheus text). Every error is OpenAI's
+shape with a one-line message: 400 (bad JSON, a parameter of the wrong type or out of range, prompt + max_tokens
+beyond the context), 401 (with --api-key: a missing or wrong bearer token), 404 (an unknown model or route), 413 (a
+body over the limit), 429 (`parallel` requests active and `max_queue` waiting). A client that disconnects frees its
+slot at the next step. SIGTERM (uvicorn's graceful shutdown) stops taking connections, lets the requests in flight
+finish, then stops the engine thread; the process exits 0.
 """
 
 from __future__ import annotations
