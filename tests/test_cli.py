@@ -330,3 +330,8 @@ def test_more_threads_than_cpus_gets_a_note(tiny_model):
     cpus = len(os.sched_getaffinity(0))
     proc = ntio("generate", "-m", str(tiny_model), "-p", "a", "-n", "2", "--threads", str(cpus + 1))
     assert proc.returncode == 0 and "ntio: note: threads" in proc.stderr, proc.stderr
+
+
+def test_a_model_that_is_a_pipe_is_refused_not_waited_on(tmp_path):
+    os.mkfifo(tmp_path / "model.gguf")
+    assert_user_error(ntio("info", str(tmp_path / "model.gguf")), "not a regular file")

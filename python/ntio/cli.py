@@ -863,7 +863,7 @@ def convert(model, output, matrix_type, layout) -> None:
     # A checkpoint directory's name keeps its dots (qwen2.5-coder-1.5b/ -> qwen2.5-coder-1.5b.ntio).
     output = output or (model.with_name(model.name + STORE_SUFFIX) if model.is_dir() else model.with_suffix(STORE_SUFFIX))
     columns = ("{task.description}", BarColumn(), DownloadColumn(), TransferSpeedColumn(), TimeRemainingColumn())
-    with Progress(*columns, console=Console(stderr=True), transient=True) as bar:
+    with Progress(*columns, console=Console(stderr=True), transient=True, disable=not sys.stderr.isatty()) as bar:
         task = bar.add_task(f"converting {model.name}", total=None)
         convert_to_store(model, output, progress=lambda done, total: bar.update(task, completed=done, total=total),
                          matrix_type=MATRIX_TYPES[matrix_type] if matrix_type else None, layout=layout)

@@ -135,12 +135,14 @@ def fetch_default_model() -> Path:
 
 def resolve_model(model: str | os.PathLike[str] | None) -> Path:
     """The model file a command should use: the default model when None, else an existing file or checkpoint
-    directory (a path wins over a name), else a model name (fetched on first use). Anything with a directory part is a path: the loader says if
-    it is missing."""
+    directory (a path wins over a name), else a model name (fetched on first use). Anything with a directory part is a
+    path: the loader says if it is missing."""
     if model is None:
         return fetch_model(DEFAULT_NAME)
     text = os.fspath(model)
     path = Path(text)
+    if path.exists() and not (path.is_file() or path.is_dir()):
+        raise NtioError(f"{path}: not a regular file (a model is read at offsets, not streamed from a pipe)")
     if path.exists() or os.sep in text or (os.altsep and os.altsep in text):
         return path
     if text in MODELS:
