@@ -325,7 +325,7 @@ def test_a_tight_budget_leaves_the_libraries_more_where_the_context_can_shrink_i
     assert auto.notice.startswith("memory is tight") and f"the context is {2 * ROOMY_CONTEXT} tokens" in auto.notice
     # A prompt longer than that context is refused, naming the budget as what set it and how to ask for more.
     with ntio.load(smollm2_path, kv_dtype="float32") as m, pytest.raises(
-            ntio.ContextOverflowError, match=rf"^the prompt has {2 * ROOMY_CONTEXT} tokens but the context holds "
+            ntio.ContextOverflowError, match=rf"^the prompt has {2 * ROOMY_CONTEXT} tokens and the context holds "
                                              rf"{2 * ROOMY_CONTEXT}, all the memory budget fits; max_context \(--ctx"):
         m.generate([1] * (2 * ROOMY_CONTEXT), max_new_tokens=1)
     asked = plan(max_context=4 * ROOMY_CONTEXT)  # LIBRARY_ROOM - LIBRARY_FLOOR more, enough for it

@@ -125,8 +125,12 @@ def test_default_read_ahead_keeps_bytes_in_flight(smollm2_path):
     m = ntio.load(smollm2_path, max_context=64, tiers="C", layer_group_size=6)
     assert m.loader.prefetch_depth == 2  # 13.3 MB groups
     m.close()
-    with pytest.raises(NtioError, match="^prefetch_depth must be >= 1"):
-        ntio.load(smollm2_path, max_context=64, tiers="C", prefetch_depth=0)
+    for depth in (0, 32):  # 30 layers and the head: 31 groups
+        with pytest.raises(NtioError, match=rf"^prefetch_depth must be in 1\.\.31 \(the groups of a pass\), got "
+                                            rf"{depth}"):
+            ntio.load(smollm2_path, max_context=64, tiers="C", prefetch_depth=depth)
+    with pytest.raises(NtioError, match="^prefetch_depth reads ahead, which sync=True turns off"):
+        ntio.load(smollm2_path, max_context=64, tiers="C", prefetch_depth=2, sync=True)
 
 
 def test_a_drafter_reads_ahead_through_its_drafting_where_the_tiers_are_given(smollm2_path):
@@ -287,7 +291,8 @@ def test_tier_spec_and_sizes():
     assert parse_tier_spec("c", 3) == ["C", "C", "C"]
     assert parse_tier_spec("AACB", 4) == ["A", "A", "C", "B"]
     assert parse_tier_spec("A:0-1,C:2-3", 4) == ["A", "A", "C", "C"]
-    for bad, message in (("A:0-1", "layer 2"), ("AAC", "3 letters"), ("A:0-9", "outside"), ("X", "cannot read")):
+    for bad, message in (("A:0-1", "layer 2"), ("AAC", "3 letters"), ("A:0-9", "outside"), ("X", "cannot read"),
+                         ("A:0-2,C:2-3", "layer 2 is given a tier twice"), ("A:1-0,C:2-3", "run backwards")):
         with pytest.raises(NtioError, match=message):
             parse_tier_spec(bad, 4)
     assert parse_size("64MB", "--x") == 64_000_000 and parse_size("4GiB", "--x") == 4 << 30

@@ -294,8 +294,8 @@ class LLM:
             fitted = (", all the memory budget fits; max_context (--ctx-size) asks for a longer one, which may decode "
                       "slower once it fills" if self.memory.context_fitted else "")
             raise ContextOverflowError(
-                f"the prompt has {len(prompt_ids)} tokens but the context holds {self.engine.kv.capacity}{fitted} "
-                f"(model context_length {self.config.context_length})"
+                f"the prompt has {len(prompt_ids)} tokens and the context holds {self.engine.kv.capacity}{fitted}: "
+                f"generating takes at least {len(prompt_ids) + 1} (model context_length {self.config.context_length})"
             )
         return TokenStream(self._generate(prompt_ids, max_new_tokens, Sampler(params, self.device), tuple(stop),
                                           drafters, draft_tokens))

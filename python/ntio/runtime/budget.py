@@ -276,8 +276,12 @@ def plan_memory(layout: WeightLayout, *, cuda: bool, kv_dtype: torch.dtype, max_
                           f"{max_context} is outside 1..{cfg.context_length}, the model's context length")
     if group_size < 1:
         raise OptionError("layer_group_size", f"must be >= 1, got {group_size}")
-    if prefetch_depth is not None and prefetch_depth < 1:
-        raise OptionError("prefetch_depth", f"must be >= 1, got {prefetch_depth}")
+    if prefetch_depth is not None:
+        groups = -(-cfg.n_layers // group_size) + 1  # a pass's layer groups and the head: all that can be ahead
+        if not 1 <= prefetch_depth <= groups:
+            raise OptionError("prefetch_depth", f"must be in 1..{groups} (the groups of a pass), got {prefetch_depth}")
+        if sync:
+            raise OptionError("prefetch_depth", "reads ahead, which sync=True turns off: give one of them")
     budget = budgets(cuda=cuda, gpu_memory_budget=gpu_memory_budget, ram_budget=ram_budget)
     if reserved:
         budget = less_reserved(budget, reserved, cuda)

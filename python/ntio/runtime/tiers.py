@@ -59,9 +59,13 @@ def parse_tier_spec(spec: str, n_layers: int) -> list[str] | None:
         if not m:
             raise OptionError("tiers", f"{text!r}: cannot read {part.strip()!r} (expected e.g. A:0-9,C:10-{n_layers - 1})")
         first, last = int(m.group(2)), int(m.group(3) or m.group(2))
+        if first > last:
+            raise OptionError("tiers", f"{text!r}: layers {first}-{last} run backwards (write {last}-{first})")
         if not 0 <= first <= last < n_layers:
             raise OptionError("tiers", f"{text!r}: layers {first}-{last} are outside 0-{n_layers - 1}")
         for layer in range(first, last + 1):
+            if tiers[layer] is not None:
+                raise OptionError("tiers", f"{text!r}: layer {layer} is given a tier twice")
             tiers[layer] = m.group(1)
     missing = [i for i, t in enumerate(tiers) if t is None]
     if missing:
