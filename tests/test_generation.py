@@ -62,7 +62,10 @@ def test_greedy_ignores_seed_and_top_filters_keep_the_argmax():
 
 
 @pytest.mark.parametrize("option,kwargs", [("temperature", {"temperature": -1}), ("top_k", {"top_k": -2}),
-                                           ("top_p", {"top_p": 1.5}), ("repetition_penalty", {"repetition_penalty": 0})])
+                                           ("top_p", {"top_p": 1.5}), ("repetition_penalty", {"repetition_penalty": 0}),
+                                           ("temperature", {"temperature": "0.5"}), ("top_k", {"top_k": 2.5}),
+                                           ("top_p", {"top_p": None}), ("seed", {"seed": 2.0}),
+                                           ("seed", {"seed": 2**64})])
 def test_bad_sampling_values_name_the_parameter(option, kwargs):
     """The library names its parameter (the CLI maps it to the flag: tests/test_cli.py)."""
     with pytest.raises(OptionError, match=f"^{option} must be") as e:
@@ -83,3 +86,95 @@ def test_stop_strings_cut_across_pieces_and_hold_back_prefixes():
     assert stops.push("abcE") == ("abc", False)  # "E" might start "END": held back
     assert stops.push("x") == ("Ex", False)
     assert stops.flush() == ""
+
+
+def test_a_seed_of_numpys_integers_is_an_integer_and_tiny_temperatures_are_greedy():
+    import numpy as np
+
+    assert SamplingParams(temperature=1.0, seed=np.int64(3)).seed == 3
+    assert SamplingParams(temperature=1e-300).temperature == 0.0  # below GREEDY_BELOW: greedy, not an overflow
+
+
+@pytest.fixture(scope="module")
+def smollm2(smollm2_path):
+    import ntio
+
+    with ntio.load(smollm2_path, max_context=256) as m:
+        yield m
+
+
+def test_a_stream_overtaken_by_a_later_one_is_refused_not_mixed(smollm2):
+    """Streams share the model's KV cache: an earlier stream, once a later generate has run, raises instead of
+    continuing from the other prompt's cache; the later one gets the answer a fresh start gives."""
+    from ntio.errors import NtioError
+
+    m = smollm2
+    want = m.generate("The capital of France is", max_new_tokens=6).token_ids
+    first = iter(m.stream("Once upon a time", max_new_tokens=12))
+    next(first)
+    assert m.generate("The capital of France is", max_new_tokens=6).token_ids == want
+    with pytest.raises(NtioError, match="overtaken by a later generate"):
+        next(first)
+    started = iter(m.stream("Once upon a time", max_new_tokens=12))
+    next(started)
+    m.perplexity("Some text to score, which writes over the cache.", ctx=32)
+    with pytest.raises(NtioError, match="overtaken"):
+        list(started)
+
+
+def test_two_threads_on_one_model_get_one_answer_and_one_error(smollm2):
+    import threading
+
+    from ntio.errors import NtioError
+
+    m = smollm2
+    want = m.generate("The capital of France is", max_new_tokens=12).token_ids
+    results: list = [None, None]
+
+    def run(i: int) -> None:
+        try:
+            results[i] = m.generate("The capital of France is", max_new_tokens=12).token_ids
+        except NtioError as e:
+            results[i] = e
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    answers = [r for r in results if isinstance(r, list)]
+    assert answers and all(a == want for a in answers), results  # never a mix of the two
+    assert all(isinstance(r, list) or "overtaken" in str(r) for r in results), results
+
+
+@pytest.mark.parametrize("kwargs, needle", [
+    ({"prompt": b"hello"}, "text or a sequence of token ids"),
+    ({"prompt": [1.7, 2.2]}, "must be integers"),
+    ({"prompt": torch.tensor([[1, 2]])}, "must be integers"),
+    ({"prompt": "Hi", "max_new_tokens": 2.0}, "max_new_tokens must be an integer"),
+    ({"prompt": "Hi", "stop": [1]}, "stop must be a string or a sequence of strings"),
+])
+def test_arguments_of_the_wrong_kind_are_ntio_errors(smollm2, kwargs, needle):
+    from ntio.errors import NtioError
+
+    with pytest.raises(NtioError, match=needle):
+        smollm2.generate(**kwargs)
+
+
+def test_a_stop_string_is_one_string_and_an_empty_system_message_is_sent(smollm2):
+    m = smollm2
+    whole = m.generate("The capital of France is", max_new_tokens=8).text
+    cut = m.generate("The capital of France is", max_new_tokens=8, stop="Paris")
+    assert cut.finish_reason == "stop" and cut.text == whole[: whole.index("Paris")], (whole, cut.text)
+    assert m.encode_prompt("Hi", chat=True, system="") != m.encode_prompt("Hi", chat=True)  # not the default one
+
+
+def test_a_closed_model_refuses_to_generate(smollm2_path):
+    import ntio
+    from ntio.errors import NtioError
+
+    m = ntio.load(smollm2_path, max_context=64, tiers="C")
+    m.close()
+    for call in (lambda: m.generate("Hi", max_new_tokens=2), lambda: m.perplexity("Hello there, world")):
+        with pytest.raises(NtioError, match="the model is closed"):
+            call()

@@ -10,20 +10,23 @@
 from __future__ import annotations
 
 import math
+import numbers
 import os
+import threading
 import time
 from collections.abc import Iterator, Sequence
 import logging
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from ntio.models.config import ModelConfig
 from ntio.runtime.budget import DEFAULT_CONTEXT, MemoryPlan, plan_memory, resident_plan
 from ntio.runtime.engine import Engine
 from ntio.runtime.kv_cache import KVCache
-from ntio.errors import ContextOverflowError, NtioError, OptionError
+from ntio.errors import ContextOverflowError, NtioError, OptionError, integer_option
 from ntio.fetch import resolve_model
 from ntio.kernels.cpu_kernels import KernelChoice
 from ntio.decoding.generation import Sampler, SamplingParams, generate_ids
@@ -116,6 +119,9 @@ class LLM:
         self_draft: str | os.PathLike[str] | None = None,
         exit_layer: int | None = None,
     ) -> None:
+        # One generation (or perplexity) at a time: they share the KV cache. Each stream is numbered; a later one
+        # makes it stale, and a step holds `_step_lock`, so that two threads are refused or serialized, not mixed.
+        self._generation, self._step_lock, self._closed = 0, threading.Lock(), False
         kernels = KernelChoice.from_env(cpu_activations)
         # What a companion (`companion`) runs with unless told otherwise: where and how this model computes.
         self._companion_options = dict(device=device, kv_dtype=kv_dtype, threads=threads, io_backend=io_backend,
@@ -215,7 +221,9 @@ class LLM:
         self.loader.policy = policy
 
     def close(self) -> None:
-        """Drain in-flight reads and release staging memory (also done when the object is collected)."""
+        """Drain in-flight reads and release staging memory (also done when the object is collected); the model
+        then refuses to generate."""
+        self._closed = True
         self.loader.close()
         if self.draft is not None:
             self.draft.close()
@@ -230,19 +238,30 @@ class LLM:
 
     def encode_prompt(self, prompt: str | Sequence[int], *, chat: bool = False, system: str | None = None) -> list[int]:
         """Token ids for a prompt: ids pass through; with chat=True text is wrapped in the model's chat template."""
+        if isinstance(prompt, bytes | bytearray) or not isinstance(prompt, str | Sequence | torch.Tensor | np.ndarray):
+            raise NtioError(f"the prompt must be text or a sequence of token ids, got {type(prompt).__name__}")
         if not isinstance(prompt, str):
-            ids = [int(t) for t in prompt]
+            ids = []
+            for t in prompt:
+                if isinstance(t, bool) or not (isinstance(t, numbers.Integral) or isinstance(t, torch.Tensor)
+                                               and t.dim() == 0 and not t.is_floating_point()):
+                    raise NtioError(f"prompt token ids must be integers in a 1-D sequence, got {t!r:.60}")
+                ids.append(integer_option("prompt", t))
             bad = [t for t in ids if not 0 <= t < self.config.vocab_size]
             if bad:
                 raise NtioError(f"prompt token id {bad[0]} is outside the vocabulary (0..{self.config.vocab_size - 1})")
             return ids
         if chat:
-            messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
+            messages = ([{"role": "system", "content": system}] if system is not None else []) + [
+                {"role": "user", "content": prompt}]
             return self.encode_messages(messages)
         return self.tokenizer.encode(prompt)
 
     def encode_messages(self, messages: Sequence[dict[str, str]]) -> list[int]:
         """Token ids of a conversation rendered with the model's chat template, ready for the assistant's turn."""
+        for i, m in enumerate(messages):
+            if not isinstance(m, dict) or not isinstance(m.get("content"), str):
+                raise NtioError(f"messages[{i}] must be a dict whose content is a string, got {m!r:.80}")
         return self.tokenizer.encode(self.tokenizer.render_chat(list(messages)), add_bos=False, special=True)
 
     # -- generation ------------------------------------------------------------------------------------------
@@ -274,13 +293,19 @@ class LLM:
         drafts). Each pass drafts as deep, and takes as many extra leaves, as its measured cost and the sources'
         acceptance make worthwhile (adaptive_draft=False: always draft_tokens deep, every extra leaf). Greedy output
         is the same as without drafts; sampled output has the same distribution."""
+        self._check_open()
         params = SamplingParams(temperature, top_k, top_p, repetition_penalty, seed)
+        max_new_tokens, draft_tokens, branches = (integer_option(name, value) for name, value in (
+            ("max_new_tokens", max_new_tokens), ("draft_tokens", draft_tokens), ("branches", branches)))
         if max_new_tokens < 1:
             raise OptionError("max_new_tokens", f"must be >= 1, got {max_new_tokens}")
         if draft_tokens < 1:
             raise OptionError("draft_tokens", f"must be >= 1, got {draft_tokens}")
         if branches < 0:
             raise OptionError("branches", f"must be >= 0, got {branches}")
+        stop = (stop,) if isinstance(stop, str) else tuple(stop if stop is not None else ())
+        if not all(isinstance(s, str) for s in stop):
+            raise OptionError("stop", f"must be a string or a sequence of strings, got {stop!r}")
         model = DraftModel(self.draft.engine) if self.draft is not None else self.self_draft
         drafters = Drafters(PromptLookup() if lookup else None, model if use_draft else None,
                             self._draft_length if adaptive_draft else DraftLength(fixed=True), branches)
@@ -297,8 +322,9 @@ class LLM:
                 f"the prompt has {len(prompt_ids)} tokens and the context holds {self.engine.kv.capacity}{fitted}: "
                 f"generating takes at least {len(prompt_ids) + 1} (model context_length {self.config.context_length})"
             )
-        return TokenStream(self._generate(prompt_ids, max_new_tokens, Sampler(params, self.device), tuple(stop),
-                                          drafters, draft_tokens))
+        self._generation += 1
+        return TokenStream(self._generate(prompt_ids, max_new_tokens, Sampler(params, self.device), stop, drafters,
+                                          draft_tokens, self._generation))
 
     def generate(self, prompt: str | Sequence[int], max_new_tokens: int = 128, **kwargs) -> Completion:
         """Generate and return the whole completion. Keyword arguments as for `stream`."""
@@ -308,9 +334,25 @@ class LLM:
         assert stream.completion is not None
         return stream.completion
 
+    def _check_open(self) -> None:
+        if self._closed:
+            raise NtioError(f"{self.path.name}: the model is closed")
+
+    def _exclusive(self, steps: Iterator[int], generation: int) -> Iterator[int]:
+        """`steps` (each one a forward pass) taken while `generation` is the model's latest, one thread at a time."""
+        while True:
+            with self._step_lock:
+                if self._generation != generation or self._closed:
+                    raise NtioError("this stream was overtaken by a later generate, stream or perplexity on the same "
+                                    "model, or the model was closed (they share its KV cache)")
+                token = next(steps, None)
+            if token is None:
+                return
+            yield token
+
     def _generate(
         self, prompt_ids: list[int], max_new_tokens: int, sampler: Sampler, stop: tuple[str, ...], drafters: Drafters,
-        draft_tokens: int,
+        draft_tokens: int, generation: int,
     ) -> Iterator[str]:
         # Reuse the longest cached prefix, but always recompute at least the last prompt token for its logits.
         reuse = self.engine.kv.reusable_prefix(prompt_ids, limit=len(prompt_ids) - 1)
@@ -325,7 +367,7 @@ class LLM:
         text, generated, finish, hit = "", [], "length", False
         t0 = time.perf_counter()
         t_first = t0
-        for token in ids:
+        for token in self._exclusive(ids, generation):
             if not generated:
                 t_first = time.perf_counter()
             generated.append(token)
@@ -367,6 +409,10 @@ class LLM:
         The text is tokenized as one string without special tokens (BOS only if the model's metadata asks for
         it); every token of a window except its first is scored, given the tokens before it in that window.
         """
+        self._check_open()
+        if not isinstance(text, str):
+            raise NtioError(f"perplexity takes text, got {type(text).__name__}")
+        ctx = integer_option("ctx", ctx)
         if ctx < 2:
             raise OptionError("ctx", f"must be >= 2, got {ctx}")
         if ctx > self.engine.kv.capacity:
@@ -375,12 +421,14 @@ class LLM:
         if ids.numel() < 2:
             raise NtioError(f"the text has {ids.numel()} token(s); perplexity needs at least 2")
         total_nll, count = 0.0, 0
-        for start in range(0, ids.numel(), ctx):
-            window = ids[start : start + ctx]
-            if window.numel() < 2:
-                break
-            total_nll += float(self.engine.nll(window, 0).sum())
-            count += window.numel() - 1
+        with self._step_lock:  # it writes over the KV cache: a stream before it is stale
+            self._generation += 1
+            for start in range(0, ids.numel(), ctx):
+                window = ids[start : start + ctx]
+                if window.numel() < 2:
+                    break
+                total_nll += float(self.engine.nll(window, 0).sum())
+                count += window.numel() - 1
         return Perplexity(perplexity=math.exp(total_nll / count), n_tokens=count, ctx=ctx)
 
 

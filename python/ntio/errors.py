@@ -7,6 +7,9 @@ file, tensor, key, offset or option at fault. Anything else escaping is a bug in
 
 from __future__ import annotations
 
+import operator
+import numbers
+
 
 class NtioError(Exception):
     """A problem with the user's input, reported as one line."""
@@ -36,6 +39,23 @@ class OptionError(NtioError):
         super().__init__(f"{option} {problem}")
         self.option = option
         self.problem = problem
+
+
+def integer_option(option: str, value: object) -> int:
+    """`value` as an int (numpy's integers too), or an OptionError naming `option`: not a float, bool or string."""
+    try:
+        if isinstance(value, bool):
+            raise TypeError
+        return operator.index(value)  # type: ignore[arg-type]
+    except TypeError:
+        raise OptionError(option, f"must be an integer, got {value!r}") from None
+
+
+def number_option(option: str, value: object) -> float:
+    """`value` as a float (any real number but a bool), or an OptionError naming `option`."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise OptionError(option, f"must be a number, got {value!r}")
+    return float(value)
 
 
 def read_error(e: OSError) -> NtioError:

@@ -13,7 +13,7 @@ import numpy as np
 import torch
 
 from ntio.runtime.engine import Engine
-from ntio.errors import OptionError
+from ntio.errors import OptionError, integer_option, number_option
 
 
 # Seeds a torch generator takes: a signed or an unsigned 64-bit integer.
@@ -35,6 +35,11 @@ class SamplingParams:
     seed: int | None = None
 
     def __post_init__(self) -> None:
+        for name in ("temperature", "top_p", "repetition_penalty"):
+            object.__setattr__(self, name, number_option(name, getattr(self, name)))
+        object.__setattr__(self, "top_k", integer_option("top_k", self.top_k))
+        if self.seed is not None:
+            object.__setattr__(self, "seed", integer_option("seed", self.seed))
         if not self.temperature >= 0 or self.temperature == float("inf"):
             raise OptionError("temperature", f"must be finite and >= 0, got {self.temperature}")
         if self.temperature < GREEDY_BELOW:
