@@ -39,9 +39,7 @@ impl Faults {
     /// The faults named by `NTIO_INJECT_FAULTS`; none when it is unset or empty.
     pub fn from_env() -> Result<Self> {
         match std::env::var(FAULTS_ENV) {
-            Ok(spec) => {
-                Self::parse(&spec).map_err(|e| Error::InvalidArgument(format!("{FAULTS_ENV}: {e}")))
-            }
+            Ok(spec) => Self::parse(&spec),
             Err(_) => Ok(Self::default()),
         }
     }
