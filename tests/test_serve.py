@@ -263,7 +263,16 @@ def test_full_server_refuses_and_a_disconnect_frees_the_slot():
 
 
 def test_api_key():
-    with _server("--parallel", "1", "--ctx-size", "512", "--api-key", "s3cret") as (url, _):
+    origin = "http://localhost:3000"
+    with _server("--parallel", "1", "--ctx-size", "512", "--api-key", "s3cret", "--cors-origin", origin) as (url, _):
+        # A browser's preflight (sent without the key) is answered for the origin given, and only for it.
+        preflight = {"Access-Control-Request-Method": "POST", "Access-Control-Request-Headers": "authorization"}
+        allowed = httpx.options(f"{url}/v1/chat/completions", headers={"Origin": origin, **preflight})
+        assert allowed.status_code == 200 and allowed.headers["access-control-allow-origin"] == origin
+        other = httpx.options(f"{url}/v1/chat/completions", headers={"Origin": "http://evil.example", **preflight})
+        assert "access-control-allow-origin" not in other.headers
+        with_origin = httpx.get(f"{url}/v1/models", headers={"Authorization": "Bearer s3cret", "Origin": origin})
+        assert with_origin.headers["access-control-allow-origin"] == origin
         _error(httpx.get(f"{url}/v1/models"), 401)
         _error(httpx.get(f"{url}/v1/models", headers={"Authorization": "Bearer wrong"}), 401)
         assert httpx.get(f"{url}/v1/models", headers={"Authorization": "Bearer s3cret"}).status_code == 200

@@ -416,6 +416,9 @@ def generate(prompt, max_new_tokens, chat, system, temperature, top_k, top_p, re
               help="Requests that may wait for a slot; more get 429")
 @click.option("--api-key", envvar="NTIO_API_KEY", help="Require this bearer token on /v1/ (env NTIO_API_KEY)")
 @click.option("--model-id", help="The model's name in the API (default: the name or file name given to -m)")
+@click.option("--cors-origin", "cors_origins", multiple=True, metavar="ORIGIN",
+              help="Let web pages from this origin (e.g. http://localhost:3000, or * for any) call the API from a "
+                   "browser (repeatable; default: none)")
 @click.option("--lookup", is_flag=True,
               help="Speculative decoding by prompt lookup: each request's n-gram matches in its context are drafted "
                    "and verified in the shared pass")
@@ -435,7 +438,7 @@ def generate(prompt, max_new_tokens, chat, system, temperature, top_k, top_p, re
 @click.option("--fixed-draft", is_flag=True,
               help="Always draft as deep as --draft-tokens, with every extra leaf, as the pass's rows allow "
                    "(default: as deep and wide as the measured costs and acceptance make worthwhile)")
-def serve(host, port, parallel, max_queue, api_key, model_id, lookup, draft, self_draft, exit_layer, draft_tokens,
+def serve(host, port, parallel, max_queue, api_key, model_id, cors_origins, lookup, draft, self_draft, exit_layer, draft_tokens,
           branches, fixed_draft, **opts) -> None:
     """Serve the model over an OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions, /v1/models,
     /health, /metrics), answering up to --parallel requests in shared passes."""
@@ -461,7 +464,7 @@ def serve(host, port, parallel, max_queue, api_key, model_id, lookup, draft, sel
                                       f"{m.engine.kv.capacity}-token context: raise --ctx-size or lower --parallel")
     scheduler = Scheduler(m, parallel, max_queue, slot_context, PromptLookup() if lookup else None, draft_tokens,
                           fixed_draft, branches)
-    app = create_app(m, scheduler, name, api_key)
+    app = create_app(m, scheduler, name, api_key, cors_origins=cors_origins)
     port = listening.getsockname()[1]  # (the one the system chose for --port 0)
     click.echo(f"ntio: serving {name} on http://{host}:{port}/v1 ({parallel} requests at once, {slot_context} "
                f"tokens each)", err=True)

@@ -6,7 +6,8 @@ shape with a one-line message: 400 (bad JSON, a parameter of the wrong type or o
 beyond the context), 401 (with --api-key: a missing or wrong bearer token), 404 (an unknown model or route), 413 (a
 body over the limit), 429 (`parallel` requests active and `max_queue` waiting). A client that disconnects frees its
 slot at the next step. SIGTERM (uvicorn's graceful shutdown) stops taking connections, lets the requests in flight
-finish, then stops the engine thread; the process exits 0.
+finish, then stops the engine thread; the process exits 0. With `cors_origins`, web pages of those origins may call
+the API from a browser (CORS; preflights are answered before the key is checked, as browsers send them without it).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import FastAPI, Request as HTTPRequest
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, PlainTextResponse, Response as HTTPResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -36,7 +38,7 @@ def _error(e: APIError) -> JSONResponse:
 
 
 def create_app(llm, scheduler: Scheduler, model_id: str, api_key: str | None = None,
-               max_body: int = MAX_BODY_BYTES) -> FastAPI:
+               max_body: int = MAX_BODY_BYTES, cors_origins: tuple[str, ...] = ()) -> FastAPI:
     """The FastAPI app serving `llm` as `model_id` through `scheduler` (started and drained by the app's lifespan)."""
 
     @contextlib.asynccontextmanager
@@ -56,6 +58,9 @@ def create_app(llm, scheduler: Scheduler, model_id: str, api_key: str | None = N
 
     if api_key is not None:
         app.add_middleware(_BearerKey, key=api_key)
+    if cors_origins:  # added last: the outermost, so that it answers a preflight before the key is asked for
+        app.add_middleware(CORSMiddleware, allow_origins=list(cors_origins), allow_methods=["GET", "POST"],
+                           allow_headers=["Authorization", "Content-Type"])
 
     @app.get("/health")
     async def health() -> dict[str, str]:
