@@ -438,8 +438,8 @@ def generate(prompt, max_new_tokens, chat, system, temperature, top_k, top_p, re
 @click.option("--fixed-draft", is_flag=True,
               help="Always draft as deep as --draft-tokens, with every extra leaf, as the pass's rows allow "
                    "(default: as deep and wide as the measured costs and acceptance make worthwhile)")
-def serve(host, port, parallel, max_queue, api_key, model_id, cors_origins, lookup, draft, self_draft, exit_layer, draft_tokens,
-          branches, fixed_draft, **opts) -> None:
+def serve(host, port, parallel, max_queue, api_key, model_id, cors_origins, lookup, draft, self_draft, exit_layer,
+          draft_tokens, branches, fixed_draft, **opts) -> None:
     """Serve the model over an OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions, /v1/models,
     /health, /metrics), answering up to --parallel requests in shared passes."""
     try:
