@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import math
+import numbers
 import os
 import threading
 import time
@@ -31,7 +32,7 @@ from ntio.kernels.cpu_kernels import KernelChoice
 from ntio.decoding.generation import Sampler, SamplingParams, generate_ids
 from ntio.decoding.self_draft import Calibration, SelfDraft, default_exit_layer, fingerprint
 from ntio.decoding.speculative import DraftLength, Drafters, DraftModel, PromptLookup, SpeculationStats, speculative_ids
-from ntio.formats.model_file import ModelFile, open_model_file
+from ntio.formats.model_file import open_model_file
 from ntio.text.tokenizer import Tokenizer
 from ntio.runtime.loader import LayerLoader, ProgressCallback
 from ntio.policies.base import LoadPolicy, overrides
@@ -141,17 +142,16 @@ class LLM:
         shared = tokenizer is not None and tokenizer.serves(self.file)
         self.tokenizer = tokenizer if shared else Tokenizer.from_gguf(self.file)
         layout = WeightLayout(self.file, self.config)
-        self.device = compute_device(device)
+        self.device = torch.device(device)
         cuda = self.device.type == "cuda"
         # A draft model (of this model's vocabulary: checked first, its tokens must mean the same text) is planned
         # first, wholly resident with a KV cache as long as the target's, and its bytes come out of the target's
         # budget.
-        draft_file = None if draft is None else open_model_file(resolve_model(draft))
-        if draft_file is not None and not self.tokenizer.serves(draft_file):
-            raise NtioError(f"draft model {draft_file.path} has a different vocabulary from {self.path}: its tokens "
-                            f"would mean other text (use a draft of the same model family)")
-        self.draft_memory = None if draft_file is None else draft_plan(
-            draft_file, cuda=cuda, kv_dtype=KV_DTYPES[kv_dtype],
+        if draft is not None and not self.tokenizer.serves(open_model_file(resolve_model(draft))):
+            raise NtioError(f"draft model {resolve_model(draft)} has a different vocabulary from {self.path}: its "
+                            f"tokens would mean other text (use a draft of the same model family)")
+        self.draft_memory = None if draft is None else draft_plan(
+            resolve_model(draft), cuda=cuda, kv_dtype=KV_DTYPES[kv_dtype],
             capacity=max_context or min(self.config.context_length, DEFAULT_CONTEXT), kernels=kernels)
         reserved = 0 if self.draft_memory is None else self.draft_memory.report()["total"]
         self.memory = plan_memory(layout, cuda=cuda, kv_dtype=KV_DTYPES[kv_dtype],
@@ -241,10 +241,12 @@ class LLM:
         if isinstance(prompt, bytes | bytearray) or not isinstance(prompt, str | Sequence | torch.Tensor | np.ndarray):
             raise NtioError(f"the prompt must be text or a sequence of token ids, got {type(prompt).__name__}")
         if not isinstance(prompt, str):
-            try:  # (a float, a string, a bool or a row of a 2-D array is not an index)
-                ids = [integer_option("prompt", t) for t in prompt]
-            except OptionError as e:
-                raise NtioError(f"prompt token ids must be integers in a 1-D sequence: {e.problem:.80}") from None
+            ids = []
+            for t in prompt:
+                if isinstance(t, bool) or not (isinstance(t, numbers.Integral) or isinstance(t, torch.Tensor)
+                                               and t.dim() == 0 and not t.is_floating_point()):
+                    raise NtioError(f"prompt token ids must be integers in a 1-D sequence, got {t!r:.60}")
+                ids.append(integer_option("prompt", t))
             bad = [t for t in ids if not 0 <= t < self.config.vocab_size]
             if bad:
                 raise NtioError(f"prompt token id {bad[0]} is outside the vocabulary (0..{self.config.vocab_size - 1})")
@@ -453,28 +455,15 @@ class StopStrings:
         return out
 
 
-def compute_device(device: str | torch.device) -> torch.device:
-    """`device` as torch names it, or an OptionError: a name torch does not know, CUDA absent, a GPU index past
-    the machine's."""
-    try:
-        d = torch.device(device)
-    except (RuntimeError, TypeError):
-        raise OptionError("device", f"{device!r} is not cpu, cuda or cuda:N") from None
-    if d.type == "cuda" and not torch.cuda.is_available():
-        raise OptionError("device", f"{device}: CUDA is not available here")
-    if d.type == "cuda" and (d.index or 0) >= torch.cuda.device_count():
-        raise OptionError("device", f"{device}: this machine has {torch.cuda.device_count()} CUDA device(s)")
-    return d
-
-
-def draft_plan(g: ModelFile, *, cuda: bool, kv_dtype: torch.dtype, capacity: int,
+def draft_plan(path: Path, *, cuda: bool, kv_dtype: torch.dtype, capacity: int,
                kernels: KernelChoice) -> MemoryPlan:
-    """A draft model's memory (`g`, its opened file) beside its target: wholly resident, with a KV cache of the
-    target's `capacity`, running the target's CPU `kernels`."""
+    """A draft model's memory beside its target: wholly resident, with a KV cache of the target's `capacity`, running
+    the target's CPU `kernels`."""
+    g = open_model_file(path)
     cfg = ModelConfig.from_gguf(g)
     if capacity > cfg.context_length:
         raise OptionError("max_context", f"{capacity} (the context) is more than the {cfg.context_length} tokens of "
-                                         f"draft model {g.path}: give max_context {cfg.context_length} or less")
+                                         f"draft model {path}: give max_context {cfg.context_length} or less")
     return resident_plan(WeightLayout(g, cfg), cuda=cuda, kv_dtype=kv_dtype, capacity=capacity, kernels=kernels)
 
 

@@ -84,6 +84,18 @@ def _device(ctx: click.Context, param: click.Parameter, value: str) -> str:
     return value
 
 
+def _check_device(device: str) -> None:
+    """That a CUDA --device is there (after `import torch`, which the callback above avoids)."""
+    import torch
+
+    if device.startswith("cuda"):
+        if not torch.cuda.is_available():
+            raise NtioError(f"--device {device}: CUDA is not available here")
+        index = int(device.partition(":")[2] or 0)
+        if index >= torch.cuda.device_count():
+            raise NtioError(f"--device {device}: this machine has {torch.cuda.device_count()} CUDA device(s)")
+
+
 def _plan_options(f):
     """Options that decide where a model's parts live and what memory they take: every command that loads a model
     and `plan` take them."""
@@ -139,6 +151,7 @@ def _load(model, ctx_size, kv_dtype, threads, device, tiers, gpu_memory_budget, 
     model = resolve_model(model)
     from ntio.api import load
 
+    _check_device(device)
     from rich.console import Console
     from rich.progress import Progress
 
@@ -777,7 +790,7 @@ def plan(model, ctx_size, ram_budget, gpu_memory_budget, tiers, device, kv_dtype
          sync, cpu_activations, draft, as_json) -> None:
     """Where MODEL's parts would live within the memory budgets, what each costs, the minimum, and the bytes read per
     token; nothing is loaded."""
-    from ntio.api import KV_DTYPES, compute_device, draft_plan
+    from ntio.api import KV_DTYPES, draft_plan
     from ntio.runtime.budget import DEFAULT_CONTEXT
     from ntio.fetch import resolve_model
     from ntio.formats.model_file import open_model_file
@@ -789,11 +802,12 @@ def plan(model, ctx_size, ram_budget, gpu_memory_budget, tiers, device, kv_dtype
 
     g = open_model_file(resolve_model(model))
     cfg = ModelConfig.from_gguf(g)
-    cuda = compute_device(device).type == "cuda"
+    _check_device(device)
+    cuda = device.startswith("cuda")
     kernels = KernelChoice.from_env(cpu_activations)
-    beside = None if draft is None else draft_plan(
-        open_model_file(resolve_model(draft)), cuda=cuda, kv_dtype=KV_DTYPES[kv_dtype],
-        capacity=ctx_size or min(cfg.context_length, DEFAULT_CONTEXT), kernels=kernels)
+    beside = None if draft is None else draft_plan(resolve_model(draft), cuda=cuda, kv_dtype=KV_DTYPES[kv_dtype],
+                                                   capacity=ctx_size or min(cfg.context_length, DEFAULT_CONTEXT),
+                                                   kernels=kernels)
     memory = plan_memory(WeightLayout(g, cfg), cuda=cuda, kv_dtype=KV_DTYPES[kv_dtype], max_context=ctx_size,
                          tiers=tiers, gpu_memory_budget=gpu_memory_budget, ram_budget=ram_budget,
                          group_size=layer_group_size, prefetch_depth=prefetch_depth, sync=sync,

@@ -18,8 +18,8 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from ntio.decoding.generation import SamplingParams
-from ntio.errors import NtioError, OptionError
+from ntio.decoding.generation import SEEDS, SamplingParams
+from ntio.errors import NtioError
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 
@@ -51,7 +51,7 @@ def _number(body: dict, name: str, default: float, low: float, high: float, *, l
     return float(value)
 
 
-def _integer(body: dict, name: str, minimum: int) -> int | None:
+def _integer(body: dict, name: str, minimum: int, maximum: int | None = None) -> int | None:
     value = body.get(name)
     if value is None:
         return None
@@ -59,6 +59,8 @@ def _integer(body: dict, name: str, minimum: int) -> int | None:
         raise _bad(name, f"must be an integer, got {type(value).__name__}")
     if value < minimum:
         raise _bad(name, f"must be at least {minimum}, got {value}")
+    if maximum is not None and value > maximum:
+        raise _bad(name, f"must be at most {maximum}, got {value}")
     return value
 
 
@@ -157,9 +159,9 @@ def parse(body: Any, llm, *, chat: bool, model_id: str, context: int) -> Parsed:
     try:
         sampling = SamplingParams(temperature=_number(body, "temperature", 1.0, 0.0, 2.0),
                                   top_p=_number(body, "top_p", 1.0, 0.0, 1.0, low_open=True),
-                                  seed=_integer(body, "seed", -(2**63)))
-    except OptionError as e:  # the ranges SamplingParams owns beyond the checks above (a seed past 2^64 - 1)
-        raise _bad(e.option, e.problem) from None
+                                  seed=_integer(body, "seed", SEEDS.start, SEEDS.stop - 1))
+    except NtioError as e:  # not reached with the checks above; keeps the shape if SamplingParams tightens
+        raise APIError(400, str(e)) from None
     return Parsed(chat, prompt_ids, max_tokens, sampling, _stop(body), stream, include_usage)
 
 
